@@ -1,0 +1,205 @@
+"""What a parallel layout request is: model dimensions plus NxD parallel flags, validated up front.
+
+Every impossible combination is rejected here, before any tensor is touched, with a one-line
+``LayoutError`` that names the flag and what to change.  The rest of the layout engine may then assume
+that every division it does is exact.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from ckpt.errors import LayoutError
+
+Hardware = Literal["trn1", "trn2"]
+
+#: HF ``model_type`` values whose state-dict names and shapes the ``nxd-llama`` rule set covers.
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+
+
+@dataclass(frozen=True)
+class ModelDims:
+    """The few numbers of a decoder-only model that decide every tensor's shape and split."""
+
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    layers: int
+    vocab: int
+    intermediate: int
+    model_type: str = "llama"
+    tie_word_embeddings: bool = False
+
+    @classmethod
+    def from_hf_config(cls, config: Mapping[str, Any]) -> ModelDims:
+        """Read dims from a Hugging Face ``config.json`` dict.
+
+        ``head_dim`` is taken from the config when present (Mistral-Nemo, Qwen3 style models set it
+        independently of ``hidden_size``); otherwise it is ``hidden_size // num_attention_heads``.
+        """
+        try:
+            heads = int(config["num_attention_heads"])
+            hidden = int(config["hidden_size"])
+            dims = cls(
+                hidden=hidden,
+                heads=heads,
+                kv_heads=int(config.get("num_key_value_heads") or heads),
+                head_dim=int(config.get("head_dim") or hidden // heads),
+                layers=int(config["num_hidden_layers"]),
+                vocab=int(config["vocab_size"]),
+                intermediate=int(config["intermediate_size"]),
+                model_type=str(config.get("model_type", "llama")),
+                tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+            )
+        except KeyError as e:
+            raise LayoutError(f"config.json lacks {e.args[0]!r}, needed to plan the layout") from None
+        return dims
+
+    @property
+    def q_rows(self) -> int:
+        return self.heads * self.head_dim
+
+    @property
+    def kv_rows(self) -> int:
+        return self.kv_heads * self.head_dim
+
+
+@dataclass(frozen=True)
+class LayoutSpec:
+    """An NxD parallel layout of one model.
+
+    ``kv_size_multiplier`` is NxD's ``kv_shared_group_size``: how many TP ranks hold a copy of each KV head.
+    ``qkv_linear`` selects NxD's ``GQAQKVColumnParallelLinear`` (names ``qkv_proj.weight_q|k|v``);
+    ``fuse_qkv`` stores one ``weight_qkv`` per rank (or, for MHA without ``qkv_linear``, the stride-3
+    ``qkv_proj.weight``).  ``hw`` decides how KV copies are laid over ranks (see ``gqa.py``).
+    """
+
+    model: ModelDims
+    tp: int = 1
+    pp: int = 1
+    virtual_pp: int = 1
+    dp: int = 1
+    kv_size_multiplier: int = 1
+    hw: Hardware = "trn1"
+    fuse_qkv: bool = False
+    qkv_linear: bool = False
+
+    def __post_init__(self) -> None:
+        validate(self)
+
+    @classmethod
+    def from_hf_config(cls, config: Mapping[str, Any], **flags: Any) -> LayoutSpec:
+        """Build a spec from an HF config dict and the parallel flags (``tp=``, ``pp=``, ...)."""
+        return cls(model=ModelDims.from_hf_config(config), **flags)
+
+    @property
+    def num_stages(self) -> int:
+        return self.pp * self.virtual_pp
+
+    @property
+    def kv_slots(self) -> int:
+        """Number of KV head slots over all TP ranks after replication."""
+        return self.model.kv_heads * self.kv_size_multiplier
+
+    @property
+    def ranks(self) -> tuple[tuple[int, int], ...]:
+        """All ``(tp, pp)`` ranks, TP-major like NxD's file naming loop."""
+        return tuple((t, p) for t in range(self.tp) for p in range(self.pp))
+
+
+def _positive(name: str, value: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise LayoutError(f"{name} {value!r} must be a positive integer")
+
+
+def validate(spec: LayoutSpec) -> None:
+    """Raise ``LayoutError`` for a spec NxD cannot run (or that we cannot map without loss)."""
+    m = spec.model
+    for flag, value in (
+        ("--tp", spec.tp),
+        ("--pp", spec.pp),
+        ("--virtual-pp", spec.virtual_pp),
+        ("--dp", spec.dp),
+        ("--kv-size-multiplier", spec.kv_size_multiplier),
+    ):
+        _positive(flag, value)
+    for field, value in (
+        ("hidden_size", m.hidden),
+        ("num_attention_heads", m.heads),
+        ("num_key_value_heads", m.kv_heads),
+        ("head_dim", m.head_dim),
+        ("num_hidden_layers", m.layers),
+        ("vocab_size", m.vocab),
+        ("intermediate_size", m.intermediate),
+    ):
+        _positive(f"config {field}", value)
+    if m.model_type not in SUPPORTED_MODEL_TYPES:
+        raise LayoutError(
+            f"config model_type {m.model_type!r} is not covered by rule set nxd-llama "
+            f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
+        )
+    if spec.hw not in ("trn1", "trn2"):
+        raise LayoutError(f"--hw {spec.hw!r} must be trn1 or trn2")
+    if m.heads % m.kv_heads:
+        raise LayoutError(
+            f"config num_attention_heads={m.heads} is not a multiple of num_key_value_heads={m.kv_heads}"
+        )
+    tp, mult = spec.tp, spec.kv_size_multiplier
+    if m.vocab % tp:
+        raise LayoutError(
+            f"--tp {tp} does not divide vocab_size={m.vocab}; pad the vocabulary or change --tp"
+        )
+    if m.intermediate % tp:
+        raise LayoutError(f"--tp {tp} does not divide intermediate_size={m.intermediate}; change --tp")
+    if m.heads % tp:
+        raise LayoutError(f"--tp {tp} does not divide num_attention_heads={m.heads}; change --tp")
+    if not spec.qkv_linear:
+        if mult != 1:
+            raise LayoutError(
+                f"--kv-size-multiplier {mult} needs --qkv-linear (KV replication lives in qkv_proj)"
+            )
+        if m.kv_heads % tp:
+            raise LayoutError(
+                f"--tp {tp} does not divide num_key_value_heads={m.kv_heads}; "
+                f"use --qkv-linear with --kv-size-multiplier {_suggest_mult(m.kv_heads, tp)}"
+            )
+        if spec.fuse_qkv and m.heads != m.kv_heads:
+            raise LayoutError(
+                "--fuse-qkv with GQA (num_key_value_heads < num_attention_heads) needs --qkv-linear"
+            )
+    else:
+        if spec.kv_slots % tp:
+            raise LayoutError(
+                f"--tp {tp} does not divide num_key_value_heads*kv_size_multiplier={spec.kv_slots}; "
+                f"use --kv-size-multiplier {_suggest_mult(m.kv_heads, tp)} or change --tp"
+            )
+        if tp % mult:
+            raise LayoutError(f"--kv-size-multiplier {mult} does not divide --tp {tp} (NxD requires it)")
+        group = m.heads // m.kv_heads
+        if group % mult:
+            raise LayoutError(
+                f"--kv-size-multiplier {mult} does not divide num_attention_heads/num_key_value_heads={group}; "
+                "each KV copy needs a whole share of its query heads"
+            )
+        if spec.hw == "trn2" and mult > 1 and spec.kv_slots != tp:
+            raise LayoutError(
+                f"--hw trn2 with --kv-size-multiplier {mult} needs num_key_value_heads*kv_size_multiplier="
+                f"{spec.kv_slots} == --tp {tp} (NxD trn2 kv groups are adjacent ranks holding one KV head); "
+                f"use --kv-size-multiplier {_suggest_mult(m.kv_heads, tp)}"
+            )
+    if m.layers < spec.num_stages:
+        raise LayoutError(
+            f"--pp {spec.pp} x --virtual-pp {spec.virtual_pp} = {spec.num_stages} stages exceed "
+            f"num_hidden_layers={m.layers}; lower --pp or --virtual-pp"
+        )
+
+
+def _suggest_mult(kv_heads: int, tp: int) -> int:
+    """Smallest multiplier making ``kv_heads * mult`` a multiple of ``tp`` (NxD's usual choice: ``tp / kv``)."""
+    for mult in range(1, tp + 1):
+        if (kv_heads * mult) % tp == 0:
+            return mult
+    return tp
