@@ -1,0 +1,55 @@
+"""Checkpoint collectives on their own process group.
+
+A save's collectives run on a dedicated gloo group, often from the background writer thread, so they can never
+interleave with (or deadlock against) the training job's NCCL / XLA collectives on the default group.  Creating
+the group is itself collective: every rank must construct its :class:`Collective` in the same order.
+"""
+
+from __future__ import annotations
+
+import datetime
+from typing import Any
+
+import torch.distributed as dist
+
+
+class Collective:
+    """Rank, world size and object collectives for checkpointing; a no-op shell in a single process."""
+
+    def __init__(self, group: Any = None, timeout_s: float = 1800.0) -> None:
+        self.active = dist.is_available() and dist.is_initialized()
+        if not self.active:
+            self.rank, self.world_size, self.group = 0, 1, None
+            return
+        self.rank = dist.get_rank()
+        self.world_size = dist.get_world_size()
+        if group is None:
+            group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
+        self.group = group
+
+    def all_gather(self, obj: Any) -> list[Any]:
+        if not self.active:
+            return [obj]
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, obj, group=self.group)
+        return out
+
+    def gather(self, obj: Any) -> list[Any] | None:
+        """Everything to rank 0 (None on other ranks)."""
+        if not self.active:
+            return [obj]
+        out: list[Any] | None = [None] * self.world_size if self.rank == 0 else None
+        dist.gather_object(obj, out, dst=dist.get_global_rank(self.group, 0), group=self.group)
+        return out
+
+    def broadcast(self, obj: Any) -> Any:
+        """Rank 0's ``obj`` on every rank."""
+        if not self.active:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=dist.get_global_rank(self.group, 0), group=self.group)
+        return box[0]
+
+    def barrier(self) -> None:
+        if self.active:
+            dist.barrier(group=self.group)

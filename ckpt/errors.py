@@ -1,0 +1,48 @@
+"""One error hierarchy for the whole tool.
+
+Every error a user can cause (bad path, damaged file, impossible request) is a ``CkptError`` whose message is one
+line naming the file / tensor / flag at fault and what was expected.  The CLI turns these into exit code 2 (bad
+input) or 1 (a problem found in a checkpoint); anything else is a bug and keeps its traceback.
+"""
+
+from __future__ import annotations
+
+
+class CkptError(Exception):
+    """Base class: a problem the user can act on. ``exit_code`` is what the CLI exits with."""
+
+    exit_code = 2
+
+
+class ManifestError(CkptError):
+    """The manifest is missing, unreadable, of an unknown version or inconsistent."""
+
+
+class StorageError(CkptError):
+    """Reading or writing the storage backend failed (after retries)."""
+
+
+class CorruptionError(CkptError):
+    """Data on storage does not match the manifest: wrong size, wrong checksum, missing file."""
+
+    exit_code = 1
+
+
+class StateMismatchError(CkptError):
+    """The object being restored does not fit the checkpoint (missing/unexpected names, shapes)."""
+
+
+class CheckpointExistsError(CkptError):
+    """A checkpoint for this step is already committed and overwrite was not requested."""
+
+
+class LayoutError(CkptError):
+    """A parallel layout request is impossible (e.g. TP does not divide the number of heads)."""
+
+
+class UnsafePickleError(CkptError):
+    """A foreign pickle referenced a global that is not on the allow-list; nothing was executed."""
+
+
+class AsyncSaveError(CkptError):
+    """A background save failed; raised at the next save/wait/close. The checkpoint was not committed."""

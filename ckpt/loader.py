@@ -1,0 +1,239 @@
+"""Restoring training state in place, on any number of ranks (resharding by box overlap).
+
+Each rank computes which box of every global tensor it holds now (plain tensor: all of it; DTensor: its local
+shard) and reads only the stored shards overlapping that box.  Optimizer state is matched to parameters by name
+and follows its parameter's current sharding, so a checkpoint saved on W ranks restores on W' ranks.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from . import rng as rng_mod
+from . import treecodec
+from .dtypes import dtype_from_name
+from .errors import StateMismatchError
+from .manifest import Box, Manifest
+from .planning import local_box
+from .reader import CheckpointReader
+from .state import NamedTensor, load_state_into, model_tensors, optim_name, param_names_in_optimizer_order
+
+MODEL_ROLES = ("parameter", "buffer")
+
+
+@dataclass(frozen=True)
+class RestoreResult:
+    step: int
+    path: str
+    manifest: Manifest
+    progress: dict[str, Any]
+    metadata: Any
+    missing: list[str] = field(default_factory=list)
+    unexpected: list[str] = field(default_factory=list)
+    rng_restored: list[str] = field(default_factory=list)
+
+
+def _names_list(names: list[str], limit: int = 8) -> str:
+    shown = ", ".join(names[:limit])
+    return shown + (f" (+{len(names) - limit} more)" if len(names) > limit else "")
+
+
+def _rank() -> tuple[int, int]:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+class Restorer:
+    """Fills live objects from a :class:`CheckpointReader`."""
+
+    def __init__(self, reader: CheckpointReader, layout_hook: Any = None) -> None:
+        self.reader = reader
+        self.layout_hook = layout_hook
+
+    def fill(self, nt: NamedTensor, entry_name: str) -> None:
+        """Copy the checkpoint's values for this rank's part of ``nt`` into ``nt.tensor`` in place."""
+        e = self.reader.entry(entry_name)
+        hooked = self.layout_hook(nt) if self.layout_hook is not None else None
+        shape, box, local = hooked[:3] if hooked is not None else local_box(nt.tensor)
+        if tuple(shape) != e.shape:
+            raise StateMismatchError(
+                f"tensor {entry_name!r}: checkpoint has shape {list(e.shape)}, the live tensor is {list(shape)}"
+            )
+        self.read_into(entry_name, box, local)
+
+    def read_into(self, name: str, box: Box, local: torch.Tensor) -> None:
+        e = self.reader.entry(name)
+        if local.device.type == "cpu" and local.is_contiguous() and local.dtype == dtype_from_name(e.dtype):
+            self.reader.read_box_into(name, box, local.detach())
+            return
+        tmp = torch.empty(box.lengths, dtype=dtype_from_name(e.dtype))
+        self.reader.read_box_into(name, box, tmp)
+        with torch.no_grad():
+            local.copy_(tmp)
+
+    # ------------------------------------------------------------------------------------------------ model
+    def model(self, model: Any, strict: bool) -> tuple[list[str], list[str]]:
+        m = self.reader.manifest
+        targets = model_tensors(model)
+        saved = {n for n, t in m.tensors.items() if t.role in MODEL_ROLES}
+        live = {nt.name for nt in targets}
+        missing = sorted(live - saved)
+        unexpected = sorted(saved - live)
+        if strict and (missing or unexpected):
+            parts = []
+            if missing:
+                parts.append(f"missing from checkpoint: {_names_list(missing)}")
+            if unexpected:
+                parts.append(f"not in the model: {_names_list(unexpected)}")
+            raise StateMismatchError(
+                f"{self.reader.path}: model does not match the checkpoint: {'; '.join(parts)}"
+            )
+        for nt in targets:
+            if nt.name in saved:
+                self.fill(nt, nt.name)
+        return missing, unexpected
+
+    # ------------------------------------------------------------------------------------------------ optimizer
+    def optimizer(self, optimizer: torch.optim.Optimizer, model: Any) -> None:
+        m = self.reader.manifest
+        meta = m.optimizer
+        if meta is None:
+            raise StateMismatchError(f"{self.reader.path}: checkpoint holds no optimizer state")
+        names = param_names_in_optimizer_order(optimizer, model)
+        params = dict(model.named_parameters(remove_duplicate=False))
+        saved_groups = meta["param_groups"]
+        if len(saved_groups) != len(optimizer.param_groups):
+            raise StateMismatchError(
+                f"{self.reader.path}: checkpoint optimizer has {len(saved_groups)} param_groups, the live one "
+                f"has {len(optimizer.param_groups)}"
+            )
+        groups = []
+        index = 0
+        for gi, (saved, live) in enumerate(zip(saved_groups, optimizer.param_groups, strict=True)):
+            live_names = names[index : index + len(live["params"])]
+            if set(saved["params"]) != set(live_names):
+                diff = sorted(set(saved["params"]) ^ set(live_names))
+                raise StateMismatchError(
+                    f"{self.reader.path}: param_groups[{gi}] holds different parameters than the live optimizer: "
+                    f"{_names_list(diff)}"
+                )
+            g = {k: treecodec.decode(v) for k, v in saved.items() if k != "params"}
+            g["params"] = list(range(index, index + len(live_names)))
+            groups.append(g)
+            index += len(live_names)
+        by_param: dict[str, dict[str, str]] = {}
+        for n, t in m.tensors.items():
+            if t.role == "optimizer_state" and t.param is not None and t.key is not None:
+                by_param.setdefault(t.param, {})[t.key] = n
+        scalars = meta.get("state", {})
+        state: dict[int, dict[str, Any]] = {}
+        for i, pname in enumerate(names):
+            per: dict[str, Any] = {k: treecodec.decode(v) for k, v in scalars.get(pname, {}).items()}
+            for key, ename in by_param.get(pname, {}).items():
+                per[key] = self._optimizer_tensor(ename, params[pname])
+            if per:
+                state[i] = per
+        optimizer.load_state_dict({"state": state, "param_groups": groups})
+
+    def _optimizer_tensor(self, ename: str, param: torch.Tensor) -> torch.Tensor:
+        from torch.distributed.tensor import DTensor
+
+        e = self.reader.entry(ename)
+        dtype = dtype_from_name(e.dtype)
+        if tuple(param.shape) == e.shape:
+            shape, box, local = local_box(param)
+            buf = torch.empty(box.lengths, dtype=dtype)
+            self.reader.read_box_into(ename, box, buf)
+            if isinstance(param, DTensor):
+                return DTensor.from_local(
+                    buf.to(local.device),
+                    param.device_mesh,
+                    param.placements,
+                    run_check=False,
+                    shape=param.shape,
+                    stride=param.stride(),
+                )
+            return buf.to(param.device)
+        return self.reader.read(ename).to(param.device)
+
+
+def restore(
+    path: str | CheckpointReader,
+    *,
+    model: Any = None,
+    optimizer: torch.optim.Optimizer | None = None,
+    scheduler: Any = None,
+    scaler: Any = None,
+    dataloader: Any = None,
+    rng: bool = True,
+    strict: bool = True,
+    verify: bool = True,
+    storage_options: dict[str, Any] | None = None,
+    layout_hook: Any = None,
+) -> RestoreResult:
+    """Restore everything given, in place, from the checkpoint at ``path``. Call on every rank.
+
+    Model and optimizer are restored for this rank's current sharding; RNG and data-loader state are this rank's
+    own.  ``strict`` (default) refuses missing/unexpected names and a data-loader state saved by a different
+    number of ranks.
+    """
+    reader = path if isinstance(path, CheckpointReader) else CheckpointReader(path, storage_options, verify)
+    m = reader.manifest
+    r = Restorer(reader, layout_hook)
+    missing: list[str] = []
+    unexpected: list[str] = []
+    if model is not None:
+        missing, unexpected = r.model(model, strict)
+    if optimizer is not None:
+        r.optimizer(optimizer, model)
+    if scheduler is not None:
+        if m.scheduler is None:
+            raise StateMismatchError(f"{reader.path}: checkpoint holds no scheduler state")
+        load_state_into(scheduler, treecodec.decode(m.scheduler), "scheduler")
+    if scaler is not None:
+        if m.scaler is None:
+            raise StateMismatchError(f"{reader.path}: checkpoint holds no GradScaler state")
+        load_state_into(scaler, treecodec.decode(m.scaler), "scaler")
+    rank, world = _rank()
+    if dataloader is not None:
+        saved_world = m.layout.world_size
+        if str(rank) not in m.data:
+            raise StateMismatchError(f"{reader.path}: checkpoint holds no data-loader state for rank {rank}")
+        if saved_world != world:
+            msg = (
+                f"{reader.path}: data-loader state was saved by {saved_world} ranks, restoring on {world}: "
+                "sample positions would be repeated or skipped"
+            )
+            if strict:
+                raise StateMismatchError(msg + " (pass strict=False to load rank-wise anyway)")
+            warnings.warn(msg, stacklevel=2)
+        load_state_into(dataloader, treecodec.decode(m.data[str(rank)]), "dataloader")
+    restored: list[str] = []
+    if rng:
+        if str(rank) in m.rng:
+            restored = rng_mod.restore(m.rng[str(rank)])
+        elif m.rng:
+            warnings.warn(
+                f"{reader.path}: no RNG state for rank {rank} (saved by {m.layout.world_size} ranks)",
+                stacklevel=2,
+            )
+    return RestoreResult(
+        step=m.step,
+        path=reader.path,
+        manifest=m,
+        progress=dict(m.progress),
+        metadata=treecodec.decode(m.user) if m.user is not None else None,
+        missing=missing,
+        unexpected=unexpected,
+        rng_restored=restored,
+    )
+
+
+__all__ = ["RestoreResult", "restore", "optim_name"]

@@ -1,0 +1,190 @@
+"""CheckpointManager: the object a training loop keeps — save every N steps, restore the latest, retention.
+
+It composes the pieces and owns only policy: where step folders go, which checkpoint is "latest" (the newest
+committed one whose files are all present; a damaged newest one is skipped with a warning), and what to delete.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any
+
+from .discovery import CheckpointInfo, list_checkpoints, missing_files, step_dir
+from .distributed import Collective
+from .errors import CkptError
+from .loader import RestoreResult, restore
+from .manifest import MANIFEST_NAME
+from .reader import CheckpointReader
+from .saver import Checkpointer, SaveResult
+from .storage import Storage
+
+
+class CheckpointManager:
+    """Periodic checkpoints under ``root`` (a local path or an fsspec URL such as ``s3://bucket/run``).
+
+    ``keep_last=k`` keeps the k newest checkpoints; ``keep_every=n`` also keeps every step divisible by n.
+    Construct on every rank.
+    """
+
+    def __init__(
+        self,
+        root: str,
+        *,
+        keep_last: int | None = None,
+        keep_every: int | None = None,
+        async_save: bool = True,
+        storage_options: dict[str, Any] | None = None,
+        codec: str = "raw",
+        process_group: Any = None,
+        layout_hook: Any = None,
+        on_event: Callable[[str, dict[str, Any]], None] | None = None,
+        **checkpointer_options: Any,
+    ) -> None:
+        if keep_last is not None and keep_last < 1:
+            raise CkptError(f"keep_last={keep_last}: expected at least 1 (or None to keep all)")
+        self.root = str(root).rstrip("/")
+        self.storage = Storage(self.root, storage_options)
+        self.storage_options = storage_options
+        self.keep_last = keep_last
+        self.keep_every = keep_every
+        self.layout_hook = layout_hook
+        self.on_event = on_event
+        self.checkpointer = Checkpointer(
+            async_save=async_save,
+            process_group=process_group,
+            codec=codec,
+            storage_options=storage_options,
+            layout_hook=layout_hook,
+            **checkpointer_options,
+        )
+        self.coll: Collective = self.checkpointer.coll
+        self.last_result: SaveResult | None = None
+
+    def path_for(self, step: int) -> str:
+        return f"{self.root}/{step_dir(step)}"
+
+    # ------------------------------------------------------------------------------------------------ saving
+    def save(self, step: int, **state: Any) -> Future:
+        """Save ``state`` (model=, optimizer=, scheduler=, ...) as step ``step``; see Checkpointer.save."""
+        fut = self.checkpointer.save(self.path_for(step), step=step, on_commit=self._after_commit, **state)
+        if fut.done() and fut.exception() is None:
+            self._emit_save(fut.result())
+        return fut
+
+    def _after_commit(self, result: SaveResult) -> None:
+        self.last_result = result
+        if self.checkpointer.async_save:
+            self._emit_save(result)
+        self.apply_retention(result.step)
+
+    def _emit_save(self, result: SaveResult) -> None:
+        if self.on_event is not None and self.coll.rank == 0:
+            self.on_event(
+                "save",
+                {
+                    "step": result.step,
+                    "path": result.path,
+                    "blocking_s": result.blocking_s,
+                    "total_s": result.total_s,
+                    "bytes": result.bytes_written,
+                },
+            )
+
+    def wait(self) -> SaveResult | None:
+        return self.checkpointer.wait()
+
+    def close(self) -> None:
+        self.checkpointer.close()
+
+    def __enter__(self) -> CheckpointManager:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------------------------------------ listing
+    def list(self, check_files: bool = False) -> list[CheckpointInfo]:
+        return list_checkpoints(self.storage, check_files)
+
+    def latest_step(self) -> int | None:
+        committed = [i for i in self.list() if i.status == "committed"]
+        return committed[-1].step if committed else None
+
+    # ------------------------------------------------------------------------------------------------ restoring
+    def restore(self, step: int, **state: Any) -> RestoreResult:
+        result = restore(
+            self.path_for(step), storage_options=self.storage_options, layout_hook=self.layout_hook, **state
+        )
+        return result
+
+    def restore_latest(self, **state: Any) -> int | None:
+        """Restore the newest valid checkpoint; returns its step, or None when there is none. Call on every rank.
+
+        Rank 0 picks candidates (newest first); every rank restores; if any rank finds damage (missing file,
+        checksum), all ranks fall back to the previous checkpoint together, with a warning naming the problem.
+        """
+        candidates = None
+        if self.coll.rank == 0:
+            candidates = []
+            for info in reversed(self.list()):
+                if info.status == "uncommitted":
+                    continue
+                if info.status == "damaged":
+                    warnings.warn(f"skipping damaged checkpoint step {info.step}: {info.error}", stacklevel=2)
+                    continue
+                assert info.manifest is not None
+                bad = missing_files(self.storage.child(info.name), info.manifest)
+                if bad:
+                    warnings.warn(
+                        f"skipping damaged checkpoint step {info.step}: {', '.join(bad[:4])}", stacklevel=2
+                    )
+                    continue
+                candidates.append(info.step)
+        candidates = self.coll.broadcast(candidates)
+        for step in candidates:
+            error = None
+            try:
+                reader = CheckpointReader(self.path_for(step), self.storage_options)
+                result = restore(reader, layout_hook=self.layout_hook, **state)
+            except CkptError as e:
+                error = str(e)
+            errors = [e for e in self.coll.all_gather(error) if e is not None]
+            if errors:
+                warnings.warn(
+                    f"checkpoint step {step} could not be restored, falling back: {errors[0]}", stacklevel=2
+                )
+                continue
+            if self.on_event is not None and self.coll.rank == 0:
+                self.on_event("restore", {"step": result.step, "path": result.path})
+            return step
+        return None
+
+    # ------------------------------------------------------------------------------------------------ retention
+    def apply_retention(self, newest: int) -> list[int]:
+        """Delete checkpoints outside the policy (manifest first) and sweep leftovers. Returns deleted steps."""
+        infos = self.list()
+        committed = [i.step for i in infos if i.status == "committed"]
+        keep = set(committed if self.keep_last is None else committed[-self.keep_last :])
+        if self.keep_every:
+            keep |= {s for s in committed if s % self.keep_every == 0}
+        keep.add(newest)
+        deleted = []
+        for info in infos:
+            sub = self.storage.child(info.name)
+            if info.status == "committed" and info.step not in keep:
+                sub.delete(MANIFEST_NAME)
+                self.storage.delete_tree(info.name)
+                deleted.append(info.step)
+            elif info.status != "committed" and info.step < newest:
+                self.storage.delete_tree(info.name)
+        newest_info = next((i for i in infos if i.step == newest), None)
+        if newest_info is not None and newest_info.manifest is not None:
+            sub = self.storage.child(newest_info.name)
+            referenced = set(newest_info.manifest.files) | {MANIFEST_NAME}
+            for name in sub.listdir():
+                if name not in referenced:
+                    sub.delete(name)
+        self.storage.abort_stale_uploads()
+        return deleted

@@ -1,0 +1,361 @@
+"""The manifest: one JSON document per checkpoint, the single source of truth (spec: docs/format.md).
+
+A checkpoint exists if and only if its manifest is present and valid.  This module owns the schema: frozen
+dataclasses, one ``to_json``/``from_json`` pair, the version check, and structural validation so that nothing
+downstream trusts a field it has not checked (paths cannot escape the checkpoint, shard boxes lie inside their
+tensor, sizes are non-negative integers).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import posixpath
+from dataclasses import dataclass, field
+from typing import Any
+
+from .codecs import check_checksum_format, check_codec
+from .dtypes import dtype_from_name, itemsize
+from .errors import ManifestError
+
+FORMAT = "ckpt"
+FORMAT_VERSION = 1
+MANIFEST_NAME = "manifest.json"
+
+ROLES = ("parameter", "buffer", "optimizer_state", "state")
+BACKENDS = ("cpu", "cuda", "neuron")
+
+JSON = Any
+
+
+@dataclass(frozen=True)
+class Box:
+    """A hyper-rectangle of a global tensor: ``offsets[i] : offsets[i] + lengths[i]`` on every dim."""
+
+    offsets: tuple[int, ...]
+    lengths: tuple[int, ...]
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.lengths)
+
+    def intersect(self, other: Box) -> Box | None:
+        offs, lens = [], []
+        for a, la, b, lb in zip(self.offsets, self.lengths, other.offsets, other.lengths, strict=True):
+            lo, hi = max(a, b), min(a + la, b + lb)
+            if hi <= lo and not (la == 0 and lb == 0):
+                return None
+            offs.append(lo)
+            lens.append(max(hi - lo, 0))
+        return Box(tuple(offs), tuple(lens))
+
+    def relative_to(self, outer: Box) -> tuple[slice, ...]:
+        """Slices selecting this box inside a tensor that holds ``outer``."""
+        return tuple(
+            slice(o - oo, o - oo + n)
+            for o, n, oo in zip(self.offsets, self.lengths, outer.offsets, strict=True)
+        )
+
+    @staticmethod
+    def full(shape: tuple[int, ...]) -> Box:
+        return Box(tuple(0 for _ in shape), tuple(shape))
+
+
+@dataclass(frozen=True)
+class Shard:
+    """One stored chunk of a logical tensor: where its bytes are and which box of the tensor they hold."""
+
+    file: str
+    offset: int
+    nbytes: int
+    box: Box
+    codec: str = "raw"
+    checksum: str = ""
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """A logical (global) tensor and the shards it was stored as."""
+
+    name: str
+    role: str
+    shape: tuple[int, ...]
+    dtype: str
+    shards: tuple[Shard, ...]
+    param: str | None = None
+    key: str | None = None
+    partition: dict[str, JSON] | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * itemsize(self.dtype)
+
+
+@dataclass(frozen=True)
+class FileEntry:
+    path: str
+    size: int
+    rank: int
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How the saving job was parallelised. Sizes are 1 where a kind of parallelism was not used."""
+
+    world_size: int = 1
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1
+    ep: int = 1
+    zero_stage: int = 0
+    mesh: dict[str, JSON] | None = None
+    kind: str = "replicated"
+
+
+@dataclass(frozen=True)
+class Manifest:
+    step: int
+    created_at: str
+    backend: str
+    layout: Layout
+    tensors: dict[str, TensorEntry]
+    files: dict[str, FileEntry]
+    optimizer: dict[str, JSON] | None = None
+    scheduler: JSON = None
+    scaler: JSON = None
+    rng: dict[str, JSON] = field(default_factory=dict)
+    progress: dict[str, JSON] = field(default_factory=dict)
+    data: dict[str, JSON] = field(default_factory=dict)
+    tokenizer: dict[str, JSON] | None = None
+    environment: dict[str, JSON] = field(default_factory=dict)
+    user: JSON = None
+    extra: dict[str, JSON] = field(default_factory=dict)
+    format_version: int = FORMAT_VERSION
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(f.size for f in self.files.values())
+
+    def to_json(self) -> str:
+        doc = {
+            "format": FORMAT,
+            "format_version": self.format_version,
+            "step": self.step,
+            "created_at": self.created_at,
+            "backend": self.backend,
+            "layout": _layout_to_json(self.layout),
+            "files": {p: {"size": f.size, "rank": f.rank} for p, f in sorted(self.files.items())},
+            "tensors": {n: _tensor_to_json(t) for n, t in self.tensors.items()},
+            "optimizer": self.optimizer,
+            "scheduler": self.scheduler,
+            "scaler": self.scaler,
+            "rng": self.rng,
+            "progress": self.progress,
+            "data": self.data,
+            "tokenizer": self.tokenizer,
+            "environment": self.environment,
+            "user": self.user,
+            "extra": self.extra,
+        }
+        return json.dumps(doc, allow_nan=False, separators=(",", ":"))
+
+    @staticmethod
+    def from_json(text: str | bytes, source: str = "manifest") -> Manifest:
+        try:
+            doc = json.loads(text)
+        except (ValueError, UnicodeDecodeError) as e:
+            raise ManifestError(f"{source}: not valid JSON ({e})") from None
+        return _from_doc(doc, source)
+
+
+def _layout_to_json(layout: Layout) -> dict[str, JSON]:
+    return {
+        "world_size": layout.world_size,
+        "tp": layout.tp,
+        "pp": layout.pp,
+        "dp": layout.dp,
+        "ep": layout.ep,
+        "zero_stage": layout.zero_stage,
+        "mesh": layout.mesh,
+        "kind": layout.kind,
+    }
+
+
+def _tensor_to_json(t: TensorEntry) -> dict[str, JSON]:
+    out: dict[str, JSON] = {"role": t.role, "shape": list(t.shape), "dtype": t.dtype}
+    if t.param is not None:
+        out["param"] = t.param
+    if t.key is not None:
+        out["key"] = t.key
+    if t.partition is not None:
+        out["partition"] = t.partition
+    out["shards"] = [
+        {
+            "file": s.file,
+            "offset": s.offset,
+            "nbytes": s.nbytes,
+            "offsets": list(s.box.offsets),
+            "lengths": list(s.box.lengths),
+            "codec": s.codec,
+            "checksum": s.checksum,
+        }
+        for s in t.shards
+    ]
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------- reading
+
+
+def _need(doc: dict, key: str, kind: type | tuple[type, ...], where: str) -> Any:
+    if key not in doc:
+        raise ManifestError(f"{where}: missing field {key!r}")
+    value = doc[key]
+    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        name = kind.__name__ if isinstance(kind, type) else "/".join(k.__name__ for k in kind)
+        raise ManifestError(f"{where}: field {key!r} must be {name}, got {type(value).__name__}")
+    return value
+
+
+def _nonneg_int(value: Any, where: str) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ManifestError(f"{where}: expected a non-negative integer, got {value!r}")
+    return value
+
+
+def check_relpath(path: Any, where: str) -> str:
+    """A file name inside a checkpoint: relative, normalised, no ``..``, no backslashes or control chars."""
+    if (
+        not isinstance(path, str)
+        or not path
+        or path.startswith("/")
+        or "\\" in path
+        or any(ord(c) < 32 for c in path)
+        or posixpath.normpath(path) != path
+        or path.split("/")[0] in ("..", ".")
+        or ".." in path.split("/")
+        or ":" in path
+    ):
+        raise ManifestError(f"{where}: unsafe file name {path!r}: expected a plain relative path")
+    return path
+
+
+def _from_doc(doc: Any, source: str) -> Manifest:
+    if not isinstance(doc, dict):
+        raise ManifestError(f"{source}: expected a JSON object")
+    if doc.get("format") != FORMAT:
+        raise ManifestError(f"{source}: not a ckpt manifest (format={doc.get('format')!r})")
+    version = _need(doc, "format_version", int, source)
+    if version > FORMAT_VERSION:
+        raise ManifestError(
+            f"{source}: format_version {version} is newer than this ckpt understands ({FORMAT_VERSION}); "
+            "upgrade ckpt to read it"
+        )
+    if version < 1:
+        raise ManifestError(f"{source}: invalid format_version {version}")
+    step = _nonneg_int(_need(doc, "step", int, source), f"{source}: step")
+    backend = _need(doc, "backend", str, source)
+    if backend not in BACKENDS:
+        raise ManifestError(f"{source}: backend {backend!r} is not one of {BACKENDS}")
+    lay = _need(doc, "layout", dict, source)
+    layout = Layout(
+        **{
+            k: _nonneg_int(lay.get(k, 1 if k != "zero_stage" else 0), f"{source}: layout.{k}")
+            for k in ("world_size", "tp", "pp", "dp", "ep", "zero_stage")
+        },
+        mesh=lay.get("mesh"),
+        kind=str(lay.get("kind", "replicated")),
+    )
+    files: dict[str, FileEntry] = {}
+    for path, f in _need(doc, "files", dict, source).items():
+        where = f"{source}: files[{path!r}]"
+        check_relpath(path, where)
+        if not isinstance(f, dict):
+            raise ManifestError(f"{where}: expected an object")
+        files[path] = FileEntry(
+            path, _nonneg_int(f.get("size"), f"{where}.size"), _nonneg_int(f.get("rank"), f"{where}.rank")
+        )
+    tensors: dict[str, TensorEntry] = {}
+    for name, t in _need(doc, "tensors", dict, source).items():
+        tensors[name] = _tensor_from_doc(name, t, files, source)
+    for key in ("optimizer", "tokenizer"):
+        if doc.get(key) is not None and not isinstance(doc[key], dict):
+            raise ManifestError(f"{source}: field {key!r} must be an object or null")
+    for key in ("rng", "progress", "data", "environment", "extra"):
+        if doc.get(key) is not None and not isinstance(doc[key], dict):
+            raise ManifestError(f"{source}: field {key!r} must be an object")
+    return Manifest(
+        step=step,
+        created_at=str(doc.get("created_at", "")),
+        backend=backend,
+        layout=layout,
+        tensors=tensors,
+        files=files,
+        optimizer=doc.get("optimizer"),
+        scheduler=doc.get("scheduler"),
+        scaler=doc.get("scaler"),
+        rng=doc.get("rng") or {},
+        progress=doc.get("progress") or {},
+        data=doc.get("data") or {},
+        tokenizer=doc.get("tokenizer"),
+        environment=doc.get("environment") or {},
+        user=doc.get("user"),
+        extra=doc.get("extra") or {},
+        format_version=version,
+    )
+
+
+def _tensor_from_doc(name: str, t: Any, files: dict[str, FileEntry], source: str) -> TensorEntry:
+    where = f"{source}: tensor {name!r}"
+    if not isinstance(t, dict):
+        raise ManifestError(f"{where}: expected an object")
+    role = _need(t, "role", str, where)
+    if role not in ROLES:
+        raise ManifestError(f"{where}: role {role!r} is not one of {ROLES}")
+    shape = tuple(_nonneg_int(d, f"{where}.shape") for d in _need(t, "shape", list, where))
+    if len(shape) > 64 or math.prod(shape) > 1 << 50:
+        raise ManifestError(f"{where}: absurd shape {list(shape)}")
+    dtype = _need(t, "dtype", str, where)
+    dtype_from_name(dtype)
+    size = itemsize(dtype)
+    shards = []
+    for i, s in enumerate(_need(t, "shards", list, where)):
+        sw = f"{where} shard {i}"
+        if not isinstance(s, dict):
+            raise ManifestError(f"{sw}: expected an object")
+        file = check_relpath(_need(s, "file", str, sw), sw)
+        if file not in files:
+            raise ManifestError(f"{sw}: file {file!r} is not listed in 'files'")
+        offsets = tuple(_nonneg_int(v, f"{sw}.offsets") for v in _need(s, "offsets", list, sw))
+        lengths = tuple(_nonneg_int(v, f"{sw}.lengths") for v in _need(s, "lengths", list, sw))
+        if len(offsets) != len(shape) or len(lengths) != len(shape):
+            raise ManifestError(
+                f"{sw}: box rank {len(offsets)}/{len(lengths)} does not match shape {list(shape)}"
+            )
+        if any(o + n > d for o, n, d in zip(offsets, lengths, shape, strict=True)):
+            raise ManifestError(f"{sw}: box {list(offsets)}+{list(lengths)} lies outside shape {list(shape)}")
+        offset = _nonneg_int(_need(s, "offset", int, sw), f"{sw}.offset")
+        nbytes = _nonneg_int(_need(s, "nbytes", int, sw), f"{sw}.nbytes")
+        codec = check_codec(_need(s, "codec", str, sw))
+        if codec == "raw" and nbytes != math.prod(lengths) * size:
+            raise ManifestError(
+                f"{sw}: nbytes {nbytes} does not match its box ({math.prod(lengths) * size} bytes)"
+            )
+        if offset + nbytes > files[file].size:
+            raise ManifestError(
+                f"{sw}: bytes {offset}..{offset + nbytes} lie outside {file} ({files[file].size} bytes)"
+            )
+        checksum = _need(s, "checksum", str, sw)
+        if checksum:
+            check_checksum_format(checksum)
+        shards.append(Shard(file, offset, nbytes, Box(offsets, lengths), codec, checksum))
+    param = t.get("param")
+    key = t.get("key")
+    partition = t.get("partition")
+    if param is not None and not isinstance(param, str):
+        raise ManifestError(f"{where}: 'param' must be a string")
+    if key is not None and not isinstance(key, str):
+        raise ManifestError(f"{where}: 'key' must be a string")
+    if partition is not None and not isinstance(partition, dict):
+        raise ManifestError(f"{where}: 'partition' must be an object")
+    return TensorEntry(name, role, shape, dtype, tuple(shards), param, key, partition)

@@ -1,0 +1,155 @@
+"""Reading a committed checkpoint: its manifest, and any box of any tensor, lazily.
+
+Each shard read is one ranged read of exactly its stored bytes; a rank restoring a slice reads only the shards
+that overlap it.  Checksums are verified on the stored bytes unless ``verify=False``.  Uncompressed shards whose
+box is exactly the requested one are read straight into the destination tensor (no intermediate copy).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from .codecs import checksum, decompress
+from .dtypes import dtype_from_name, itemsize
+from .errors import CkptError, CorruptionError, ManifestError, StorageError
+from .manifest import MANIFEST_NAME, Box, Manifest, Shard, TensorEntry
+from .shardfile import tensor_bytes
+from .storage import Storage
+
+
+def read_manifest(storage: Storage) -> Manifest:
+    """Parse and validate ``manifest.json`` under ``storage``; ManifestError if absent or invalid."""
+    try:
+        raw = storage.read_bytes(MANIFEST_NAME)
+    except FileNotFoundError:
+        if storage.local and not storage.is_dir():
+            raise ManifestError(f"{storage.display()}: no such checkpoint directory") from None
+        raise ManifestError(
+            f"{storage.display()}: not a committed checkpoint ({MANIFEST_NAME} missing)"
+        ) from None
+    except StorageError as e:
+        raise ManifestError(str(e)) from None
+    return Manifest.from_json(raw, storage.display(MANIFEST_NAME))
+
+
+class CheckpointReader:
+    """Lazy per-tensor access to one checkpoint, for tools and for restores."""
+
+    def __init__(
+        self, path: str | Storage, storage_options: dict[str, Any] | None = None, verify: bool = True
+    ):
+        self.storage = path if isinstance(path, Storage) else Storage(str(path), storage_options)
+        self.manifest = read_manifest(self.storage)
+        self.verify = verify
+
+    @property
+    def path(self) -> str:
+        return self.storage.display()
+
+    def names(self, role: str | None = None) -> list[str]:
+        return [n for n, t in self.manifest.tensors.items() if role is None or t.role == role]
+
+    def entry(self, name: str) -> TensorEntry:
+        try:
+            return self.manifest.tensors[name]
+        except KeyError:
+            raise CkptError(f"{self.path}: no tensor named {name!r}") from None
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for name in self.manifest.tensors:
+            yield name, self.read(name)
+
+    def read(self, name: str) -> torch.Tensor:
+        """The whole tensor, on the CPU."""
+        e = self.entry(name)
+        out = torch.empty(e.shape, dtype=dtype_from_name(e.dtype))
+        self.read_box_into(name, Box.full(e.shape), out)
+        return out
+
+    def read_box_into(self, name: str, box: Box, out: torch.Tensor) -> None:
+        """Fill ``out`` (CPU, shape ``box.lengths``) with that box of tensor ``name``."""
+        e = self.entry(name)
+        if tuple(out.shape) != box.lengths:
+            raise CkptError(
+                f"tensor {name!r}: destination shape {list(out.shape)} != box {list(box.lengths)}"
+            )
+        covered = 0
+        for shard in e.shards:
+            inter = shard.box.intersect(box)
+            if inter is None:
+                continue
+            covered += inter.numel
+            if inter.numel == 0:
+                continue
+            direct = (
+                shard.box == box
+                and shard.codec == "raw"
+                and out.dtype == dtype_from_name(e.dtype)
+                and out.is_contiguous()
+                and out.device.type == "cpu"
+            )
+            if direct:
+                self._read_direct(e, shard, out)
+                continue
+            src = self.read_shard(e, shard)
+            out[inter.relative_to(box)] = src[inter.relative_to(shard.box)]
+        if covered != box.numel:
+            raise CorruptionError(
+                f"{self.path}: tensor {name!r}: shards cover {covered} of the {box.numel} elements requested"
+            )
+
+    def read_shard(self, e: TensorEntry, shard: Shard) -> torch.Tensor:
+        """One stored shard as a tensor of its box's shape (checksum verified)."""
+        raw = self._fetch(e, shard)
+        self._check(e, shard, raw)
+        expected = math.prod(shard.box.lengths) * itemsize(e.dtype)
+        if shard.codec == "zstd":
+            try:
+                raw = decompress(raw, expected)
+            except Exception as exc:  # noqa: BLE001
+                raise CorruptionError(
+                    f"{self.path}/{shard.file}: tensor {e.name!r}: cannot decompress: {exc}"
+                ) from None
+        if expected == 0:
+            return torch.empty(shard.box.lengths, dtype=dtype_from_name(e.dtype))
+        flat = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+        return flat.view(dtype_from_name(e.dtype)).reshape(shard.box.lengths)
+
+    def _fetch(self, e: TensorEntry, shard: Shard) -> bytes:
+        try:
+            return self.storage.read_range(shard.file, shard.offset, shard.nbytes)
+        except FileNotFoundError:
+            raise CorruptionError(f"{self.path}/{shard.file}: missing (holds tensor {e.name!r})") from None
+        except StorageError as exc:
+            raise CorruptionError(f"{self.path}/{shard.file}: tensor {e.name!r}: {exc}") from None
+
+    def _read_direct(self, e: TensorEntry, shard: Shard, out: torch.Tensor) -> None:
+        view = tensor_bytes(out)
+        try:
+            self.storage.read_into(shard.file, shard.offset, view)
+        except FileNotFoundError:
+            raise CorruptionError(f"{self.path}/{shard.file}: missing (holds tensor {e.name!r})") from None
+        except (StorageError, OSError) as exc:
+            raise CorruptionError(f"{self.path}/{shard.file}: tensor {e.name!r}: {exc}") from None
+        self._check(e, shard, view)
+
+    def _check(self, e: TensorEntry, shard: Shard, data: bytes | memoryview) -> None:
+        if not self.verify or not shard.checksum:
+            return
+        got = checksum(data)
+        if got != shard.checksum:
+            raise CorruptionError(
+                f"{self.path}/{shard.file}: tensor {e.name!r} shard at {list(shard.box.offsets)}: checksum "
+                f"mismatch (manifest {shard.checksum}, data {got})"
+            )
+
+
+def open_checkpoint(
+    path: str, storage_options: dict[str, Any] | None = None, verify: bool = True
+) -> CheckpointReader:
+    """Open a committed checkpoint for lazy reading."""
+    return CheckpointReader(path, storage_options, verify)

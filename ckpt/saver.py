@@ -1,0 +1,395 @@
+"""Sharded, synchronous or asynchronous saving on every rank, with the manifest written last by rank 0.
+
+Call order (every rank calls :meth:`Checkpointer.save` with the same path and step):
+
+1. capture: flatten model / optimizer into named tensors and the rest into JSON trees (cheap);
+2. plan (collective, cached): all ranks exchange a digest of what they hold; when it changed since the last
+   save they exchange the descriptions and each computes the same writer assignment (planning.assign_writers);
+3. stage (async only): copy this rank's assigned tensors to host memory.  ``save`` returns here;
+4. write (background thread when async): one safetensors data file per rank under the checkpoint prefix;
+5. commit (collective): ranks send rank 0 their receipts (file sizes, shard offsets, checksums) or their error;
+   rank 0 writes ``manifest.json`` create-only iff every rank succeeded, then tells every rank the outcome.
+
+A failure anywhere means no manifest, hence no checkpoint; an async failure is raised at the next
+``save``/``wait``/``close``.
+"""
+
+from __future__ import annotations
+
+import datetime
+import threading
+import time
+import uuid
+import warnings
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from . import environment, treecodec
+from . import rng as rng_mod
+from . import tokenizer as tokenizer_mod
+from .distributed import Collective
+from .dtypes import dtype_name
+from .errors import AsyncSaveError, CheckpointExistsError, CkptError
+from .manifest import MANIFEST_NAME, Box, FileEntry, Layout, Manifest, Shard, TensorEntry
+from .planning import Piece, assign_writers, chunk_boxes, digest, local_box
+from .shardfile import Chunk, write_shard_file
+from .staging import HostStager
+from .state import NamedTensor, model_tensors, optimizer_capture, state_dict_of
+from .storage import Storage
+
+DEFAULT_CHUNK_BYTES = 256 << 20
+
+# A layout hook: given a named tensor, return (global shape, local box, local tensor, partition metadata) when the
+# tensor is a shard of a bigger logical tensor that plain torch cannot describe (NxD TP shards), else None.
+LayoutHook = Callable[
+    [NamedTensor], "tuple[tuple[int, ...], Box, torch.Tensor, dict[str, Any] | None] | None"
+]
+
+
+@dataclass(frozen=True)
+class SaveResult:
+    step: int
+    path: str
+    blocking_s: float
+    total_s: float
+    bytes_written: int
+
+
+@dataclass
+class _Job:
+    storage: Storage
+    step: int
+    chunks: list[tuple[str, Box, torch.Tensor]]
+    codec: str
+    per_rank: list[list[Piece]] | None
+    trees: dict[str, Any]
+    rank_trees: dict[str, Any]
+    layout: Layout
+    backend: str
+    attempt: str
+    started: float
+    blocking_s: float
+    on_commit: Callable[[SaveResult], None] | None = None
+
+
+def detect_backend(tensors: list[torch.Tensor]) -> str:
+    types = {t.device.type for t in tensors}
+    if "xla" in types:
+        return "neuron"
+    if "cuda" in types:
+        return "cuda"
+    return "cpu"
+
+
+class Checkpointer:
+    """Saves checkpoints from a training loop. Construct on every rank (it creates the checkpoint process group).
+
+    ``async_save=True`` returns from :meth:`save` once tensors are staged in host memory; one save is in flight
+    at a time; ``close()`` waits for it.
+    """
+
+    def __init__(
+        self,
+        *,
+        async_save: bool = False,
+        process_group: Any = None,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        codec: str = "raw",
+        storage_options: dict[str, Any] | None = None,
+        layout_hook: LayoutHook | None = None,
+        stager: Any = None,
+    ) -> None:
+        self.async_save = async_save
+        self.coll = Collective(process_group)
+        self.chunk_bytes = chunk_bytes
+        self.codec = codec
+        self.storage_options = storage_options
+        self.layout_hook = layout_hook
+        self.stager = stager or HostStager()
+        self._plan_key: list[str] | None = None
+        self._plan: dict[tuple[str, Box], int] | None = None
+        self._per_rank: list[list[Piece]] | None = None
+        self._inflight: Future | None = None
+        self._thread: threading.Thread | None = None
+
+    # ------------------------------------------------------------------------------------------------ public
+    def save(
+        self,
+        path: str,
+        *,
+        step: int,
+        model: Any = None,
+        optimizer: torch.optim.Optimizer | None = None,
+        scheduler: Any = None,
+        scaler: Any = None,
+        dataloader: Any = None,
+        tokenizer: Any = None,
+        rng: bool = True,
+        progress: dict[str, Any] | None = None,
+        metadata: Any = None,
+        layout: Layout | None = None,
+        overwrite: bool = False,
+        on_commit: Callable[[SaveResult], None] | None = None,
+    ) -> Future:
+        """Save one checkpoint to ``path`` (its own directory/prefix). Returns a future of :class:`SaveResult`.
+
+        Synchronous saves are complete (and raise) before returning; the future is already resolved.
+        ``on_commit`` runs on rank 0 after the manifest is written (retention uses it); its errors only warn.
+        """
+        self.wait()
+        started = time.perf_counter()
+        storage = Storage(path, self.storage_options)
+        named: list[NamedTensor] = []
+        trees: dict[str, Any] = {"progress": {"step": step, **(progress or {})}}
+        if model is not None:
+            named.extend(model_tensors(model))
+        if optimizer is not None:
+            opt_tensors, trees["optimizer"] = optimizer_capture(optimizer, model)
+            named.extend(opt_tensors)
+        if scheduler is not None:
+            trees["scheduler"] = treecodec.encode(state_dict_of(scheduler, "scheduler"), "scheduler")
+        if scaler is not None:
+            trees["scaler"] = treecodec.encode(state_dict_of(scaler, "scaler"), "scaler")
+        if tokenizer is not None:
+            trees["tokenizer"] = tokenizer_mod.identity(tokenizer)
+        if metadata is not None:
+            trees["user"] = treecodec.encode(metadata, "metadata")
+        rank_trees: dict[str, Any] = {}
+        if rng:
+            rank_trees["rng"] = rng_mod.capture()
+        if dataloader is not None:
+            rank_trees["data"] = treecodec.encode(state_dict_of(dataloader, "dataloader"), "dataloader")
+
+        pieces, local = self._describe(named)
+        rank0 = (
+            {"attempt": uuid.uuid4().hex[:8], "exists": storage.exists(MANIFEST_NAME)}
+            if self.coll.rank == 0
+            else None
+        )
+        gathered = self.coll.all_gather((digest(pieces), rank0))
+        info = gathered[0][1]
+        if info["exists"] and not overwrite:
+            raise CheckpointExistsError(
+                f"{storage.display(MANIFEST_NAME)} already exists: step {step} is committed (pass overwrite=True)"
+            )
+        key = [g[0] for g in gathered]
+        if key != self._plan_key:
+            self._per_rank = self.coll.all_gather(pieces)
+            self._plan = assign_writers(self._per_rank)
+            self._plan_key = key
+        if info["exists"] and self.coll.rank == 0:
+            storage.delete(MANIFEST_NAME)
+        assert self._plan is not None
+        mine = [(p, local[(p.name, p.box)]) for p in pieces if self._plan[(p.name, p.box)] == self.coll.rank]
+        chunks: list[tuple[str, Box, torch.Tensor]] = []
+        for p, t in mine:
+            for b in chunk_boxes(p.box, p.itemsize, self.chunk_bytes):
+                sub = t[b.relative_to(p.box)[0]] if b != p.box else t
+                chunks.append((p.name, b, sub))
+        backend = detect_backend([t for _, _, t in chunks] or [n.tensor for n in named])
+        if self.async_save or backend != "cpu":
+            host = self.stager.stage([t for _, _, t in chunks])
+        else:
+            host = [t.detach().contiguous() for _, _, t in chunks]
+        chunks = [(n, b, h) for (n, b, _), h in zip(chunks, host, strict=True)]
+        world = self.coll.world_size
+        job = _Job(
+            storage=storage,
+            step=step,
+            chunks=chunks,
+            codec=self.codec,
+            per_rank=self._per_rank if self.coll.rank == 0 else None,
+            trees=trees,
+            rank_trees=rank_trees,
+            layout=layout or Layout(world_size=world, dp=world, kind=_layout_kind(named)),
+            backend=backend,
+            attempt=info["attempt"],
+            started=started,
+            blocking_s=0.0,
+            on_commit=on_commit,
+        )
+        fut: Future = Future()
+        job.blocking_s = time.perf_counter() - started
+        if not self.async_save:
+            fut.set_result(self._run(job))
+            return fut
+        self._inflight = fut
+        self._thread = threading.Thread(
+            target=self._background, args=(job, fut), name="ckpt-writer", daemon=True
+        )
+        self._thread.start()
+        return fut
+
+    def wait(self) -> SaveResult | None:
+        """Block until the in-flight save finished; raise its error (once) if it failed."""
+        fut, self._inflight = self._inflight, None
+        if fut is None:
+            return None
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        exc = fut.exception()
+        if exc is not None:
+            if isinstance(exc, CkptError) and not isinstance(exc, AsyncSaveError):
+                raise AsyncSaveError(f"background save failed, checkpoint not committed: {exc}") from exc
+            raise exc
+        return fut.result()
+
+    def close(self) -> None:
+        """Wait for the in-flight save (raising its error) and free the staging memory."""
+        try:
+            self.wait()
+        finally:
+            self.stager.release()
+
+    # ------------------------------------------------------------------------------------------------ internals
+    def _describe(self, named: list[NamedTensor]) -> tuple[list[Piece], dict[tuple[str, Box], torch.Tensor]]:
+        pieces: list[Piece] = []
+        local: dict[tuple[str, Box], torch.Tensor] = {}
+        seen: set[str] = set()
+        for nt in named:
+            if nt.name in seen:
+                raise CkptError(f"tensor name {nt.name!r} appears twice in the saved state")
+            seen.add(nt.name)
+            hooked = self.layout_hook(nt) if self.layout_hook is not None else None
+            if hooked is not None:
+                shape, box, t, partition = hooked
+            else:
+                shape, box, t = local_box(nt.tensor)
+                partition = None
+            p = Piece(
+                nt.name,
+                nt.role,
+                shape,
+                dtype_name(t.dtype),
+                box,
+                t.element_size(),
+                nt.param,
+                nt.key,
+                partition,
+            )
+            pieces.append(p)
+            local[(p.name, p.box)] = t
+        return pieces, local
+
+    def _background(self, job: _Job, fut: Future) -> None:
+        try:
+            fut.set_result(self._run(job))
+        except BaseException as e:  # noqa: BLE001 - handed to the caller through the future
+            fut.set_exception(e)
+
+    def _run(self, job: _Job) -> SaveResult:
+        rank = self.coll.rank
+        report: dict[str, Any] = {
+            "ok": True,
+            "rank": rank,
+            "trees": job.rank_trees,
+            "file": None,
+            "shards": [],
+        }
+        try:
+            if job.chunks:
+                fname = f"r{rank:05d}-{job.attempt}.safetensors"
+                keys = [f"{name}@{','.join(map(str, box.offsets))}" for name, box, _ in job.chunks]
+                with job.storage.create(fname) as f:
+                    written, size = write_shard_file(
+                        f,
+                        [Chunk(k, t, job.codec) for k, (_, _, t) in zip(keys, job.chunks, strict=True)],
+                        {"step": str(job.step), "rank": str(rank)},
+                    )
+                report["file"] = (fname, size)
+                report["shards"] = [
+                    (name, box.offsets, box.lengths, w.offset, w.nbytes, w.checksum)
+                    for (name, box, _), w in zip(job.chunks, written, strict=True)
+                ]
+        except Exception as e:  # noqa: BLE001 - reported to rank 0 so that it does not commit
+            report = {"ok": False, "rank": rank, "error": f"rank {rank}: {type(e).__name__}: {e}"}
+        reports = self.coll.gather(report)
+        outcome: dict[str, Any] = {"ok": True}
+        if rank == 0:
+            assert reports is not None
+            failed = [r["error"] for r in reports if not r["ok"]]
+            if failed:
+                outcome = {"ok": False, "error": "; ".join(failed)}
+            else:
+                try:
+                    manifest = self._manifest(job, reports)
+                    job.storage.put_bytes(MANIFEST_NAME, manifest.to_json().encode(), exclusive=True)
+                    outcome = {"ok": True, "bytes": manifest.total_bytes}
+                except Exception as e:  # noqa: BLE001
+                    outcome = {"ok": False, "error": f"rank 0 commit: {type(e).__name__}: {e}"}
+        outcome = self.coll.broadcast(outcome)
+        if not outcome["ok"]:
+            raise AsyncSaveError(
+                f"save of step {job.step} to {job.storage.display()} failed, not committed: {outcome['error']}"
+            )
+        result = SaveResult(
+            job.step,
+            job.storage.display(),
+            job.blocking_s,
+            time.perf_counter() - job.started,
+            outcome.get("bytes", 0),
+        )
+        if rank == 0 and job.on_commit is not None:
+            try:
+                job.on_commit(result)
+            except Exception as e:  # noqa: BLE001 - the checkpoint is committed; housekeeping must not undo that
+                warnings.warn(f"after committing step {job.step}: {type(e).__name__}: {e}", stacklevel=1)
+        return result
+
+    def _manifest(self, job: _Job, reports: list[dict[str, Any]]) -> Manifest:
+        assert job.per_rank is not None
+        entries: dict[str, Piece] = {}
+        for pieces in job.per_rank:
+            for p in pieces:
+                entries.setdefault(p.name, p)
+        shards: dict[str, list[Shard]] = {n: [] for n in entries}
+        files: dict[str, FileEntry] = {}
+        for r in reports:
+            if r["file"] is None:
+                continue
+            fname, size = r["file"]
+            files[fname] = FileEntry(fname, size, r["rank"])
+            for name, offs, lens, off, nbytes, csum in r["shards"]:
+                shards[name].append(Shard(fname, off, nbytes, Box(tuple(offs), tuple(lens)), job.codec, csum))
+        tensors = {
+            n: TensorEntry(
+                n,
+                p.role,
+                p.shape,
+                p.dtype,
+                tuple(sorted(shards[n], key=lambda s: s.box.offsets)),
+                p.param,
+                p.key,
+                p.partition,
+            )
+            for n, p in entries.items()
+        }
+        t = job.trees
+        return Manifest(
+            step=job.step,
+            created_at=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            backend=job.backend,
+            layout=job.layout,
+            tensors=tensors,
+            files=files,
+            optimizer=t.get("optimizer"),
+            scheduler=t.get("scheduler"),
+            scaler=t.get("scaler"),
+            rng={str(r["rank"]): r["trees"]["rng"] for r in reports if "rng" in r["trees"]},
+            progress=t["progress"],
+            data={str(r["rank"]): r["trees"]["data"] for r in reports if "data" in r["trees"]},
+            tokenizer=t.get("tokenizer"),
+            environment=environment.capture(self.coll.world_size),
+            user=t.get("user"),
+        )
+
+
+def _layout_kind(named: list[NamedTensor]) -> str:
+    from torch.distributed.tensor import DTensor
+
+    return "dtensor" if any(isinstance(n.tensor, DTensor) for n in named) else "replicated"

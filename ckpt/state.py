@@ -1,0 +1,122 @@
+"""Turning training objects into logical tensors and JSON trees, and back.
+
+The core never sees a model or an optimizer: this module flattens them into named tensors (parameters, buffers,
+optimizer moments keyed by *parameter name*, never positional id) and encoded trees (param_groups, scheduler,
+scaler, data-loader state), and maps them back for a restore.  Positional optimizer ids are what break
+resharding and model edits in other tools; names survive both.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from . import treecodec
+from .errors import StateMismatchError
+
+OPTIM_PREFIX = "optim/"
+
+
+@dataclass(frozen=True)
+class NamedTensor:
+    name: str
+    tensor: torch.Tensor
+    role: str
+    param: str | None = None
+    key: str | None = None
+
+
+def optim_name(param: str, key: str) -> str:
+    return f"{OPTIM_PREFIX}{param}/{key}"
+
+
+def model_tensors(model: Any) -> list[NamedTensor]:
+    """Parameters and buffers of an ``nn.Module`` (via ``state_dict``), or every tensor of a flat state dict."""
+    if isinstance(model, torch.nn.Module):
+        params = {n for n, _ in model.named_parameters()}
+        sd = model.state_dict()
+        return [
+            NamedTensor(n, t, "parameter" if n in params else "buffer")
+            for n, t in sd.items()
+            if isinstance(t, torch.Tensor)
+        ]
+    if isinstance(model, Mapping):
+        out = []
+        for n, t in model.items():
+            if not isinstance(t, torch.Tensor):
+                raise StateMismatchError(
+                    f"model state dict entry {n!r} is a {type(t).__name__}, expected a tensor"
+                )
+            out.append(NamedTensor(str(n), t, "parameter"))
+        return out
+    raise StateMismatchError(f"model must be an nn.Module or a state dict, got {type(model).__name__}")
+
+
+def param_names_in_optimizer_order(optimizer: torch.optim.Optimizer, model: Any) -> list[str]:
+    """Names of the optimizer's parameters in its own (state_dict id) order."""
+    if not isinstance(model, torch.nn.Module):
+        raise StateMismatchError(
+            "saving or restoring an optimizer needs model= as an nn.Module to name its parameters"
+        )
+    by_id = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
+    names = []
+    for gi, group in enumerate(optimizer.param_groups):
+        for pi, p in enumerate(group["params"]):
+            if id(p) not in by_id:
+                raise StateMismatchError(
+                    f"optimizer param_groups[{gi}] parameter {pi} (shape {list(p.shape)}) is not a parameter of the model"
+                )
+            names.append(by_id[id(p)])
+    return names
+
+
+def optimizer_capture(
+    optimizer: torch.optim.Optimizer, model: Any
+) -> tuple[list[NamedTensor], dict[str, Any]]:
+    """Optimizer moments as named tensors, plus the JSON part (type, param_groups by name, scalar state)."""
+    names = param_names_in_optimizer_order(optimizer, model)
+    sd = optimizer.state_dict()
+    tensors: list[NamedTensor] = []
+    scalars: dict[str, Any] = {}
+    for idx, per_param in sd["state"].items():
+        pname = names[idx]
+        for key, value in per_param.items():
+            if isinstance(value, torch.Tensor) and value.dim() > 0:
+                tensors.append(NamedTensor(optim_name(pname, key), value, "optimizer_state", pname, key))
+            else:
+                scalars.setdefault(pname, {})[key] = treecodec.encode(
+                    value, f"optimizer.state[{pname}].{key}"
+                )
+    groups = []
+    for gi, g in enumerate(sd["param_groups"]):
+        enc = {
+            k: treecodec.encode(v, f"optimizer.param_groups[{gi}].{k}") for k, v in g.items() if k != "params"
+        }
+        enc["params"] = [names[i] for i in g["params"]]
+        groups.append(enc)
+    cls = type(optimizer)
+    meta = {"type": f"{cls.__module__}.{cls.__qualname__}", "param_groups": groups, "state": scalars}
+    return tensors, meta
+
+
+def state_dict_of(obj: Any, what: str) -> Any:
+    if obj is None:
+        return None
+    if hasattr(obj, "state_dict"):
+        return obj.state_dict()
+    if isinstance(obj, Mapping):
+        return dict(obj)
+    raise StateMismatchError(f"{what} of type {type(obj).__name__} has no state_dict()")
+
+
+def load_state_into(obj: Any, state: Any, what: str) -> None:
+    if hasattr(obj, "load_state_dict"):
+        obj.load_state_dict(state)
+    elif isinstance(obj, dict):
+        obj.clear()
+        obj.update(state)
+    else:
+        raise StateMismatchError(f"{what} of type {type(obj).__name__} has no load_state_dict()")
