@@ -1,0 +1,174 @@
+"""The one place where ckpt unpickles foreign files (NxD ``.pt`` files, DCP metadata, ``torch.save`` output).
+
+Threat model: a checkpoint directory is input from somewhere else. A pickle can name any importable callable and
+run it while loading (``__reduce__`` -> ``os.system``).  Everything ckpt reads from a foreign pickle therefore goes
+through :func:`load_torch_file`, which uses torch's restricted ``weights_only`` unpickler: only tensors, storages,
+plain containers, dtypes/sizes and the globals named on an allow-list can be built; anything else is refused before
+it is called, and the refusal becomes one :class:`ckpt.errors.UnsafePickleError` line naming the file and the global.
+
+Why this approach and not another:
+
+* ``torch.load(weights_only=True)`` is the only unpickler that also restricts ``REDUCE``/``NEWOBJ``/``BUILD`` to
+  allow-listed objects (a plain ``pickle.Unpickler.find_class`` allow-list stops at the global lookup), and it is
+  maintained with torch's own storage/tensor rebuild rules.  We do not re-implement it.
+* torch_xla's xser files pickle ``torch_xla.utils.serialization.TensorReference`` objects.  Allow-listing the real
+  class means importing torch_xla (slow, initialises PJRT, absent on GPU hosts).  torch >= 2.6 accepts allow-list
+  entries of the form ``(object, "module.qualname")``: the pickled name is matched as a string and *our* object is
+  used instead, so :class:`TensorReference` below stands in for it without torch_xla being imported.
+* A custom ``pickle_module`` cannot be combined with ``weights_only=True`` (torch refuses), so that route would lose
+  the restricted unpickler; faking ``sys.modules['torch_xla...']`` would break real torch_xla users in the process.
+* torch's allow-list is process-global.  Our entries are added only while one of our loads runs (reference-counted
+  under a lock, so concurrent loads from several threads do not remove each other's entries) and removed afterwards,
+  so other ``torch.load`` callers in the process are not affected between our loads.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pickle
+import re
+import threading
+from collections.abc import Iterator, Mapping
+from typing import IO, Any
+
+import torch
+
+from ckpt.errors import UnsafePickleError
+
+__all__ = [
+    "XSER_TENSOR_REFERENCE",
+    "TensorReference",
+    "load_torch_file",
+]
+
+#: (module, name) under which torch_xla's xser pickles its tensor placeholders.
+XSER_TENSOR_REFERENCE: tuple[str, str] = ("torch_xla.utils.serialization", "TensorReference")
+
+
+class TensorReference:
+    """Stand-in for ``torch_xla.utils.serialization.TensorReference``: a placeholder for tensor number ``tid``.
+
+    The class carries torch_xla's module and qualified name so that :mod:`converters.nxd` can also *write* xser files
+    whose pickled global is exactly ``torch_xla.utils.serialization.TensorReference`` (its pickle state, like the
+    original's, is ``{"tid": int}``).  ``__setstate__`` accepts nothing else, so a crafted file cannot smuggle other
+    attributes through the allow-listed name.
+    """
+
+    __module__ = XSER_TENSOR_REFERENCE[0]
+    __qualname__ = XSER_TENSOR_REFERENCE[1]
+
+    def __init__(self, tid: int) -> None:
+        self.tid = int(tid)
+
+    def __setstate__(self, state: Any) -> None:
+        if not (isinstance(state, dict) and set(state) == {"tid"} and type(state["tid"]) is int):
+            raise pickle.UnpicklingError(f"TensorReference state must be {{'tid': int}}, got {state!r:.80}")
+        self.tid = state["tid"]
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, TensorReference) and other.tid == self.tid
+
+    def __hash__(self) -> int:
+        return hash(("TensorReference", self.tid))
+
+    def __repr__(self) -> str:
+        return f"TensorReference(tid={self.tid})"
+
+
+TensorReference.__name__ = XSER_TENSOR_REFERENCE[1]
+
+_DEFAULT_ALLOWED: dict[tuple[str, str], Any] = {XSER_TENSOR_REFERENCE: TensorReference}
+
+_lock = threading.Lock()
+_active: dict[tuple[Any, str], list[Any]] = {}  # entry -> [refcount, safe_globals context]
+
+
+@contextlib.contextmanager
+def _allowlisted(allowed: Mapping[tuple[str, str], Any]) -> Iterator[None]:
+    """Register ``allowed`` with torch's weights_only allow-list for the duration of the block (ref-counted)."""
+    entries = [(obj, f"{module}.{name}") for (module, name), obj in allowed.items()]
+    with _lock:
+        for entry in entries:
+            slot = _active.get(entry)
+            if slot is None:
+                ctx = torch.serialization.safe_globals([entry])
+                ctx.__enter__()
+                _active[entry] = [1, ctx]
+            else:
+                slot[0] += 1
+    try:
+        yield
+    finally:
+        with _lock:
+            for entry in entries:
+                slot = _active[entry]
+                slot[0] -= 1
+                if slot[0] == 0:
+                    del _active[entry]
+                    slot[1].__exit__(None, None, None)
+
+
+_DETAIL_RE = re.compile(r"WeightsUnpickler error:\s*(.*?)(?:\n\n|$)", re.S)
+_GLOBAL_RE = re.compile(r"GLOBAL ([\w.]+)")
+
+
+def _refused(message: str) -> str:
+    """Extract what torch's restricted unpickler refused from its (multi-paragraph) message."""
+    m = _DETAIL_RE.search(message)
+    detail = m.group(1).strip() if m else message.strip()
+    g = _GLOBAL_RE.search(detail)
+    if g:
+        return f"global {g.group(1)}"
+    lines = [ln.strip() for ln in detail.splitlines() if ln.strip()]
+    return f"construct ({lines[0][:160]})" if lines else "an unknown construct"
+
+
+def load_torch_file(
+    path_or_fileobj: str | os.PathLike[str] | IO[bytes],
+    extra_allowed: Mapping[tuple[str, str], Any] | None = None,
+    *,
+    mmap: bool = False,
+) -> Any:
+    """Load a ``torch.save`` file without executing code from it; tensors land on the CPU.
+
+    Args:
+        path_or_fileobj: a file path or a binary file object (zip or legacy ``torch.save`` format).
+        extra_allowed: more ``(module, name) -> replacement`` globals to accept, on top of torch's own
+            weights_only set and ``torch_xla.utils.serialization.TensorReference`` (mapped to
+            :class:`TensorReference`).  The replacement is what the unpickler uses; the named module is never imported.
+        mmap: memory-map the file's storages instead of reading them (paths to zip-format files only); keeps peak
+            memory bounded when only a few tensors of a large file are used.
+
+    Returns:
+        The unpickled object.
+
+    Raises:
+        UnsafePickleError: the file references a global or construct that is not allow-listed; nothing was called.
+        CorruptionError: the file is not a readable torch file.
+        FileNotFoundError: the path does not exist.
+    """
+    from ckpt.errors import CorruptionError
+
+    name = (
+        path_or_fileobj
+        if isinstance(path_or_fileobj, (str, os.PathLike))
+        else getattr(path_or_fileobj, "name", "<stream>")
+    )
+    allowed = dict(_DEFAULT_ALLOWED)
+    if extra_allowed:
+        allowed.update(extra_allowed)
+    with _allowlisted(allowed):
+        try:
+            return torch.load(path_or_fileobj, map_location="cpu", weights_only=True, mmap=mmap)
+        except pickle.UnpicklingError as e:
+            raise UnsafePickleError(
+                f"{os.fspath(name)}: refused to unpickle {_refused(str(e))} (not on the allow-list; nothing was executed)"
+            ) from None
+        except FileNotFoundError:
+            raise
+        except (RuntimeError, EOFError, ValueError, OSError) as e:
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise CorruptionError(
+                f"{os.fspath(name)}: not a readable torch.save file ({first[:200]})"
+            ) from None

@@ -1,0 +1,33 @@
+"""NeuronX Distributed (NxD) native checkpoints: read and write them without torch_xla.
+
+Public API (see docs/nxd.md):
+
+* discovery: :func:`list_tags`, :func:`latest_tag`, :func:`tag_status` -> :class:`TagInfo` / :class:`TagStatus`
+* reading: :func:`open_tag` (lazy, one rank at a time), :func:`read_tag` -> :class:`NxdTag`
+* writing: :func:`write_tag`
+* ZeRO-1 helpers: :func:`shard_zero1`, :func:`merge_zero1`
+"""
+
+from .discovery import TagInfo, TagStatus, latest_tag, list_tags, tag_status
+from .naming import RankKey, parse_step
+from .reader import NxdTag, NxdTagMeta, NxdTagReader, open_tag, read_tag
+from .writer import write_tag
+from .zero1 import merge_zero1, shard_zero1
+
+__all__ = [
+    "NxdTag",
+    "NxdTagMeta",
+    "NxdTagReader",
+    "RankKey",
+    "TagInfo",
+    "TagStatus",
+    "latest_tag",
+    "list_tags",
+    "merge_zero1",
+    "open_tag",
+    "parse_step",
+    "read_tag",
+    "shard_zero1",
+    "tag_status",
+    "write_tag",
+]

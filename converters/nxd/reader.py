@@ -1,0 +1,239 @@
+"""Read one NxD tag (training checkpoint, converter output or legacy layout) into plain tensors, without torch_xla.
+
+The result keeps NxD's tensor-parallel layout: one ``{name: tensor}`` per (tp, pp, ep) rank exactly as NxD stored
+it (TP shards are not merged here; the layout engine does that).  ZeRO-1 optimizer shards *are* merged over DP, so
+each rank's optimizer is keyed by parameter name like its model shard.
+
+:class:`NxdTagReader` loads one rank at a time (bounded memory for converters); :func:`read_tag` loads everything.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ckpt.errors import CkptError, CorruptionError
+from ckpt.safe_unpickle import TensorReference, load_torch_file
+
+from .discovery import TagStatus, tag_status
+from .files import TagFiles, scan_tag
+from .naming import RankKey, parse_step
+from .xser import load_nxd_file, read_info, tensors_dir
+from .zero1 import (
+    is_zero1_dict,
+    merge_plain_optimizer,
+    merge_zero1_optimizer,
+    plain_optimizer_shapes,
+    resolve_param_names,
+)
+
+Shape = tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class NxdTagMeta:
+    """What the file names and markers say about a tag."""
+
+    path: Path
+    name: str
+    step: int | None
+    status: TagStatus
+    tp_size: int
+    pp_size: int
+    dp_size: int  # optimizer DP shards (ZeRO-1); 1 otherwise
+    ep_size: int
+    xser: bool
+    zero1: bool
+    legacy: bool
+    problems: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class NxdTag:
+    """A whole tag in memory.
+
+    ``per_rank_optimizer[rank]`` is ``{"state": {name: {key: tensor}}, "param_groups": [{..., "params": [names]}],
+    "master_weights": {name: tensor} | None, "extra": {other top-level keys}}``.
+    """
+
+    meta: NxdTagMeta
+    per_rank_model: dict[RankKey, dict[str, torch.Tensor]]
+    per_rank_optimizer: dict[RankKey, dict[str, Any]]
+    scheduler: dict[str, Any] | None
+    user_content: Any
+
+
+def _flat_tensor_dict(obj: Any, where: Path) -> dict[str, torch.Tensor]:
+    if isinstance(obj, dict) and isinstance(obj.get("model"), dict):
+        obj = obj["model"]  # legacy files often wrap the state dict
+    if not (isinstance(obj, dict) and all(isinstance(k, str) for k in obj)):
+        raise CorruptionError(
+            f"{where}: expected a {{name: tensor}} model state dict, got {type(obj).__name__}"
+        )
+    return obj
+
+
+class NxdTagReader:
+    """Lazy access to one tag: nothing but file names is read until a rank is asked for.
+
+    Args:
+        path: the tag directory (or the converter's ``model/`` folder, or a legacy directory).
+        param_names: optional explicit pid order per rank (names, index = pid), for optimizers built with a param
+            grouping other than a single group or NxD's weight-decay split.
+        mmap: memory-map plain files instead of reading them.
+    """
+
+    def __init__(
+        self,
+        path: str | Path,
+        *,
+        param_names: Mapping[RankKey, Sequence[str]] | None = None,
+        mmap: bool = False,
+    ) -> None:
+        self.files: TagFiles = scan_tag(path)
+        self._param_names = param_names or {}
+        self._mmap = mmap
+        f = self.files
+        zero1 = f.dp_size > 1 or (bool(f.optim) and self._peek_zero1())
+        info = tag_status(f.path)
+        self.meta = NxdTagMeta(
+            path=f.path,
+            name=f.path.name,
+            step=parse_step(f.path.name),
+            status=info.status,
+            tp_size=f.tp_size,
+            pp_size=f.pp_size,
+            dp_size=f.dp_size,
+            ep_size=f.ep_size,
+            xser=f.xser,
+            zero1=zero1,
+            legacy=f.is_legacy,
+            problems=info.problems,
+        )
+
+    def _peek_zero1(self) -> bool:
+        first = self.files.optim[min(self.files.optim)]
+        return is_zero1_dict(load_torch_file(first))
+
+    @property
+    def ranks(self) -> list[RankKey]:
+        """The (tp, pp, ep) ranks of the model shards."""
+        return self.files.ranks
+
+    def _model_path(self, rank: RankKey) -> Path:
+        table = self.files.legacy if self.meta.legacy else self.files.model
+        if rank not in table:
+            raise CkptError(f"{self.files.path}: no model file for tp {rank[0]} pp {rank[1]} ep {rank[2]}")
+        return table[rank]
+
+    def _is_xser_file(self, p: Path) -> bool:
+        return tensors_dir(p).is_dir() if self.meta.legacy else self.meta.xser
+
+    def model_shapes(self, rank: RankKey) -> list[tuple[str, Shape]]:
+        """(name, shape) of each tensor of a model shard, in stored order; cheap for xser files with ``.info.pt``."""
+        p = self._model_path(rank)
+        if self._is_xser_file(p):
+            info = read_info(p)
+            refs = _flat_tensor_dict(load_torch_file(p), p)
+            if info is not None and all(isinstance(r, TensorReference) for r in refs.values()):
+                return [(k, tuple(int(s) for s in info[r.tid]["shape"])) for k, r in refs.items()]
+        return [(k, tuple(v.shape)) for k, v in self.model(rank).items()]
+
+    def model(self, rank: RankKey) -> dict[str, torch.Tensor]:
+        """The model shard of one rank, as NxD stored it.
+
+        When NxD left the model tensors out (``avoid_saving_lower_precision_weights``), they are rebuilt from the
+        ZeRO-1 master weights cast to the dtype recorded in ``.info.pt`` (what NxD's own load does).
+        """
+        p = self._model_path(rank)
+        xser = self._is_xser_file(p)
+        missing = None
+        if xser and self.files.optim and not self.meta.legacy:
+            refs = load_torch_file(p)
+            tid_name = {r.tid: k for k, r in refs.items() if isinstance(r, TensorReference)}
+            info = read_info(p)
+
+            def missing(ref: TensorReference) -> torch.Tensor:
+                opt = self.optimizer(rank)
+                master = (opt or {}).get("master_weights") or {}
+                name = tid_name.get(ref.tid)
+                if name not in master or info is None:
+                    raise CorruptionError(
+                        f"{p}.tensors/tensor_{ref.tid}.pt: missing and no master weight for {name}"
+                    )
+                return master[name].to(info[ref.tid]["dtype"])
+
+        return _flat_tensor_dict(load_nxd_file(p, xser, mmap=self._mmap, missing=missing), p)
+
+    def param_names(self, rank: RankKey) -> list[str] | None:
+        """Name of each optimizer pid of this rank (index = pid); None without optimizer files."""
+        opt0 = self._optim_files(rank)
+        if not opt0:
+            return None
+        explicit = self._param_names.get(rank)
+        d0 = load_torch_file(opt0[0])  # refs only: names and shapes need no tensor data
+        where = str(opt0[0])
+        if is_zero1_dict(d0):
+            return resolve_param_names(
+                self.model_shapes(rank), d0["param_groups"], d0["shape_info"], where=where, explicit=explicit
+            )
+        d0 = load_nxd_file(opt0[0], self.meta.xser)
+        shapes, n = plain_optimizer_shapes(d0)
+        return resolve_param_names(
+            self.model_shapes(rank), d0["param_groups"], shapes, where=where, num_params=n, explicit=explicit
+        )
+
+    def _optim_files(self, rank: RankKey) -> list[Path]:
+        optim = self.files.optim
+        key = rank if (0, rank) in optim else (rank[0], rank[1], 0)  # ZeRO-1 optim names carry no ep
+        files = [optim[(dp, key)] for dp in range(self.meta.dp_size) if (dp, key) in optim]
+        if files and len(files) != self.meta.dp_size:
+            raise CorruptionError(
+                f"{self.files.path}/optim: {len(files)} of {self.meta.dp_size} DP shards for {key}"
+            )
+        return files
+
+    def optimizer(self, rank: RankKey) -> dict[str, Any] | None:
+        """This rank's optimizer state with ZeRO-1 shards merged over DP and pids replaced by names; None if absent."""
+        files = self._optim_files(rank)
+        if not files:
+            return None
+        names = self.param_names(rank)
+        assert names is not None
+        dicts = [load_nxd_file(f, self.meta.xser, mmap=self._mmap) for f in files]
+        where = str(files[0])
+        if is_zero1_dict(dicts[0]):
+            return merge_zero1_optimizer(dicts, names, where=where)
+        return merge_plain_optimizer(dicts[0], names, where=where)
+
+    def scheduler(self) -> dict[str, Any] | None:
+        return None if self.files.scheduler is None else load_torch_file(self.files.scheduler)
+
+    def user_content(self) -> Any:
+        return None if self.files.user_content is None else load_torch_file(self.files.user_content)
+
+    def read(self) -> NxdTag:
+        """Everything at once (memory = the whole tag)."""
+        return NxdTag(
+            meta=self.meta,
+            per_rank_model={r: self.model(r) for r in self.ranks},
+            per_rank_optimizer={r: o for r in self.ranks if (o := self.optimizer(r)) is not None},
+            scheduler=self.scheduler(),
+            user_content=self.user_content(),
+        )
+
+
+def open_tag(
+    path: str | Path, *, param_names: Mapping[RankKey, Sequence[str]] | None = None, mmap: bool = False
+) -> NxdTagReader:
+    """A lazy reader for one tag (see :class:`NxdTagReader`)."""
+    return NxdTagReader(path, param_names=param_names, mmap=mmap)
+
+
+def read_tag(path: str | Path, *, param_names: Mapping[RankKey, Sequence[str]] | None = None) -> NxdTag:
+    """Read a whole tag into memory (see :class:`NxdTag`)."""
+    return NxdTagReader(path, param_names=param_names).read()

@@ -1,0 +1,281 @@
+"""ZeRO-1 optimizer shards of NxD (torch_xla ``ZeroRedundancyOptimizer.state_dict()``): merge over DP and re-shard.
+
+Facts (torch_xla ``distributed/zero_redundancy_optimizer.py``, NxD ``optimizer/zero_redundancy_optimizer.py``):
+
+* one dict per DP rank: ``state`` (the wrapper's own, normally ``{}``), ``param_groups`` (params as pids),
+  ``base_state = {pid: {"step", "exp_avg", ...}}`` holding this rank's shard, ``shape_info = {pid: TP-local shape}``
+  and, with ``save_master_weights``, ``sharded_master_weights = {pid: shard}``;
+* shard rule: pad dim 0 with zeros to a multiple of the DP size, then ``chunk(dp)[dp_rank]``; master weight shards
+  keep their padding too; ``step`` (and any 0-dim value) is replicated, not sharded;
+* ``pid`` counts the optimizer's parameters group by group (``get_shape_info``); the file stores no names.
+  NxD's examples build two groups (``get_param_groups_by_weight_decay``: names without "bias"/"norm" first, then
+  the others), so pid order equals model order only with a single group.  :func:`resolve_param_names` tries both
+  and checks every shape against ``shape_info``.
+* The MoE variant (``NeuronEPZero1Optimizer``) adds ``ep_*_offset`` keys; it is not supported here.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from ckpt.errors import CkptError, CorruptionError, StateMismatchError
+
+from .xser import compact
+
+Shape = tuple[int, ...]
+NO_DECAY_MARKERS = ("bias", "norm")  # NxD examples' get_param_groups_by_weight_decay
+_ZERO1_KEYS = {"state", "param_groups", "base_state", "shape_info", "sharded_master_weights"}
+
+
+def is_zero1_dict(obj: Any) -> bool:
+    """True for a ZeRO-1 optimizer dict (it has ``base_state`` and ``shape_info``)."""
+    return isinstance(obj, dict) and "base_state" in obj and "shape_info" in obj
+
+
+def shard_zero1(tensor: torch.Tensor, dp_size: int) -> list[torch.Tensor]:
+    """Split like torch_xla ZeRO-1: zero-pad dim 0 to a multiple of ``dp_size``, then ``chunk``; one per DP rank."""
+    if tensor.dim() == 0:
+        raise CkptError("ZeRO-1 cannot shard a 0-dim tensor (torch_xla pads dim 0)")
+    n = tensor.size(0)
+    if n % dp_size:
+        pad = dp_size - n % dp_size
+        tensor = F.pad(tensor, [0, 0] * (tensor.dim() - 1) + [0, pad])
+    return [compact(c.clone()) for c in tensor.chunk(dp_size)]
+
+
+def merge_zero1(shards: Sequence[torch.Tensor], shape: Sequence[int], *, where: str = "") -> torch.Tensor:
+    """Inverse of :func:`shard_zero1`: concatenate the DP shards along dim 0 and strip the padding to ``shape``."""
+    shape = tuple(int(s) for s in shape)
+    dp = len(shards)
+    full = torch.cat(list(shards), dim=0) if dp > 1 else shards[0]
+    ok = (
+        len(shape) == full.dim()
+        and tuple(full.shape[1:]) == shape[1:]
+        and all(s.shape == shards[0].shape for s in shards)
+        and shape[0] <= full.size(0) < shape[0] + dp
+    )
+    if not ok:
+        got = [list(s.shape) for s in shards]
+        raise CorruptionError(f"{where}: DP shards {got} do not merge to shape_info {list(shape)}")
+    return full[: shape[0]].clone() if full.size(0) != shape[0] else (full if dp > 1 else full.clone())
+
+
+def _shape(x: Any) -> Shape:
+    return tuple(int(s) for s in x)
+
+
+def resolve_param_names(
+    model_shapes: Sequence[tuple[str, Shape]],
+    param_groups: Sequence[Mapping[str, Any]],
+    shape_info: Mapping[int, Any],
+    *,
+    where: str,
+    num_params: int | None = None,
+    explicit: Sequence[str] | None = None,
+) -> list[str]:
+    """Name of each pid (index = pid), derived from the model shard's key order and checked against ``shape_info``.
+
+    Candidates, in order: NxD's two-group weight-decay split (when there are exactly two groups of matching sizes),
+    then plain model order.  The first whose every shape matches wins; otherwise the error names the first
+    disagreeing pid.  Pass explicit names to the reader when training used another grouping.  ``num_params`` is for
+    plain torch.optim dicts, where ``shape_info`` is built from the state tensors and may miss pids.  ``explicit``
+    replaces the candidates by one given order (still checked).
+    """
+    n = len(shape_info) if num_params is None else num_params
+    if num_params is None and sorted(shape_info) != list(range(n)):
+        raise CorruptionError(f"{where}: shape_info pids are not 0..{n - 1}")
+    sizes = [len(g.get("params", [])) for g in param_groups]
+    names = [name for name, _ in model_shapes]
+    shapes = dict(model_shapes)
+    candidates: list[list[str]] = []
+    if explicit is not None:
+        unknown = [k for k in explicit if k not in shapes]
+        if unknown:
+            raise StateMismatchError(
+                f"{where}: param_names has '{unknown[0]}' which is not in the model shard"
+            )
+        names = list(explicit)
+    elif len(param_groups) == 2:
+        decay = [k for k in names if not any(m in k for m in NO_DECAY_MARKERS)]
+        no_decay = [k for k in names if any(m in k for m in NO_DECAY_MARKERS)]
+        if [len(decay), len(no_decay)] == sizes:
+            candidates.append(decay + no_decay)
+    candidates.append(names)
+    first_error = ""
+    for cand in candidates:
+        if len(cand) != n:
+            first_error = first_error or (
+                f"{where}: optimizer has {n} parameters (shape_info) but the model shard has {len(cand)} tensors"
+            )
+            continue
+        bad = next(
+            (pid for pid in sorted(shape_info) if _shape(shape_info[pid]) != _shape(shapes[cand[pid]])), None
+        )
+        if bad is None:
+            return cand
+        first_error = first_error or (
+            f"{where}: pid {bad} has shape_info {list(_shape(shape_info[bad]))} but model parameter "
+            f"'{cand[bad]}' has shape {list(shapes[cand[bad]])}; pass param_names explicitly"
+        )
+    raise StateMismatchError(first_error)
+
+
+def merge_zero1_optimizer(
+    dp_dicts: Sequence[Mapping[str, Any]], param_names: Sequence[str], *, where: str
+) -> dict[str, Any]:
+    """Merge the DP shards of one (tp, pp) rank into ``{"state", "param_groups", "master_weights", "extra"}``.
+
+    ``state`` is ``{name: {key: full TP-local tensor}}``; ``param_groups`` lists names instead of pids;
+    ``master_weights`` is ``{name: fp32 tensor}`` or None (NxD's own ``nxd_convert_zero_checkpoints`` drops these);
+    ``extra`` keeps any other top-level keys of DP rank 0 (and the wrapper ``state`` when it is not empty).
+    """
+    d0 = dp_dicts[0]
+    if "ep_param_id_offset" in d0:
+        raise CkptError(f"{where}: ZeRO-1 with expert parallelism (NeuronEPZero1Optimizer) is not supported")
+    shape_info = {int(k): _shape(v) for k, v in d0["shape_info"].items()}
+    for i, d in enumerate(dp_dicts[1:], start=1):
+        if {int(k): _shape(v) for k, v in d["shape_info"].items()} != shape_info:
+            raise CorruptionError(f"{where}: DP rank {i} has a different shape_info than DP rank 0")
+    if len(param_names) != len(shape_info):
+        raise StateMismatchError(f"{where}: {len(param_names)} names for {len(shape_info)} pids")
+    for i, d in enumerate(dp_dicts):
+        if set(d["base_state"]) != set(d0["base_state"]):
+            raise CorruptionError(f"{where}: DP rank {i} holds state for other pids than DP rank 0")
+
+    state: dict[str, dict[str, Any]] = {}
+    for pid, per_key in d0["base_state"].items():
+        name = param_names[pid]
+        merged: dict[str, Any] = {}
+        for key, v0 in per_key.items():
+            if isinstance(v0, torch.Tensor) and v0.dim() > 0 and key != "step":
+                try:
+                    shards = [d["base_state"][pid][key] for d in dp_dicts]
+                except KeyError:
+                    raise CorruptionError(
+                        f"{where}: pid {pid} ('{name}') {key} missing on some DP rank"
+                    ) from None
+                merged[key] = merge_zero1(
+                    shards, shape_info[pid], where=f"{where}: pid {pid} ('{name}') {key}"
+                )
+            else:
+                merged[key] = v0
+        state[name] = merged
+
+    master: dict[str, torch.Tensor] | None = None
+    if "sharded_master_weights" in d0:
+        master = {}
+        for pid, _ in d0["sharded_master_weights"].items():
+            name = param_names[pid]
+            shards = [d["sharded_master_weights"][pid] for d in dp_dicts]
+            master[name] = merge_zero1(
+                shards, shape_info[pid], where=f"{where}: master weight pid {pid} ('{name}')"
+            )
+
+    groups = copy.deepcopy([{k: v for k, v in g.items() if k != "params"} for g in d0["param_groups"]])
+    for g, g0 in zip(groups, d0["param_groups"], strict=True):
+        g["params"] = [param_names[p] for p in g0["params"]]
+    extra = {k: v for k, v in d0.items() if k not in _ZERO1_KEYS}
+    if d0.get("state"):
+        extra["state"] = d0["state"]
+    return {"state": state, "param_groups": groups, "master_weights": master, "extra": extra}
+
+
+def shard_zero1_optimizer(
+    merged: Mapping[str, Any], param_shapes: Mapping[str, Shape], dp_size: int, *, where: str = ""
+) -> list[dict[str, Any]]:
+    """Inverse of :func:`merge_zero1_optimizer`: the ZeRO-1 dict of every DP rank (index = DP rank).
+
+    pids are assigned group by group in ``param_groups`` order (what torch_xla does); ``param_shapes`` gives each
+    parameter's TP-local shape for ``shape_info`` (the model shard's shapes).
+    """
+    order = [name for g in merged["param_groups"] for name in g["params"]]
+    pid_of = {name: pid for pid, name in enumerate(order)}
+    missing = [n for n in order if n not in param_shapes]
+    if missing:
+        raise StateMismatchError(
+            f"{where}: no shape for optimizer parameter '{missing[0]}' (not in the model shard)"
+        )
+    for name in merged["state"]:
+        if name not in pid_of:
+            raise StateMismatchError(f"{where}: optimizer state for '{name}' which is in no param group")
+    out: list[dict[str, Any]] = []
+    for _ in range(dp_size):
+        groups = [dict(g) for g in merged["param_groups"]]
+        for g in groups:
+            g["params"] = [pid_of[n] for n in g["params"]]
+        wrapper_state = merged.get("extra", {}).get("state", {})
+        d: dict[str, Any] = {k: v for k, v in merged.get("extra", {}).items() if k != "state"}
+        d.update(
+            {
+                "state": wrapper_state,
+                "param_groups": copy.deepcopy(groups),
+                "base_state": {},
+                "shape_info": {pid: list(param_shapes[n]) for pid, n in enumerate(order)},
+            }
+        )
+        out.append(d)
+    for name in sorted(merged["state"], key=pid_of.__getitem__):
+        pid = pid_of[name]
+        per_rank: list[dict[str, Any]] = [{} for _ in range(dp_size)]
+        for key, v in merged["state"][name].items():
+            if isinstance(v, torch.Tensor) and v.dim() > 0 and key != "step":
+                if _shape(v.shape) != _shape(param_shapes[name]):
+                    raise StateMismatchError(
+                        f"{where}: state '{name}' {key} has shape {list(v.shape)}, parameter has {list(param_shapes[name])}"
+                    )
+                for r, s in enumerate(shard_zero1(v, dp_size)):
+                    per_rank[r][key] = s
+            else:
+                for r in range(dp_size):
+                    per_rank[r][key] = v
+        for r in range(dp_size):
+            out[r]["base_state"][pid] = per_rank[r]
+    if merged.get("master_weights") is not None:
+        for r in range(dp_size):
+            out[r]["sharded_master_weights"] = {}
+        for name, w in sorted(merged["master_weights"].items(), key=lambda kv: pid_of[kv[0]]):
+            for r, s in enumerate(shard_zero1(w, dp_size)):
+                out[r]["sharded_master_weights"][pid_of[name]] = s
+    return out
+
+
+def merge_plain_optimizer(
+    opt: Mapping[str, Any], param_names: Sequence[str], *, where: str
+) -> dict[str, Any]:
+    """A plain ``torch.optim`` state dict (non-ZeRO NxD run) in the same named form as :func:`merge_zero1_optimizer`."""
+    state = {param_names[pid]: dict(v) for pid, v in opt.get("state", {}).items()}
+    groups = copy.deepcopy([{k: v for k, v in g.items() if k != "params"} for g in opt["param_groups"]])
+    for g, g0 in zip(groups, opt["param_groups"], strict=True):
+        g["params"] = [param_names[p] for p in g0["params"]]
+    extra = {k: v for k, v in opt.items() if k not in ("state", "param_groups")}
+    return {"state": state, "param_groups": groups, "master_weights": None, "extra": extra}
+
+
+def plain_optimizer_shapes(opt: Mapping[str, Any]) -> tuple[dict[int, Shape], int]:
+    """``(pid -> shape known from its state tensors, number of pids)`` of a plain torch.optim state dict."""
+    n = sum(len(g["params"]) for g in opt["param_groups"])
+    shapes: dict[int, Shape] = {}
+    for pid, per_key in opt.get("state", {}).items():
+        for key, v in per_key.items():
+            if isinstance(v, torch.Tensor) and v.dim() > 0 and key != "step":
+                shapes[int(pid)] = _shape(v.shape)
+                break
+    return shapes, n
+
+
+def unshard_plain_optimizer(merged: Mapping[str, Any]) -> dict[str, Any]:
+    """Inverse of :func:`merge_plain_optimizer`: pids back in ``param_groups`` order."""
+    order = [name for g in merged["param_groups"] for name in g["params"]]
+    pid_of = {name: pid for pid, name in enumerate(order)}
+    groups = copy.deepcopy([dict(g) for g in merged["param_groups"]])
+    for g in groups:
+        g["params"] = [pid_of[n] for n in g["params"]]
+    state = {pid_of[n]: dict(v) for n, v in sorted(merged["state"].items(), key=lambda kv: pid_of[kv[0]])}
+    out: dict[str, Any] = {"state": state, "param_groups": groups}
+    out.update(merged.get("extra", {}))
+    return out
