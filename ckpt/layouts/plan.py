@@ -20,7 +20,7 @@ from ckpt.errors import LayoutError
 from ckpt.layouts import gqa
 from ckpt.layouts.fused import local_part_sizes, part_offsets
 from ckpt.layouts.names import hf_to_nxd_name, nxd_to_hf_names
-from ckpt.layouts.pipeline import pp_ranks_of
+from ckpt.layouts.pipeline import layer_index, pp_ranks_of
 from ckpt.layouts.rules import NXD_LLAMA, Kind, Rule, rule_for
 from ckpt.layouts.spec import LayoutSpec, ModelDims
 from ckpt.layouts.tp import runs, strided_ranges
@@ -288,9 +288,35 @@ def plan_nxd_to_full(spec: LayoutSpec, rank_metas: Mapping[Rank, Mapping[str, Te
             for hf_name in nxd_to_hf_names(nxd_name, spec):
                 if hf_name not in full:
                     full[hf_name] = full_meta_from_local(spec, hf_name, meta)
+    _check_complete(spec, full)
     _check_rank_metas(plan_full_to_nxd(spec, full), rank_metas)
     tensors = tuple(plan_tensor_nxd_to_full(spec, name, meta) for name, meta in full.items())
     return LayoutPlan(spec, "nxd_to_full", tensors)
+
+
+def _check_complete(spec: LayoutSpec, full: Mapping[str, TensorMeta]) -> None:
+    """Every layer, embeddings, final norm and (untied) lm_head must be somewhere; layers must agree."""
+    per_layer: dict[int, set[str]] = {}
+    for name in full:
+        layer = layer_index(name)
+        if layer is not None:
+            per_layer.setdefault(layer, set()).add(name.split(".", 3)[3])
+    missing = sorted(set(range(spec.model.layers)) - set(per_layer))
+    if missing:
+        raise LayoutError(
+            f"layers {missing} are missing on every rank (check --pp {spec.pp} / --virtual-pp {spec.virtual_pp})"
+        )
+    first = per_layer[0]
+    for layer, names in sorted(per_layer.items()):
+        if names != first:
+            odd = sorted(names ^ first)[0]
+            raise LayoutError(f"model.layers.{layer} differs from model.layers.0 in {odd!r}")
+    required = ["model.embed_tokens.weight", "model.norm.weight"]
+    if not spec.model.tie_word_embeddings:
+        required.append("lm_head.weight")
+    for name in required:
+        if name not in full:
+            raise LayoutError(f"{name} is missing on every rank (check --pp {spec.pp})")
 
 
 def _check_rank_metas(expected: LayoutPlan, rank_metas: Mapping[Rank, Mapping[str, TensorMeta]]) -> None:
