@@ -37,16 +37,21 @@ class TagFiles:
         return sorted(self.model or self.legacy)
 
     @property
+    def _all_keys(self) -> set[RankKey]:
+        # sizes come from every file name, so a missing last-rank model file is reported, not silently dropped
+        return set(self.model) | set(self.legacy) | {k for _, k in self.optim}
+
+    @property
     def tp_size(self) -> int:
-        return 1 + max((k[0] for k in self.ranks), default=0)
+        return 1 + max((k[0] for k in self._all_keys), default=0)
 
     @property
     def pp_size(self) -> int:
-        return 1 + max((k[1] for k in self.ranks), default=0)
+        return 1 + max((k[1] for k in self._all_keys), default=0)
 
     @property
     def ep_size(self) -> int:
-        return 1 + max((k[2] for k in self.ranks), default=0)
+        return 1 + max((k[2] for k in self._all_keys), default=0)
 
     @property
     def dp_size(self) -> int:
@@ -142,12 +147,17 @@ def _file_problems(f: Path, xser: bool) -> list[str]:
     if info is not None and not any(tensors_dir(f).iterdir()):
         return []  # avoid_saving_lower_precision_weights: tensors only in the optimizer's master weights
     ep00 = ep00_path(f)
-    missing = [
-        t
-        for t in tids
-        if not tensor_file(f, t).is_file() and not (ep00 is not None and tensor_file(ep00, t).is_file())
-    ]
-    return [f"{tensor_file(f, missing[0])}: missing ({len(missing)} tensor files missing)"] if missing else []
+    missing, torn = [], []
+    for t in tids:
+        own = tensor_file(f, t)
+        found = own if own.is_file() else (tensor_file(ep00, t) if ep00 is not None else None)
+        if found is None or not found.is_file():
+            missing.append(own)
+        elif not zipfile.is_zipfile(found):
+            torn.append(found)
+    if missing:
+        return [f"{missing[0]}: missing ({len(missing)} tensor files missing)"]
+    return [f"{torn[0]}: not a complete torch.save zip (truncated?)"] if torn else []
 
 
 def find_problems(files: TagFiles) -> list[str]:
