@@ -1,0 +1,3 @@
+from ckpt.cli.main import main
+
+main()

@@ -1,0 +1,116 @@
+"""A tiny data-parallel training job used by ``ckpt demo`` (and runnable by hand with torchrun).
+
+It trains a small MLP with dropout, AdamW and a warmup schedule on synthetic data, checkpoints asynchronously
+with :class:`ckpt.CheckpointManager` every ``--save-every`` steps, and can kill itself with SIGKILL at
+``--kill-at`` to play a crash.  Every step's loss is appended to ``<run>/losses.jsonl`` in full precision.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import time
+
+import torch
+import torch.distributed as dist
+
+import ckpt
+
+
+class ShardedBatches:
+    """Deterministic synthetic batches, sharded by rank, with a resumable position (state_dict)."""
+
+    def __init__(self, rank: int, world: int, batch: int = 8, dim: int = 16, size: int = 256) -> None:
+        self.rank, self.world, self.batch, self.dim, self.size = rank, world, batch, dim, size
+        self.epoch, self.pos = 0, 0
+
+    def next(self) -> tuple[torch.Tensor, torch.Tensor]:
+        per_epoch = self.size // (self.batch * self.world)
+        if self.pos >= per_epoch:
+            self.epoch, self.pos = self.epoch + 1, 0
+        g = torch.Generator().manual_seed(1000 + self.epoch)
+        x = torch.randn(self.size, self.dim, generator=g)
+        y = x[:, :4].sum(dim=1, keepdim=True).tanh()
+        perm = torch.randperm(self.size, generator=g)
+        start = (self.pos * self.world + self.rank) * self.batch
+        idx = perm[start : start + self.batch]
+        self.pos += 1
+        return x[idx], y[idx]
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "pos": self.pos}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.epoch, self.pos = int(state["epoch"]), int(state["pos"])
+
+
+def build(rank: int, world: int, total_steps: int) -> tuple:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(16, 64), torch.nn.GELU(), torch.nn.Dropout(0.1), torch.nn.Linear(64, 1)
+    )
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
+    warmup = 5
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: min(1.0, (s + 1) / warmup) * max(0.1, 1 - s / total_steps)
+    )
+    return model, opt, sched, ShardedBatches(rank, world)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--run", required=True)
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--save-every", type=int, default=5)
+    p.add_argument("--kill-at", type=int, default=0)
+    p.add_argument("--keep-last", type=int, default=3)
+    a = p.parse_args(argv)
+    if "RANK" in os.environ:
+        dist.init_process_group("gloo")
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    torch.manual_seed(1234 + rank)
+    model, opt, sched, data = build(rank, world, a.steps)
+    mgr = ckpt.CheckpointManager(f"{a.run}/checkpoints", keep_last=a.keep_last, async_save=True)
+    state = {"model": model, "optimizer": opt, "scheduler": sched, "dataloader": data}
+    t0 = time.perf_counter()
+    restored = mgr.restore_latest(**state)
+    start = (restored or 0) + 1
+    log = open(f"{a.run}/losses.jsonl", "a") if rank == 0 else None  # noqa: SIM115
+    if log is not None:
+        log.write(
+            json.dumps({"event": "start", "restored": restored, "restore_s": time.perf_counter() - t0}) + "\n"
+        )
+        log.flush()
+    for step in range(start, a.steps + 1):
+        x, y = data.next()
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        if world > 1:
+            for prm in model.parameters():
+                dist.all_reduce(prm.grad)
+                prm.grad /= world
+            dist.all_reduce(loss)
+            loss /= world
+        opt.step()
+        sched.step()
+        if log is not None:
+            log.write(
+                json.dumps({"step": step, "loss": loss.item().hex(), "lr": sched.get_last_lr()[0]}) + "\n"
+            )
+            log.flush()
+        if step % a.save_every == 0:
+            mgr.save(step, progress={"samples": step * 8 * world}, **state)
+        if step == a.kill_at:
+            time.sleep(0.002)  # let the background writer get going, then crash mid-save
+            os.kill(os.getpid(), signal.SIGKILL)
+    mgr.close()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

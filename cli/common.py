@@ -1,0 +1,29 @@
+"""Small helpers shared by the commands: consoles and human-readable sizes."""
+
+from __future__ import annotations
+
+from rich.console import Console
+
+out = Console(highlight=False, soft_wrap=True)
+err = Console(stderr=True, highlight=False, soft_wrap=True)
+
+
+def human_bytes(n: int) -> str:
+    size = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if size < 1024 or unit == "TiB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    return f"{n} B"
+
+
+def layout_text(layout: object) -> str:
+    parts = [
+        f"{k}={getattr(layout, k)}"
+        for k in ("world_size", "tp", "pp", "dp", "ep")
+        if getattr(layout, k) != 1 or k == "world_size"
+    ]
+    zero = getattr(layout, "zero_stage", 0)
+    if zero:
+        parts.append(f"zero{zero}")
+    return f"{getattr(layout, 'kind', '')} " + " ".join(parts)

@@ -1,0 +1,61 @@
+"""``ckpt ls ROOT``: the checkpoints under a root, ordered by step, with their status."""
+
+from __future__ import annotations
+
+import json
+
+import click
+from rich.table import Table
+
+from ckpt.discovery import list_checkpoints
+from ckpt.errors import CkptError
+from ckpt.storage import Storage
+
+from .common import human_bytes, layout_text, out
+
+
+@click.command(epilog="Example: ckpt ls s3://bucket/run/checkpoints")
+@click.argument("root")
+@click.option("--check-files", is_flag=True, help="Also check that every data file is present at its size.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
+def ls(root: str, check_files: bool, as_json: bool) -> None:
+    """List checkpoints under ROOT: step, time, size, backend, layout, status."""
+    storage = Storage(root)
+    if not storage.is_dir():
+        raise CkptError(f"{root}: no such directory")
+    infos = list_checkpoints(storage, check_files=check_files)
+    if as_json:
+        rows = [
+            {
+                "step": i.step,
+                "name": i.name,
+                "status": i.status,
+                "error": i.error,
+                "created_at": i.manifest.created_at if i.manifest else None,
+                "bytes": i.manifest.total_bytes if i.manifest else None,
+                "backend": i.manifest.backend if i.manifest else None,
+            }
+            for i in infos
+        ]
+        out.print_json(json.dumps(rows))
+        return
+    if not infos:
+        out.print(f"no checkpoints under {root}")
+        return
+    table = Table(title=root)
+    for col in ("step", "time", "size", "backend", "layout", "status"):
+        table.add_column(col, justify="right" if col in ("step", "size") else "left")
+    for i in infos:
+        m = i.manifest
+        status = {"committed": "[green]committed[/]", "uncommitted": "[yellow]uncommitted[/]"}.get(
+            i.status, f"[red]damaged[/] {i.error or ''}"
+        )
+        table.add_row(
+            str(i.step),
+            m.created_at if m else "",
+            human_bytes(m.total_bytes) if m else "",
+            m.backend if m else "",
+            layout_text(m.layout) if m else "",
+            status,
+        )
+    out.print(table)
