@@ -1,0 +1,71 @@
+"""Result types shared by every check, and the names of the causes a check can report."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+
+class Status(str, Enum):
+    """Outcome of one check; ``skip`` means the log cannot answer it (no overlap, no digests, no events)."""
+
+    PASS = "pass"
+    WARN = "warn"
+    FAIL = "fail"
+    SKIP = "skip"
+
+
+class Cause(str, Enum):
+    """Named root causes.  Tests and users match on these, so the values are stable wording."""
+
+    STEPS_SKIPPED = "steps skipped"
+    STEPS_REPEATED = "steps repeated"
+    WARMUP_RESTARTED = "scheduler not restored (warmup restarted)"
+    LR_OFF_BY_ONE = "LR off by one (scheduler rebuilt with last_epoch / load order)"
+    LR_DIFFERENT = "different LR schedule"
+    OPTIMIZER_LOST = "optimizer state lost (loss spike)"
+    MODEL_STATE = "model state not restored exactly"
+    LOSS_DIVERGED = "loss differs from the pre-crash run"
+    LOSS_DROP = "loss dropped after resume (repeated data?)"
+    DATA_POSITION_LOST = "data position lost"
+    RNG_NOT_RESTORED = "RNG not restored"
+    OLDER_CHECKPOINT = "resumed from an older checkpoint (lost work)"
+    UNCOMMITTED_CHECKPOINT = "resumed from a checkpoint with no commit event"
+    COUNTER_MISMATCH = "checkpoint counters disagree with the restored step"
+    ENV_DRIFT = "environment changed"
+    TOKENIZER_CHANGED = "tokenizer changed"
+
+
+Number = int | float | str | bool | None
+
+STATUS_RANK = {Status.SKIP: 0, Status.PASS: 1, Status.WARN: 2, Status.FAIL: 3}
+
+
+@dataclass(slots=True)
+class CheckResult:
+    """One check at one boundary: the verdict, the named cause, a one-line reason and the deciding numbers.
+
+    ``explained_by`` lists causes found by other checks that account for this failure (a loss that differs
+    because the RNG was not restored), so the report names the root cause once instead of twice.
+    """
+
+    name: str
+    status: Status
+    summary: str
+    cause: Cause | None = None
+    numbers: dict[str, Number] = field(default_factory=dict)
+    explained_by: list[Cause] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "check": self.name,
+            "status": self.status.value,
+            "cause": self.cause.value if self.cause else None,
+            "summary": self.summary,
+            "numbers": self.numbers,
+            "explained_by": [c.value for c in self.explained_by],
+        }
+
+
+def worst(statuses: list[Status]) -> Status:
+    return max(statuses, key=STATUS_RANK.__getitem__, default=Status.SKIP)

@@ -1,0 +1,115 @@
+"""Step continuity: the first step after restoring N is N+1, and the checkpoint's counters say N too."""
+
+from __future__ import annotations
+
+from ckpt.resume.checks.base import Cause, CheckResult, Status
+from ckpt.resume.checks.context import CheckContext
+
+
+def check_step(ctx: CheckContext) -> CheckResult:
+    """Exact.  With a logged restore, the first step must be N+1.  Without one, the first step minus one
+    should be a committed checkpoint (from save events); with neither, there is nothing to check."""
+    b = ctx.boundary
+    first = b.post.steps[0].step
+    n = b.restored_step
+    nums: dict[str, int | str | None] = {"restored_step": n, "first_step": first}
+    if not b.inferred:
+        k = first - (n + 1)
+        if k > 0:
+            return CheckResult(
+                "step",
+                Status.FAIL,
+                f"resumed at step N+{k + 1} = {first} after restoring {n}: {k} steps skipped",
+                Cause.STEPS_SKIPPED,
+                nums,
+            )
+        if k < 0:
+            return CheckResult(
+                "step",
+                Status.FAIL,
+                f"resumed at step {first} after restoring {n}: {-k} steps repeated",
+                Cause.STEPS_REPEATED,
+                nums,
+            )
+        return CheckResult("step", Status.PASS, f"restored {n}, first step {first}", None, nums)
+    if not b.saved_steps:
+        return CheckResult(
+            "step", Status.SKIP, "no restore or save events: restore point unknown", None, nums
+        )
+    if n in b.saved_steps:
+        return CheckResult(
+            "step", Status.PASS, f"first step {first} follows the checkpoint of step {n}", None, nums
+        )
+    if n == 0:
+        return CheckResult("step", Status.SKIP, "restarted from step 1 (see lost work)", None, nums)
+    newest = max(b.saved_steps)
+    nums["newest_save"] = newest
+    if n > newest:
+        return CheckResult(
+            "step",
+            Status.FAIL,
+            f"resumed at step {first} but the newest checkpoint is step {newest}: {n - newest} steps skipped",
+            Cause.STEPS_SKIPPED,
+            nums,
+        )
+    return CheckResult(
+        "step",
+        Status.WARN,
+        f"resumed at step {first} but no checkpoint of step {n} was logged as committed",
+        Cause.UNCOMMITTED_CHECKPOINT,
+        nums,
+    )
+
+
+def check_counters(ctx: CheckContext) -> CheckResult:
+    """Exact, from :class:`CheckpointFacts`: optimizer ``step`` counters and scheduler ``last_epoch`` equal N
+    (one update / one scheduler step per optimizer step), samples consumed equal the log's count at N."""
+    f = ctx.facts
+    b = ctx.boundary
+    n = b.restored_step
+    if f is None:
+        return CheckResult("counters", Status.SKIP, "no checkpoint facts given")
+    problems: list[tuple[Cause, str]] = []
+    nums: dict[str, int | str | None] = {"restored_step": n, "checkpoint_step": f.step}
+    if f.step != n:
+        problems.append((Cause.COUNTER_MISMATCH, f"checkpoint is of step {f.step}, restore said {n}"))
+    for name, value in (f.optimizer_steps or {}).items():
+        nums[f"optimizer_step[{name}]"] = value
+        if value != n:
+            cause = Cause.OPTIMIZER_LOST if value == 0 else Cause.COUNTER_MISMATCH
+            problems.append((cause, f"optimizer {name!r} step counter is {value}, expected {n}"))
+    if f.scheduler_last_epoch is not None:
+        le = f.scheduler_last_epoch
+        nums["scheduler_last_epoch"] = le
+        if le in (0, -1) and n > 0:
+            problems.append((Cause.WARMUP_RESTARTED, f"scheduler last_epoch is {le}, expected {n}"))
+        elif abs(le - n) == 1:
+            problems.append((Cause.LR_OFF_BY_ONE, f"scheduler last_epoch is {le}, expected {n}"))
+        elif le != n:
+            problems.append((Cause.LR_DIFFERENT, f"scheduler last_epoch is {le}, expected {n}"))
+    if f.samples is not None:
+        nums["checkpoint_samples"] = f.samples
+        logged = b.pre.get(n)
+        if logged is not None and logged.samples is not None:
+            nums["logged_samples"] = logged.samples
+            if logged.samples != f.samples:
+                problems.append(
+                    (
+                        Cause.DATA_POSITION_LOST,
+                        f"checkpoint has {f.samples} samples consumed, log says {logged.samples}",
+                    )
+                )
+    tok = b.post.env.get("tokenizer_id")
+    if f.tokenizer_id is not None and tok is not None and f.tokenizer_id != tok:
+        problems.append(
+            (Cause.TOKENIZER_CHANGED, f"checkpoint tokenizer {f.tokenizer_id}, session uses {tok}")
+        )
+    if not problems:
+        return CheckResult("counters", Status.PASS, f"checkpoint counters agree with step {n}", None, nums)
+    cause, text = problems[0]
+    more = (
+        f" (+{len(problems) - 1} more: " + "; ".join(t for _, t in problems[1:]) + ")"
+        if len(problems) > 1
+        else ""
+    )
+    return CheckResult("counters", Status.FAIL, text + more, cause, nums)

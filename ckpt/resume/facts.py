@@ -1,0 +1,41 @@
+"""What a checkpoint says about itself, handed to the verifier by whoever can read the checkpoint.
+
+The verifier never opens checkpoints: the core manager (or a test) fills ``CheckpointFacts`` from its
+manifest and passes a ``FactsProvider``.  That keeps the verifier free of torch state loading and lets it
+check the counters that a log alone cannot show (an optimizer whose ``step`` reset to 0 before any spike).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True, slots=True)
+class CheckpointFacts:
+    """Counters stored in the checkpoint of ``step``.
+
+    ``optimizer_steps`` maps an optimizer (or param-group) name to its ``step`` counter; after N updates each
+    must be N.  ``scheduler_last_epoch`` must be N for a scheduler stepped once per update.  ``samples`` is
+    the number of samples consumed after step N.  ``env`` holds versions recorded at save time.
+    """
+
+    step: int
+    optimizer_steps: Mapping[str, int] | None = None
+    scheduler_last_epoch: int | None = None
+    samples: int | None = None
+    tokenizer_id: str | None = None
+    env: Mapping[str, object] = field(default_factory=dict)
+
+
+FactsProvider = Callable[[int, "str | None"], "CheckpointFacts | None"]
+"""Called as ``provider(step, path)`` for each restore; returns the facts of that checkpoint or ``None``."""
+
+
+def facts_from_mapping(facts: Mapping[int, CheckpointFacts]) -> FactsProvider:
+    """A provider that looks facts up by step (handy in tests and for a pre-read manifest index)."""
+
+    def provider(step: int, path: str | None) -> CheckpointFacts | None:
+        return facts.get(step)
+
+    return provider

@@ -1,0 +1,158 @@
+"""The in-memory run that every source (JSONL ledger, TensorBoard, CSV, HF ``trainer_state.json``) produces.
+
+Readers differ only in how they find sessions and values; the verifier, the report, the plot and the cost
+report all work on this one shape, so a check written once works on every log format.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+Precision = Literal["float64", "float32", "rounded"]
+
+
+@dataclass(frozen=True, slots=True)
+class StepRecord:
+    """One optimizer step as logged: ``step`` is the number of optimizer updates completed *including* this one.
+
+    ``loss`` is the loss computed at this step (before its update), ``lr`` the learning rate its update used.
+    Digests are opaque strings compared for equality only.
+    """
+
+    step: int
+    loss: float | None = None
+    lr: float | None = None
+    grad_norm: float | None = None
+    samples: int | None = None
+    tokens: int | None = None
+    data_digest: str | None = None
+    rng_digest: str | None = None
+    time: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class SessionStart:
+    """A process began training; ``env`` holds versions, hostname, world size, determinism flags, tokenizer."""
+
+    time: float | None
+    env: dict[str, object]
+
+
+@dataclass(frozen=True, slots=True)
+class Restore:
+    """State was loaded from the checkpoint of ``step`` at ``path``; ``inferred`` when a reader guessed it."""
+
+    time: float | None
+    step: int
+    path: str | None = None
+    seconds: float | None = None
+    inferred: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Save:
+    """A checkpoint of ``step`` was committed; training was blocked ``blocking_seconds`` of ``total_seconds``."""
+
+    time: float | None
+    step: int
+    path: str | None = None
+    blocking_seconds: float | None = None
+    total_seconds: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Compile:
+    """A (re)compilation took ``seconds`` (Neuron / XLA graph compile, torch.compile)."""
+
+    time: float | None
+    seconds: float
+    what: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Exit:
+    """The process ended on its own (``clean``) rather than being killed."""
+
+    time: float | None
+    clean: bool = True
+
+
+Event = SessionStart | Restore | Save | Compile | Exit
+
+
+@dataclass(slots=True)
+class Session:
+    """One process lifetime: its steps in logged order and its events.
+
+    ``event_positions[i]`` is the number of step records logged before ``events[i]``, which is what places a
+    restore that happens mid-session (an in-process retry) between the right steps.
+    """
+
+    id: str
+    steps: list[StepRecord] = field(default_factory=list)
+    events: list[Event] = field(default_factory=list)
+    event_positions: list[int] = field(default_factory=list)
+    origin: str = ""
+
+    def add_event(self, event: Event) -> None:
+        self.events.append(event)
+        self.event_positions.append(len(self.steps))
+
+    @property
+    def start(self) -> SessionStart | None:
+        return next((e for e in self.events if isinstance(e, SessionStart)), None)
+
+    @property
+    def env(self) -> dict[str, object]:
+        start = self.start
+        return start.env if start is not None else {}
+
+    @property
+    def saves(self) -> list[Save]:
+        return [e for e in self.events if isinstance(e, Save)]
+
+    @property
+    def restores(self) -> list[Restore]:
+        return [e for e in self.events if isinstance(e, Restore)]
+
+    @property
+    def compiles(self) -> list[Compile]:
+        return [e for e in self.events if isinstance(e, Compile)]
+
+    @property
+    def exit(self) -> Exit | None:
+        return next((e for e in self.events if isinstance(e, Exit)), None)
+
+    @property
+    def first_time(self) -> float | None:
+        times = [t for t in (self.steps[0].time if self.steps else None, *(e.time for e in self.events)) if t]
+        return min(times) if times else None
+
+    @property
+    def last_time(self) -> float | None:
+        times = [
+            t for t in (self.steps[-1].time if self.steps else None, *(e.time for e in self.events)) if t
+        ]
+        return max(times) if times else None
+
+
+@dataclass(slots=True)
+class Run:
+    """All sessions of one training run, oldest first.
+
+    ``precision`` says how values were stored: ``float64`` (exact Python floats), ``float32`` (TensorBoard
+    scalars) or ``rounded`` (e.g. HF rounds the logged loss to 4 decimals); comparisons against values computed
+    outside the log (a replayed schedule) are made at that precision.  ``notes`` records what a reader repaired
+    or guessed (a torn last line, an inferred restore) so the report can say so.
+    """
+
+    path: str
+    source: str
+    sessions: list[Session] = field(default_factory=list)
+    precision: Precision = "float64"
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def num_steps(self) -> int:
+        return sum(len(s.steps) for s in self.sessions)

@@ -1,0 +1,61 @@
+"""Read a CSV metrics log (header with ``step`` and any of loss, lr, grad_norm, ...) into a :class:`Run`.
+
+Values must be written with full precision (Python ``repr``); a CSV rounded by its writer can still be
+checked between sessions but not bit for bit against a replayed schedule.
+"""
+
+from __future__ import annotations
+
+import csv
+import os
+from pathlib import Path
+
+from ckpt.resume.errors import RunInputError
+from ckpt.resume.model import Run, Session, StepRecord
+
+_ALIASES = {"learning_rate": "lr", "global_step": "step", "session_id": "session"}
+_FLOATS = ("loss", "lr", "grad_norm", "time")
+_INTS = ("samples", "tokens")
+
+
+def read_csv(path: str | os.PathLike[str]) -> Run:
+    """One session per distinct ``session`` column value (in order of appearance), else a single session
+    that the boundary finder splits where the step goes back."""
+    p = Path(path)
+    try:
+        fh = p.open(newline="")
+    except OSError as exc:
+        raise RunInputError(f"cannot read CSV {p}: {exc.strerror}") from None
+    run = Run(path=str(p), source="csv", precision="float64")
+    sessions: dict[str, Session] = {}
+    with fh:
+        reader = csv.DictReader(fh)
+        if reader.fieldnames is None:
+            raise RunInputError(f"CSV {p} is empty")
+        cols = {c: _ALIASES.get(c.strip().lower(), c.strip().lower()) for c in reader.fieldnames}
+        if "step" not in cols.values():
+            raise RunInputError(f"CSV {p} has no 'step' column (columns: {', '.join(reader.fieldnames)})")
+        for row in reader:
+            rec = {cols[k]: (v.strip() if isinstance(v, str) else v) for k, v in row.items() if k in cols}
+            try:
+                fields: dict[str, object] = {"step": int(rec["step"])}
+                for k in _FLOATS:
+                    if rec.get(k):
+                        fields[k] = float(rec[k])
+                for k in _INTS:
+                    if rec.get(k):
+                        fields[k] = int(rec[k])
+                for k in ("data_digest", "rng_digest"):
+                    if rec.get(k):
+                        fields[k] = rec[k]
+            except (TypeError, ValueError) as exc:
+                raise RunInputError(f"{p}:{reader.line_num}: bad CSV row ({exc})") from None
+            sid = rec.get("session") or ""
+            session = sessions.get(sid)
+            if session is None:
+                session = sessions[sid] = Session(id=sid or p.name, origin=f"{p.name}:{reader.line_num}")
+            session.steps.append(StepRecord(**fields))  # type: ignore[arg-type]
+    run.sessions = list(sessions.values())
+    if not run.sessions:
+        raise RunInputError(f"CSV {p} has no rows")
+    return run

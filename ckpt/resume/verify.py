@@ -1,0 +1,113 @@
+"""Run every check at every boundary of a run and combine the verdicts."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ckpt.resume.boundaries import Boundary, find_boundaries
+from ckpt.resume.checks import ALL_CHECKS, Cause, CheckContext, CheckResult, Status, VerifyOptions, worst
+from ckpt.resume.facts import FactsProvider
+from ckpt.resume.model import Run
+
+_LR_CAUSES = {Cause.WARMUP_RESTARTED, Cause.LR_OFF_BY_ONE, Cause.LR_DIFFERENT}
+_LOSS_CAUSES = {Cause.LOSS_DIVERGED, Cause.MODEL_STATE, Cause.OPTIMIZER_LOST, Cause.LOSS_DROP}
+
+
+@dataclass(slots=True)
+class BoundaryVerdict:
+    """All check results at one boundary and the root causes they name."""
+
+    boundary: Boundary
+    checks: list[CheckResult]
+    deterministic: bool
+
+    @property
+    def status(self) -> Status:
+        return worst([c.status for c in self.checks])
+
+    @property
+    def causes(self) -> list[Cause]:
+        """Root causes (failures and warnings not explained by another check), in check order."""
+        out: list[Cause] = []
+        for c in self.checks:
+            if (
+                c.status in (Status.FAIL, Status.WARN)
+                and c.cause
+                and not c.explained_by
+                and c.cause not in out
+            ):
+                out.append(c.cause)
+        return out
+
+    def check(self, name: str) -> CheckResult:
+        return next(c for c in self.checks if c.name == name)
+
+
+@dataclass(slots=True)
+class Verification:
+    """The verifier's answer for a run; ``exit_code`` is 0 when continuous (warnings allowed), 1 otherwise."""
+
+    run: Run
+    verdicts: list[BoundaryVerdict]
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def status(self) -> Status:
+        return worst([v.status for v in self.verdicts]) if self.verdicts else Status.PASS
+
+    @property
+    def causes(self) -> list[Cause]:
+        return [c for v in self.verdicts for c in v.causes]
+
+    @property
+    def exit_code(self) -> int:
+        return 1 if self.status is Status.FAIL else 0
+
+
+def _deterministic(boundary: Boundary, options: VerifyOptions) -> bool:
+    if options.deterministic is not None:
+        return options.deterministic
+    envs = [boundary.post.env] + ([boundary.dead.env] if boundary.dead else [])
+    return all(env.get("deterministic") is True for env in envs)
+
+
+def _attribute(results: list[CheckResult]) -> None:
+    """A loss failure that another failing check explains is a consequence, not a second cause; a loss
+    spike stays a cause of its own unless the LR itself jumped."""
+    loss = next((r for r in results if r.name == "loss"), None)
+    if loss is None or loss.status is not Status.FAIL:
+        return
+    others = [r.cause for r in results if r is not loss and r.status is Status.FAIL and r.cause]
+    if not others:
+        return
+    spiky = loss.cause is Cause.OPTIMIZER_LOST and bool(loss.numbers.get("shifted"))
+    if spiky and not _LR_CAUSES & set(others):
+        return
+    loss.explained_by = [c for c in dict.fromkeys(others) if c not in _LOSS_CAUSES] or others
+
+
+def verify_run(
+    run: Run,
+    *,
+    options: VerifyOptions | None = None,
+    facts: FactsProvider | None = None,
+    lr_reference: dict[int, float] | None = None,
+) -> Verification:
+    """Check every resume boundary of ``run``.
+
+    ``facts`` supplies the restored checkpoint's own counters (see :mod:`ckpt.resume.facts`);
+    ``lr_reference`` is a replayed schedule (:func:`ckpt.resume.replay.replay_lr`) used where the pre-crash
+    log has no LR for a resumed step.
+    """
+    options = options or VerifyOptions()
+    verdicts = []
+    for b in find_boundaries(run):
+        det = _deterministic(b, options)
+        f = facts(b.restored_step, b.restore.path if b.restore else None) if facts else None
+        ctx = CheckContext(
+            run=run, boundary=b, options=options, deterministic=det, lr_reference=lr_reference, facts=f
+        )
+        results = [check(ctx) for check in ALL_CHECKS]
+        _attribute(results)
+        verdicts.append(BoundaryVerdict(boundary=b, checks=results, deterministic=det))
+    return Verification(run=run, verdicts=verdicts, notes=list(run.notes))
