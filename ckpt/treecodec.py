@@ -54,11 +54,11 @@ def encode(value: Any, path: str = "") -> JSON:
             }
         }
     if isinstance(value, np.ndarray):
-        arr = np.ascontiguousarray(value)
+        arr = np.ascontiguousarray(value)  # note: this makes a 0-d array 1-d, so keep value's own shape
         return {
             "$np": {
                 "dtype": arr.dtype.str,
-                "shape": list(arr.shape),
+                "shape": list(value.shape),
                 "data": base64.b64encode(arr.tobytes()).decode("ascii"),
             }
         }
