@@ -43,7 +43,19 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
     """The raw bytes of a contiguous host tensor, without copying."""
     if t.numel() == 0:
         return memoryview(b"")
-    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+    return memoryview(flat_dense(t).view(torch.uint8).numpy())
+
+
+def flat_dense(t: torch.Tensor) -> torch.Tensor:
+    """A 1-d, stride-1 view of a contiguous tensor.
+
+    ``reshape(-1)`` is not enough: a contiguous tensor with size-1 dims can keep any stride on them (a row of a
+    transposed matrix: shape (1, 1), stride (1, 2)) and its flat view then has stride 2, which cannot be viewed as
+    bytes.  ``is_contiguous()`` guarantees the elements are dense, so a stride-1 view over them is exact.
+    """
+    if not t.is_contiguous():
+        raise ValueError(f"expected a contiguous tensor, got shape {list(t.shape)} stride {list(t.stride())}")
+    return t.as_strided((t.numel(),), (1,))
 
 
 def write_shard_file(

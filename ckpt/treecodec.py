@@ -19,6 +19,7 @@ import torch
 
 from .dtypes import dtype_from_name, dtype_name
 from .errors import ManifestError
+from .shardfile import flat_dense
 
 JSON = Any  # a value made of dict/list/str/int/float/bool/None
 
@@ -27,7 +28,7 @@ def _tensor_bytes(t: torch.Tensor) -> bytes:
     t = t.detach().cpu().contiguous()
     if t.numel() == 0:
         return b""
-    return t.reshape(-1).view(torch.uint8).numpy().tobytes()
+    return flat_dense(t).view(torch.uint8).numpy().tobytes()
 
 
 def _tensor_from_bytes(raw: bytes, dtype: torch.dtype, shape: list[int]) -> torch.Tensor:
