@@ -214,7 +214,7 @@ class Storage:
                 os.close(fd)
         else:
             data = self._retry(
-                "reading", rel, lambda: self.fs.cat_file(self.path(rel), start, start + length)
+                "reading", rel, lambda: self.fs.cat_file(self.path(rel), start=start, end=start + length)
             )
         if len(data) != length:
             raise StorageError(
