@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import io
 import os
 import random
 import tempfile
@@ -162,22 +163,22 @@ class Storage:
                     os.unlink(tmp)
                 raise
             return
-        spool = tempfile.SpooledTemporaryFile(max_size=SMALL_FILE_BYTES)  # noqa: SIM115
+        spool = _Spool(SMALL_FILE_BYTES)
         try:
             yield spool  # type: ignore[misc]
             self._publish(rel, spool, exclusive)
         finally:
             spool.close()
 
-    def _publish(self, rel: str, spool: Any, exclusive: bool) -> None:
+    def _publish(self, rel: str, spool: _Spool, exclusive: bool) -> None:
         mode = "create" if exclusive else "overwrite"
         target = self.path(rel)
-        if not spool._rolled:  # still in memory
-            data = spool._file.getvalue()
+        if spool.path is None:  # still in memory
+            data = spool.getvalue()
             fn: Callable[[], Any] = lambda: self.fs.pipe_file(target, data, mode=mode)  # noqa: E731
         else:
             spool.flush()
-            name = spool._file.name
+            name = spool.path
             fn = lambda: self.fs.put_file(name, target, mode=mode)  # noqa: E731
         try:
             self._retry("writing", rel, fn)
@@ -314,6 +315,50 @@ class Storage:
             client_call("abort_multipart_upload", Bucket=bucket, Key=up["Key"], UploadId=up["UploadId"])
             n += 1
         return n
+
+
+class _Spool:
+    """A write-only staging file: in memory up to ``max_size`` bytes, then a *named* local temporary file.
+
+    (Not ``tempfile.SpooledTemporaryFile``: on Linux it rolls over into an unnamed ``O_TMPFILE`` whose ``name``
+    is an int file descriptor, which ``put_file`` cannot upload.)
+    """
+
+    def __init__(self, max_size: int) -> None:
+        self._max = max_size
+        self._mem: io.BytesIO | None = io.BytesIO()
+        self._file: BinaryIO | None = None
+        self.path: str | None = None
+
+    def write(self, data: bytes | memoryview) -> int:
+        n = memoryview(data).nbytes
+        if self._mem is not None and self._mem.tell() + n > self._max:
+            fd, self.path = tempfile.mkstemp(prefix="ckpt-upload-")
+            self._file = os.fdopen(fd, "wb")
+            self._file.write(self._mem.getbuffer())
+            self._mem = None
+        if self._file is not None:
+            self._file.write(data)
+        else:
+            assert self._mem is not None
+            self._mem.write(data)
+        return n
+
+    def getvalue(self) -> bytes:
+        assert self._mem is not None
+        return self._mem.getvalue()
+
+    def flush(self) -> None:
+        if self._file is not None:
+            self._file.flush()
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+        if self.path is not None:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.path)
+        self._mem = None
 
 
 def _fsync_dir(directory: str) -> None:
