@@ -177,7 +177,9 @@ class CheckpointManager:
                 sub.delete(MANIFEST_NAME)
                 self.storage.delete_tree(info.name)
                 deleted.append(info.step)
-            elif info.status != "committed" and info.step < newest:
+            elif info.status == "uncommitted" and info.step < newest:
+                # only folders without a manifest are leftovers; a "damaged" one has a manifest this process
+                # could not read (a newer format, a transient error) and is never deleted on that basis
                 self.storage.delete_tree(info.name)
         newest_info = next((i for i in infos if i.step == newest), None)
         if newest_info is not None and newest_info.manifest is not None:
