@@ -111,6 +111,7 @@ def session(
     restore_from: int | None = None,
     variant: str = "correct",
     crash: bool = False,
+    deterministic: bool = True,
 ) -> None:
     """One process lifetime: seed, build, maybe restore, train to ``stop_at``; ``crash`` leaves no exit."""
     random.seed(cfg.seed)
@@ -123,9 +124,7 @@ def session(
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.base_lr, weight_decay=0.01)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg))
     loader = Loader(cfg)
-    ledger = LedgerWriter(
-        run_dir, world_size=1, deterministic=variant != "nondeterministic", tokenizer_id="tok@v1"
-    )
+    ledger = LedgerWriter(run_dir, world_size=1, deterministic=deterministic, tokenizer_id="tok@v1")
     start = 0
     if restore_from is not None:
         path = checkpoints_dir(run_dir) / f"step-{restore_from:06d}.pt"
@@ -197,10 +196,13 @@ def session(
 def simulate(run_dir: Path, variant: str = "correct", cfg: SimConfig | None = None) -> Path:
     """Train to ``crash_at``, crash, resume from the newest checkpoint (or an older one), train to the end."""
     cfg = cfg or SimConfig()
-    session(run_dir, cfg, stop_at=cfg.crash_at, crash=True)
+    older = variant == "older_checkpoint" or variant.endswith("+older")
+    variant = variant.removesuffix("+older")
+    det = variant != "nondeterministic"
+    session(run_dir, cfg, stop_at=cfg.crash_at, crash=True, deterministic=det)
     newest = cfg.crash_at // cfg.save_every * cfg.save_every
-    restore = newest - cfg.save_every if variant == "older_checkpoint" else newest
-    session(run_dir, cfg, stop_at=cfg.total, restore_from=restore, variant=variant)
+    restore = newest - cfg.save_every if older else newest
+    session(run_dir, cfg, stop_at=cfg.total, restore_from=restore, variant=variant, deterministic=det)
     return run_dir
 
 

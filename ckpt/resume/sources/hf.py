@@ -16,7 +16,7 @@ import re
 from pathlib import Path
 
 from ckpt.resume.errors import RunInputError
-from ckpt.resume.model import Restore, Run, Session, StepRecord
+from ckpt.resume.model import Restore, Run, Save, Session, StepRecord
 
 _CKPT_RE = re.compile(r"checkpoint-(\d+)$")
 
@@ -94,6 +94,8 @@ def read_hf(path: str | os.PathLike[str]) -> Run:
             continue
         kept.append((d, f))
     chain = [f for _, f in kept] + [main]
+    ckpt_files = {int(m.group(1)): f for f in files if (m := _CKPT_RE.search(f.parent.name))}
+    assigned: set[int] = set()
     prev: dict[int, StepRecord] | None = None
     for f in chain:
         recs = lineages[f]
@@ -109,6 +111,14 @@ def read_hf(path: str | os.PathLike[str]) -> Run:
             recs = [r for r in recs if r.step > restored]
             run.notes.append(f"{session.id}: restore of step {restored} inferred (Trainer logs no restores)")
         session.steps.extend(recs)
+        # Checkpoint dirs whose history agrees with this lineage were (most likely) saved by this session.
+        for step, cf in sorted(ckpt_files.items()):
+            last = recs[-1].step if recs else -1
+            if step in assigned or step > last or (recs and step < recs[0].step and prev is not None):
+                continue
+            if _agree_until(by_step[cf], by_step[f]) is None:
+                session.add_event(Save(time=None, step=step, path=str(cf.parent)))
+                assigned.add(step)
         run.sessions.append(session)
         prev = by_step[f]
     if not any(s.steps for s in run.sessions):
