@@ -1,0 +1,251 @@
+"""CheckpointManager on local disk and on S3 (moto, or CKPT_TEST_S3_URL): retention, discovery, fallback."""
+
+from __future__ import annotations
+
+import os
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import ckpt
+from ckpt.discovery import step_dir
+from ckpt.manifest import MANIFEST_NAME
+from ckpt.storage import Storage
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@dataclass
+class Root:
+    url: str
+    storage_options: dict[str, Any] | None
+    s3: Any = None
+
+    def storage(self) -> Storage:
+        return Storage(self.url, self.storage_options)
+
+    def manager(self, **kw: Any) -> ckpt.CheckpointManager:
+        kw.setdefault("async_save", False)
+        return ckpt.CheckpointManager(self.url, storage_options=self.storage_options, **kw)
+
+    def steps_on_storage(self) -> list[str]:
+        return [n for n in self.storage().listdir() if n.startswith("step_")]
+
+
+@pytest.fixture(params=["local", "s3"])
+def root(request: pytest.FixtureRequest, tmp_path: Path) -> Root:
+    if request.param == "local":
+        return Root(str(tmp_path / "run"), None)
+    s3 = request.getfixturevalue("s3")
+    return Root(s3.url, s3.storage_options, s3)
+
+
+def state(value: float) -> dict[str, torch.Tensor]:
+    return {"w": torch.full((3, 4), value), "b": torch.arange(5) + int(value)}
+
+
+def data_file(root: Root, step: int) -> str:
+    man = ckpt.open_checkpoint(f"{root.url}/{step_dir(step)}", root.storage_options).manifest
+    (name,) = man.files
+    return f"{step_dir(step)}/{name}"
+
+
+# ------------------------------------------------------------------------------------------------ retention
+
+
+def test_keep_last(root: Root) -> None:
+    mgr = root.manager(keep_last=2)
+    for step in range(1, 6):
+        mgr.save(step, model=state(step)).result()
+    assert root.steps_on_storage() == [step_dir(4), step_dir(5)]
+    assert [i.step for i in mgr.list()] == [4, 5]
+    assert mgr.latest_step() == 5
+
+
+def test_keep_every_with_keep_last(root: Root) -> None:
+    mgr = root.manager(keep_last=1, keep_every=2)
+    for step in range(1, 6):
+        mgr.save(step, model=state(step)).result()
+    assert [i.step for i in mgr.list()] == [2, 4, 5]
+
+
+def test_retention_deletes_the_manifest_before_the_data(root: Root, monkeypatch: pytest.MonkeyPatch) -> None:
+    mgr = root.manager(keep_last=1)
+    mgr.save(1, model=state(1)).result()
+    # a crash while deleting the data of step 1: the checkpoint must already be uncommitted
+    monkeypatch.setattr(Storage, "delete_tree", lambda self, rel: (_ for _ in ()).throw(OSError("crash")))
+    with pytest.warns(UserWarning, match="crash"):
+        mgr.save(2, model=state(2)).result()
+    infos = {i.step: i.status for i in mgr.list()}
+    assert infos == {1: "uncommitted", 2: "committed"}
+    monkeypatch.undo()
+    mgr.save(3, model=state(3)).result()  # the next retention pass sweeps the leftover
+    assert root.steps_on_storage() == [step_dir(3)]
+
+
+def test_uncommitted_leftovers_are_swept(root: Root) -> None:
+    st = root.storage()
+    st.put_bytes(f"{step_dir(3)}/r00000-dead.safetensors", b"partial")  # a crashed save, no manifest
+    mgr = root.manager(keep_last=5)
+    mgr.save(2, model=state(2)).result()
+    assert step_dir(3) in root.steps_on_storage()  # newer than the newest commit: maybe still in flight
+    st.put_bytes(f"{step_dir(4)}/junk", b"leftover of a failed attempt at step 4")
+    mgr.save(4, model=state(4), overwrite=True).result()
+    assert root.steps_on_storage() == [step_dir(2), step_dir(4)]
+    assert "junk" not in st.child(step_dir(4)).listdir()
+    assert st.child(step_dir(4)).listdir() == sorted([MANIFEST_NAME, data_file(root, 4).split("/")[1]])
+
+
+# ------------------------------------------------------------------------------------------------ restoring
+
+
+def test_restore_latest_on_an_empty_root_returns_none(root: Root) -> None:
+    live = state(0)
+    assert root.manager().restore_latest(model=live) is None
+    assert torch.equal(live["w"], torch.zeros(3, 4))
+
+
+def test_discovery_orders_by_step_not_by_mtime(root: Root) -> None:
+    mgr = root.manager()
+    for step in (100, 99, 9):  # written newest-step first: the oldest *step* has the newest mtime
+        mgr.save(step, model=state(step)).result()
+    if root.s3 is None:
+        os.utime(Path(root.url) / step_dir(100), (1, 1))
+    infos = ckpt.list_checkpoints(root.url, storage_options=root.storage_options)
+    assert [i.step for i in infos] == [9, 99, 100]
+    live = state(0)
+    assert mgr.restore_latest(model=live) == 100
+    assert torch.equal(live["w"], state(100)["w"])
+
+
+def flip_byte(root: Root, rel: str) -> None:
+    st = root.storage()
+    raw = bytearray(st.read_bytes(rel))
+    raw[-3] ^= 0x10  # inside the last tensor's data
+    st.put_bytes(rel, bytes(raw), exclusive=False)
+
+
+@pytest.mark.parametrize("damage", ["corrupt", "missing", "truncated"])
+def test_restore_latest_falls_back_from_a_damaged_newest_checkpoint(root: Root, damage: str) -> None:
+    mgr = root.manager()
+    mgr.save(1, model=state(1)).result()
+    mgr.save(2, model=state(2)).result()
+    rel = data_file(root, 2)
+    if damage == "corrupt":
+        flip_byte(root, rel)
+    elif damage == "missing":
+        root.storage().delete(rel)
+    else:
+        st = root.storage()
+        st.put_bytes(rel, st.read_bytes(rel)[:-4], exclusive=False)
+    live = state(0)
+    with pytest.warns(UserWarning, match=r"step 2.*(checksum|missing|bytes)"):
+        assert mgr.restore_latest(model=live) == 1
+    assert torch.equal(live["w"], state(1)["w"]) and torch.equal(live["b"], state(1)["b"])
+
+
+def test_restore_latest_with_only_damaged_checkpoints_returns_none(root: Root) -> None:
+    mgr = root.manager()
+    mgr.save(1, model=state(1)).result()
+    root.storage().delete(data_file(root, 1))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert mgr.restore_latest(model=state(0)) is None
+    assert any("step 1" in str(w.message) for w in caught)
+
+
+def test_full_training_state_round_trips_through_the_manager(root: Root) -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5)
+    model(torch.randn(3, 4)).sum().backward()
+    opt.step()
+    sched.step()
+    mgr = root.manager(async_save=True, codec="zstd")
+    mgr.save(1, model=model, optimizer=opt, scheduler=sched, progress={"tokens": 12})
+    mgr.close()
+    torch.manual_seed(1)
+    m2 = torch.nn.Linear(4, 2)
+    opt2 = torch.optim.AdamW(m2.parameters(), lr=0.1)
+    sched2 = torch.optim.lr_scheduler.StepLR(opt2, 1, gamma=0.5)
+    assert mgr.restore_latest(model=m2, optimizer=opt2, scheduler=sched2) == 1
+    assert torch.equal(m2.weight, model.weight) and torch.equal(m2.bias, model.bias)
+    assert sched2.state_dict() == sched.state_dict() and opt2.param_groups[0]["lr"] == 0.05
+    for p, q in zip(model.parameters(), m2.parameters(), strict=True):
+        for k in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(opt.state[p][k], opt2.state[q][k])
+    res = mgr.restore(1, model=m2)
+    assert res.progress == {"step": 1, "tokens": 12}
+
+
+# ------------------------------------------------------------------------------------------------ S3 only
+
+
+def test_multipart_data_file_round_trips_on_s3(s3: Any) -> None:
+    # > 2 x 50 MiB: s3fs put_file uploads it as a multipart upload (and the staging spools to a local file)
+    w = torch.randn(26 * 2**20 + 3)
+    mgr = ckpt.CheckpointManager(s3.url, storage_options=s3.storage_options, async_save=True)
+    mgr.save(5, model={"w": w})
+    mgr.close()
+    rel = data_file(Root(s3.url, s3.storage_options), 5)
+    head = s3.boto3_client().head_object(Bucket=s3.bucket, Key=f"{s3.prefix}/{rel}")
+    assert head["ContentLength"] > 100 * 2**20
+    assert "-" in head["ETag"], "expected a multipart ETag (<md5>-<parts>)"
+    live = {"w": torch.zeros_like(w)}
+    assert mgr.restore_latest(model=live) == 5
+    assert torch.equal(live["w"], w)
+
+
+def test_abort_stale_uploads_removes_open_multipart_uploads_under_the_root(s3: Any) -> None:
+    client = s3.boto3_client()
+    mine = client.create_multipart_upload(
+        Bucket=s3.bucket, Key=f"{s3.prefix}/{step_dir(3)}/r00000-x.safetensors"
+    )
+    client.upload_part(
+        Bucket=s3.bucket, Key=f"{s3.prefix}/{step_dir(3)}/r00000-x.safetensors", UploadId=mine["UploadId"],
+        PartNumber=1, Body=b"x" * 2048,
+    )  # fmt: skip
+    other_key = f"{s3.prefix}-other/x"  # a sibling prefix that merely starts with the same characters
+    client.create_multipart_upload(Bucket=s3.bucket, Key=other_key)
+
+    def open_keys() -> list[str]:
+        return sorted(u["Key"] for u in client.list_multipart_uploads(Bucket=s3.bucket).get("Uploads", []))
+
+    assert len(open_keys()) == 2
+    mgr = ckpt.CheckpointManager(s3.url, storage_options=s3.storage_options, async_save=False, keep_last=2)
+    mgr.save(4, model=state(4)).result()  # retention ends with abort_stale_uploads()
+    assert open_keys() == [other_key]
+    assert mgr.storage.abort_stale_uploads() == 0
+
+
+def test_committed_step_is_create_only_on_s3(s3: Any) -> None:
+    mgr = ckpt.CheckpointManager(s3.url, storage_options=s3.storage_options, async_save=False)
+    mgr.save(1, model=state(1)).result()
+    with pytest.raises(ckpt.CheckpointExistsError):
+        mgr.save(1, model=state(2)).result()
+    mgr.save(1, model=state(3), overwrite=True).result()
+    live = state(0)
+    assert mgr.restore_latest(model=live) == 1
+    assert torch.equal(live["w"], state(3)["w"])
+
+
+def test_retention_never_deletes_a_checkpoint_it_cannot_read(root: Root) -> None:
+    """A manifest this version cannot parse (written by a newer ckpt, or a transient read error) is not a
+    leftover: retention must leave it alone, and restore_latest skips it with a warning."""
+    import json
+
+    mgr = root.manager(keep_last=3)
+    mgr.save(1, model=state(1)).result()
+    st = root.storage().child(step_dir(1))
+    doc = json.loads(st.read_bytes(MANIFEST_NAME))
+    doc["format_version"] = ckpt.FORMAT_VERSION + 1
+    st.put_bytes(MANIFEST_NAME, json.dumps(doc).encode(), exclusive=False)
+    assert [i.status for i in mgr.list()] == ["damaged"]
+    mgr.save(2, model=state(2)).result()
+    assert root.steps_on_storage() == [step_dir(1), step_dir(2)]
+    assert st.exists(MANIFEST_NAME)
