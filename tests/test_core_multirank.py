@@ -246,3 +246,57 @@ def test_replicated_state_is_saved_once_spread_over_ranks(runs: Path, world: int
     opt = torch.optim.AdamW(m.parameters(), lr=0.7)
     ckpt.restore(str(runs / f"repl{world}"), model=m, optimizer=opt, rng=False)
     assert_bitwise(snapshot(m, opt), load(runs / f"repl{world}.pt"))
+
+
+class RankLoader:
+    def __init__(self, rank: int) -> None:
+        self.state = {"rank": rank, "pos": 0}
+
+    def state_dict(self) -> dict[str, int]:
+        return dict(self.state)
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.state = dict(state)
+
+
+def manager_job(rank: int, world: int, root: str) -> Any:
+    """Async saves through the manager on every rank, then a damaged newest step: all ranks fall back together."""
+    import warnings
+
+    torch.set_num_threads(1)
+    model = make(seed=0)
+    loader = RankLoader(rank)
+    mgr = ckpt.CheckpointManager(root, keep_last=2, async_save=True)
+    for step in (1, 2, 3):
+        with torch.no_grad():
+            model.inp.weight.fill_(float(step))
+        loader.state["pos"] = 10 * step + rank
+        mgr.save(step, model=model, dataloader=loader)
+    mgr.close()
+    import torch.distributed as dist
+
+    dist.barrier()
+    if rank == 1:  # damage a data file of step 3 that rank 0 did not write
+        man = ckpt.open_checkpoint(f"{root}/step_00000003").manifest
+        victim = next(f for f in man.files.values() if f.rank == 1)
+        p = Path(root) / "step_00000003" / victim.path
+        raw = bytearray(p.read_bytes())
+        raw[-1] ^= 0xFF
+        p.write_bytes(bytes(raw))
+    dist.barrier()
+    fresh, fresh_loader = make(seed=5), RankLoader(-1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        step = mgr.restore_latest(model=fresh, dataloader=fresh_loader)
+    return step, float(fresh.inp.weight[0, 0]), fresh_loader.state, [str(w.message) for w in caught]
+
+
+def test_manager_on_2_ranks_async_save_and_joint_fallback(tmp_path: Path) -> None:
+    root = tmp_path / "run"
+    out = run_ranks(manager_job, 2, str(root))
+    assert sorted(p.name for p in root.iterdir()) == ["step_00000002", "step_00000003"]
+    for rank, (step, w, loader_state, _) in enumerate(out):
+        assert step == 2, f"rank {rank} restored step {step}"
+        assert w == 2.0
+        assert loader_state == {"rank": rank, "pos": 20 + rank}
+    assert any("step 3" in m and "falling back" in m for m in out[0][3] + out[1][3])
