@@ -2,7 +2,8 @@
 
 A save's collectives run on a dedicated gloo group, often from the background writer thread, so they can never
 interleave with (or deadlock against) the training job's NCCL / XLA collectives on the default group.  Creating
-the group is itself collective: every rank must construct its :class:`Collective` in the same order.
+the group is itself collective: the first :class:`Collective` must be constructed on every rank; later ones reuse
+the same group, so one-shot ``ckpt.save`` calls do not leak process groups.
 """
 
 from __future__ import annotations
@@ -11,6 +12,16 @@ import datetime
 from typing import Any
 
 import torch.distributed as dist
+
+_GROUPS: dict[int, Any] = {}
+
+
+def _default_group(timeout_s: float) -> Any:
+    """The checkpoint group for the current default group, created once (collectively) and then reused."""
+    key = id(dist.group.WORLD)
+    if key not in _GROUPS:
+        _GROUPS[key] = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
+    return _GROUPS[key]
 
 
 class Collective:
@@ -23,9 +34,7 @@ class Collective:
             return
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
-        if group is None:
-            group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
-        self.group = group
+        self.group = group if group is not None else _default_group(timeout_s)
 
     def all_gather(self, obj: Any) -> list[Any]:
         if not self.active:

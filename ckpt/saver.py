@@ -16,7 +16,6 @@ A failure anywhere means no manifest, hence no checkpoint; an async failure is r
 
 from __future__ import annotations
 
-import datetime
 import threading
 import time
 import uuid
@@ -28,13 +27,14 @@ from typing import Any
 
 import torch
 
-from . import environment, treecodec
 from . import rng as rng_mod
 from . import tokenizer as tokenizer_mod
+from . import treecodec
+from .commit import Receipt, TensorMeta, build_manifest, publish
 from .distributed import Collective
 from .dtypes import dtype_name
 from .errors import AsyncSaveError, CheckpointExistsError, CkptError
-from .manifest import MANIFEST_NAME, Box, FileEntry, Layout, Manifest, Shard, TensorEntry
+from .manifest import MANIFEST_NAME, Box, Layout, Manifest
 from .planning import Piece, assign_writers, chunk_boxes, digest, local_box
 from .shardfile import Chunk, write_shard_file
 from .staging import HostStager
@@ -284,13 +284,8 @@ class Checkpointer:
 
     def _run(self, job: _Job) -> SaveResult:
         rank = self.coll.rank
-        report: dict[str, Any] = {
-            "ok": True,
-            "rank": rank,
-            "trees": job.rank_trees,
-            "file": None,
-            "shards": [],
-        }
+        receipt = Receipt(rank)
+        report: dict[str, Any] = {"ok": True, "rank": rank, "trees": job.rank_trees, "receipt": receipt}
         try:
             if job.chunks:
                 fname = f"r{rank:05d}-{job.attempt}.safetensors"
@@ -301,11 +296,11 @@ class Checkpointer:
                         [Chunk(k, t, job.codec) for k, (_, _, t) in zip(keys, job.chunks, strict=True)],
                         {"step": str(job.step), "rank": str(rank)},
                     )
-                report["file"] = (fname, size)
-                report["shards"] = [
-                    (name, box.offsets, box.lengths, w.offset, w.nbytes, w.checksum)
+                receipt.files.append((fname, size))
+                receipt.shards.extend(
+                    (name, box.offsets, box.lengths, fname, w.offset, w.nbytes, job.codec, w.checksum)
                     for (name, box, _), w in zip(job.chunks, written, strict=True)
-                ]
+                )
         except Exception as e:  # noqa: BLE001 - reported to rank 0 so that it does not commit
             report = {"ok": False, "rank": rank, "error": f"rank {rank}: {type(e).__name__}: {e}"}
         reports = self.coll.gather(report)
@@ -318,7 +313,7 @@ class Checkpointer:
             else:
                 try:
                     manifest = self._manifest(job, reports)
-                    job.storage.put_bytes(MANIFEST_NAME, manifest.to_json().encode(), exclusive=True)
+                    publish(job.storage, manifest)
                     outcome = {"ok": True, "bytes": manifest.total_bytes}
                 except Exception as e:  # noqa: BLE001
                     outcome = {"ok": False, "error": f"rank 0 commit: {type(e).__name__}: {e}"}
@@ -343,49 +338,19 @@ class Checkpointer:
 
     def _manifest(self, job: _Job, reports: list[dict[str, Any]]) -> Manifest:
         assert job.per_rank is not None
-        entries: dict[str, Piece] = {}
+        metas: dict[str, TensorMeta] = {}
         for pieces in job.per_rank:
             for p in pieces:
-                entries.setdefault(p.name, p)
-        shards: dict[str, list[Shard]] = {n: [] for n in entries}
-        files: dict[str, FileEntry] = {}
-        for r in reports:
-            if r["file"] is None:
-                continue
-            fname, size = r["file"]
-            files[fname] = FileEntry(fname, size, r["rank"])
-            for name, offs, lens, off, nbytes, csum in r["shards"]:
-                shards[name].append(Shard(fname, off, nbytes, Box(tuple(offs), tuple(lens)), job.codec, csum))
-        tensors = {
-            n: TensorEntry(
-                n,
-                p.role,
-                p.shape,
-                p.dtype,
-                tuple(sorted(shards[n], key=lambda s: s.box.offsets)),
-                p.param,
-                p.key,
-                p.partition,
-            )
-            for n, p in entries.items()
-        }
-        t = job.trees
-        return Manifest(
+                metas.setdefault(p.name, TensorMeta(p.name, p.role, p.shape, p.dtype, p.param, p.key, p.partition))
+        receipts = [r["receipt"] for r in reports]
+        return build_manifest(
             step=job.step,
-            created_at=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             backend=job.backend,
             layout=job.layout,
-            tensors=tensors,
-            files=files,
-            optimizer=t.get("optimizer"),
-            scheduler=t.get("scheduler"),
-            scaler=t.get("scaler"),
-            rng={str(r["rank"]): r["trees"]["rng"] for r in reports if "rng" in r["trees"]},
-            progress=t["progress"],
-            data={str(r["rank"]): r["trees"]["data"] for r in reports if "data" in r["trees"]},
-            tokenizer=t.get("tokenizer"),
-            environment=environment.capture(self.coll.world_size),
-            user=t.get("user"),
+            metas=metas.values(),
+            receipts=receipts,
+            trees=job.trees,
+            rank_trees={r["receipt"].rank: r["trees"] for r in reports},
         )
 
 

@@ -13,6 +13,8 @@ import click
 from ckpt.errors import CkptError
 
 from . import demo, inspect_cmd, ls, verify
+from .report import report
+from .verify_resume import verify_resume
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
@@ -25,6 +27,8 @@ cli.add_command(ls.ls)
 cli.add_command(inspect_cmd.inspect)
 cli.add_command(verify.verify)
 cli.add_command(demo.demo)
+cli.add_command(verify_resume)
+cli.add_command(report)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,0 +1,96 @@
+"""Turning what ranks wrote (receipts) into a manifest, and publishing it: the commit step shared by the
+training-loop saver and the streaming writer used by converters."""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from . import environment
+from .errors import ManifestError
+from .manifest import MANIFEST_NAME, Box, FileEntry, Layout, Manifest, Shard, TensorEntry
+from .storage import Storage
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    """What a logical tensor is, independent of where its bytes went."""
+
+    name: str
+    role: str
+    shape: tuple[int, ...]
+    dtype: str
+    param: str | None = None
+    key: str | None = None
+    partition: dict[str, Any] | None = None
+
+
+@dataclass
+class Receipt:
+    """What one rank wrote: its files and, per chunk, (name, offsets, lengths, file, offset, nbytes, codec, checksum)."""
+
+    rank: int
+    files: list[tuple[str, int]] = field(default_factory=list)
+    shards: list[tuple[str, tuple[int, ...], tuple[int, ...], str, int, int, str, str]] = field(default_factory=list)
+
+
+def build_manifest(
+    *,
+    step: int,
+    backend: str,
+    layout: Layout,
+    metas: Iterable[TensorMeta],
+    receipts: Iterable[Receipt],
+    trees: dict[str, Any],
+    rank_trees: dict[int, dict[str, Any]] | None = None,
+    env: dict[str, Any] | None = None,
+) -> Manifest:
+    """Assemble the manifest; every tensor must be fully covered by the receipts' shards."""
+    metas_by_name = {m.name: m for m in metas}
+    shards: dict[str, list[Shard]] = {n: [] for n in metas_by_name}
+    files: dict[str, FileEntry] = {}
+    for r in receipts:
+        for fname, size in r.files:
+            files[fname] = FileEntry(fname, size, r.rank)
+        for name, offs, lens, fname, off, nbytes, codec, csum in r.shards:
+            if name not in shards:
+                raise ManifestError(f"rank {r.rank} wrote tensor {name!r} that no rank described")
+            shards[name].append(Shard(fname, off, nbytes, Box(tuple(offs), tuple(lens)), codec, csum))
+    tensors = {}
+    for n, m in metas_by_name.items():
+        stored = sum(s.box.numel for s in shards[n])
+        total = 1
+        for d in m.shape:
+            total *= d
+        if stored != total:
+            raise ManifestError(f"tensor {n!r}: written shards hold {stored} of {total} elements")
+        tensors[n] = TensorEntry(
+            n, m.role, m.shape, m.dtype, tuple(sorted(shards[n], key=lambda s: s.box.offsets)), m.param, m.key,
+            m.partition,
+        )
+    rank_trees = rank_trees or {}
+    return Manifest(
+        step=step,
+        created_at=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        backend=backend,
+        layout=layout,
+        tensors=tensors,
+        files=files,
+        optimizer=trees.get("optimizer"),
+        scheduler=trees.get("scheduler"),
+        scaler=trees.get("scaler"),
+        rng={str(r): t["rng"] for r, t in sorted(rank_trees.items()) if "rng" in t} or trees.get("rng", {}),
+        progress=trees.get("progress", {"step": step}),
+        data={str(r): t["data"] for r, t in sorted(rank_trees.items()) if "data" in t} or trees.get("data", {}),
+        tokenizer=trees.get("tokenizer"),
+        environment=env if env is not None else environment.capture(layout.world_size),
+        user=trees.get("user"),
+        extra=trees.get("extra", {}),
+    )
+
+
+def publish(storage: Storage, manifest: Manifest) -> None:
+    """Write the manifest create-only: the commit point."""
+    storage.put_bytes(MANIFEST_NAME, manifest.to_json().encode(), exclusive=True)

@@ -1,0 +1,146 @@
+"""Writing a checkpoint one tensor at a time, with bounded memory: the output side of converters.
+
+Tensors handed to :meth:`StreamingWriter.add` are buffered until ``flush_bytes`` accumulate, then written as one
+data file; memory therefore stays bounded by ``flush_bytes`` plus the tensor being added, whatever the model
+size.  :meth:`commit` writes the manifest (create-only) once everything is on storage; :meth:`abort` removes
+what was written.  Several processes (e.g. ranks under torchrun) can each write a disjoint share of the tensors
+with their own writer and let one of them commit all receipts with :func:`ckpt.commit.build_manifest`.
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+import torch
+
+from .commit import Receipt, TensorMeta, build_manifest, publish
+from .dtypes import dtype_name
+from .errors import CheckpointExistsError, CkptError
+from .manifest import MANIFEST_NAME, Box, Layout, Manifest
+from .planning import chunk_boxes
+from .shardfile import Chunk, write_shard_file
+from .storage import Storage
+
+DEFAULT_FLUSH_BYTES = 512 << 20
+
+
+class StreamingWriter:
+    """One process's writer into checkpoint ``path`` (see module docstring)."""
+
+    def __init__(
+        self,
+        path: str | Storage,
+        *,
+        rank: int = 0,
+        attempt: str | None = None,
+        codec: str = "raw",
+        flush_bytes: int = DEFAULT_FLUSH_BYTES,
+        chunk_bytes: int = 256 << 20,
+        storage_options: dict[str, Any] | None = None,
+        overwrite: bool = False,
+    ) -> None:
+        self.storage = path if isinstance(path, Storage) else Storage(str(path), storage_options)
+        if rank == 0 and self.storage.exists(MANIFEST_NAME):
+            if not overwrite:
+                raise CheckpointExistsError(f"{self.storage.display(MANIFEST_NAME)} already exists (pass overwrite)")
+            self.storage.delete(MANIFEST_NAME)
+        self.rank = rank
+        self.attempt = attempt or uuid.uuid4().hex[:8]
+        self.codec = codec
+        self.flush_bytes = flush_bytes
+        self.chunk_bytes = chunk_bytes
+        self.receipt = Receipt(rank)
+        self.metas: dict[str, TensorMeta] = {}
+        self._pending: list[tuple[str, Box, torch.Tensor]] = []
+        self._pending_bytes = 0
+        self._seq = 0
+        self.bytes_written = 0
+
+    def add(
+        self,
+        name: str,
+        tensor: torch.Tensor,
+        *,
+        role: str = "parameter",
+        shape: tuple[int, ...] | None = None,
+        box: Box | None = None,
+        param: str | None = None,
+        key: str | None = None,
+        partition: dict[str, Any] | None = None,
+    ) -> None:
+        """Queue ``tensor`` as ``box`` of logical tensor ``name`` (all of it by default). Do not mutate it after."""
+        t = tensor.detach()
+        if t.device.type != "cpu":
+            t = t.cpu()
+        t = t.contiguous()
+        shape = tuple(shape if shape is not None else t.shape)
+        box = box or Box.full(shape)
+        if box.lengths != tuple(t.shape):
+            raise CkptError(f"tensor {name!r}: data shape {list(t.shape)} does not match its box {list(box.lengths)}")
+        meta = TensorMeta(name, role, shape, dtype_name(t.dtype), param, key, partition)
+        if self.metas.setdefault(name, meta) != meta:
+            raise CkptError(f"tensor {name!r} added twice with different metadata")
+        for b in chunk_boxes(box, t.element_size(), self.chunk_bytes):
+            sub = t[b.relative_to(box)[0]] if b != box else t
+            self._pending.append((name, b, sub))
+        self._pending_bytes += t.numel() * t.element_size()
+        if self._pending_bytes >= self.flush_bytes:
+            self.flush()
+
+    def flush(self) -> None:
+        """Write everything queued as one data file."""
+        if not self._pending:
+            return
+        fname = f"r{self.rank:05d}-{self.attempt}-{self._seq:05d}.safetensors"
+        self._seq += 1
+        keys = [f"{n}@{','.join(map(str, b.offsets))}" for n, b, _ in self._pending]
+        with self.storage.create(fname) as f:
+            written, size = write_shard_file(
+                f, [Chunk(k, t, self.codec) for k, (_, _, t) in zip(keys, self._pending, strict=True)]
+            )
+        self.receipt.files.append((fname, size))
+        self.receipt.shards.extend(
+            (n, b.offsets, b.lengths, fname, w.offset, w.nbytes, self.codec, w.checksum)
+            for (n, b, _), w in zip(self._pending, written, strict=True)
+        )
+        self.bytes_written += size
+        self._pending, self._pending_bytes = [], 0
+
+    def finish(self) -> Receipt:
+        """Flush and return this writer's receipt (for a multi-process commit)."""
+        self.flush()
+        return self.receipt
+
+    def commit(
+        self,
+        *,
+        step: int,
+        backend: str,
+        layout: Layout | None = None,
+        trees: dict[str, Any] | None = None,
+        receipts: list[Receipt] | None = None,
+        metas: list[TensorMeta] | None = None,
+        env: dict[str, Any] | None = None,
+    ) -> Manifest:
+        """Write the manifest (create-only). ``receipts``/``metas`` default to this writer's own."""
+        own = self.finish()
+        manifest = build_manifest(
+            step=step,
+            backend=backend,
+            layout=layout or Layout(),
+            metas=metas if metas is not None else list(self.metas.values()),
+            receipts=receipts if receipts is not None else [own],
+            trees=trees or {},
+            env=env,
+        )
+        publish(self.storage, manifest)
+        return manifest
+
+    def abort(self) -> None:
+        """Delete the files this writer published (nothing was committed)."""
+        self._pending = []
+        for fname, _ in self.receipt.files:
+            self.storage.delete(fname)
+        self.receipt.files.clear()
+        self.receipt.shards.clear()
