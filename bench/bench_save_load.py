@@ -74,14 +74,17 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, q) -> Non
         res.setdefault(key, []).append(value)
 
     base = args.dir
+    # DCP's async_save runs collectives from a background thread: like torchtitan, give it its own group so they
+    # cannot interleave with the main thread's barriers (its default-group path deadlocks here).
+    dcp_pg = dist.new_group(backend="gloo")
     saver_sync = ckpt.Checkpointer(async_save=False)
     saver_async = ckpt.Checkpointer(async_save=True)
-    for rep in range(args.repeat):
-        d = f"{base}/rep{rep}"
+
+    def one_repetition(d: str) -> None:
         # --- baselines
         dst = {k: torch.empty_like(v) for k, v in local.items()}
         add("memcpy", timed(lambda: [dst[k].copy_(v) for k, v in local.items()]))
-        del dst
+        dst.clear()
         raw = f"{d}/raw-{rank}.bin"
         os.makedirs(d, exist_ok=True)
 
@@ -101,10 +104,19 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, q) -> Non
         add("raw write", timed(raw_write))
         add("raw read", timed(raw_read))
         # --- ckpt
-        add("ckpt save", timed(lambda: saver_sync.save(f"{d}/ckpt-sync", step=1, model=state, rng=False).result()))
+        add(
+            "ckpt save",
+            timed(lambda: saver_sync.save(f"{d}/ckpt-sync", step=1, model=state, rng=False).result()),
+        )
         fut = {}
-        add("ckpt async blocking", timed(lambda: fut.setdefault("f", saver_async.save(
-            f"{d}/ckpt-async", step=1, model=state, rng=False))))
+        add(
+            "ckpt async blocking",
+            timed(
+                lambda: fut.setdefault(
+                    "f", saver_async.save(f"{d}/ckpt-async", step=1, model=state, rng=False)
+                )
+            ),
+        )
         t0 = time.perf_counter()
         saver_async.wait()
         dist.barrier()
@@ -113,8 +125,14 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, q) -> Non
         # --- torch.distributed.checkpoint
         add("dcp save", timed(lambda: dcp.save(state, checkpoint_id=f"{d}/dcp-sync")))
         holder = {}
-        add("dcp async_save blocking", timed(lambda: holder.setdefault("f", dcp.async_save(
-            state, checkpoint_id=f"{d}/dcp-async"))))
+        add(
+            "dcp async_save blocking",
+            timed(
+                lambda: holder.setdefault(
+                    "f", dcp.async_save(state, checkpoint_id=f"{d}/dcp-async", process_group=dcp_pg)
+                )
+            ),
+        )
         t0 = time.perf_counter()
         holder["f"].result()
         dist.barrier()
@@ -127,6 +145,9 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, q) -> Non
         dist.barrier()
         if rank == 0:
             shutil.rmtree(d, ignore_errors=True)
+
+    for rep in range(args.repeat):
+        one_repetition(f"{base}/rep{rep}")
     saver_async.close()
     if rank == 0:
         q.put({"results": {k: statistics.median(v) for k, v in res.items()}, "local_bytes": local_bytes})
@@ -160,7 +181,9 @@ def main() -> None:
         ("sync save", "ckpt save", "dcp save"),
         ("load", "ckpt load", "dcp load"),
     ]
-    print(f"state: {args.gib:.2f} GiB over {args.ranks} ranks ({gib_local:.2f} GiB per rank), median of {args.repeat}")
+    print(
+        f"state: {args.gib:.2f} GiB over {args.ranks} ranks ({gib_local:.2f} GiB per rank), median of {args.repeat}"
+    )
     print(f"{'operation':24} {'ckpt s':>9} {'DCP s':>9} {'ckpt/DCP':>9}")
     table = []
     for label, ours, theirs in rows:
@@ -168,12 +191,18 @@ def main() -> None:
         print(f"{label:24} {r[ours]:9.3f} {r[theirs]:9.3f} {ratio:9.2f}")
         table.append({"operation": label, "ckpt_s": r[ours], "dcp_s": r[theirs], "ratio": ratio})
     print(f"{'torch.save / load':24} {r['torch.save']:9.3f} {r['torch.load']:9.3f}")
-    print(f"one memory copy: {r['memcpy']:.3f} s -> async blocking = {r['ckpt async blocking'] / r['memcpy']:.2f}x copy")
+    print(
+        f"one memory copy: {r['memcpy']:.3f} s -> async blocking = {r['ckpt async blocking'] / r['memcpy']:.2f}x copy"
+    )
     bw_w = gib_local * args.ranks / r["raw write"]
     bw_r = gib_local * args.ranks / r["raw read"]
-    print(f"raw write {r['raw write']:.3f} s ({bw_w:.2f} GiB/s), raw read {r['raw read']:.3f} s ({bw_r:.2f} GiB/s)")
-    print(f"ckpt sync save = {r['raw write'] / r['ckpt save']:.2f}x raw write bandwidth, "
-          f"load = {r['raw read'] / r['ckpt load']:.2f}x raw read bandwidth")
+    print(
+        f"raw write {r['raw write']:.3f} s ({bw_w:.2f} GiB/s), raw read {r['raw read']:.3f} s ({bw_r:.2f} GiB/s)"
+    )
+    print(
+        f"ckpt sync save = {r['raw write'] / r['ckpt save']:.2f}x raw write bandwidth, "
+        f"load = {r['raw read'] / r['ckpt load']:.2f}x raw read bandwidth"
+    )
     os.makedirs(os.path.join(os.path.dirname(__file__), "results"), exist_ok=True)
     with open(os.path.join(os.path.dirname(__file__), "results", "save_load.json"), "w") as f:
         json.dump({"args": vars(args), "seconds": r, "table": table}, f, indent=2)

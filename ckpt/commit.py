@@ -33,7 +33,9 @@ class Receipt:
 
     rank: int
     files: list[tuple[str, int]] = field(default_factory=list)
-    shards: list[tuple[str, tuple[int, ...], tuple[int, ...], str, int, int, str, str]] = field(default_factory=list)
+    shards: list[tuple[str, tuple[int, ...], tuple[int, ...], str, int, int, str, str]] = field(
+        default_factory=list
+    )
 
 
 def build_manifest(
@@ -67,7 +69,13 @@ def build_manifest(
         if stored != total:
             raise ManifestError(f"tensor {n!r}: written shards hold {stored} of {total} elements")
         tensors[n] = TensorEntry(
-            n, m.role, m.shape, m.dtype, tuple(sorted(shards[n], key=lambda s: s.box.offsets)), m.param, m.key,
+            n,
+            m.role,
+            m.shape,
+            m.dtype,
+            tuple(sorted(shards[n], key=lambda s: s.box.offsets)),
+            m.param,
+            m.key,
             m.partition,
         )
     rank_trees = rank_trees or {}
@@ -83,7 +91,8 @@ def build_manifest(
         scaler=trees.get("scaler"),
         rng={str(r): t["rng"] for r, t in sorted(rank_trees.items()) if "rng" in t} or trees.get("rng", {}),
         progress=trees.get("progress", {"step": step}),
-        data={str(r): t["data"] for r, t in sorted(rank_trees.items()) if "data" in t} or trees.get("data", {}),
+        data={str(r): t["data"] for r, t in sorted(rank_trees.items()) if "data" in t}
+        or trees.get("data", {}),
         tokenizer=trees.get("tokenizer"),
         environment=env if env is not None else environment.capture(layout.world_size),
         user=trees.get("user"),

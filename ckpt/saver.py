@@ -132,6 +132,7 @@ class Checkpointer:
         progress: dict[str, Any] | None = None,
         metadata: Any = None,
         layout: Layout | None = None,
+        extra: dict[str, Any] | None = None,
         overwrite: bool = False,
         on_commit: Callable[[SaveResult], None] | None = None,
     ) -> Future:
@@ -139,6 +140,7 @@ class Checkpointer:
 
         Synchronous saves are complete (and raise) before returning; the future is already resolved.
         ``on_commit`` runs on rank 0 after the manifest is written (retention uses it); its errors only warn.
+        ``extra`` becomes the manifest's ``extra`` (JSON; backend/converter facts such as ``extra.nxd``).
         """
         self.wait()
         started = time.perf_counter()
@@ -148,7 +150,7 @@ class Checkpointer:
         if model is not None:
             named.extend(model_tensors(model))
         if optimizer is not None:
-            opt_tensors, trees["optimizer"] = optimizer_capture(optimizer, model)
+            opt_tensors, trees["optimizer"] = self.capture_optimizer(optimizer, model)
             named.extend(opt_tensors)
         if scheduler is not None:
             trees["scheduler"] = treecodec.encode(state_dict_of(scheduler, "scheduler"), "scheduler")
@@ -158,6 +160,8 @@ class Checkpointer:
             trees["tokenizer"] = tokenizer_mod.identity(tokenizer)
         if metadata is not None:
             trees["user"] = treecodec.encode(metadata, "metadata")
+        if extra:
+            trees["extra"] = extra
         rank_trees: dict[str, Any] = {}
         if rng:
             rank_trees["rng"] = rng_mod.capture()
@@ -245,6 +249,11 @@ class Checkpointer:
             self.wait()
         finally:
             self.stager.release()
+
+    def capture_optimizer(self, optimizer: Any, model: Any) -> tuple[list[NamedTensor], dict[str, Any]]:
+        """Named tensors and JSON tree of ``optimizer``.  An extension point: optimizers whose ``state_dict`` is
+        not torch.optim's (ZeRO-1 wrappers keep sharded ``base_state``) override it in a subclass."""
+        return optimizer_capture(optimizer, model)
 
     # ------------------------------------------------------------------------------------------------ internals
     def _describe(self, named: list[NamedTensor]) -> tuple[list[Piece], dict[tuple[str, Box], torch.Tensor]]:
@@ -341,7 +350,9 @@ class Checkpointer:
         metas: dict[str, TensorMeta] = {}
         for pieces in job.per_rank:
             for p in pieces:
-                metas.setdefault(p.name, TensorMeta(p.name, p.role, p.shape, p.dtype, p.param, p.key, p.partition))
+                metas.setdefault(
+                    p.name, TensorMeta(p.name, p.role, p.shape, p.dtype, p.param, p.key, p.partition)
+                )
         receipts = [r["receipt"] for r in reports]
         return build_manifest(
             step=job.step,

@@ -43,7 +43,9 @@ class StreamingWriter:
         self.storage = path if isinstance(path, Storage) else Storage(str(path), storage_options)
         if rank == 0 and self.storage.exists(MANIFEST_NAME):
             if not overwrite:
-                raise CheckpointExistsError(f"{self.storage.display(MANIFEST_NAME)} already exists (pass overwrite)")
+                raise CheckpointExistsError(
+                    f"{self.storage.display(MANIFEST_NAME)} already exists (pass overwrite)"
+                )
             self.storage.delete(MANIFEST_NAME)
         self.rank = rank
         self.attempt = attempt or uuid.uuid4().hex[:8]
@@ -77,7 +79,9 @@ class StreamingWriter:
         shape = tuple(shape if shape is not None else t.shape)
         box = box or Box.full(shape)
         if box.lengths != tuple(t.shape):
-            raise CkptError(f"tensor {name!r}: data shape {list(t.shape)} does not match its box {list(box.lengths)}")
+            raise CkptError(
+                f"tensor {name!r}: data shape {list(t.shape)} does not match its box {list(box.lengths)}"
+            )
         meta = TensorMeta(name, role, shape, dtype_name(t.dtype), param, key, partition)
         if self.metas.setdefault(name, meta) != meta:
             raise CkptError(f"tensor {name!r} added twice with different metadata")

@@ -32,7 +32,7 @@ def inspect(checkpoint: str, as_json: bool, shards: bool) -> None:
     )
     table = Table()
     for col in ("tensor", "role", "shape", "dtype", "shards", "size"):
-        table.add_column(col)
+        table.add_column(col, overflow="fold")
     for name, t in m.tensors.items():
         table.add_row(
             name,
