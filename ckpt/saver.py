@@ -209,7 +209,7 @@ class Checkpointer:
             per_rank=self._per_rank if self.coll.rank == 0 else None,
             trees=trees,
             rank_trees=rank_trees,
-            layout=layout or Layout(world_size=world, dp=world, kind=_layout_kind(named)),
+            layout=layout or default_layout(named, world),
             backend=backend,
             attempt=info["attempt"],
             started=started,
@@ -365,7 +365,17 @@ class Checkpointer:
         )
 
 
-def _layout_kind(named: list[NamedTensor]) -> str:
+def default_layout(named: list[NamedTensor], world: int) -> Layout:
+    """Data-parallel over all ranks; for DTensor state, the device mesh it is sharded over."""
     from torch.distributed.tensor import DTensor
 
-    return "dtensor" if any(isinstance(n.tensor, DTensor) for n in named) else "replicated"
+    for n in named:
+        if isinstance(n.tensor, DTensor):
+            mesh = n.tensor.device_mesh
+            return Layout(
+                world_size=world,
+                dp=world,
+                mesh={"shape": list(mesh.shape), "dim_names": list(mesh.mesh_dim_names or [])},
+                kind="dtensor",
+            )
+    return Layout(world_size=world, dp=world, kind="replicated")
