@@ -6,6 +6,7 @@ committed one whose files are all present; a damaged newest one is skipped with 
 
 from __future__ import annotations
 
+import time
 import warnings
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -114,10 +115,17 @@ class CheckpointManager:
 
     # ------------------------------------------------------------------------------------------------ restoring
     def restore(self, step: int, **state: Any) -> RestoreResult:
+        t0 = time.perf_counter()
         result = restore(
             self.path_for(step), storage_options=self.storage_options, layout_hook=self.layout_hook, **state
         )
+        self._emit_restore(result, time.perf_counter() - t0)
         return result
+
+    def _emit_restore(self, result: RestoreResult, seconds: float) -> None:
+        # seconds: wall time of the restore including manifest reads, so recovery-cost reports can use it
+        if self.on_event is not None and self.coll.rank == 0:
+            self.on_event("restore", {"step": result.step, "path": result.path, "seconds": seconds})
 
     def restore_latest(self, **state: Any) -> int | None:
         """Restore the newest valid checkpoint; returns its step, or None when there is none. Call on every rank.
@@ -125,6 +133,7 @@ class CheckpointManager:
         Rank 0 picks candidates (newest first); every rank restores; if any rank finds damage (missing file,
         checksum), all ranks fall back to the previous checkpoint together, with a warning naming the problem.
         """
+        t0 = time.perf_counter()
         candidates = None
         if self.coll.rank == 0:
             candidates = []
@@ -156,8 +165,7 @@ class CheckpointManager:
                     f"checkpoint step {step} could not be restored, falling back: {errors[0]}", stacklevel=2
                 )
                 continue
-            if self.on_event is not None and self.coll.rank == 0:
-                self.on_event("restore", {"step": result.step, "path": result.path})
+            self._emit_restore(result, time.perf_counter() - t0)
             return step
         return None
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import click
@@ -11,18 +12,36 @@ from ckpt.errors import CkptError
 from ckpt.resume.checks import VerifyOptions
 from ckpt.resume.report import render, to_json
 from ckpt.resume.sources import SOURCES, load_run
-from ckpt.resume.verify import verify_run
+from ckpt.resume.verify import Verification, verify_run
 
 EPILOG = """\b
 Examples:
-  ckpt verify-resume runs/llama-8b                 # reads runs/llama-8b/ledger.jsonl
+  ckpt verify-resume runs/llama-8b                 # reads runs/llama-8b/ledger.jsonl (+ checkpoints/)
   ckpt verify-resume runs/llama-8b --plot resume.png
   ckpt verify-resume tb_logs/ --source tensorboard --no-deterministic
   ckpt verify-resume hf_out/ --json > verdict.json
+  ckpt verify-resume runs/x --replay 'python train.py --resume {checkpoint} --max-steps {stop} --out {run}'
+
+\b
+Replay placeholders (shell-quoted): {checkpoint} checkpoint path, {step} its step N,
+{steps} K steps to train, {stop} N+K, {run} scratch run directory, {ledger} {run}/ledger.jsonl.
 
 \b
 Exit codes: 0 continuous (warnings allowed), 1 discontinuity found, 2 bad input.
 """
+
+
+def _facts(run: Path, checkpoints: str | None):
+    """The manifest facts provider for RUN's checkpoints (``RUN/checkpoints`` when present), or None."""
+    from ckpt.resume.ledger import checkpoints_dir
+    from ckpt.resume.manifest_facts import ManifestFacts
+
+    if checkpoints:
+        return ManifestFacts(checkpoints)
+    root = run if run.is_dir() else run.parent
+    if checkpoints_dir(root).is_dir():
+        return ManifestFacts(os.fspath(checkpoints_dir(root)))
+    return None
 
 
 @click.command("verify-resume", epilog=EPILOG)
@@ -37,13 +56,60 @@ Exit codes: 0 continuous (warnings allowed), 1 discontinuity found, 2 bad input.
     help="Compare losses bit for bit / within calibrated noise (default: what the sessions logged).",
 )
 @click.option("--source", type=click.Choice(SOURCES), default="auto", show_default=True, help="Log format.")
+@click.option(
+    "--checkpoints",
+    help="Checkpoint root whose manifests give the restored counters (default: RUN/checkpoints if present).",
+)
+@click.option("--replay", "replay_cmd", help="Re-run this training command from a checkpoint and compare.")
+@click.option("--from-step", type=int, help="Replay from this checkpoint step (default: newest usable).")
+@click.option("--replay-steps", type=int, help="Steps to replay (default: up to 10 logged after it).")
+@click.option(
+    "--scratch", type=click.Path(file_okay=False, path_type=Path), help="Replay run directory (kept)."
+)
 @click.pass_context
 def verify_resume(
-    ctx: click.Context, run: Path, as_json: bool, plot: Path | None, deterministic: bool | None, source: str
+    ctx: click.Context,
+    run: Path,
+    as_json: bool,
+    plot: Path | None,
+    deterministic: bool | None,
+    source: str,
+    checkpoints: str | None,
+    replay_cmd: str | None,
+    from_step: int | None,
+    replay_steps: int | None,
+    scratch: Path | None,
 ) -> None:
-    """Verify step, LR, loss, data and RNG continuity at every resume boundary of RUN."""
+    """Verify step, LR, loss, data and RNG continuity at every resume boundary of RUN.
+
+    With --replay, re-run training from one checkpoint instead and compare it step by step with RUN's log.
+    """
+    options = VerifyOptions(deterministic=deterministic)
+    rows = None
     try:
-        result = verify_run(load_run(run, source), options=VerifyOptions(deterministic=deterministic))
+        if replay_cmd is not None:
+            from ckpt.resume.continuity import step_rows
+            from ckpt.resume.replay import replay_command
+
+            outcome = replay_command(
+                run,
+                replay_cmd,
+                from_step=from_step,
+                steps=replay_steps,
+                checkpoints=checkpoints,
+                scratch=scratch,
+                options=options,
+                source=source,
+            )
+            result: Verification = outcome.verification
+            rows = step_rows(result.verdicts[0])
+        else:
+            if from_step is not None or replay_steps is not None or scratch is not None:
+                raise click.UsageError("--from-step, --replay-steps and --scratch need --replay")
+            facts = _facts(run, checkpoints)
+            result = verify_run(load_run(run, source), options=options, facts=facts)
+            if facts is not None:
+                result.notes.extend(facts.notes)
         if plot is not None:
             from ckpt.resume.plot import plot_verification
 
@@ -52,7 +118,21 @@ def verify_resume(
         click.echo(f"error: {exc}", err=True)
         ctx.exit(exc.exit_code)
     if as_json:
-        click.echo(json.dumps(to_json(result), indent=2))
+        doc = to_json(result)
+        if rows is not None:
+            doc["replay"] = {
+                "command": outcome.command,
+                "scratch": str(outcome.scratch),
+                "from_step": outcome.from_step,
+                "steps": outcome.steps,
+                "rows": rows,
+            }
+        click.echo(json.dumps(doc, indent=2))
     else:
+        if rows is not None:
+            from ckpt.resume.continuity import render_rows
+
+            click.echo(f"replayed {outcome.steps} steps from step {outcome.from_step}: {outcome.command}")
+            click.echo(render_rows(rows), nl=False)
         render(result)
     ctx.exit(result.exit_code)

@@ -35,6 +35,7 @@ class RunCost:
     saves: int
     save_blocking_seconds: float
     save_background_seconds: float
+    save_bytes: int
     compile_events: int
     compile_seconds: float
     median_step_seconds: float | None
@@ -91,6 +92,7 @@ def recovery_cost(run: Run) -> RunCost:
         saves=len(saves),
         save_blocking_seconds=blocking,
         save_background_seconds=max(0.0, total - blocking),
+        save_bytes=sum(s.bytes or 0 for s in saves),
         compile_events=len(compiles),
         compile_seconds=sum(c.seconds for c in compiles),
         median_step_seconds=step_s,

@@ -23,6 +23,7 @@ import os
 import platform
 import socket
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterable, Mapping
@@ -102,6 +103,20 @@ def collect_env(
     return env
 
 
+def tokenizer_id(tokenizer: Any) -> str:
+    """``name@sha256[:16]`` of a tokenizer object or folder: log it as ``LedgerWriter(tokenizer_id=...)``.
+
+    It is the format the verifier derives from a checkpoint's stored tokenizer identity, so a resume with a
+    different tokenizer than the checkpoint was trained with is caught by file hash, whatever its name.
+    """
+    from ckpt.resume.manifest_facts import tokenizer_id_of
+    from ckpt.tokenizer import identity
+
+    tid = tokenizer_id_of(identity(tokenizer))
+    assert tid is not None  # identity() always returns a sha256
+    return tid
+
+
 def _num(value: Any) -> float | None:
     """Plain Python float of a float / 0-d tensor / NumPy scalar, never rounded."""
     if value is None:
@@ -149,6 +164,8 @@ class LedgerWriter:
         self._buffer: list[bytes] = []
         self._buffer_lines = max(1, int(buffer_lines))
         self._fd: int | None = None
+        # The manager reports async-save commits from its writer thread while the loop logs steps.
+        self._lock = threading.Lock()
         if not enabled:
             return
         try:
@@ -211,9 +228,10 @@ class LedgerWriter:
             rec["rng_digest"] = rng_digest
         rec["time"] = self._clock()
         rec["session"] = self.session
-        self._buffer.append(_line(rec))
-        if len(self._buffer) >= self._buffer_lines:
-            self.flush()
+        with self._lock:
+            self._buffer.append(_line(rec))
+            if len(self._buffer) >= self._buffer_lines:
+                self._flush_locked(sync=False)
 
     def restore(self, step: int, path: str | os.PathLike[str] | None, seconds: float | None = None) -> None:
         """Record that state of step ``step`` was loaded from ``path`` in ``seconds``; log it before training."""
@@ -225,15 +243,37 @@ class LedgerWriter:
         path: str | os.PathLike[str] | None,
         blocking_seconds: float | None = None,
         total_seconds: float | None = None,
+        bytes: int | None = None,  # noqa: A002 - the ledger field's name
     ) -> None:
         """Record a *committed* checkpoint of ``step``; log it when the commit is durable, not when it starts."""
-        self._event(
-            "save",
-            step=int(step),
-            path=None if path is None else str(path),
-            blocking_seconds=blocking_seconds,
-            total_seconds=total_seconds,
-        )
+        fields: dict[str, object] = {
+            "step": int(step),
+            "path": None if path is None else str(path),
+            "blocking_seconds": blocking_seconds,
+            "total_seconds": total_seconds,
+        }
+        if bytes is not None:
+            fields["bytes"] = int(bytes)
+        self._event("save", **fields)
+
+    def on_event(self, kind: str, info: Mapping[str, Any]) -> None:
+        """Adapter for ``CheckpointManager(on_event=ledger.on_event)``: the manager's own save/restore events.
+
+        Why here and not in the manager: the manager stays free of ledger code and emits plain dicts
+        (``save``: step, path, blocking_s, total_s, bytes; ``restore``: step, path, seconds); this maps them
+        to ledger events.  Saves arrive on the async writer thread once committed, which is exactly when the
+        ledger wants them.  Unknown kinds are ignored so a newer manager cannot break an older ledger.
+        """
+        if kind == "save":
+            self.save(
+                int(info["step"]),
+                info.get("path"),
+                blocking_seconds=info.get("blocking_s"),
+                total_seconds=info.get("total_s"),
+                bytes=info.get("bytes"),
+            )
+        elif kind == "restore":
+            self.restore(int(info["step"]), info.get("path"), seconds=info.get("seconds"))
 
     def compile(self, seconds: float, what: str | None = None) -> None:
         """Record a graph compilation of ``seconds`` (what: e.g. ``"neuron train graph"``)."""
@@ -244,8 +284,10 @@ class LedgerWriter:
         if self._fd is None:
             return
         self._event("exit", clean=bool(clean))
-        os.close(self._fd)
-        self._fd = None
+        with self._lock:
+            if self._fd is not None:
+                os.close(self._fd)
+                self._fd = None
 
     def __enter__(self) -> LedgerWriter:
         return self
@@ -260,11 +302,16 @@ class LedgerWriter:
         if not self.enabled:
             return
         rec: dict[str, object] = {"kind": kind, **fields, "time": self._clock(), "session": self.session}
-        self._buffer.append(_line(rec))
-        self.flush(sync=True)
+        with self._lock:
+            self._buffer.append(_line(rec))
+            self._flush_locked(sync=True)
 
     def flush(self, sync: bool = False) -> None:
         """Write buffered lines with one ``os.write`` (whole lines only); ``sync`` also fsyncs."""
+        with self._lock:
+            self._flush_locked(sync)
+
+    def _flush_locked(self, sync: bool) -> None:
         if self._fd is None:
             if self.enabled and self._buffer:
                 raise LedgerWriteError(f"ledger {self.path} is closed")

@@ -59,6 +59,7 @@ class Save:
     path: str | None = None
     blocking_seconds: float | None = None
     total_seconds: float | None = None
+    bytes: int | None = None
 
 
 @dataclass(frozen=True, slots=True)

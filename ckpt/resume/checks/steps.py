@@ -73,11 +73,17 @@ def check_counters(ctx: CheckContext) -> CheckResult:
     nums: dict[str, int | str | None] = {"restored_step": n, "checkpoint_step": f.step}
     if f.step != n:
         problems.append((Cause.COUNTER_MISMATCH, f"checkpoint is of step {f.step}, restore said {n}"))
+    # Group parameters by counter value: a real model has hundreds of parameters, and one line per value
+    # says the same with the numbers that decided it.
+    by_value: dict[int, list[str]] = {}
     for name, value in (f.optimizer_steps or {}).items():
-        nums[f"optimizer_step[{name}]"] = value
+        by_value.setdefault(value, []).append(name)
+    for value, names in sorted(by_value.items(), key=lambda kv: (kv[0] == n, kv[0])):
+        label = names[0] if len(names) == 1 else f"{names[0]} and {len(names) - 1} more"
+        nums[f"optimizer_step[{label}]"] = value
         if value != n:
             cause = Cause.OPTIMIZER_LOST if value == 0 else Cause.COUNTER_MISMATCH
-            problems.append((cause, f"optimizer {name!r} step counter is {value}, expected {n}"))
+            problems.append((cause, f"optimizer {label!r} step counter is {value}, expected {n}"))
     if f.scheduler_last_epoch is not None:
         le = f.scheduler_last_epoch
         nums["scheduler_last_epoch"] = le
@@ -100,7 +106,7 @@ def check_counters(ctx: CheckContext) -> CheckResult:
                     )
                 )
     tok = b.post.env.get("tokenizer_id")
-    if f.tokenizer_id is not None and tok is not None and f.tokenizer_id != tok:
+    if f.tokenizer_id is not None and isinstance(tok, str) and _tokenizer_differs(f.tokenizer_id, tok):
         problems.append(
             (Cause.TOKENIZER_CHANGED, f"checkpoint tokenizer {f.tokenizer_id}, session uses {tok}")
         )
@@ -113,3 +119,23 @@ def check_counters(ctx: CheckContext) -> CheckResult:
         else ""
     )
     return CheckResult("counters", Status.FAIL, text + more, cause, nums)
+
+
+def _hash_part(tokenizer_id: str) -> str | None:
+    """The hex hash after the last ``@`` (``name@sha256[:16]``), or None for a free-form id."""
+    _, sep, tail = tokenizer_id.rpartition("@")
+    return (
+        tail.lower() if sep and len(tail) >= 8 and all(c in "0123456789abcdefABCDEF" for c in tail) else None
+    )
+
+
+def _tokenizer_differs(checkpoint_id: str, session_id: str) -> bool:
+    """Compare by file hash when both ids carry one (names may differ between machines), as strings when
+    neither does; a free-form id (``"llama3@v1"``) cannot be compared with a hash, so that never alarms."""
+    a, b = _hash_part(checkpoint_id), _hash_part(session_id)
+    if a is None and b is None:
+        return checkpoint_id != session_id
+    if a is None or b is None:
+        return False
+    k = min(len(a), len(b))
+    return a[:k] != b[:k]

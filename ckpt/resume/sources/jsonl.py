@@ -111,6 +111,7 @@ def _add(session: Session, kind: object, rec: dict) -> None:
                 path=rec.get("path"),
                 blocking_seconds=_opt_float(rec, "blocking_seconds"),
                 total_seconds=_opt_float(rec, "total_seconds"),
+                bytes=_opt_int(rec, "bytes"),
             )
         )
     elif kind == "compile":

@@ -1,0 +1,127 @@
+"""Fill :class:`CheckpointFacts` from ckpt manifests, so ``verify-resume run/`` checks ``run/checkpoints/``.
+
+Only the manifest (one small JSON document) is read, never tensor data: the counters the verifier needs are
+all in it.  Optimizer per-parameter ``step`` scalars and the scheduler state are stored through
+:mod:`ckpt.treecodec`, so they are decoded here (a 0-d ``step`` tensor becomes an int).
+
+The provider looks a checkpoint up by the restore event's path first (the manager logs the exact folder it
+restored), then by step under the checkpoints root (``step_XXXXXXXX``); a checkpoint that retention has
+since deleted, or that cannot be read, yields no facts and a note saying why, never an error: the log
+checks still run.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any
+
+from ckpt.resume.facts import CheckpointFacts
+
+
+def _as_int(value: Any) -> int | None:
+    """A decoded counter (int, float, 0-d tensor or NumPy scalar) as an int, or None when it is not one."""
+    if hasattr(value, "item"):
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    return int(value)
+
+
+def tokenizer_id_of(identity: Mapping[str, Any] | None) -> str | None:
+    """``name@sha256[:16]`` of a tokenizer identity (``ckpt.tokenizer.identity``), the ledger's format too.
+
+    Why one format: the session's ``tokenizer_id`` and the checkpoint's identity are compared as strings;
+    log ``ckpt.resume.ledger.tokenizer_id(tokenizer)`` so the two agree.
+    """
+    if not identity or not identity.get("sha256"):
+        return None
+    return f"{identity.get('name') or 'tokenizer'}@{str(identity['sha256'])[:16]}"
+
+
+def _env(environment: Mapping[str, Any]) -> dict[str, object]:
+    """The manifest's environment in the ledger's keys (``torch_xla``, not ``torch-xla``) for drift checks."""
+    env: dict[str, object] = {}
+    versions = environment.get("versions") or {}
+    if isinstance(versions, Mapping):
+        env.update({str(k).replace("-", "_"): v for k, v in versions.items()})
+    for key in ("python", "cuda", "world_size"):
+        if environment.get(key) is not None:
+            env[key] = environment[key]
+    return env
+
+
+def facts_from_manifest(manifest: Any) -> CheckpointFacts:
+    """Counters of one checkpoint from its :class:`ckpt.manifest.Manifest`."""
+    from ckpt import treecodec
+
+    opt_steps: dict[str, int] = {}
+    state = (manifest.optimizer or {}).get("state") or {}
+    for param, scalars in state.items():
+        if isinstance(scalars, Mapping) and "step" in scalars:
+            value = _as_int(treecodec.decode(scalars["step"]))
+            if value is not None:
+                opt_steps[str(param)] = value
+    last_epoch = None
+    if manifest.scheduler is not None:
+        sched = treecodec.decode(manifest.scheduler)
+        if isinstance(sched, Mapping) and "last_epoch" in sched:
+            last_epoch = _as_int(sched["last_epoch"])
+    progress = manifest.progress or {}
+    samples = _as_int(progress.get("samples")) if "samples" in progress else None
+    return CheckpointFacts(
+        step=int(manifest.step),
+        optimizer_steps=opt_steps or None,
+        scheduler_last_epoch=last_epoch,
+        samples=samples,
+        tokenizer_id=tokenizer_id_of(manifest.tokenizer),
+        env=_env(manifest.environment or {}),
+    )
+
+
+class ManifestFacts:
+    """A :data:`ckpt.resume.facts.FactsProvider` over the checkpoints under ``root`` (local path or URL).
+
+    ``notes`` collects why a checkpoint gave no facts (deleted by retention, unreadable), for the report.
+    """
+
+    def __init__(self, root: str | os.PathLike[str], storage_options: dict[str, Any] | None = None) -> None:
+        self.root = str(root).rstrip("/")
+        self.storage_options = storage_options
+        self.notes: list[str] = []
+        self._cache: dict[tuple[int, str | None], CheckpointFacts | None] = {}
+
+    def _candidates(self, step: int, path: str | None) -> list[str]:
+        from ckpt.discovery import step_dir
+
+        out = []
+        if path:
+            out.append(path)
+            # A run directory moved or copied since: same folder name under this root.
+            out.append(f"{self.root}/{os.path.basename(str(path).rstrip('/'))}")
+        out.append(f"{self.root}/{step_dir(step)}")
+        return list(dict.fromkeys(out))
+
+    def __call__(self, step: int, path: str | None) -> CheckpointFacts | None:
+        key = (step, path)
+        if key not in self._cache:
+            self._cache[key] = self._load(step, path)
+        return self._cache[key]
+
+    def _load(self, step: int, path: str | None) -> CheckpointFacts | None:
+        from ckpt.errors import CkptError
+        from ckpt.reader import read_manifest
+        from ckpt.storage import Storage
+
+        last_error = None
+        for cand in self._candidates(step, path):
+            try:
+                manifest = read_manifest(Storage(cand, self.storage_options))
+            except (CkptError, OSError) as exc:  # not a ckpt checkpoint (a torch.save file), unreadable
+                last_error = str(exc) or type(exc).__name__
+                continue
+            if int(manifest.step) != step:
+                self.notes.append(f"checkpoint {cand} holds step {manifest.step}, the restore said {step}")
+            return facts_from_manifest(manifest)
+        self.notes.append(f"no readable checkpoint of step {step} under {self.root} ({last_error})")
+        return None
