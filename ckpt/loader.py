@@ -177,16 +177,18 @@ def restore(
     verify: bool = True,
     storage_options: dict[str, Any] | None = None,
     layout_hook: Any = None,
+    restorer: Any = None,
 ) -> RestoreResult:
     """Restore everything given, in place, from the checkpoint at ``path``. Call on every rank.
 
     Model and optimizer are restored for this rank's current sharding; RNG and data-loader state are this rank's
     own.  ``strict`` (default) refuses missing/unexpected names and a data-loader state saved by a different
-    number of ranks.
+    number of ranks.  ``restorer`` (a ``Restorer`` subclass or factory taking ``(reader, layout_hook)``) lets a
+    backend change how tensors reach their device or how a non-torch.optim optimizer is filled.
     """
     reader = path if isinstance(path, CheckpointReader) else CheckpointReader(path, storage_options, verify)
     m = reader.manifest
-    r = Restorer(reader, layout_hook)
+    r = (restorer or Restorer)(reader, layout_hook)
     missing: list[str] = []
     unexpected: list[str] = []
     if model is not None:

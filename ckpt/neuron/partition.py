@@ -1,0 +1,141 @@
+"""Where each local NxD shard sits in its logical tensor: the layout hook of the Neuron saver and restorer.
+
+Contract (docs/format.md, "Neuron (NxD) layout"): the logical tensor of a tensor-parallel parameter is the
+concatenation of the TP ranks' local shards along its partition dim, TP rank ``r`` holding box ``r`` of ``tp``
+equal boxes; its ``partition`` is ``{"dim", "stride", "tp", "source"}``.  Replicated parameters carry none.
+
+The partition of a parameter comes from NxD's own runtime attributes (``tensor_model_parallel``,
+``partition_dim``, ``partition_stride``, set by its parallel layers) when the parameter has them, because they
+are what NxD actually did; otherwise from a named rule set over NxD parameter names (``nxd-llama``), which is
+what NxD's checkpoint converter assumes.  Optimizer states follow their parameter.  ZeRO-1 shards of optimizer
+states are boxes too: rows ``[start, start + n)`` of the TP-local tensor (padding dropped), registered in
+:attr:`NxdLayout.zero1_rows` by the optimizer capture.
+"""
+
+from __future__ import annotations
+
+import re
+from functools import lru_cache
+from typing import Any
+
+import torch
+
+from ckpt.errors import CkptError
+from ckpt.layouts.names import nxd_to_hf_names
+from ckpt.layouts.rules import Kind, get_rule_set, rule_for
+from ckpt.manifest import Box
+from ckpt.state import NamedTensor
+
+from .parallel import ParallelInfo
+
+Partition = dict[str, Any]
+_MHA_FUSED_QKV = re.compile(r"\.self_attn\.qkv_proj\.(weight|bias)$")
+
+
+@lru_cache(maxsize=4096)
+def rule_partition(name: str, rule_set: str = "nxd-llama") -> tuple[int, int] | None:
+    """``(partition dim, stride)`` of NxD parameter ``name`` under ``rule_set``; None when it is replicated.
+
+    Fused NxD tensors take the rule of their first part: ``gate_up_proj`` is dim 0 stride 2, the MHA
+    ``qkv_proj.weight`` (``ColumnParallelLinear`` with stride 3) dim 0 stride 3, ``qkv_proj.weight_q|k|v`` and
+    ``weight_qkv`` (``GQAQKVColumnParallelLinear``) dim 0 stride 1.
+    """
+    rules = get_rule_set(rule_set)
+    hf = nxd_to_hf_names(name, None)  # type: ignore[arg-type]  # this direction does not use the spec
+    rule = rule_for(hf[0], rules)
+    if rule.kind is Kind.REPLICATED or rule.partition_dim is None:
+        return None
+    if _MHA_FUSED_QKV.search(name):
+        return (rule.partition_dim, 3)
+    return (rule.partition_dim, rule.stride)
+
+
+def attribute_partition(param: torch.Tensor) -> tuple[int, int] | None | bool:
+    """From NxD's attributes: ``(dim, stride)``, None for an explicitly non-parallel parameter, False if absent."""
+    if not hasattr(param, "tensor_model_parallel"):
+        return False
+    if not param.tensor_model_parallel:
+        return None
+    dim = int(getattr(param, "partition_dim", 0))
+    if dim < 0:
+        dim += param.dim()
+    return (dim, int(getattr(param, "partition_stride", 1)))
+
+
+class NxdLayout:
+    """The layout hook (``Checkpointer(layout_hook=...)`` / ``restore(layout_hook=...)``) for one NxD model.
+
+    Args:
+        model: the (TP-local, PP-stage) model; its parameters are looked up by name for NxD attributes.
+        parallel: this process's ranks and sizes.
+        rule_set: the rule set for parameters without NxD attributes (``"nxd-llama"``), or None to treat those as
+            replicated.
+    """
+
+    def __init__(self, model: Any, parallel: ParallelInfo, rule_set: str | None = "nxd-llama") -> None:
+        if rule_set is not None:
+            get_rule_set(rule_set)  # fail early on an unknown name
+        self.parallel = parallel
+        self.rule_set = rule_set
+        self.params: dict[str, torch.Tensor] = {}
+        if isinstance(model, torch.nn.Module):
+            self.params = dict(model.named_parameters(remove_duplicate=False))
+        self.zero1_rows: dict[str, tuple[int, tuple[int, ...]]] = {}
+        self._cache: dict[str, Partition | None] = {}
+
+    def partition(self, name: str) -> Partition | None:
+        """The manifest ``partition`` of parameter ``name`` (None: replicated)."""
+        if name in self._cache:
+            return self._cache[name]
+        found: tuple[int, int] | None | bool = False
+        source = "attributes"
+        param = self.params.get(name)
+        if param is not None:
+            found = attribute_partition(param)
+        if found is False:
+            source = self.rule_set or ""
+            found = rule_partition(name, self.rule_set) if self.rule_set is not None else None
+        part = None
+        if found:
+            dim, stride = found  # type: ignore[misc]
+            part = {"dim": dim, "stride": stride, "tp": self.parallel.tp_size, "source": source}
+        self._cache[name] = part
+        return part
+
+    def global_box(
+        self, name: str, local_shape: tuple[int, ...], box: Box | None = None
+    ) -> tuple[tuple[int, ...], Box, Partition | None]:
+        """Logical shape and box of ``box`` (default: all) of the TP-local tensor of parameter ``name``."""
+        box = box or Box.full(local_shape)
+        part = self.partition(name)
+        if part is None:
+            return tuple(local_shape), box, None
+        d = part["dim"]
+        if d >= len(local_shape):
+            raise CkptError(
+                f"tensor {name!r}: partition dim {d} but the local tensor has shape {list(local_shape)}"
+            )
+        shape = list(local_shape)
+        shape[d] *= self.parallel.tp_size
+        offsets = list(box.offsets)
+        offsets[d] += self.parallel.tp_rank * local_shape[d]
+        return tuple(shape), Box(tuple(offsets), box.lengths), part
+
+    def __call__(self, nt: NamedTensor) -> tuple[tuple[int, ...], Box, torch.Tensor, Partition | None] | None:
+        base = nt.param if nt.role == "optimizer_state" and nt.param is not None else nt.name
+        local = nt.tensor
+        if nt.name in self.zero1_rows:
+            start, tp_local = self.zero1_rows[nt.name]
+            box = Box((start, *([0] * (len(tp_local) - 1))), tuple(local.shape))
+            shape, gbox, part = self.global_box(base, tp_local, box)
+            return shape, gbox, local, part
+        if self.partition(base) is None:
+            return None
+        param = self.params.get(base)
+        if nt.role == "optimizer_state" and param is not None and tuple(param.shape) != tuple(local.shape):
+            raise CkptError(
+                f"optimizer state {nt.name!r} has shape {list(local.shape)}, its TP-partitioned parameter "
+                f"{list(param.shape)}: only states shaped like their parameter can follow its layout"
+            )
+        shape, gbox, part = self.global_box(base, tuple(local.shape))
+        return shape, gbox, local, part
