@@ -1,0 +1,170 @@
+"""``ckpt convert SRC DST``: between Neuron (NxD TP/PP/ZeRO-1) and CUDA (full / FSDP / DCP / Hugging Face) layouts.
+
+Thin: parses flags into :class:`ckpt.converters.convert.ConvertOptions`, shows a progress bar, prints the plan for
+``--dry-run``.  Every impossible request fails before any work with one line and exit code 2.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import click
+
+from ckpt.errors import CkptError
+
+from .common import err, human_bytes, out
+
+
+@click.command("convert", context_settings={"help_option_names": ["-h", "--help"]})
+@click.argument("src")
+@click.argument("dst")
+@click.option(
+    "--from",
+    "from_",
+    type=click.Choice(["neuron", "cuda"]),
+    default=None,
+    help="Layout of SRC (checked; detected when omitted).",
+)
+@click.option("--to", "to", type=click.Choice(["neuron", "cuda"]), required=True, help="Layout of DST.")
+@click.option(
+    "--format",
+    "fmt",
+    type=click.Choice(["ckpt", "dcp", "hf", "nxd"]),
+    default="ckpt",
+    show_default=True,
+    help="Format of DST.",
+)
+@click.option("--tp", type=int, default=1, show_default=True, help="Neuron target: tensor-parallel size.")
+@click.option("--pp", type=int, default=1, show_default=True, help="Neuron target: pipeline-parallel size.")
+@click.option(
+    "--dp",
+    type=int,
+    default=1,
+    show_default=True,
+    help="Neuron target: data-parallel size (ZeRO-1 shards for --format nxd).",
+)
+@click.option(
+    "--virtual-pp",
+    type=int,
+    default=1,
+    show_default=True,
+    help="Neuron target: virtual pipeline stages per rank.",
+)
+@click.option(
+    "--kv-size-multiplier", type=int, default=1, show_default=True, help="Neuron target: KV head replication."
+)
+@click.option(
+    "--hw",
+    type=click.Choice(["trn1", "trn2"]),
+    default="trn1",
+    show_default=True,
+    help="Neuron KV head order.",
+)
+@click.option("--fuse-qkv", is_flag=True, help="Neuron target: fused QKV weights.")
+@click.option(
+    "--qkv-linear",
+    is_flag=True,
+    help="Neuron target: GQAQKVColumnParallelLinear names (qkv_proj.weight_q|k|v).",
+)
+@click.option(
+    "--config", "config_path", type=str, default=None, help="Hugging Face config.json of the model."
+)
+@click.option("--step", type=int, default=None, help="Step to record (default: the source's).")
+@click.option(
+    "--workers", type=int, default=1, show_default=True, help="Local worker processes (--format ckpt)."
+)
+@click.option(
+    "--dry-run", is_flag=True, help="Print the plan (tensors, bytes, peak memory) and write nothing."
+)
+def convert(
+    src: str,
+    dst: str,
+    from_: str | None,
+    to: str,
+    fmt: str,
+    tp: int,
+    pp: int,
+    dp: int,
+    virtual_pp: int,
+    kv_size_multiplier: int,
+    hw: str,
+    fuse_qkv: bool,
+    qkv_linear: bool,
+    config_path: str | None,
+    step: int | None,
+    workers: int,
+    dry_run: bool,
+) -> None:
+    """Convert checkpoint SRC into DST (SRC is never written; DST is committed atomically)."""
+    from ckpt.converters.convert import ConvertOptions, describe, load_config, open_source, plan_conversion
+    from ckpt.converters.convert import convert as run_convert
+
+    try:
+        opts = ConvertOptions(
+            to=to,  # type: ignore[arg-type]
+            format=fmt,  # type: ignore[arg-type]
+            from_=from_,  # type: ignore[arg-type]
+            tp=tp,
+            pp=pp,
+            dp=dp,
+            virtual_pp=virtual_pp,
+            kv_size_multiplier=kv_size_multiplier,
+            hw=hw,
+            fuse_qkv=fuse_qkv,
+            qkv_linear=qkv_linear,
+            config=load_config(config_path),
+            step=step,
+            workers=workers,
+        )
+        if dry_run:
+            conv = plan_conversion(open_source(src, opts), opts)
+            d = describe(conv, opts)
+            out.print(f"plan: {d['source']['format']} ({d['source']['layout']}) {src} -> {fmt} ({to}) {dst}")
+            if d["target"]["spec"]:
+                out.print(f"  layout: {d['target']['spec']}")
+            out.print(
+                f"  tensors: {d['tensors']} ({', '.join(f'{k} {v}' for k, v in sorted(d['by_role'].items()))})"
+            )
+            out.print(f"  bytes: {human_bytes(d['bytes'])} ({d['bytes']})")
+            out.print(f"  largest tensor: {human_bytes(d['largest_tensor'])}")
+            out.print(f"  peak memory estimate: {human_bytes(d['peak_memory_estimate'])} per worker")
+            out.print(f"  step: {d['step']}, workers: {workers}")
+            return
+        _run(run_convert, src, dst, opts)
+    except CkptError as e:
+        err.print(f"ckpt: error: {e}", markup=False)
+        sys.exit(e.exit_code)
+
+
+def _run(run_convert, src: str, dst: str, opts) -> None:  # noqa: ANN001 - internal
+    from rich.progress import (
+        BarColumn,
+        DownloadColumn,
+        Progress,
+        TextColumn,
+        TimeRemainingColumn,
+        TransferSpeedColumn,
+    )
+
+    with Progress(
+        TextColumn("converting"),
+        BarColumn(),
+        DownloadColumn(),
+        TransferSpeedColumn(),
+        TimeRemainingColumn(),
+        console=err,
+        transient=True,
+    ) as bar:
+        task = bar.add_task("convert", total=None)
+
+        def on_plan(conv) -> None:  # noqa: ANN001
+            bar.update(task, total=conv.nbytes)
+
+        result = run_convert(src, dst, opts, progress=lambda n: bar.advance(task, n), on_plan=on_plan)
+    out.print(
+        f"converted {result.tensors} tensors ({human_bytes(result.bytes)}) -> {result.dst} [{result.format}]"
+    )
+
+
+if __name__ == "__main__":  # pragma: no cover
+    convert()

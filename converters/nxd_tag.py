@@ -1,0 +1,353 @@
+"""NxD-native tags as a Neuron-layout source, and NxD-native output, on top of ``ckpt.converters.nxd``.
+
+Reading uses :func:`ckpt.converters.nxd.open_tag` (lazy per rank, ZeRO-1 merged over DP, pids named) and presents
+each NxD tensor as our manifest's logical tensor (TP shards concatenated along the partition dim); the layout
+engine does the rest.  Parallel flags the files do not record are detected from names and shapes (``qkv_linear``,
+``fuse_qkv``, ``kv_size_multiplier``, ``virtual_pp``) or taken from the caller (``hw``; ``config`` is required).
+
+Memory: NxD stores one file per rank, so a logical tensor needs the files of all TP ranks of its PP stage; those
+are cached (``tp`` model files and ``tp`` merged optimizer files at a time, plain files memory-mapped).  Peak
+memory is therefore one PP stage's rank files, not a few tensors (NxD's file layout does not allow less without
+re-reading every file per tensor).
+
+Writing NxD-native tags (:func:`write_nxd`) builds the per-rank dicts in memory and hands them to
+:func:`ckpt.converters.nxd.write_tag` (atomic temp folder + rename, ``done`` last): not streaming.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ckpt import treecodec
+from ckpt.errors import CkptError, LayoutError
+from ckpt.layouts import LayoutSpec
+from ckpt.layouts.pipeline import layer_index, layers_of_pp_rank, pp_ranks_of
+
+from .ckpt_layout import Conversion, Source, TensorCache, TensorInfo, Trees, nxd_partition, nxd_partition_dim
+from .fsutil import check_dst_free
+
+
+def is_nxd_dir(path: str | Path) -> bool:
+    p = Path(path)
+    if not p.is_dir():
+        return False
+    try:
+        from ckpt.converters.nxd.files import scan_tag
+
+        files = scan_tag(p)
+    except Exception:  # noqa: BLE001 - not a tag
+        return False
+    return bool(files.model or files.legacy)
+
+
+def _detect_flags(
+    names: set[str], shapes: dict[str, tuple[int, ...]], config: dict[str, Any], tp: int
+) -> dict[str, Any]:
+    qkv_linear = any(".qkv_proj.weight_" in n for n in names)
+    fuse = any(n.endswith("qkv_proj.weight_qkv") or n.endswith("qkv_proj.weight") for n in names)
+    heads = int(config["num_attention_heads"])
+    kv_heads = int(config.get("num_key_value_heads") or heads)
+    hd = int(config.get("head_dim") or int(config["hidden_size"]) // heads)
+    mult = 1
+    if qkv_linear:
+        k = next((n for n in names if n.endswith("qkv_proj.weight_k")), None)
+        qkv = next((n for n in names if n.endswith("qkv_proj.weight_qkv")), None)
+        if k is not None:
+            kv_local = shapes[k][0]
+        elif qkv is not None:
+            kv_local = (shapes[qkv][0] - heads // tp * hd) // 2
+        else:
+            kv_local = kv_heads * hd // tp
+        slots = kv_local * tp // hd
+        mult = max(1, slots // kv_heads)
+    return {"qkv_linear": qkv_linear, "fuse_qkv": fuse, "kv_size_multiplier": mult}
+
+
+class NxdTagSource(Source):
+    """An NxD tag (training checkpoint or converter output) as a Neuron-layout source."""
+
+    layout = "neuron"
+    format = "nxd"
+
+    def __init__(
+        self,
+        path: str | Path,
+        *,
+        config: dict[str, Any] | None,
+        hw: str = "trn1",
+        kv_size_multiplier: int | None = None,
+        virtual_pp: int | None = None,
+        qkv_linear: bool | None = None,
+        fuse_qkv: bool | None = None,
+    ) -> None:
+        from ckpt.converters.nxd import open_tag
+
+        self.path = str(path)
+        if not config:
+            raise LayoutError(f"{path}: NxD tags do not record the model config; pass --config config.json")
+        self.config = dict(config)
+        self.r = open_tag(path)
+        meta = self.r.meta
+        if meta.ep_size > 1:
+            raise LayoutError(
+                f"{path}: expert parallelism (ep={meta.ep_size}) is not supported by the converter"
+            )
+        tp, pp = meta.tp_size, meta.pp_size
+        per_rank_shapes = {(t, p): dict(self.r.model_shapes((t, p, 0))) for t in range(tp) for p in range(pp)}
+        names = {n for d in per_rank_shapes.values() for n in d}
+        shapes = {n: s for d in per_rank_shapes.values() for n, s in d.items()}
+        flags = _detect_flags(names, shapes, self.config, tp)
+        if kv_size_multiplier is not None:
+            flags["kv_size_multiplier"] = kv_size_multiplier
+        if qkv_linear is not None:
+            flags["qkv_linear"] = qkv_linear
+        if fuse_qkv is not None:
+            flags["fuse_qkv"] = fuse_qkv
+        layers_on = {
+            p: sorted({li for n in per_rank_shapes[(0, p)] if (li := layer_index(n)) is not None})
+            for p in range(pp)
+        }
+        candidates = (
+            [virtual_pp] if virtual_pp else range(1, max(1, int(self.config["num_hidden_layers"]) // pp) + 1)
+        )
+        spec = None
+        for v in candidates:
+            try:
+                s = LayoutSpec.from_hf_config(
+                    self.config, tp=tp, pp=pp, dp=meta.dp_size, virtual_pp=v, hw=hw, **flags
+                )
+            except LayoutError:
+                if virtual_pp:
+                    raise
+                continue
+            if all(list(layers_of_pp_rank(s, p)) == layers_on[p] for p in range(pp)):
+                spec = s
+                break
+        if spec is None:
+            raise LayoutError(
+                f"{path}: layer placement over pp ranks matches no --virtual-pp; pass --virtual-pp"
+            )
+        self.spec = spec
+        self._shapes = per_rank_shapes
+        self._models: OrderedDict[tuple[int, int], dict[str, torch.Tensor]] = OrderedDict()
+        self._optims: OrderedDict[tuple[int, int], dict[str, Any] | None] = OrderedDict()
+        self.infos = {}
+        order: list[str] = []
+        for p in range(pp):
+            order.extend(n for n in per_rank_shapes[(0, p)] if n not in order)
+        for n in order:
+            local = per_rank_shapes[(0, pp_ranks_of(n, spec)[0])][n]
+            dim = nxd_partition_dim(n, spec)
+            shape = list(local)
+            if dim is not None:
+                shape[dim] *= tp
+            self.infos[n] = TensorInfo(
+                n, tuple(shape), self._model_dtype(n), "parameter", partition=nxd_partition(n, spec)
+            )
+        self.trees = self._trees(order)
+
+    def _model_dtype(self, name: str) -> torch.dtype:
+        return self._model((0, pp_ranks_of(name, self.spec)[0]))[name].dtype  # type: ignore[arg-type]
+
+    def _model(self, rank: tuple[int, int]) -> dict[str, torch.Tensor]:
+        d = self._models.get(rank)
+        if d is None:
+            d = self._models[rank] = self.r.model((*rank, 0))
+            while len(self._models) > self.r.meta.tp_size:
+                self._models.popitem(last=False)
+        return d
+
+    def _optim(self, rank: tuple[int, int]) -> dict[str, Any] | None:
+        if rank not in self._optims:
+            self._optims[rank] = self.r.optimizer((*rank, 0))
+            while len(self._optims) > self.r.meta.tp_size:
+                self._optims.popitem(last=False)
+        return self._optims[rank]
+
+    def _trees(self, order: list[str]) -> Trees:
+        spec = self.spec
+        assert spec is not None
+        meta = self.r.meta
+        optimizer = None
+        groups: list[dict[str, Any]] = []
+        scalars: dict[str, dict[str, Any]] = {}
+        for p in range(spec.pp):
+            opt = self._optim((0, p))
+            if opt is None:
+                continue
+            for gi, g in enumerate(opt["param_groups"]):
+                if gi >= len(groups):
+                    enc = {
+                        k: treecodec.encode(v, f"param_groups[{gi}].{k}")
+                        for k, v in g.items()
+                        if k != "params"
+                    }
+                    enc["params"] = []
+                    groups.append(enc)
+                groups[gi]["params"].extend(n for n in g["params"] if n not in groups[gi]["params"])
+            for n, per in opt["state"].items():
+                for key, v in per.items():
+                    if isinstance(v, torch.Tensor) and v.dim() > 0:
+                        self.infos.setdefault(
+                            f"optim/{n}/{key}",
+                            TensorInfo(
+                                f"optim/{n}/{key}",
+                                self.infos[n].shape,
+                                v.dtype,
+                                "optimizer_state",
+                                n,
+                                key,
+                                self.infos[n].partition,
+                            ),
+                        )
+                    else:
+                        scalars.setdefault(n, {})[key] = treecodec.encode(v, f"state[{n}].{key}")
+            for n, v in (opt.get("master_weights") or {}).items():
+                name = f"optim/{n}/master_weight"
+                self.infos[name] = TensorInfo(
+                    name,
+                    self.infos[n].shape,
+                    v.dtype,
+                    "optimizer_state",
+                    n,
+                    "master_weight",
+                    self.infos[n].partition,
+                )
+        if groups:
+            optimizer = {"type": "torch.optim.AdamW", "param_groups": groups, "state": scalars}
+        sched = self.r.scheduler()
+        user = self.r.user_content()
+        step = meta.step
+        if step is None and isinstance(user, dict) and isinstance(user.get("total_steps"), int):
+            step = user["total_steps"]
+        step = int(step or 0)
+        return Trees(
+            step=step,
+            optimizer=optimizer,
+            scheduler=treecodec.encode(sched, "scheduler") if sched is not None else None,
+            progress={"step": step},
+            user=treecodec.encode(user, "user_content") if user is not None else None,
+            extra={
+                "nxd": {
+                    "rule_set": "nxd-llama",
+                    "kv_size_multiplier": spec.kv_size_multiplier,
+                    "hw": spec.hw,
+                    "fuse_qkv": spec.fuse_qkv,
+                    "qkv_linear": spec.qkv_linear,
+                    "virtual_pp": spec.virtual_pp,
+                    "config": self.config,
+                },
+                "nxd_tag": {"path": self.path, "zero1": meta.zero1, "xser": meta.xser, "dp": meta.dp_size},
+            },
+            world_size=spec.tp * spec.pp * meta.dp_size,
+        )
+
+    def read(self, name: str) -> torch.Tensor:
+        spec = self.spec
+        assert spec is not None
+        info = self.infos[name]
+        param = info.param if info.role == "optimizer_state" else name
+        assert param is not None
+        pp = pp_ranks_of(param, spec)[0]
+        dim = nxd_partition_dim(param, spec)
+        parts = []
+        for tp in range(spec.tp if dim is not None else 1):
+            if info.role == "optimizer_state":
+                opt = self._optim((tp, pp))
+                if opt is None:
+                    raise CkptError(f"{self.path}: no optimizer for tp {tp} pp {pp}")
+                t = (
+                    opt["master_weights"][param]
+                    if info.key == "master_weight"
+                    else opt["state"][param][info.key]
+                )
+            else:
+                t = self._model((tp, pp))[name]
+            parts.append(t)
+        return parts[0].clone() if dim is None else torch.cat(parts, dim=dim)
+
+
+def open_nxd(path: str | Path, **kw: Any) -> NxdTagSource:
+    """A Neuron-layout source over an NxD tag (see :class:`NxdTagSource`)."""
+    return NxdTagSource(path, **kw)
+
+
+def write_nxd(conv: Conversion, dst: str | Path, *, xser: bool = False) -> Path:
+    """Write ``conv`` (Neuron layout) as an NxD-native tag ``dst`` (in memory, then ``write_tag``)."""
+    from ckpt.converters.nxd import write_tag
+    from ckpt.converters.nxd.discovery import TagStatus
+    from ckpt.converters.nxd.reader import NxdTag, NxdTagMeta
+
+    if conv.to != "neuron" or conv.spec is None:
+        raise LayoutError("--format nxd needs --to neuron")
+    check_dst_free(dst)
+    spec = conv.spec
+    cache = TensorCache(conv.view.read, capacity=3)
+    models: dict[tuple[int, int, int], dict[str, torch.Tensor]] = {}
+    optims: dict[tuple[int, int, int], dict[str, Any]] = {}
+    for out in conv.tensors:
+        info = out.info
+        for (box, _), ranks in zip(out.parts, out.ranks, strict=True):
+            produced = dict(conv.produce(type(out)(info, ((box, _),), None, ()), cache))
+            data = produced[box]
+            for tp, pp in ranks:
+                key = (tp, pp, 0)
+                if info.role == "optimizer_state":
+                    o = optims.setdefault(
+                        key, {"state": {}, "param_groups": [], "master_weights": None, "extra": {}}
+                    )
+                    if info.key == "master_weight":
+                        o["master_weights"] = o["master_weights"] or {}
+                        o["master_weights"][info.param] = data
+                    else:
+                        o["state"].setdefault(info.param, {})[info.key] = data
+                else:
+                    models.setdefault(key, {})[info.name] = data
+    opt = conv.trees.optimizer
+    if opt is not None:
+        for key, o in optims.items():
+            names = set(models[key])
+            for p, per in opt.get("state", {}).items():
+                if p in names:
+                    o["state"].setdefault(p, {}).update({k: treecodec.decode(v) for k, v in per.items()})
+            o["param_groups"] = [
+                {
+                    **{k: treecodec.decode(v) for k, v in g.items() if k != "params"},
+                    "params": [p for p in g["params"] if p in names],
+                }
+                for g in opt.get("param_groups", [])
+            ]
+            # ZeRO-1 pid order = the rank's model order
+            order = [n for n in models[key] if n in o["state"]]
+            o["state"] = {n: o["state"][n] for n in order}
+    dst = Path(dst)
+    meta = NxdTagMeta(
+        path=dst,
+        name=dst.name,
+        step=conv.trees.step,
+        status=TagStatus.COMPLETE,
+        tp_size=spec.tp,
+        pp_size=spec.pp,
+        dp_size=spec.dp,
+        ep_size=1,
+        xser=xser,
+        zero1=spec.dp > 1,
+        legacy=False,
+    )
+    tag = NxdTag(
+        meta=meta,
+        per_rank_model=models,
+        per_rank_optimizer=optims,
+        scheduler=treecodec.decode(conv.trees.scheduler) if conv.trees.scheduler is not None else None,
+        user_content=treecodec.decode(conv.trees.user) if conv.trees.user is not None else None,
+    )
+    if dst.exists():
+        dst.rmdir()
+    return write_tag(tag, dst.parent, dst.name, xser=xser, dp_size=spec.dp, zero1=spec.dp > 1)
+
+
+__all__ = ["NxdTagSource", "is_nxd_dir", "open_nxd", "write_nxd"]
