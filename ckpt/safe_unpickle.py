@@ -25,6 +25,7 @@ Why this approach and not another:
 from __future__ import annotations
 
 import contextlib
+import io
 import os
 import pickle
 import re
@@ -39,6 +40,7 @@ from ckpt.errors import UnsafePickleError
 __all__ = [
     "XSER_TENSOR_REFERENCE",
     "TensorReference",
+    "load_pickle",
     "load_torch_file",
 ]
 
@@ -172,3 +174,45 @@ def load_torch_file(
             raise CorruptionError(
                 f"{os.fspath(name)}: not a readable torch.save file ({first[:200]})"
             ) from None
+
+
+class _AllowListUnpickler(pickle.Unpickler):
+    """``find_class`` restricted to an explicit ``(module, name) -> object`` map; persistent ids refused."""
+
+    def __init__(self, file: IO[bytes], allowed: Mapping[tuple[str, str], Any], where: str) -> None:
+        super().__init__(file)
+        self._allowed = allowed
+        self._where = where
+
+    def find_class(self, module: str, name: str) -> Any:
+        try:
+            return self._allowed[(module, name)]
+        except KeyError:
+            raise UnsafePickleError(
+                f"{self._where}: refused to unpickle global {module}.{name} (not on the allow-list; nothing was executed)"
+            ) from None
+
+    def persistent_load(self, pid: Any) -> Any:
+        raise UnsafePickleError(f"{self._where}: refused a persistent id in a plain pickle")
+
+
+def load_pickle(
+    source: bytes | IO[bytes], allowed: Mapping[tuple[str, str], Any], *, where: str = "<pickle>"
+) -> Any:
+    """Load a plain pickle (not a ``torch.save`` zip) whose globals must all be in ``allowed``.
+
+    For foreign metadata files that are plain pickles of inert classes (torch DCP's ``.metadata``): torch's
+    ``weights_only`` unpickler cannot read them (it rejects protocol-4 opcodes such as ``FRAME`` and
+    ``SHORT_BINUNICODE``), so the allow-list is enforced at global lookup.  Only pass classes whose construction and
+    ``__setstate__`` have no side effects (dataclasses, ``torch.Size``, dtypes): ``REDUCE``/``BUILD`` can call them
+    with arbitrary arguments.
+    """
+    from ckpt.errors import CorruptionError
+
+    f = io.BytesIO(source) if isinstance(source, (bytes, bytearray, memoryview)) else source
+    try:
+        return _AllowListUnpickler(f, allowed, where).load()
+    except UnsafePickleError:
+        raise
+    except (pickle.UnpicklingError, EOFError, AttributeError, TypeError, ValueError, IndexError) as e:
+        raise CorruptionError(f"{where}: not a readable pickle ({str(e)[:200]})") from None
