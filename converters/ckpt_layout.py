@@ -565,9 +565,16 @@ def _map_optimizer(
         return None
     out = copy.deepcopy(opt)
     groups = []
-    for g in opt.get("param_groups", []):
+    group_of: dict[str, int] = {}
+    for gi, g in enumerate(opt.get("param_groups", [])):
         g2 = dict(g)
         g2["params"] = list(dict.fromkeys(n for p in g["params"] for n in expand(p)))
+        for n in g2["params"]:
+            if group_of.setdefault(n, gi) != gi:
+                raise LayoutError(
+                    f"{where}: parameters fused into {n} are in different param_groups ({group_of[n]} and {gi}); "
+                    "NxD keeps a fused tensor in one group"
+                )
         groups.append(g2)
     out["param_groups"] = groups
     state: dict[str, Any] = {}
