@@ -6,9 +6,12 @@ Public API (see docs/nxd.md):
 * reading: :func:`open_tag` (lazy, one rank at a time), :func:`read_tag` -> :class:`NxdTag`
 * writing: :func:`write_tag`
 * ZeRO-1 helpers: :func:`shard_zero1`, :func:`merge_zero1`
+* our manifest: :func:`import_tag` (NxD tag -> Neuron-layout checkpoint, streaming), :func:`export_tag`,
+  :func:`manifest_to_tag`, :func:`rank_shards`
 """
 
 from .discovery import TagInfo, TagStatus, latest_tag, list_tags, tag_status
+from .manifest import export_tag, import_tag, manifest_to_tag, rank_shards
 from .naming import RankKey, parse_step
 from .reader import NxdTag, NxdTagMeta, NxdTagReader, open_tag, read_tag
 from .writer import write_tag
@@ -21,6 +24,10 @@ __all__ = [
     "RankKey",
     "TagInfo",
     "TagStatus",
+    "export_tag",
+    "import_tag",
+    "manifest_to_tag",
+    "rank_shards",
     "latest_tag",
     "list_tags",
     "merge_zero1",
