@@ -303,7 +303,7 @@ def main(argv: list[str] | None = None) -> int:
         opt.step()
         sched.step()
         if a.device == "xla":
-            xm.mark_step()
+            torch_xla.sync()
         ledger.step(
             step,
             loss,
@@ -321,7 +321,9 @@ def main(argv: list[str] | None = None) -> int:
             compiles = now
         if not a.no_save and step % a.save_every == 0:
             progress = {"samples": sampler.samples, "tokens": sampler.samples * SEQ}
-            mgr.save(step, progress=progress, model=model, optimizer=opt, scheduler=sched, dataloader=sampler)
+            state = {"model": model, "optimizer": opt, "scheduler": sched, "dataloader": sampler}
+            # Resuming from an older checkpoint re-trains steps whose checkpoints exist: replace them.
+            mgr.save(step, progress=progress, overwrite=a.bug == "older_checkpoint", **state)
         if step == a.kill_at:
             time.sleep(0.002)  # let the async writer start, then die mid-save
             os.kill(os.getpid(), signal.SIGKILL)
