@@ -316,8 +316,14 @@ def check_continuation(
         {**base, "run_dir": str(split_dir), "stop_at": split, "save_at": split, "resume": False},
         "split",
     )
-    _join(*a, timeout, "straight")
-    _join(*b, timeout, "split (first half)")
+    errors = []
+    for proc, phase in ((a, "straight"), (b, "split (first half)")):
+        try:
+            _join(*proc, timeout, phase)  # join both before raising: never leave a process running
+        except ContinuationError as exc:
+            errors.append(exc)
+    if errors:
+        raise errors[0]
     c = _start(
         ctx,
         train_fn,
