@@ -1,35 +1,59 @@
-"""XLA / neuronx-distributed RNG state: the seed slot of the manifest's per-rank RNG record."""
+"""XLA / neuronx-distributed RNG state: the seed slot of the manifest's per-rank RNG record.
+
+NxD's ``XLARNGStatesTracker`` (``parallel_layers/random.py``) maps a name (``"model-parallel-rng"``) to a state
+taken with ``torch.get_rng_state()``: a uint8 tensor, not an int.  Both kinds are kept as they are (ints as ints,
+tensors as cloned CPU tensors, encoded by :mod:`ckpt.treecodec`), together with the tracker's used seeds, so that
+a restore puts back exactly what ``get_states()`` returned.
+"""
 
 from __future__ import annotations
 
 from typing import Any
+
+import torch
+
+
+def _state_value(v: Any) -> Any:
+    if isinstance(v, torch.Tensor):
+        return v.detach().cpu().clone()
+    return int(v)
+
+
+def _tracker() -> Any:
+    try:
+        from neuronx_distributed.parallel_layers import random as nxd_random  # type: ignore[import-not-found]
+    except ImportError:
+        return None
+    return nxd_random.get_xla_rng_tracker()
 
 
 def capture_xla() -> dict[str, Any]:
     import torch_xla.core.xla_model as xm
 
     out: dict[str, Any] = {"xla_seed": int(xm.get_rng_state())}
-    try:
-        from neuronx_distributed.parallel_layers import random as nxd_random  # type: ignore[import-not-found]
-    except ImportError:
+    tracker = _tracker()
+    if tracker is None:
         return out
-    tracker = nxd_random.get_xla_rng_tracker()
-    out["xla_nxd_tracker"] = {k: int(v) for k, v in tracker.get_states().items()}
+    out["xla_nxd_tracker"] = {str(k): _state_value(v) for k, v in tracker.get_states().items()}
+    seeds = getattr(tracker, "seeds_", None)
+    if seeds is not None:
+        out["xla_nxd_tracker_seeds"] = sorted(int(s) for s in seeds)
     return out
 
 
 def restore_xla(state: dict[str, Any]) -> list[str]:
-    import torch_xla.core.xla_model as xm
-
     done = []
     if "xla_seed" in state:
+        import torch_xla.core.xla_model as xm
+
         xm.set_rng_state(int(state["xla_seed"]))
         done.append("xla")
     if "xla_nxd_tracker" in state:
-        try:
-            from neuronx_distributed.parallel_layers import random as nxd_random  # type: ignore[import-not-found]
-        except ImportError:
+        tracker = _tracker()
+        if tracker is None:
             return done
-        nxd_random.get_xla_rng_tracker().set_states(dict(state["xla_nxd_tracker"]))
+        tracker.set_states({k: _state_value(v) for k, v in dict(state["xla_nxd_tracker"]).items()})
+        if "xla_nxd_tracker_seeds" in state and hasattr(tracker, "seeds_"):
+            tracker.seeds_ = {int(s) for s in state["xla_nxd_tracker_seeds"]}
         done.append("xla_nxd_tracker")
     return done
