@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import click
 from rich.table import Table
@@ -11,13 +12,21 @@ from ckpt.reader import CheckpointReader
 
 from .common import human_bytes, layout_text, out
 
+try:
+    from ckpt.converters.nxd import summary as nxd_summary
+except ImportError:  # pragma: no cover - editable checkouts expose the top-level package
+    from converters.nxd import summary as nxd_summary
+
 
 @click.command(epilog="Example: ckpt inspect run/checkpoints/step_00001000 --json")
 @click.argument("checkpoint")
 @click.option("--json", "as_json", is_flag=True, help="Print the tensors and state as JSON.")
 @click.option("--shards", is_flag=True, help="List every shard (file, offset, box, codec).")
 def inspect(checkpoint: str, as_json: bool, shards: bool) -> None:
-    """Show the tensors (name, role, shape, dtype, shards) and training state of CHECKPOINT."""
+    """Show the tensors (name, role, shape, dtype, shards) and training state of CHECKPOINT (or an NxD tag)."""
+    if nxd_summary.is_nxd_dir(checkpoint) and not Path(checkpoint, "manifest.json").exists():
+        _inspect_nxd(checkpoint, as_json)
+        return
     m = CheckpointReader(checkpoint).manifest
     if as_json:
         doc = json.loads(m.to_json())
@@ -67,3 +76,24 @@ def inspect(checkpoint: str, as_json: bool, shards: bool) -> None:
         out.print(f"tokenizer: {m.tokenizer.get('name')} sha256 {str(m.tokenizer.get('sha256'))[:16]}")
     versions = m.environment.get("versions", {})
     out.print("environment: " + ", ".join(f"{k} {v}" for k, v in versions.items()))
+
+
+def _inspect_nxd(tag_dir: str, as_json: bool) -> None:
+    doc = nxd_summary.inspect_nxd(tag_dir)
+    if as_json:
+        out.print_json(json.dumps(doc))
+        return
+    flags = [k for k in ("xser", "zero1", "legacy", "optimizer", "scheduler", "user_content") if doc[k]]
+    out.print(
+        f"[bold]{doc['path']}[/]  NxD tag {doc['tag']}  step {doc['step']}  {doc['status']}  "
+        f"tp={doc['tp']} pp={doc['pp']} dp={doc['dp']} ep={doc['ep']}  {' '.join(flags)}"
+    )
+    for p in doc["problems"]:
+        out.print(f"[red]problem:[/] {p}")
+    table = Table()
+    for col in ("rank", "tensor", "shape"):
+        table.add_column(col, overflow="fold")
+    for rank, tensors in doc["ranks"].items():
+        for name, shape in tensors:
+            table.add_row(rank, name, str(shape))
+    out.print(table)

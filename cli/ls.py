@@ -1,4 +1,4 @@
-"""``ckpt ls ROOT``: the checkpoints under a root, ordered by step, with their status."""
+"""``ckpt ls ROOT``: the checkpoints under a root, ordered by step, with their status (ckpt or NxD tags)."""
 
 from __future__ import annotations
 
@@ -13,6 +13,11 @@ from ckpt.storage import Storage
 
 from .common import human_bytes, layout_text, out
 
+try:
+    from ckpt.converters.nxd import summary as nxd_summary
+except ImportError:  # pragma: no cover - editable checkouts expose the top-level package
+    from converters.nxd import summary as nxd_summary
+
 
 @click.command(epilog="Example: ckpt ls s3://bucket/run/checkpoints")
 @click.argument("root")
@@ -24,6 +29,9 @@ def ls(root: str, check_files: bool, as_json: bool) -> None:
     if not storage.is_dir():
         raise CkptError(f"{root}: no such directory")
     infos = list_checkpoints(storage, check_files=check_files)
+    if all(i.status == "uncommitted" for i in infos) and nxd_summary.is_nxd_dir(root):
+        _ls_nxd(root, as_json)
+        return
     if as_json:
         rows = [
             {
@@ -57,5 +65,34 @@ def ls(root: str, check_files: bool, as_json: bool) -> None:
             m.backend if m else "",
             layout_text(m.layout) if m else "",
             status,
+        )
+    out.print(table)
+
+
+def _ls_nxd(root: str, as_json: bool) -> None:
+    """NxD tags: complete (``done``), unmarked (all files, no ``done``), incomplete; ordered by step."""
+    rows = nxd_summary.list_nxd(root)
+    if as_json:
+        out.print_json(json.dumps(rows))
+        return
+    table = Table(title=f"{root} (NxD)")
+    for col in ("step", "tag", "size", "layout", "form", "status"):
+        table.add_column(col, justify="right" if col in ("step", "size") else "left")
+    colour = {"complete": "green", "unmarked": "yellow", "incomplete": "red"}
+    for r in rows:
+        layout = " ".join(f"{k}={r[k]}" for k in ("tp", "pp", "dp", "ep") if k in r)
+        form = (
+            ("xser" if r.get("xser") else "plain") + (" legacy" if r.get("legacy") else "")
+            if "xser" in r
+            else ""
+        )
+        problems = f" {r['problems'][0]}" if r["problems"] else ""
+        table.add_row(
+            "" if r["step"] is None else str(r["step"]),
+            r["tag"],
+            human_bytes(r["bytes"]) if "bytes" in r else "",
+            layout,
+            form,
+            f"[{colour[r['status']]}]{r['status']}[/]{problems}",
         )
     out.print(table)
