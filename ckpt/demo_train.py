@@ -2,7 +2,9 @@
 
 It trains a small MLP with dropout, AdamW and a warmup schedule on synthetic data, checkpoints asynchronously
 with :class:`ckpt.CheckpointManager` every ``--save-every`` steps, and can kill itself with SIGKILL at
-``--kill-at`` to play a crash.  Every step's loss is appended to ``<run>/losses.jsonl`` in full precision.
+``--kill-at`` to play a crash.  Every step's loss is appended to ``<run>/losses.jsonl`` in full precision, and
+rank 0 writes the run ledger ``<run>/ledger.jsonl`` (docs/run-dir.md) that ``ckpt verify-resume`` and
+``ckpt report`` read: the manager logs its own save/restore events into it.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 import ckpt
+from ckpt.resume.ledger import LedgerWriter, digest_ids, digest_rng
 
 
 class ShardedBatches:
@@ -27,6 +30,10 @@ class ShardedBatches:
         self.epoch, self.pos = 0, 0
 
     def next(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.next_with_ids()[1:]
+
+    def next_with_ids(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The batch and its sample ids (for the ledger's data digest)."""
         per_epoch = self.size // (self.batch * self.world)
         if self.pos >= per_epoch:
             self.epoch, self.pos = self.epoch + 1, 0
@@ -37,7 +44,7 @@ class ShardedBatches:
         start = (self.pos * self.world + self.rank) * self.batch
         idx = perm[start : start + self.batch]
         self.pos += 1
-        return x[idx], y[idx]
+        return idx, x[idx], y[idx]
 
     def state_dict(self) -> dict[str, int]:
         return {"epoch": self.epoch, "pos": self.pos}
@@ -73,7 +80,10 @@ def main(argv: list[str] | None = None) -> None:
     world = dist.get_world_size() if dist.is_initialized() else 1
     torch.manual_seed(1234 + rank)
     model, opt, sched, data = build(rank, world, a.steps)
-    mgr = ckpt.CheckpointManager(f"{a.run}/checkpoints", keep_last=a.keep_last, async_save=True)
+    ledger = LedgerWriter(a.run, world_size=world, deterministic=True, seed=1234, enabled=rank == 0)
+    mgr = ckpt.CheckpointManager(
+        f"{a.run}/checkpoints", keep_last=a.keep_last, async_save=True, on_event=ledger.on_event
+    )
     state = {"model": model, "optimizer": opt, "scheduler": sched, "dataloader": data}
     t0 = time.perf_counter()
     restored = mgr.restore_latest(**state)
@@ -85,7 +95,8 @@ def main(argv: list[str] | None = None) -> None:
         )
         log.flush()
     for step in range(start, a.steps + 1):
-        x, y = data.next()
+        rng_digest = digest_rng()
+        ids, x, y = data.next_with_ids()
         loss = torch.nn.functional.mse_loss(model(x), y)
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -95,8 +106,17 @@ def main(argv: list[str] | None = None) -> None:
                 prm.grad /= world
             dist.all_reduce(loss)
             loss /= world
+        lr = opt.param_groups[0]["lr"]
         opt.step()
         sched.step()
+        ledger.step(
+            step,
+            loss,
+            lr,
+            samples=step * data.batch * world,
+            data_digest=digest_ids(ids),
+            rng_digest=rng_digest,
+        )
         if log is not None:
             log.write(
                 json.dumps({"step": step, "loss": loss.item().hex(), "lr": sched.get_last_lr()[0]}) + "\n"
@@ -107,7 +127,8 @@ def main(argv: list[str] | None = None) -> None:
         if step == a.kill_at:
             time.sleep(0.002)  # let the background writer get going, then crash mid-save
             os.kill(os.getpid(), signal.SIGKILL)
-    mgr.close()
+    mgr.close()  # waits for the last async save, whose commit event goes to the ledger
+    ledger.close()
     if dist.is_initialized():
         dist.destroy_process_group()
 

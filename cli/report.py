@@ -14,6 +14,8 @@ from ckpt.resume.cost import RunCost, recovery_cost
 from ckpt.resume.model import Run
 from ckpt.resume.sources import SOURCES, load_run
 
+from .common import human_bytes
+
 EPILOG = """\b
 Examples:
   ckpt report runs/llama-8b
@@ -71,7 +73,7 @@ def _render(run: Run, cost: RunCost) -> None:
         )
     console.print(failures)
     console.print(
-        f"saves: {cost.saves}, blocking {_fmt(cost.save_blocking_seconds)}, background "
+        f"saves: {cost.saves} ({human_bytes(cost.save_bytes)}), blocking {_fmt(cost.save_blocking_seconds)}, background "
         f"{_fmt(cost.save_background_seconds)}; compiles: {cost.compile_events} ({_fmt(cost.compile_seconds)}); "
         f"median step {_fmt(cost.median_step_seconds)}"
     )
