@@ -168,11 +168,17 @@ class NeuronCheckpointer(Checkpointer):
 
 
 class NeuronRestorer(Restorer):
-    """A :class:`~ckpt.loader.Restorer` that uploads to XLA in batches and fills ZeRO-1 optimizers."""
+    """A :class:`~ckpt.loader.Restorer` that uploads to XLA in batches and fills ZeRO-1 optimizers.
+
+    Model tensors are read to host buffers and uploaded in one call per ``batch_bytes`` (bounding host memory).
+    """
+
+    batch_bytes = 1 << 30
 
     def __init__(self, reader: Any, layout_hook: Any = None) -> None:
         super().__init__(reader, layout_hook)
         self._pending: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._pending_bytes = 0
         self._prefetched: dict[str, torch.Tensor] = {}
 
     def read_into(self, name: str, box: Any, local: torch.Tensor) -> None:
@@ -182,12 +188,15 @@ class NeuronRestorer(Restorer):
         tmp = torch.empty(box.lengths, dtype=dtype_from_name(self.reader.entry(name).dtype))
         self.reader.read_box_into(name, box, tmp)
         self._pending.append((local, tmp))
+        self._pending_bytes += tmp.numel() * tmp.element_size()
+        if self._pending_bytes >= self.batch_bytes:
+            self.flush()
 
     def flush(self) -> None:
         """Upload everything read for XLA tensors in one batch, then copy on the device and sync."""
         if not self._pending:
             return
-        pending, self._pending = self._pending, []
+        pending, self._pending, self._pending_bytes = self._pending, [], 0
         placed = to_device([h for _, h in pending], pending[0][0].device)
         with torch.no_grad():
             for (local, _), dev in zip(pending, placed, strict=True):
