@@ -13,6 +13,7 @@ import click
 from ckpt.errors import CkptError
 
 from . import demo, inspect_cmd, ls, verify
+from .convert import convert
 from .report import report
 from .verify_resume import verify_resume
 
@@ -26,6 +27,7 @@ def cli() -> None:
 cli.add_command(ls.ls)
 cli.add_command(inspect_cmd.inspect)
 cli.add_command(verify.verify)
+cli.add_command(convert)
 cli.add_command(demo.demo)
 cli.add_command(verify_resume)
 cli.add_command(report)
