@@ -437,6 +437,13 @@ class Conversion:
 
         for box, plan in out.parts:
             assert plan is not None
+            if len(plan.pieces) == 1 and plan.pieces[0].dim in (None, 0):
+                # one dim-0 slice of a contiguous source is already contiguous: hand the view to the writer
+                # instead of copying it (the layout engine's execute always copies, for callers that keep results)
+                t = read(plan.pieces[0])
+                if tuple(t.shape) == plan.meta.shape and t.dtype == plan.meta.dtype and t.is_contiguous():
+                    yield box, t
+                    continue
             yield box, execute(plan, read)
 
 
