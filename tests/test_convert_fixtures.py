@@ -121,3 +121,17 @@ def test_fixture_trn2_replicas_checked(truth, tmp_path: Path) -> None:
 
     with pytest.raises(LayoutError, match="differs from the canonical copy"):
         conv.view.read("model.layers.0.self_attn.k_proj.weight")
+
+
+def test_imported_neuron_manifest_converts_to_ground_truth(truth, tmp_path: Path) -> None:
+    """Contract check with the Neuron side: a manifest written by ``nxd.manifest.import_tag`` (issue 3's importer)
+    converts to the ground truth through our converter."""
+    from ckpt.converters.nxd.manifest import import_tag
+
+    model, optim, cfg = truth
+    import_tag(ROOT / "nxd_train_tp2_dp2_zero1_xser" / "step_3", str(tmp_path / "neuron"), config=cfg)
+    convert(str(tmp_path / "neuron"), str(tmp_path / "cuda"), ConvertOptions(to="cuda", from_="neuron"))
+    r = open_checkpoint(str(tmp_path / "cuda"))
+    for name, t in model.items():
+        assert bit_equal(r.read(name), t), name
+        assert bit_equal(r.read(f"optim/{name}/exp_avg_sq"), optim[f"{name}.exp_avg_sq"]), name
