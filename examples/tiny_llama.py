@@ -216,6 +216,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--stop-at", type=int, default=None, help="stop after this step (default: --steps)")
     p.add_argument("--save-every", type=int, default=5)
     p.add_argument("--kill-at", type=int, default=0, help="SIGKILL this process right after this step")
+    p.add_argument(
+        "--kill-settled",
+        action="store_true",
+        help="with --kill-at: let earlier async saves commit before the kill, for a reproducible crash point",
+    )
     p.add_argument("--step-sleep", type=float, default=0.0, help="seconds to sleep per step (kill tests)")
     p.add_argument("--device", choices=("cpu", "xla"), default="cpu")
     p.add_argument("--model", choices=("tiny", "hf"), default="tiny")
@@ -325,6 +330,8 @@ def main(argv: list[str] | None = None) -> int:
             # Resuming from an older checkpoint re-trains steps whose checkpoints exist: replace them.
             mgr.save(step, progress=progress, overwrite=a.bug == "older_checkpoint", **state)
         if step == a.kill_at:
+            if a.kill_settled and step % a.save_every != 0:
+                mgr.wait()
             time.sleep(0.002)  # let the async writer start, then die mid-save
             os.kill(os.getpid(), signal.SIGKILL)
         if a.step_sleep:

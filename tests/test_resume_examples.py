@@ -71,7 +71,7 @@ def problems(result: Verification) -> list[tuple[str, str, str]]:
 def crashed(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """One run SIGKILLed right after step 13; each test resumes its own copy."""
     run = tmp_path_factory.mktemp("crashed") / "run"
-    assert train(run, "--steps", STEPS, "--kill-at", KILL_AT) == -signal.SIGKILL
+    assert train(run, "--steps", STEPS, "--kill-at", KILL_AT, "--kill-settled") == -signal.SIGKILL
     return run
 
 
@@ -191,7 +191,7 @@ def test_xla_cpu_device_kill_resume_verify(tmp_path: Path) -> None:
     env = _env(PJRT_DEVICE="CPU")
     run = tmp_path / "run"
     args = ("--device", "xla", "--steps", 6, "--save-every", 2)
-    assert train(run, *args, "--kill-at", 3, env=env) == -signal.SIGKILL
+    assert train(run, *args, "--kill-at", 3, "--kill-settled", env=env) == -signal.SIGKILL
     assert train(run, *args, env=env) == 0
     result = verify(run)
     assert problems(result) == [] and result.exit_code == 0
