@@ -1,6 +1,7 @@
 """A tiny data-parallel training job used by ``ckpt demo`` (and runnable by hand with torchrun).
 
-It trains a small MLP with dropout, AdamW and a warmup schedule on synthetic data, checkpoints asynchronously
+It trains a tiny Llama (Hugging Face ``LlamaForCausalLM``: GQA, attention dropout) with AdamW and a warmup
+schedule on synthetic token sequences, checkpoints asynchronously
 with :class:`ckpt.CheckpointManager` every ``--save-every`` steps, and can kill itself with SIGKILL at
 ``--kill-at`` to play a crash.  Every step's loss is appended to ``<run>/losses.jsonl`` in full precision, and
 rank 0 writes the run ledger ``<run>/ledger.jsonl`` (docs/run-dir.md) that ``ckpt verify-resume`` and
@@ -14,6 +15,7 @@ import json
 import os
 import signal
 import time
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -21,30 +23,46 @@ import torch.distributed as dist
 import ckpt
 from ckpt.resume.ledger import LedgerWriter, digest_ids, digest_rng
 
+VOCAB, SEQ = 64, 16
+
+
+def tiny_llama_config() -> Any:
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=SEQ,
+        attention_dropout=0.1,
+        tie_word_embeddings=False,
+    )
+
 
 class ShardedBatches:
-    """Deterministic synthetic batches, sharded by rank, with a resumable position (state_dict)."""
+    """Deterministic synthetic token sequences (learnable: t+1 = 3t+1 mod V), sharded by rank, resumable."""
 
-    def __init__(self, rank: int, world: int, batch: int = 8, dim: int = 16, size: int = 256) -> None:
-        self.rank, self.world, self.batch, self.dim, self.size = rank, world, batch, dim, size
+    def __init__(self, rank: int, world: int, batch: int = 8, size: int = 512) -> None:
+        self.rank, self.world, self.batch, self.size = rank, world, batch, size
         self.epoch, self.pos = 0, 0
 
-    def next(self) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.next_with_ids()[1:]
-
-    def next_with_ids(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The batch and its sample ids (for the ledger's data digest)."""
+    def next_with_ids(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The batch's sample ids (for the ledger's data digest) and its token ids."""
         per_epoch = self.size // (self.batch * self.world)
         if self.pos >= per_epoch:
             self.epoch, self.pos = self.epoch + 1, 0
         g = torch.Generator().manual_seed(1000 + self.epoch)
-        x = torch.randn(self.size, self.dim, generator=g)
-        y = x[:, :4].sum(dim=1, keepdim=True).tanh()
         perm = torch.randperm(self.size, generator=g)
         start = (self.pos * self.world + self.rank) * self.batch
         idx = perm[start : start + self.batch]
+        tokens = [idx % VOCAB]
+        for _ in range(SEQ - 1):
+            tokens.append((tokens[-1] * 3 + 1) % VOCAB)
         self.pos += 1
-        return idx, x[idx], y[idx]
+        return idx, torch.stack(tokens, dim=1)
 
     def state_dict(self) -> dict[str, int]:
         return {"epoch": self.epoch, "pos": self.pos}
@@ -54,10 +72,10 @@ class ShardedBatches:
 
 
 def build(rank: int, world: int, total_steps: int) -> tuple:
+    from transformers import LlamaForCausalLM
+
     torch.manual_seed(0)
-    model = torch.nn.Sequential(
-        torch.nn.Linear(16, 64), torch.nn.GELU(), torch.nn.Dropout(0.1), torch.nn.Linear(64, 1)
-    )
+    model = LlamaForCausalLM(tiny_llama_config())
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
     warmup = 5
     sched = torch.optim.lr_scheduler.LambdaLR(
@@ -78,8 +96,11 @@ def main(argv: list[str] | None = None) -> None:
         dist.init_process_group("gloo")
     rank = dist.get_rank() if dist.is_initialized() else 0
     world = dist.get_world_size() if dist.is_initialized() else 1
-    torch.manual_seed(1234 + rank)
+    torch.set_num_threads(1)
     model, opt, sched, data = build(rank, world, a.steps)
+    torch.manual_seed(1234 + rank)
+    if rank == 0:
+        model.config.to_json_file(f"{a.run}/config.json")
     ledger = LedgerWriter(a.run, world_size=world, deterministic=True, seed=1234, enabled=rank == 0)
     mgr = ckpt.CheckpointManager(
         f"{a.run}/checkpoints", keep_last=a.keep_last, async_save=True, on_event=ledger.on_event
@@ -96,8 +117,8 @@ def main(argv: list[str] | None = None) -> None:
         log.flush()
     for step in range(start, a.steps + 1):
         rng_digest = digest_rng()
-        ids, x, y = data.next_with_ids()
-        loss = torch.nn.functional.mse_loss(model(x), y)
+        ids, tokens = data.next_with_ids()
+        loss = model(input_ids=tokens, labels=tokens).loss
         opt.zero_grad(set_to_none=True)
         loss.backward()
         if world > 1:
