@@ -1,15 +1,18 @@
 """Writing a checkpoint one tensor at a time, with bounded memory: the output side of converters.
 
 Tensors handed to :meth:`StreamingWriter.add` are buffered until ``flush_bytes`` accumulate, then written as one
-data file; memory therefore stays bounded by ``flush_bytes`` plus the tensor being added, whatever the model
-size.  :meth:`commit` writes the manifest (create-only) once everything is on storage; :meth:`abort` removes
+data file by a background thread while the caller prepares the next batch (reading, splitting and hashing overlap
+with the disk writes).  At most one file is in flight, so memory stays bounded by twice ``flush_bytes`` plus the
+tensor being added, whatever the model size.  :meth:`commit` writes the manifest (create-only) once everything is on storage; :meth:`abort` removes
 what was written.  Several processes (e.g. ranks under torchrun) can each write a disjoint share of the tensors
 with their own writer and let one of them commit all receipts with :func:`ckpt.commit.build_manifest`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import uuid
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -39,6 +42,7 @@ class StreamingWriter:
         chunk_bytes: int = 256 << 20,
         storage_options: dict[str, Any] | None = None,
         overwrite: bool = False,
+        background: bool = True,
     ) -> None:
         self.storage = path if isinstance(path, Storage) else Storage(str(path), storage_options)
         if rank == 0 and self.storage.exists(MANIFEST_NAME):
@@ -58,6 +62,10 @@ class StreamingWriter:
         self._pending_bytes = 0
         self._seq = 0
         self.bytes_written = 0
+        self._pool = (
+            ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-stream") if background else None
+        )
+        self._inflight: Future | None = None
 
     def add(
         self,
@@ -93,27 +101,45 @@ class StreamingWriter:
             self.flush()
 
     def flush(self) -> None:
-        """Write everything queued as one data file."""
+        """Write everything queued as one data file (in the background; errors surface at the next call)."""
+        self._drain()
         if not self._pending:
             return
         fname = f"r{self.rank:05d}-{self.attempt}-{self._seq:05d}.safetensors"
         self._seq += 1
-        keys = [f"{n}@{','.join(map(str, b.offsets))}" for n, b, _ in self._pending]
+        batch, self._pending, self._pending_bytes = self._pending, [], 0
+        if self._pool is None:
+            self._write(fname, batch)
+        else:
+            self._inflight = self._pool.submit(self._write, fname, batch)
+
+    def _drain(self) -> None:
+        fut, self._inflight = self._inflight, None
+        if fut is not None:
+            fut.result()
+
+    def _shutdown(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+
+    def _write(self, fname: str, batch: list[tuple[str, Box, torch.Tensor]]) -> None:
+        keys = [f"{n}@{','.join(map(str, b.offsets))}" for n, b, _ in batch]
         with self.storage.create(fname) as f:
             written, size = write_shard_file(
-                f, [Chunk(k, t, self.codec) for k, (_, _, t) in zip(keys, self._pending, strict=True)]
+                f, [Chunk(k, t, self.codec) for k, (_, _, t) in zip(keys, batch, strict=True)]
             )
         self.receipt.files.append((fname, size))
         self.receipt.shards.extend(
             (n, b.offsets, b.lengths, fname, w.offset, w.nbytes, self.codec, w.checksum)
-            for (n, b, _), w in zip(self._pending, written, strict=True)
+            for (n, b, _), w in zip(batch, written, strict=True)
         )
         self.bytes_written += size
-        self._pending, self._pending_bytes = [], 0
 
     def finish(self) -> Receipt:
-        """Flush and return this writer's receipt (for a multi-process commit)."""
+        """Flush, wait for the writes and return this writer's receipt (for a multi-process commit)."""
         self.flush()
+        self._drain()
         return self.receipt
 
     def commit(
@@ -129,6 +155,7 @@ class StreamingWriter:
     ) -> Manifest:
         """Write the manifest (create-only). ``receipts``/``metas`` default to this writer's own."""
         own = self.finish()
+        self._shutdown()
         manifest = build_manifest(
             step=step,
             backend=backend,
@@ -144,6 +171,9 @@ class StreamingWriter:
     def abort(self) -> None:
         """Delete the files this writer published (nothing was committed)."""
         self._pending = []
+        with contextlib.suppress(Exception):  # aborting anyway: a failed write published nothing
+            self._drain()
+        self._shutdown()
         for fname, _ in self.receipt.files:
             self.storage.delete(fname)
         self.receipt.files.clear()

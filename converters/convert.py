@@ -181,7 +181,9 @@ def describe(conv: Conversion, opts: ConvertOptions) -> dict[str, Any]:
         "by_role": roles,
         "bytes": conv.nbytes,
         "largest_tensor": max((t.info.nbytes for t in conv.tensors), default=0),
-        "peak_memory_estimate": conv.peak_bytes_estimate(opts.flush_bytes if opts.format == "ckpt" else 0),
+        "peak_memory_estimate": conv.peak_bytes_estimate(
+            2 * opts.flush_bytes if opts.format == "ckpt" else 0
+        ),
         "step": conv.trees.step,
         "workers": opts.workers,
     }
