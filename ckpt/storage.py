@@ -42,11 +42,45 @@ def _strip_file(url: str) -> str:
     return url[len("file://") :] if url.startswith("file://") else url
 
 
+# errno values s3fs gives the OSErrors it translates S3 errors into (s3fs.errors.ERROR_CODE_TO_EXCEPTION):
+# InternalError/500 -> EREMOTEIO, SlowDown/ServiceUnavailable/503 -> EBUSY; plus the socket-level ones.
+_TRANSIENT_ERRNOS = {
+    getattr(errno, name)
+    for name in ("EREMOTEIO", "EBUSY", "ETIMEDOUT", "ECONNRESET", "ECONNABORTED", "EPIPE", "EAGAIN")
+    if hasattr(errno, name)
+}
+_TRANSIENT_CODES = {
+    "SlowDown",
+    "InternalError",
+    "ServiceUnavailable",
+    "RequestTimeout",
+    "RequestTimeTooSkewed",
+    "Throttling",
+    "ThrottlingException",
+}
+
+
 def _transient(exc: BaseException) -> bool:
+    """Is ``exc`` worth retrying? s3fs translates botocore errors into plain ``OSError(errno, server message)``
+    (the S3 error code is lost from the text: a 500 reads "We encountered an internal error"), so look at the
+    errno, and at the botocore error kept in the ``__cause__`` chain, not only at the message."""
     if isinstance(exc, (FileNotFoundError, FileExistsError, PermissionError, IsADirectoryError)):
         return False
     if isinstance(exc, (ConnectionError, TimeoutError)):
         return True
+    seen: set[int] = set()
+    e: BaseException | None = exc
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno in _TRANSIENT_ERRNOS:
+            return True
+        response = getattr(e, "response", None)
+        if isinstance(response, dict):
+            code = str(response.get("Error", {}).get("Code", ""))
+            status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+            if code in _TRANSIENT_CODES or (isinstance(status, int) and status >= 500):
+                return True
+        e = e.__cause__ or e.__context__
     text = f"{type(exc).__name__} {exc}"
     return any(
         s in text
@@ -183,11 +217,39 @@ class Storage:
         try:
             self._retry("writing", rel, fn)
         except (FileExistsError, CheckpointExistsError):
+            if exclusive and self._holds(rel, spool):
+                return
             raise CheckpointExistsError(f"{self.display(rel)} already exists") from None
         except StorageError as e:
             if "PreconditionFailed" in str(e) or "412" in str(e):
+                if exclusive and self._holds(rel, spool):
+                    return
                 raise CheckpointExistsError(f"{self.display(rel)} already exists") from None
             raise
+
+    def _holds(self, rel: str, spool: _Spool) -> bool:
+        """Does ``rel`` already hold exactly the bytes we tried to publish?
+
+        A create-only PUT whose response is lost (connection reset after the server applied it) is retried by
+        botocore, s3fs or us, and the retry fails with "already exists" against *our own* object: without this
+        check a committed manifest would be reported as a failed, uncommitted save.  Comparing content tells that
+        apart from another writer's object (data file names are unique per save attempt; two manifests of one step
+        differ in ``created_at`` and file names).  Rare path, so a full read-back is acceptable.
+        """
+        try:
+            if spool.path is None:
+                return self.read_bytes(rel) == spool.getvalue()
+            size = os.path.getsize(spool.path)
+            if self.size(rel) != size:
+                return False
+            block = 16 << 20
+            with open(spool.path, "rb") as local:
+                for start in range(0, size, block):
+                    if self.read_range(rel, start, min(block, size - start)) != local.read(block):
+                        return False
+            return True
+        except (OSError, StorageError):
+            return False
 
     def put_bytes(self, rel: str, data: bytes, exclusive: bool = True) -> None:
         with self.create(rel, exclusive=exclusive) as f:
