@@ -1,0 +1,41 @@
+"""Crash consistency, small: SIGKILL a checkpointing training process at random moments and restart it.
+
+The full run (>= 100 local trials, >= 20 on S3) is ``bench/torture_crash.py``; its figures are in
+docs/reliability.md. Here 8 local and 3 S3 trials keep the suite fast while still killing real processes
+mid-save (the trainer saves asynchronously every step, so most kills land inside a background write).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import REAL_S3_URL
+from torture.crash import CrashReport, run_trials
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def check(report: CrashReport, trials: int) -> None:
+    assert report.problems == []
+    assert report.corrupt_restores == 0
+    assert report.divergent_losses == 0
+    assert report.trials == trials and report.restores == trials + 1
+    assert report.restores_from_scratch == 1  # only the very first start has nothing to restore
+    assert report.kills_during_save >= 1  # the kills did land inside saves
+    assert report.final_step > trials  # training progressed across restarts
+    assert all(lost >= 0 for lost in report.lost_steps)
+
+
+def test_sigkill_during_async_saves_local(tmp_path: Path) -> None:
+    report = run_trials(str(tmp_path / "run"), str(tmp_path), 8, seed=6, max_delay=1.0)
+    check(report, 8)
+
+
+@pytest.mark.s3
+@pytest.mark.skipif(bool(REAL_S3_URL), reason="trainer processes are pointed at the loopback moto server")
+def test_sigkill_during_async_saves_s3(s3: Any, tmp_path: Path) -> None:
+    report = run_trials(s3.url, str(tmp_path), 3, seed=6, endpoint=s3.endpoint, max_delay=1.0)
+    check(report, 3)
+    assert report.open_multipart_uploads == 0
