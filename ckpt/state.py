@@ -90,16 +90,22 @@ def optimizer_capture(
                 scalars.setdefault(pname, {})[key] = treecodec.encode(
                     value, f"optimizer.state[{pname}].{key}"
                 )
+    return tensors, optimizer_meta(optimizer, sd["param_groups"], names, scalars)
+
+
+def optimizer_meta(
+    optimizer: Any, param_groups: list[dict[str, Any]], names: list[str], scalars: dict[str, Any]
+) -> dict[str, Any]:
+    """The manifest's ``optimizer`` object: class, param_groups with parameter names, encoded scalar state."""
     groups = []
-    for gi, g in enumerate(sd["param_groups"]):
+    for gi, g in enumerate(param_groups):
         enc = {
             k: treecodec.encode(v, f"optimizer.param_groups[{gi}].{k}") for k, v in g.items() if k != "params"
         }
         enc["params"] = [names[i] for i in g["params"]]
         groups.append(enc)
     cls = type(optimizer)
-    meta = {"type": f"{cls.__module__}.{cls.__qualname__}", "param_groups": groups, "state": scalars}
-    return tensors, meta
+    return {"type": f"{cls.__module__}.{cls.__qualname__}", "param_groups": groups, "state": scalars}
 
 
 def state_dict_of(obj: Any, what: str) -> Any:

@@ -18,7 +18,7 @@ from ckpt import treecodec
 from ckpt.dtypes import dtype_from_name
 from ckpt.errors import StateMismatchError
 from ckpt.manifest import Box
-from ckpt.state import NamedTensor, optim_name, param_names_in_optimizer_order
+from ckpt.state import NamedTensor, optim_name, optimizer_meta, param_names_in_optimizer_order
 
 from .partition import NxdLayout
 from .transfer import is_xla, to_device, to_host
@@ -83,16 +83,7 @@ def capture_zero1(optimizer: Any, model: Any, layout: NxdLayout) -> tuple[list[N
                 )
     for pid, w in (sd.get("sharded_master_weights") or {}).items():
         add(int(pid), MASTER_KEY, w)
-    groups = []
-    for gi, g in enumerate(sd["param_groups"]):
-        enc = {
-            k: treecodec.encode(v, f"optimizer.param_groups[{gi}].{k}") for k, v in g.items() if k != "params"
-        }
-        enc["params"] = [names[i] for i in g["params"]]
-        groups.append(enc)
-    cls = type(optimizer)
-    meta = {"type": f"{cls.__module__}.{cls.__qualname__}", "param_groups": groups, "state": scalars}
-    return tensors, meta
+    return tensors, optimizer_meta(optimizer, sd["param_groups"], names, scalars)
 
 
 def restore_zero1(reader: Any, layout: NxdLayout, optimizer: Any, model: Any) -> None:
