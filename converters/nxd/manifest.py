@@ -8,8 +8,11 @@ partition metadata); replicated tensors are stored once; ZeRO-1 state is stored 
 
 :func:`export_tag` goes the other way: it cuts every logical tensor back into its TP boxes, puts each on its PP
 ranks (``extra.nxd.pp_ranks``, else the layout engine's pipeline rule from ``extra.nxd.config``) and writes the tag
-with :func:`~.writer.write_tag` (ZeRO-1 re-sharded for any DP size, plain or xser), which NxD's
-``load_checkpoint`` reads.  Export holds the tag in memory (``write_tag`` takes a whole tag).
+rank by rank with :class:`~.writer.TagWriter` (ZeRO-1 re-sharded for any DP size, plain or xser), which NxD's
+``load_checkpoint`` reads.  Export streams too: one (tp, pp) rank's boxes are read, written and dropped before the
+next rank's are read, so memory is one rank's model shard and optimizer, whatever the model size.
+:func:`manifest_to_tag` builds the same ranks into an in-memory :class:`NxdTag` (``write_tag`` of it writes the
+same bytes).
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ from ckpt.writer import DEFAULT_FLUSH_BYTES, StreamingWriter
 from .discovery import TagStatus, tag_status
 from .naming import RankKey
 from .reader import NxdTag, NxdTagMeta, open_tag
-from .writer import write_tag
+from .writer import TagWriter
 
 MASTER_KEY = "master_weight"
 ZERO1_TYPE = "neuronx_distributed.optimizer.zero_redundancy_optimizer.NeuronZero1Optimizer"
@@ -285,7 +288,11 @@ def _tp_boxes(shape: tuple[int, ...], part: Mapping[str, Any] | None, tp: int) -
 def rank_shards(
     reader: CheckpointReader, *, roles: Sequence[str] = ("parameter", "buffer")
 ) -> dict[tuple[int, int], dict[str, torch.Tensor]]:
-    """``{(tp, pp): {name: TP-local tensor}}`` of a Neuron-layout checkpoint (what the layout engine merges)."""
+    """``{(tp, pp): {name: TP-local tensor}}`` of a Neuron-layout checkpoint (what the layout engine merges).
+
+    Holds every rank in memory (it is the in-memory view the tests and ``nxd_to_full_state`` use); writers go rank
+    by rank (:func:`export_tag`) instead.
+    """
     m = reader.manifest
     tp = m.layout.tp
     names = [n for n, e in m.tensors.items() if e.role in roles]
@@ -302,6 +309,111 @@ def rank_shards(
     return out
 
 
+def _rank_part(reader: CheckpointReader, name: str, tp_rank: int) -> torch.Tensor:
+    """TP rank ``tp_rank``'s part of logical tensor ``name``: its box, or the whole tensor when replicated."""
+    e = reader.manifest.tensors[name]
+    box = _tp_boxes(e.shape, e.partition, reader.manifest.layout.tp)[tp_rank]
+    return reader.read(name) if box is None else _read_box(reader, name, box, e.dtype)
+
+
+class _ExportPlan:
+    """Which tensors each (tp, pp) rank of the NxD tag holds, and the optimizer trees they share (no tensor data).
+
+    Built once from the manifest so that :meth:`rank` can read exactly one rank's boxes: the export streams rank by
+    rank instead of holding the tag.  Names, orders and dict layouts are those NxD writes (model order = manifest
+    order; optimizer state in param-group order; ``master_weights`` in manifest order).
+    """
+
+    def __init__(self, reader: CheckpointReader, *, name: str = "", dp_size: int | None = None) -> None:
+        m = reader.manifest
+        if m.layout.kind != "nxd":
+            raise CkptError(
+                f"{reader.path}: layout kind {m.layout.kind!r} is not 'nxd' (not a Neuron-layout checkpoint)"
+            )
+        if m.layout.ep > 1:
+            raise CkptError(f"{reader.path}: expert parallelism (ep {m.layout.ep}) export is not supported")
+        self.reader = reader
+        tp = m.layout.tp
+        model_names = [n for n, e in m.tensors.items() if e.role in ("parameter", "buffer")]
+        pp_of = _pp_ranks(m, model_names)
+        self.model: dict[tuple[int, int], list[str]] = {}
+        for n in model_names:
+            for r in range(tp):
+                for pp in pp_of[n]:
+                    self.model.setdefault((r, pp), []).append(n)
+        self.has_optimizer = m.optimizer is not None
+        self.state: dict[tuple[int, int], list[str]] = {}
+        self.scalars: dict[str, dict[str, Any]] = {}
+        self.groups: list[dict[str, Any]] = []
+        nxd = m.extra.get("nxd") or {}
+        self.extra = treecodec.decode(nxd["optimizer_extra"]) if nxd.get("optimizer_extra") else {}
+        if m.optimizer is not None:
+            state_names = [n for n, e in m.tensors.items() if e.role == "optimizer_state"]
+            opp_of = _pp_ranks(
+                m, list(dict.fromkeys(m.tensors[n].param for n in state_names if m.tensors[n].param))
+            )
+            for oname in state_names:
+                e = m.tensors[oname]
+                assert e.param is not None and e.key is not None
+                for r in range(tp):
+                    for pp in opp_of[e.param]:
+                        if (r, pp) not in self.model:
+                            raise CorruptionError(
+                                f"{reader.path}: optimizer state {oname!r} on tp {r} pp {pp}, which holds no model tensor"
+                            )
+                        self.state.setdefault((r, pp), []).append(oname)
+            self.scalars = {
+                p: {k: treecodec.decode(v) for k, v in per.items()} for p, per in m.optimizer["state"].items()
+            }
+            self.groups = [
+                {k: (v if k == "params" else treecodec.decode(v)) for k, v in g.items()}
+                for g in m.optimizer["param_groups"]
+            ]
+        zero1 = m.layout.zero_stage == 1
+        tag_name = name or f"step_{m.step}"
+        self.meta = NxdTagMeta(
+            path=Path(tag_name), name=tag_name, step=m.step, status=TagStatus.COMPLETE, tp_size=tp,
+            pp_size=m.layout.pp, dp_size=dp_size or (m.layout.dp if zero1 else 1), ep_size=1,
+            xser=bool((nxd.get("source") or {}).get("xser", False)), zero1=zero1, legacy=False,
+        )  # fmt: skip
+        self.scheduler = treecodec.decode(m.scheduler) if m.scheduler is not None else None
+        self.user_content = treecodec.decode(m.user) if m.user is not None else None
+
+    @property
+    def ranks(self) -> list[RankKey]:
+        return [(t, p, 0) for t, p in sorted(self.model)]
+
+    def rank(self, key: RankKey) -> tuple[dict[str, torch.Tensor], dict[str, Any] | None]:
+        """Model shard and named optimizer of rank ``key``, read from the checkpoint (only this rank's boxes)."""
+        r, pp, _ = key
+        sd: dict[str, torch.Tensor] = {}
+        for n in self.model[(r, pp)]:
+            sd[n] = _rank_part(self.reader, n, r)
+        if not self.has_optimizer:
+            return sd, None
+        opt: dict[str, Any] = {
+            "state": {},
+            "param_groups": [{**g, "params": [n for n in g["params"] if n in sd]} for g in self.groups],
+            "master_weights": None,
+            "extra": dict(self.extra),
+        }
+        tensors = self.reader.manifest.tensors
+        for oname in self.state.get((r, pp), []):
+            e = tensors[oname]
+            t = _rank_part(self.reader, oname, r)
+            if e.key == MASTER_KEY:
+                opt["master_weights"] = opt["master_weights"] or {}
+                opt["master_weights"][e.param] = t
+            else:
+                opt["state"].setdefault(e.param, {})[e.key] = t
+        for p, per in self.scalars.items():
+            if p in sd:
+                opt["state"].setdefault(p, {}).update(per)
+        order = [n for g in opt["param_groups"] for n in g["params"]]
+        opt["state"] = {n: opt["state"][n] for n in order if n in opt["state"]}
+        return sd, opt
+
+
 def _read_box(reader: CheckpointReader, name: str, box: Box, dtype: str) -> torch.Tensor:
     from ckpt.dtypes import dtype_from_name
 
@@ -311,72 +423,24 @@ def _read_box(reader: CheckpointReader, name: str, box: Box, dtype: str) -> torc
 
 
 def manifest_to_tag(reader: CheckpointReader, *, name: str = "", dp_size: int | None = None) -> NxdTag:
-    """The NxD tag (per-rank TP-local tensors, optimizers keyed by name) a Neuron-layout checkpoint stands for."""
-    m = reader.manifest
-    if m.layout.kind != "nxd":
-        raise CkptError(
-            f"{reader.path}: layout kind {m.layout.kind!r} is not 'nxd' (not a Neuron-layout checkpoint)"
-        )
-    if m.layout.ep > 1:
-        raise CkptError(f"{reader.path}: expert parallelism (ep {m.layout.ep}) export is not supported")
-    tp = m.layout.tp
-    model = rank_shards(reader)
-    per_rank_model = {(t, p, 0): sd for (t, p), sd in sorted(model.items())}
+    """The NxD tag (per-rank TP-local tensors, optimizers keyed by name) a Neuron-layout checkpoint stands for.
+
+    In memory (every rank at once); :func:`export_tag` writes the same tag rank by rank without holding it.
+    """
+    plan = _ExportPlan(reader, name=name, dp_size=dp_size)
+    per_rank_model: dict[RankKey, dict[str, torch.Tensor]] = {}
     per_rank_opt: dict[RankKey, dict[str, Any]] = {}
-    nxd = m.extra.get("nxd") or {}
-    if m.optimizer is not None:
-        state_names = [n for n, e in m.tensors.items() if e.role == "optimizer_state"]
-        pp_of = _pp_ranks(
-            m, list(dict.fromkeys(m.tensors[n].param for n in state_names if m.tensors[n].param))
-        )
-        scalars = {
-            p: {k: treecodec.decode(v) for k, v in per.items()} for p, per in m.optimizer["state"].items()
-        }
-        groups = [
-            {k: (v if k == "params" else treecodec.decode(v)) for k, v in g.items()}
-            for g in m.optimizer["param_groups"]
-        ]
-        extra = treecodec.decode(nxd["optimizer_extra"]) if nxd.get("optimizer_extra") else {}
-        for rank_key, sd in per_rank_model.items():
-            per_rank_opt[rank_key] = {
-                "state": {},
-                "param_groups": [{**g, "params": [n for n in g["params"] if n in sd]} for g in groups],
-                "master_weights": None,
-                "extra": dict(extra),
-            }
-        for oname in state_names:
-            e = m.tensors[oname]
-            assert e.param is not None and e.key is not None
-            boxes = _tp_boxes(e.shape, e.partition, tp)
-            full = reader.read(oname) if boxes[0] is None else None
-            for r, box in enumerate(boxes):
-                t = full if box is None else _read_box(reader, oname, box, e.dtype)
-                for pp in pp_of[e.param]:
-                    opt = per_rank_opt[(r, pp, 0)]
-                    if e.key == MASTER_KEY:
-                        opt["master_weights"] = opt["master_weights"] or {}
-                        opt["master_weights"][e.param] = t
-                    else:
-                        opt["state"].setdefault(e.param, {})[e.key] = t
-        for rank_key, opt in per_rank_opt.items():
-            sd = per_rank_model[rank_key]
-            for p, per in scalars.items():
-                if p in sd:
-                    opt["state"].setdefault(p, {}).update(per)
-            order = [n for g in opt["param_groups"] for n in g["params"]]
-            opt["state"] = {n: opt["state"][n] for n in order if n in opt["state"]}
-    zero1 = m.layout.zero_stage == 1
-    meta = NxdTagMeta(
-        path=Path(name or f"step_{m.step}"), name=name or f"step_{m.step}", step=m.step, status=TagStatus.COMPLETE,
-        tp_size=tp, pp_size=m.layout.pp, dp_size=dp_size or (m.layout.dp if zero1 else 1), ep_size=1,
-        xser=bool((nxd.get("source") or {}).get("xser", False)), zero1=zero1, legacy=False,
-    )  # fmt: skip
+    for key in plan.ranks:
+        sd, opt = plan.rank(key)
+        per_rank_model[key] = sd
+        if opt is not None:
+            per_rank_opt[key] = opt
     return NxdTag(
-        meta=meta,
+        meta=plan.meta,
         per_rank_model=per_rank_model,
         per_rank_optimizer=per_rank_opt,
-        scheduler=treecodec.decode(m.scheduler) if m.scheduler is not None else None,
-        user_content=treecodec.decode(m.user) if m.user is not None else None,
+        scheduler=plan.scheduler,
+        user_content=plan.user_content,
     )
 
 
@@ -395,10 +459,20 @@ def export_tag(
 
     ``xser`` defaults to the form the checkpoint was imported from (plain otherwise); ``dp_size`` re-shards ZeRO-1
     state (default: the saved DP size); ``zero1`` defaults to ``layout.zero_stage == 1``.
+
+    Streams: each (tp, pp) rank's boxes are read, written (:class:`~.writer.TagWriter`) and dropped before the next
+    rank is read, so memory is one rank's model shard + optimizer (+ its ZeRO-1 shards while they are saved), not
+    the tag.  Same files, byte for byte, as ``write_tag(manifest_to_tag(...))``.
     """
     reader = src if isinstance(src, CheckpointReader) else CheckpointReader(src, storage_options)
-    tag = manifest_to_tag(reader, name=name, dp_size=dp_size)
-    return write_tag(
-        tag, root, name, xser=tag.meta.xser if xser is None else xser, dp_size=tag.meta.dp_size,
-        zero1=zero1, overwrite=overwrite,
-    )  # fmt: skip
+    plan = _ExportPlan(reader, name=name, dp_size=dp_size)
+    meta = plan.meta
+    with TagWriter(
+        root, name, xser=meta.xser if xser is None else xser, dp_size=meta.dp_size,
+        zero1=meta.zero1 if zero1 is None else zero1, overwrite=overwrite,
+    ) as w:  # fmt: skip
+        for key in plan.ranks:
+            sd, opt = plan.rank(key)
+            w.write_rank(key, sd, opt)
+            del sd, opt
+        return w.finish(plan.scheduler, plan.user_content)
