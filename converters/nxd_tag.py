@@ -10,8 +10,9 @@ are cached (``tp`` model files and ``tp`` merged optimizer files at a time, plai
 memory is therefore one PP stage's rank files, not a few tensors (NxD's file layout does not allow less without
 re-reading every file per tensor).
 
-Writing NxD-native tags (:func:`write_nxd`) builds the per-rank dicts in memory and hands them to
-:func:`ckpt.converters.nxd.write_tag` (atomic temp folder + rename, ``done`` last): not streaming.
+Writing NxD-native tags (:func:`write_nxd`) streams rank by rank: each (tp, pp) rank's model shard and optimizer
+are produced from the conversion plan and handed to :class:`ckpt.converters.nxd.writer.TagWriter` (atomic temp
+folder + rename, ``done`` last), so memory is one rank's state plus a small cache of source tensors.
 """
 
 from __future__ import annotations
@@ -276,78 +277,101 @@ def open_nxd(path: str | Path, **kw: Any) -> NxdTagSource:
     return NxdTagSource(path, **kw)
 
 
+def _owned(t: torch.Tensor) -> torch.Tensor:
+    """``t``, or a copy when it is a view into a bigger storage (a slice of a cached whole source tensor).
+
+    ``torch.save`` writes a view's whole storage: kept as is, rank ``r``'s file would carry every TP rank's rows of
+    a dim-0-split tensor, and the rank being built would pin the whole source tensors, breaking the one-rank bound.
+    """
+    if t.untyped_storage().nbytes() != t.numel() * t.element_size():
+        return t.clone()
+    return t
+
+
+def _rank_parts(conv: Conversion) -> dict[tuple[int, int], list[tuple[int, int]]]:
+    """``{(tp, pp): [(tensor index, part index), ...]}``: what each target rank holds, in plan order.
+
+    The plan is tensor-major (one logical tensor, its TP boxes, the ranks of each); NxD's files are rank-major, so
+    the plan is inverted once (indices only, no data) to build one rank at a time.
+    """
+    out: dict[tuple[int, int], list[tuple[int, int]]] = {}
+    for i, t in enumerate(conv.tensors):
+        for j, ranks in enumerate(t.ranks):
+            for rank in ranks:
+                out.setdefault(rank, []).append((i, j))
+    return out
+
+
+def _build_rank(
+    conv: Conversion, parts: list[tuple[int, int]], cache: TensorCache
+) -> tuple[dict[str, torch.Tensor], dict[str, Any] | None]:
+    """Model shard and named optimizer (``NxdTag`` form) of one target rank, produced from the plan."""
+    model: dict[str, torch.Tensor] = {}
+    o: dict[str, Any] | None = None
+    for i, j in parts:
+        out = conv.tensors[i]
+        info = out.info
+        box, plan = out.parts[j]
+        _, data = next(iter(conv.produce(type(out)(info, ((box, plan),), None, ()), cache)))
+        data = _owned(data)
+        if info.role == "optimizer_state":
+            if o is None:
+                o = {"state": {}, "param_groups": [], "master_weights": None, "extra": {}}
+            if info.key == "master_weight":
+                o["master_weights"] = o["master_weights"] or {}
+                o["master_weights"][info.param] = data
+            else:
+                o["state"].setdefault(info.param, {})[info.key] = data
+        else:
+            model[info.name] = data
+    opt = conv.trees.optimizer
+    if o is not None and opt is not None:
+        names = set(model)
+        for p, per in opt.get("state", {}).items():
+            if p in names:
+                o["state"].setdefault(p, {}).update({k: treecodec.decode(v) for k, v in per.items()})
+        o["param_groups"] = [
+            {
+                **{k: treecodec.decode(v) for k, v in g.items() if k != "params"},
+                "params": [p for p in g["params"] if p in names],
+            }
+            for g in opt.get("param_groups", [])
+        ]
+        # ZeRO-1 pid order = the rank's model order
+        order = [n for n in model if n in o["state"]]
+        o["state"] = {n: o["state"][n] for n in order}
+    return model, o
+
+
 def write_nxd(conv: Conversion, dst: str | Path, *, xser: bool = False) -> Path:
-    """Write ``conv`` (Neuron layout) as an NxD-native tag ``dst`` (in memory, then ``write_tag``)."""
-    from ckpt.converters.nxd import write_tag
-    from ckpt.converters.nxd.discovery import TagStatus
-    from ckpt.converters.nxd.reader import NxdTag, NxdTagMeta
+    """Write ``conv`` (Neuron layout) as an NxD-native tag ``dst``, streaming one (tp, pp) rank at a time.
+
+    NxD keeps one file per rank (plus one optimizer file per DP rank with ZeRO-1), so a rank's model shard and
+    optimizer are the smallest unit that can be written: each rank is produced from the plan, handed to
+    :class:`~ckpt.converters.nxd.writer.TagWriter` and dropped.  Memory: one rank's state (and its ZeRO-1 shards
+    while saved) plus a 3-entry cache of whole source tensors, whatever the model size.  The price is reads: a
+    source tensor split over TP is read once per TP rank (the cache holds whole tensors, not one rank's slices).
+    """
+    from ckpt.converters.nxd.writer import TagWriter
 
     if conv.to != "neuron" or conv.spec is None:
         raise LayoutError("--format nxd needs --to neuron")
     check_dst_free(dst)
     spec = conv.spec
-    cache = TensorCache(conv.view.read, capacity=3)
-    models: dict[tuple[int, int, int], dict[str, torch.Tensor]] = {}
-    optims: dict[tuple[int, int, int], dict[str, Any]] = {}
-    for out in conv.tensors:
-        info = out.info
-        for (box, _), ranks in zip(out.parts, out.ranks, strict=True):
-            produced = dict(conv.produce(type(out)(info, ((box, _),), None, ()), cache))
-            data = produced[box]
-            for tp, pp in ranks:
-                key = (tp, pp, 0)
-                if info.role == "optimizer_state":
-                    o = optims.setdefault(
-                        key, {"state": {}, "param_groups": [], "master_weights": None, "extra": {}}
-                    )
-                    if info.key == "master_weight":
-                        o["master_weights"] = o["master_weights"] or {}
-                        o["master_weights"][info.param] = data
-                    else:
-                        o["state"].setdefault(info.param, {})[info.key] = data
-                else:
-                    models.setdefault(key, {})[info.name] = data
-    opt = conv.trees.optimizer
-    if opt is not None:
-        for key, o in optims.items():
-            names = set(models[key])
-            for p, per in opt.get("state", {}).items():
-                if p in names:
-                    o["state"].setdefault(p, {}).update({k: treecodec.decode(v) for k, v in per.items()})
-            o["param_groups"] = [
-                {
-                    **{k: treecodec.decode(v) for k, v in g.items() if k != "params"},
-                    "params": [p for p in g["params"] if p in names],
-                }
-                for g in opt.get("param_groups", [])
-            ]
-            # ZeRO-1 pid order = the rank's model order
-            order = [n for n in models[key] if n in o["state"]]
-            o["state"] = {n: o["state"][n] for n in order}
     dst = Path(dst)
-    meta = NxdTagMeta(
-        path=dst,
-        name=dst.name,
-        step=conv.trees.step,
-        status=TagStatus.COMPLETE,
-        tp_size=spec.tp,
-        pp_size=spec.pp,
-        dp_size=spec.dp,
-        ep_size=1,
-        xser=xser,
-        zero1=spec.dp > 1,
-        legacy=False,
-    )
-    tag = NxdTag(
-        meta=meta,
-        per_rank_model=models,
-        per_rank_optimizer=optims,
-        scheduler=treecodec.decode(conv.trees.scheduler) if conv.trees.scheduler is not None else None,
-        user_content=treecodec.decode(conv.trees.user) if conv.trees.user is not None else None,
-    )
+    by_rank = _rank_parts(conv)
     if dst.exists():
         dst.rmdir()
-    return write_tag(tag, dst.parent, dst.name, xser=xser, dp_size=spec.dp, zero1=spec.dp > 1)
+    cache = TensorCache(conv.view.read, capacity=3)
+    with TagWriter(dst.parent, dst.name, xser=xser, dp_size=spec.dp, zero1=spec.dp > 1) as w:
+        for tp, pp in sorted(by_rank):
+            model, optim = _build_rank(conv, by_rank[(tp, pp)], cache)
+            w.write_rank((tp, pp, 0), model, optim)
+            del model, optim
+        return w.finish(
+            treecodec.decode(conv.trees.scheduler) if conv.trees.scheduler is not None else None,
+            treecodec.decode(conv.trees.user) if conv.trees.user is not None else None,
+        )
 
 
 __all__ = ["NxdTagSource", "is_nxd_dir", "open_nxd", "write_nxd"]
