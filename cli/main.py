@@ -13,6 +13,7 @@ import click
 from ckpt.errors import CkptError
 
 from . import demo, inspect_cmd, ls, verify
+from .compare import compare
 from .convert import convert
 from .report import report
 from .verify_resume import verify_resume
@@ -31,6 +32,7 @@ cli.add_command(convert)
 cli.add_command(demo.demo)
 cli.add_command(verify_resume)
 cli.add_command(report)
+cli.add_command(compare)
 
 
 def main(argv: list[str] | None = None) -> None:
