@@ -33,6 +33,10 @@ def read_manifest(storage: Storage) -> Manifest:
         ) from None
     except StorageError as e:
         raise ManifestError(str(e)) from None
+    except OSError as e:  # a file given as the checkpoint (NotADirectoryError), no permission, ...
+        raise ManifestError(
+            f"{storage.display(MANIFEST_NAME)}: cannot read: {e.strerror or type(e).__name__}"
+        ) from None
     return Manifest.from_json(raw, storage.display(MANIFEST_NAME))
 
 
