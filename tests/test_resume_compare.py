@@ -304,3 +304,21 @@ def test_cli_bad_input_is_one_line_exit_2(
     assert r.exit_code == 2, r.output
     lines = r.output.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], r.output
+
+
+def test_small_systematic_offset_is_caught_by_the_drift_not_the_band(
+    runs: dict[str, Path], tmp_path: Path
+) -> None:
+    # B = A + 0.1 from step 41 on (CSV logs of the reference run): inside the per-step band (5 noise floors,
+    # ~0.3) at every step, but the last window's median difference is far beyond its standard error.
+    ref = load_run(runs["ref"])
+    rows = [r for s in ref.sessions for r in s.steps]
+    for name, offset in (("a", 0.0), ("b", 0.1)):
+        lines = ["step,loss,lr"]
+        lines += [f"{r.step},{r.loss + (offset if r.step > 40 else 0.0)!r},{r.lr!r}" for r in rows]
+        (tmp_path / f"{name}.csv").write_text("\n".join(lines) + "\n")
+    c = compare_runs(load_run(tmp_path / "a.csv"), load_run(tmp_path / "b.csv"))
+    assert c.loss.diverging == [] and c.loss.max_abs_diff < c.loss.tolerance
+    assert c.drift.significant and c.drift.last == pytest.approx(0.1)
+    assert c.exit_code == 1 and c.problems == [c.problems[0]] and "drifts apart" in c.problems[0]
+    assert c.lr.status == "equal" and c.data.status == "not logged"
