@@ -17,6 +17,7 @@ an ``unmarked`` tag whose files are all there, never a ``done`` over partial fil
 
 from __future__ import annotations
 
+import gc
 import os
 import shutil
 import uuid
@@ -164,6 +165,11 @@ class TagWriter:
         except BaseException:
             self.abort()
             raise
+        finally:
+            # torch.save leaves a reference cycle (its per-call pickler class and the closure over the storages it
+            # wrote) that keeps every saved storage alive until the cyclic GC happens to run: without this, ranks
+            # (and their ZeRO-1 shard copies) pile up and memory grows with the model after all.
+            gc.collect()
         self._written.add(rank)
 
     def finish(self, scheduler: Any = None, user_content: Any = None) -> Path:
