@@ -270,9 +270,18 @@ class Storage:
         if length == 0:
             return b""
         if self.local:
+            # one pread returns at most 0x7ffff000 bytes on Linux: loop, or a shard over 2 GiB reads "short"
             fd = os.open(self.path(rel), os.O_RDONLY)
             try:
-                data = os.pread(fd, length, start)
+                parts: list[bytes] = []
+                got = 0
+                while got < length:
+                    part = os.pread(fd, length - got, start + got)
+                    if not part:
+                        break
+                    parts.append(part)
+                    got += len(part)
+                data = parts[0] if len(parts) == 1 else b"".join(parts)
             finally:
                 os.close(fd)
         else:
