@@ -22,7 +22,7 @@ import os
 import pathlib
 import pickle
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +33,8 @@ from ckpt.errors import CkptError, CorruptionError, LayoutError
 from ckpt.safe_unpickle import load_pickle, load_torch_file
 
 from .ckpt_layout import MODEL_ROLES, Conversion, Source, TensorCache, TensorInfo, Trees
-from .fsutil import atomic_dir
+from .fsutil import make_temp_dir, publish_dir, remove_dir
+from .parallel import UnitReceipt, check_cover, write_serial
 
 METADATA_NAME = ".metadata"
 OPTIM_KEYS = ("optim", "optimizer")
@@ -247,42 +248,82 @@ def check_dcp_export(conv: Conversion) -> None:
         raise LayoutError("DCP export needs --to cuda (FSDP2 loads full tensors and reshards them)")
 
 
-def write_dcp(conv: Conversion, dst: str | Path, *, progress: Callable[[int], None] | None = None) -> Path:
-    """Write ``conv`` (CUDA layout) as a DCP folder at ``dst`` (atomically; one data file ``__0_0.distcp``)."""
-    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
-    from torch.distributed.checkpoint.filesystem import _StorageInfo
-    from torch.distributed.checkpoint.metadata import StorageMeta
-    from torch.distributed.checkpoint.planner import WriteItemType
+def distcp_name(worker: int) -> str:
+    """Data file of worker ``worker``: DCP's own per-rank name ``__<rank>_0.distcp`` (one file per writer)."""
+    return f"__{worker}_0.distcp"
 
-    check_dcp_export(conv)
-    sd, fetch = _state_dict_skeleton(conv)
-    planner = DefaultSavePlanner()
-    planner.set_up_planner(sd, storage_meta=None, is_coordinator=True)
-    local = planner.create_local_plan()
-    global_plans, metadata = planner.create_global_plan([local])
-    final = planner.finish_plan(global_plans[0])
-    paths: dict[str, tuple[Any, ...]] = dict(metadata.planner_data or {})
-    outs = {t.info.name: t for t in conv.tensors}
-    cache = TensorCache(conv.view.read, capacity=3)
-    fname = "__0_0.distcp"
-    storage: dict[Any, Any] = {}
-    with atomic_dir(dst) as tmp:
+
+class DcpExport:
+    """A DCP folder as units for :mod:`~converters.parallel`: one unit = one DCP write item (a tensor or a bytes
+    blob), written by worker ``w`` into its own ``__<w>_0.distcp``; ``.metadata`` is the commit.
+
+    This is DCP's own multi-rank layout: ``.metadata`` maps every item to ``(relative_path, offset, length)``, so
+    ``dcp.load`` (any world size) reads items from whichever file holds them.  Every worker builds the same
+    ``DefaultSavePlanner`` plan from the same ``meta`` skeleton (deterministic), so items need no exchange; each
+    worker returns the storage entries of its items and the coordinator merges them into the metadata.
+    """
+
+    def __init__(self, conv: Conversion) -> None:
+        from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+        from torch.distributed.checkpoint.planner import WriteItemType
+
+        check_dcp_export(conv)
+        self.conv = conv
+        sd, self.fetch = _state_dict_skeleton(conv)
+        self.planner = DefaultSavePlanner()
+        self.planner.set_up_planner(sd, storage_meta=None, is_coordinator=True)
+        local = self.planner.create_local_plan()
+        global_plans, self.metadata = self.planner.create_global_plan([local])
+        self.items = list(self.planner.finish_plan(global_plans[0]).items)
+        self.paths: dict[str, tuple[Any, ...]] = dict(self.metadata.planner_data or {})
+        self.outs = {t.info.name: t for t in conv.tensors}
+        self.weights = []
+        for item in self.items:
+            if item.type == WriteItemType.BYTE_IO:
+                self.weights.append(0)
+            else:
+                td = item.tensor_data
+                n = 1
+                for size in td.chunk.sizes:
+                    n *= int(size)
+                self.weights.append(n * td.properties.dtype.itemsize)
+
+    def begin(self, dst: Path) -> Path:
+        return make_temp_dir(dst)
+
+    def write(
+        self,
+        tmp: Path,
+        units: Sequence[int],
+        progress: Callable[[int], None] | None = None,
+        *,
+        worker: int = 0,
+    ) -> UnitReceipt:
+        """Stream items ``units`` (one ``torch.save`` blob each, DCP's default) into ``__<worker>_0.distcp``."""
+        from torch.distributed.checkpoint.filesystem import _StorageInfo
+        from torch.distributed.checkpoint.planner import WriteItemType
+
+        storage: dict[Any, Any] = {}
+        if not units:
+            return UnitReceipt(worker, (), storage)
+        conv, planner = self.conv, self.planner
+        cache = TensorCache(conv.view.read, capacity=3)
+        fname = distcp_name(worker)
         with open(tmp / fname, "wb") as f:
-            for item in final.items:
+            for u in units:
+                item = self.items[u]
                 offset = f.tell()
                 if item.type == WriteItemType.BYTE_IO:
-                    data = planner.resolve_data(item)
-                    f.write(data.getbuffer())
+                    f.write(planner.resolve_data(item).getbuffer())
                 else:
                     fqn = item.index.fqn
-                    path_ = tuple(paths.get(fqn, (fqn,)))
-                    name = fetch.get(path_)
+                    name = self.fetch.get(tuple(self.paths.get(fqn, (fqn,))))
                     if name is None:  # a real (small) tensor, e.g. Adam's step
                         tensor = planner.resolve_data(item)
                     else:
-                        (_, tensor), *_ = list(conv.produce(outs[name], cache))
+                        (_, tensor), *_ = list(conv.produce(self.outs[name], cache))
                         if progress is not None:
-                            progress(outs[name].info.nbytes)
+                            progress(self.outs[name].info.nbytes)
                     chunk = item.tensor_data.chunk
                     for d, (o, s) in enumerate(zip(chunk.offsets, chunk.sizes, strict=True)):
                         if o != 0 or s != tensor.shape[d]:
@@ -294,16 +335,48 @@ def write_dcp(conv: Conversion, dst: str | Path, *, progress: Callable[[int], No
                 storage[item.index] = _StorageInfo(fname, offset, f.tell() - offset)
             f.flush()
             os.fsync(f.fileno())
-        metadata = dataclasses.replace(metadata)
+        return UnitReceipt(worker, tuple(units), storage)
+
+    def commit(self, tmp: Path, dst: Path, receipts: list[UnitReceipt]) -> Path:
+        """Merge the workers' storage entries into the planner's metadata, write ``.metadata`` last, rename."""
+        from torch.distributed.checkpoint.metadata import StorageMeta
+
+        receipts = check_cover(receipts, len(self.items), str(dst))
+        storage: dict[Any, Any] = {}
+        for r in receipts:
+            storage.update(r.data)
+        missing = [item.index for item in self.items if item.index not in storage]
+        if missing or len(storage) != len(self.items):
+            raise CorruptionError(
+                f"{dst}: no storage entry for {len(missing)} DCP items (e.g. {missing[:1]})"
+            )
+        for info in storage.values():
+            path = tmp / info.relative_path
+            if not path.is_file() or path.stat().st_size < info.offset + info.length:
+                raise CorruptionError(f"{dst}: {info.relative_path} is shorter than its items")
+        metadata = dataclasses.replace(self.metadata)
         if hasattr(metadata, "version"):
             from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION
 
             metadata.version = CURRENT_DCP_VERSION
-        metadata.storage_data = storage
+        metadata.storage_data = {item.index: storage[item.index] for item in self.items}
         metadata.storage_meta = StorageMeta(checkpoint_id=str(dst), save_id=uuid.uuid4().hex)
         with open(tmp / METADATA_NAME, "wb") as mf:
             pickle.dump(metadata, mf)
-    return Path(dst)
+        publish_dir(tmp, dst)
+        return dst
+
+    def abort(self, tmp: Path) -> None:
+        remove_dir(tmp)
 
 
-__all__ = ["DCPSource", "is_dcp_dir", "open_dcp", "read_metadata", "write_dcp"]
+def write_dcp(conv: Conversion, dst: str | Path, *, progress: Callable[[int], None] | None = None) -> Path:
+    """Write ``conv`` (CUDA layout) as a DCP folder at ``dst`` (atomically; one data file ``__0_0.distcp``).
+
+    One process; ``--workers N`` / torchrun run the same :class:`DcpExport` with the items spread over the
+    workers (``__<w>_0.distcp`` each).
+    """
+    return write_serial(DcpExport(conv), dst, progress)
+
+
+__all__ = ["DCPSource", "DcpExport", "is_dcp_dir", "open_dcp", "read_metadata", "write_dcp"]

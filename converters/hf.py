@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import os
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +27,8 @@ from ckpt.errors import CkptError, CorruptionError, LayoutError
 from ckpt.shardfile import tensor_bytes
 
 from .ckpt_layout import MODEL_ROLES, Conversion, Source, TensorCache, TensorInfo, Trees
-from .fsutil import atomic_dir
+from .fsutil import make_temp_dir, publish_dir, remove_dir
+from .parallel import UnitReceipt, check_cover, write_serial
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -145,6 +146,82 @@ def check_hf_export(conv: Conversion) -> None:
         raise LayoutError("Hugging Face export needs the model config; pass --config config.json")
 
 
+def shard_file_name(k: int, n: int) -> str:
+    """HF's name for shard ``k`` (0-based) of ``n``."""
+    return f"model-{k + 1:05d}-of-{n:05d}.safetensors"
+
+
+class HFExport:
+    """An HF folder as units for :mod:`~converters.parallel`: one unit = one whole shard file.
+
+    A safetensors file is a header followed by its tensors' bytes, so a shard cannot be split between writers;
+    shards are independent, so any worker can write any of them.  The index and ``config.json`` are the commit.
+    The shard plan depends only on the conversion plan and ``max_shard_bytes``, so every worker agrees on it.
+    """
+
+    def __init__(self, conv: Conversion, *, max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> None:
+        check_hf_export(conv)
+        self.conv = conv
+        indices = hf_model_tensors(conv)
+        self.outs = {conv.tensors[i].info.name: conv.tensors[i] for i in indices}
+        self.shards = shard_plan([conv.tensors[i].info for i in indices], max_shard_bytes)
+        self.names = [shard_file_name(k, len(self.shards)) for k in range(len(self.shards))]
+        self.weights = [sum(info.nbytes for info in shard) for shard in self.shards]
+
+    def begin(self, dst: Path) -> Path:
+        return make_temp_dir(dst)
+
+    def write(
+        self,
+        tmp: Path,
+        units: Sequence[int],
+        progress: Callable[[int], None] | None = None,
+        *,
+        worker: int = 0,
+    ) -> UnitReceipt:
+        """Write shard files ``units`` (header from the plan, then tensors streamed one at a time), fsynced."""
+        conv = self.conv
+        cache = TensorCache(conv.view.read, capacity=3)
+        sizes: dict[str, int] = {}
+        for k in units:
+            shard, fname = self.shards[k], self.names[k]
+            with open(tmp / fname, "wb") as f:
+                f.write(_header(shard))
+                for info in shard:
+                    for _, data in conv.produce(self.outs[info.name], cache):
+                        data = data.contiguous()
+                        if data.dtype != info.dtype or tuple(data.shape) != info.shape:
+                            raise CorruptionError(f"{info.name}: produced {list(data.shape)} {data.dtype}")
+                        f.write(tensor_bytes(data))
+                    if progress is not None:
+                        progress(info.nbytes)
+                f.flush()
+                os.fsync(f.fileno())
+                sizes[fname] = f.tell()
+        return UnitReceipt(worker, tuple(units), sizes)
+
+    def commit(self, tmp: Path, dst: Path, receipts: list[UnitReceipt]) -> Path:
+        """Check every shard is there at its planned size, write the index and ``config.json``, rename."""
+        check_cover(receipts, len(self.shards), str(dst))
+        sizes = {name: size for r in receipts for name, size in r.data.items()}
+        for k, shard in enumerate(self.shards):
+            fname = self.names[k]
+            want = len(_header(shard)) + self.weights[k]
+            path = tmp / fname
+            if sizes.get(fname) != want or not path.is_file() or path.stat().st_size != want:
+                raise CorruptionError(f"{dst}: shard {fname} is not the {want} bytes planned")
+        weight_map = {info.name: self.names[k] for k, shard in enumerate(self.shards) for info in shard}
+        index = {"metadata": {"total_size": sum(self.weights)}, "weight_map": weight_map}
+        (tmp / INDEX_NAME).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+        config = dict(self.conv.config or {})
+        (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        publish_dir(tmp, dst)
+        return dst
+
+    def abort(self, tmp: Path) -> None:
+        remove_dir(tmp)
+
+
 def write_hf(
     conv: Conversion,
     dst: str | Path,
@@ -152,37 +229,21 @@ def write_hf(
     max_shard_bytes: int = DEFAULT_SHARD_BYTES,
     progress: Callable[[int], None] | None = None,
 ) -> Path:
-    """Write the model tensors of ``conv`` (CUDA layout) as a Hugging Face folder at ``dst`` (atomically)."""
-    check_hf_export(conv)
-    indices = hf_model_tensors(conv)
-    outs = {conv.tensors[i].info.name: conv.tensors[i] for i in indices}
-    shards = shard_plan([conv.tensors[i].info for i in indices], max_shard_bytes)
-    n = len(shards)
-    cache = TensorCache(conv.view.read, capacity=3)
-    with atomic_dir(dst) as tmp:
-        weight_map: dict[str, str] = {}
-        total = 0
-        for k, shard in enumerate(shards):
-            fname = f"model-{k + 1:05d}-of-{n:05d}.safetensors"
-            with open(tmp / fname, "wb") as f:
-                f.write(_header(shard))
-                for info in shard:
-                    for _, data in conv.produce(outs[info.name], cache):
-                        data = data.contiguous()
-                        if data.dtype != info.dtype or tuple(data.shape) != info.shape:
-                            raise CorruptionError(f"{info.name}: produced {list(data.shape)} {data.dtype}")
-                        f.write(tensor_bytes(data))
-                    weight_map[info.name] = fname
-                    total += info.nbytes
-                    if progress is not None:
-                        progress(info.nbytes)
-                f.flush()
-                os.fsync(f.fileno())
-        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-        (tmp / INDEX_NAME).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
-        config = dict(conv.config or {})
-        (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    return Path(dst)
+    """Write the model tensors of ``conv`` (CUDA layout) as a Hugging Face folder at ``dst`` (atomically).
+
+    One process; ``ckpt convert --workers N`` and torchrun run the same :class:`HFExport` with the shard files
+    spread over the workers, so the files are the same.
+    """
+    return write_serial(HFExport(conv, max_shard_bytes=max_shard_bytes), dst, progress)
 
 
-__all__ = ["HFSource", "is_hf_dir", "open_hf", "read_header", "shard_plan", "write_hf", "dtype_name"]
+__all__ = [
+    "HFExport",
+    "HFSource",
+    "is_hf_dir",
+    "open_hf",
+    "read_header",
+    "shard_plan",
+    "write_hf",
+    "dtype_name",
+]

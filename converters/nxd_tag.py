@@ -18,6 +18,7 @@ folder + rename, ``done`` last), so memory is one rank's state plus a small cach
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +30,8 @@ from ckpt.layouts import LayoutSpec
 from ckpt.layouts.pipeline import layer_index, layers_of_pp_rank, pp_ranks_of
 
 from .ckpt_layout import Conversion, Source, TensorCache, TensorInfo, Trees, nxd_partition, nxd_partition_dim
-from .fsutil import check_dst_free
+from .fsutil import check_dst_free, remove_dir
+from .parallel import UnitReceipt, check_cover, write_serial
 
 
 def is_nxd_dir(path: str | Path) -> bool:
@@ -343,6 +345,99 @@ def _build_rank(
     return model, o
 
 
+class NxdExport:
+    """An NxD tag as units for :mod:`~converters.parallel`: one unit = one (tp, pp) rank (its model file and its
+    optimizer file(s), ZeRO-1 shards included).
+
+    NxD stores one ``torch.save`` file per rank, so a rank is the smallest unit one writer can own, and ranks are
+    independent.  The coordinator's :class:`~ckpt.converters.nxd.writer.TagWriter` makes the temp tag folder
+    (``checkpoint`` marker, ``model/``); workers add their ranks with writers that *join* it; the coordinator
+    writes ``scheduler.pt`` / ``user_content.pt``, renames and writes ``done`` last.  Ranks are produced from the
+    plan alone (:func:`_build_rank`), so a rank's files are the same bytes whoever writes it.
+    """
+
+    def __init__(self, conv: Conversion, *, xser: bool = False) -> None:
+        if conv.to != "neuron" or conv.spec is None:
+            raise LayoutError("--format nxd needs --to neuron")
+        self.conv = conv
+        self.spec = conv.spec
+        self.xser = xser
+        by_rank = _rank_parts(conv)
+        self.ranks = sorted(by_rank)
+        self.parts = [by_rank[r] for r in self.ranks]
+
+        def nbytes(i: int, j: int) -> int:
+            return conv.tensors[i].parts[j][0].numel * conv.tensors[i].info.dtype.itemsize
+
+        #: bytes each rank writes (replicated tensors on every rank holding them): what the workers balance
+        self.weights = [sum(nbytes(i, j) for i, j in parts) for parts in self.parts]
+        # progress counts a replicated part on its first rank only, so the ranks add up to ``conv.nbytes``
+        self._logical = [
+            sum(nbytes(i, j) for i, j in parts if conv.tensors[i].ranks[j][0] == self.ranks[u])
+            for u, parts in enumerate(self.parts)
+        ]
+        self._writer: Any = None
+
+    def _tag_writer(self, dst: Path, join: Path | None = None) -> Any:
+        from ckpt.converters.nxd.writer import TagWriter
+
+        spec = self.spec
+        return TagWriter(dst.parent, dst.name, xser=self.xser, dp_size=spec.dp, zero1=spec.dp > 1, join=join)
+
+    def begin(self, dst: Path) -> Path:
+        check_dst_free(dst)
+        if dst.exists():
+            dst.rmdir()  # an empty folder (check_dst_free): TagWriter refuses any existing target
+        self._writer = self._tag_writer(dst)
+        return self._writer.tmp
+
+    def write(
+        self,
+        tmp: Path,
+        units: Sequence[int],
+        progress: Callable[[int], None] | None = None,
+        *,
+        worker: int = 0,
+    ) -> UnitReceipt:
+        """Build and write ranks ``units`` one at a time into the coordinator's temp tag folder."""
+        # the tag's name, for messages: the temp folder is ``.<name>.tmp-<id>`` (TagWriter's naming)
+        w = self._tag_writer(tmp.parent / tmp.name[1:].rpartition(".tmp-")[0], join=tmp)
+        cache = TensorCache(self.conv.view.read, capacity=3)
+        try:
+            for u in units:
+                tp, pp = self.ranks[u]
+                model, optim = _build_rank(self.conv, self.parts[u], cache)
+                w.write_rank((tp, pp, 0), model, optim)
+                del model, optim
+                if progress is not None:
+                    progress(self._logical[u])
+        finally:
+            w.abort()  # a joined writer only stops; the folder is the coordinator's
+        return UnitReceipt(worker, tuple(units), [self.ranks[u] for u in units])
+
+    def commit(self, tmp: Path, dst: Path, receipts: list[UnitReceipt]) -> Path:
+        """Check every rank's model file is there, then ``scheduler.pt`` / ``user_content.pt``, rename, ``done``."""
+        from ckpt.converters.nxd.naming import rank_file_name
+
+        check_cover(receipts, len(self.ranks), str(dst))
+        if self._writer is None or self._writer.tmp != tmp:
+            raise CkptError(f"{dst}: commit by a writer that did not begin this tag")
+        for tp, pp in self.ranks:
+            model_file = tmp / "model" / rank_file_name(0, tp, pp, None)
+            if not model_file.exists():
+                raise CkptError(f"{dst}: rank tp {tp} pp {pp} was not written")
+        trees = self.conv.trees
+        return self._writer.finish(
+            treecodec.decode(trees.scheduler) if trees.scheduler is not None else None,
+            treecodec.decode(trees.user) if trees.user is not None else None,
+        )
+
+    def abort(self, tmp: Path) -> None:
+        if self._writer is not None:
+            self._writer.abort()
+        remove_dir(tmp)
+
+
 def write_nxd(conv: Conversion, dst: str | Path, *, xser: bool = False) -> Path:
     """Write ``conv`` (Neuron layout) as an NxD-native tag ``dst``, streaming one (tp, pp) rank at a time.
 
@@ -351,27 +446,9 @@ def write_nxd(conv: Conversion, dst: str | Path, *, xser: bool = False) -> Path:
     :class:`~ckpt.converters.nxd.writer.TagWriter` and dropped.  Memory: one rank's state (and its ZeRO-1 shards
     while saved) plus a 3-entry cache of whole source tensors, whatever the model size.  The price is reads: a
     source tensor split over TP is read once per TP rank (the cache holds whole tensors, not one rank's slices).
+    One process; ``--workers N`` / torchrun run the same :class:`NxdExport` with the ranks spread over workers.
     """
-    from ckpt.converters.nxd.writer import TagWriter
-
-    if conv.to != "neuron" or conv.spec is None:
-        raise LayoutError("--format nxd needs --to neuron")
-    check_dst_free(dst)
-    spec = conv.spec
-    dst = Path(dst)
-    by_rank = _rank_parts(conv)
-    if dst.exists():
-        dst.rmdir()
-    cache = TensorCache(conv.view.read, capacity=3)
-    with TagWriter(dst.parent, dst.name, xser=xser, dp_size=spec.dp, zero1=spec.dp > 1) as w:
-        for tp, pp in sorted(by_rank):
-            model, optim = _build_rank(conv, by_rank[(tp, pp)], cache)
-            w.write_rank((tp, pp, 0), model, optim)
-            del model, optim
-        return w.finish(
-            treecodec.decode(conv.trees.scheduler) if conv.trees.scheduler is not None else None,
-            treecodec.decode(conv.trees.user) if conv.trees.user is not None else None,
-        )
+    return write_serial(NxdExport(conv, xser=xser), dst)
 
 
-__all__ = ["NxdTagSource", "is_nxd_dir", "open_nxd", "write_nxd"]
+__all__ = ["NxdExport", "NxdTagSource", "is_nxd_dir", "open_nxd", "write_nxd"]

@@ -74,6 +74,10 @@ class TagWriter:
         ep_size: expert-parallel size (file names carry an ep field iff it is > 1); must be known before the first
             file is named.
         overwrite: replace an existing ``<root>/<name>`` (at :meth:`finish`).
+        join: the temp folder (:attr:`tmp`) of another ``TagWriter`` for the same tag, made by a coordinator: this
+            writer only adds rank files to it (parallel writers, one process or torchrun rank each, writing
+            disjoint ranks).  It never creates, renames or removes the folder: :meth:`finish` is refused and
+            :meth:`abort` only stops it; the coordinator's writer publishes or removes the folder.
     """
 
     def __init__(
@@ -86,6 +90,7 @@ class TagWriter:
         zero1: bool = True,
         ep_size: int = 1,
         overwrite: bool = False,
+        join: str | Path | None = None,
     ) -> None:
         if dp_size < 1:
             raise CkptError(f"dp_size must be >= 1, got {dp_size}")
@@ -101,6 +106,12 @@ class TagWriter:
         #: streaming producer holds at once, reported so callers and tests can check the bound
         self.max_rank_bytes = 0
         self._written: set[RankKey] = set()
+        self.owner = join is None
+        if join is not None:
+            self.tmp = Path(join)
+            if not (self.tmp / "checkpoint").is_file() or not (self.tmp / "model").is_dir():
+                raise CkptError(f"{self.tmp}: not the temp folder of a tag being written")
+            return
         if self.final.exists() and not overwrite:
             raise CheckpointExistsError(f"{self.final}: already exists (pass overwrite=True to replace it)")
         self.root.mkdir(parents=True, exist_ok=True)
@@ -175,6 +186,8 @@ class TagWriter:
     def finish(self, scheduler: Any = None, user_content: Any = None) -> Path:
         """Write ``scheduler.pt`` / ``user_content.pt`` (when not None), rename into place, write ``done``."""
         tmp = self._dir()
+        if not self.owner:
+            raise CkptError(f"{self.final}: a joined tag writer cannot finish; the coordinator's writer does")
         try:
             if scheduler is not None:
                 save_nxd_file(scheduler, tmp / "scheduler.pt", False)
@@ -198,9 +211,12 @@ class TagWriter:
         return self.final
 
     def abort(self) -> None:
-        """Remove the temp folder (idempotent); the target is untouched."""
+        """Remove the temp folder (idempotent); the target is untouched.  A joined writer only stops: the folder
+        belongs to the coordinator, which removes it once every writer is done (removing it under the other
+        writers would turn one failure into confusing errors everywhere)."""
         if self.tmp is not None:
-            shutil.rmtree(self.tmp, ignore_errors=True)
+            if self.owner:
+                shutil.rmtree(self.tmp, ignore_errors=True)
             self.tmp = None
 
 
