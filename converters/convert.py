@@ -4,10 +4,12 @@ Formats (one module each, same verbs ``open_*`` / ``write_*``): our manifest (``
 (``hf``), torch DCP (``dcp``), NxD-native tags (``nxd_tag``).  Every impossible request raises a one-line
 ``CkptError`` from :func:`plan_conversion`, before any byte is written.  SRC is only ever read.
 
-Parallelism (our manifest format): ``workers=N`` runs N local processes, each converting a disjoint,
-byte-balanced share of the target tensors into its own data files; the parent commits the manifest from their
-receipts.  Under ``torchrun`` (``RANK``/``WORLD_SIZE`` set) each rank converts its share and rank 0 commits after
-gathering the receipts over a gloo group, so many machines can convert one checkpoint together.
+Parallelism: ``workers=N`` runs N local processes, each converting a disjoint, byte-balanced share of the
+output into its own files; the parent commits.  Under ``torchrun`` (``RANK``/``WORLD_SIZE`` set) each rank
+converts its share and rank 0 commits after gathering the receipts over a gloo group, so many machines can convert
+one checkpoint together.  Our manifest: shares of target tensors, the manifest is the commit.  HF / DCP / NxD
+folders (:mod:`.parallel`): shares of whole files (HF shards, DCP write items per ``__<w>_0.distcp``, NxD (tp, pp)
+ranks) in one temp folder made by the coordinator, whose index/metadata/``done`` and rename are the commit.
 """
 
 from __future__ import annotations
@@ -37,9 +39,10 @@ from .ckpt_layout import (
     plan_to_neuron,
     write_share,
 )
-from .dcp import check_dcp_export, is_dcp_dir, open_dcp, write_dcp
-from .hf import check_hf_export, is_hf_dir, open_hf, write_hf
-from .nxd_tag import is_nxd_dir, open_nxd, write_nxd
+from .dcp import DcpExport, check_dcp_export, is_dcp_dir, open_dcp
+from .hf import HFExport, check_hf_export, is_hf_dir, open_hf
+from .nxd_tag import NxdExport, is_nxd_dir, open_nxd
+from .parallel import FolderExport, UnitReceipt, balance, write_serial
 
 Format = Literal["ckpt", "hf", "dcp", "nxd"]
 DEFAULT_FLUSH_BYTES = 64 << 20
@@ -158,10 +161,6 @@ def plan_conversion(source: Source, opts: ConvertOptions) -> Conversion:
         raise LayoutError(f"--to {opts.to!r} must be cuda or neuron")
     if opts.workers < 1:
         raise CkptError(f"--workers {opts.workers} must be >= 1")
-    if opts.workers > 1 and opts.format != "ckpt":
-        raise CkptError(
-            f"--workers {opts.workers} needs --format ckpt (hf/dcp/nxd are written by one process)"
-        )
     return conv
 
 
@@ -266,12 +265,14 @@ def convert(
     if on_plan is not None:
         on_plan(conv)
     result = ConvertResult(dst, len(conv.tensors), conv.nbytes, opts.format)
-    if opts.format == "hf":
-        write_hf(conv, dst, max_shard_bytes=opts.max_shard_bytes, progress=progress)
-    elif opts.format == "dcp":
-        write_dcp(conv, dst, progress=progress)
-    elif opts.format == "nxd":
-        write_nxd(conv, dst)
+    if opts.format != "ckpt":
+        export = folder_export(conv, opts)
+        if world > 1:
+            _export_distributed(export, dst, rank, world, progress)
+        elif opts.workers > 1:
+            _export_local_workers(export, src, dst, opts, progress)
+        else:
+            write_serial(export, dst, progress)
     elif world > 1:
         _convert_distributed(conv, dst, opts, rank, world, progress)
     elif opts.workers > 1:
@@ -375,8 +376,140 @@ def _convert_distributed(
             dist.destroy_process_group()
 
 
+# ------------------------------------------------------------------------------ HF / DCP / NxD folders
+
+
+def folder_export(conv: Conversion, opts: ConvertOptions) -> FolderExport:
+    """The :class:`~.parallel.FolderExport` of ``opts.format`` (hf, dcp, nxd) over plan ``conv``."""
+    if opts.format == "hf":
+        return HFExport(conv, max_shard_bytes=opts.max_shard_bytes)
+    if opts.format == "dcp":
+        return DcpExport(conv)
+    if opts.format == "nxd":
+        return NxdExport(conv)
+    raise CkptError(f"--format {opts.format} is not a folder format")
+
+
+def _folder_worker(src: str, opts: ConvertOptions, tmp: str, index: int, n: int) -> UnitReceipt:
+    """One local worker process: re-open and re-plan (deterministic), write share ``index`` of ``n`` into ``tmp``.
+
+    Re-planning instead of shipping the plan keeps the parent's pickling out of the way and is what a torchrun
+    rank does anyway; :func:`~.parallel.check_cover` at commit catches a worker that planned differently.
+    """
+    import torch
+
+    torch.set_num_threads(1)
+    source = open_source(src, opts)
+    try:
+        export = folder_export(plan_conversion(source, opts), opts)
+        return export.write(Path(tmp), balance(export.weights, n)[index], None, worker=index)
+    finally:
+        source.close()
+
+
+def _export_local_workers(
+    export: FolderExport,
+    src: str,
+    dst: str,
+    opts: ConvertOptions,
+    progress: Callable[[int], None] | None,
+) -> None:
+    """``--workers N``: the parent makes the temp folder, N spawned processes fill it, the parent commits.
+
+    On any failure the parent waits for the other workers (leaving the pool's ``with`` block), then removes the
+    temp folder with everything in it: nothing is ever renamed to ``dst``.
+    """
+    import multiprocessing as mp
+    from concurrent.futures import ProcessPoolExecutor, as_completed
+
+    n = opts.workers
+    shares = balance(export.weights, n)
+    tmp = export.begin(Path(dst))
+    try:
+        receipts: list[UnitReceipt] = []
+        busy = [i for i in range(n) if shares[i]]  # more workers than units: the rest have nothing to do
+        with ProcessPoolExecutor(max_workers=max(1, len(busy)), mp_context=mp.get_context("spawn")) as pool:
+            futures = {pool.submit(_folder_worker, src, opts, str(tmp), i, n): i for i in busy}
+            for fut in as_completed(futures):
+                receipts.append(fut.result())
+                if progress is not None:
+                    progress(sum(export.weights[u] for u in shares[futures[fut]]))
+        export.commit(tmp, Path(dst), receipts)
+    except BaseException:
+        export.abort(tmp)
+        raise
+
+
+def _export_distributed(
+    export: FolderExport,
+    dst: str,
+    rank: int,
+    world: int,
+    progress: Callable[[int], None] | None,
+) -> None:
+    """torchrun: rank 0 makes the temp folder and broadcasts its path, every rank writes its share of whole files
+    into it, rank 0 gathers the receipts and commits (or removes the folder), and every rank learns the outcome.
+
+    Ranks on several machines need DST's parent on a filesystem they all share (the temp folder is next to DST).
+    """
+    import torch.distributed as dist
+
+    own = False
+    if not dist.is_initialized():
+        dist.init_process_group("gloo")
+        own = True
+    tmp: Path | None = None
+    try:
+        begun: list[Any] = [None]
+        begin_error: Exception | None = None
+        if rank == 0:
+            try:
+                tmp = export.begin(Path(dst))
+                begun[0] = ("ok", str(tmp))
+            except Exception as e:  # noqa: BLE001 - every rank must learn it, or they wait forever
+                begin_error = e
+                begun[0] = ("error", f"{e}")
+        dist.broadcast_object_list(begun, src=0)
+        if begin_error is not None:
+            raise begin_error  # rank 0: the original one-line error (e.g. DST exists)
+        if begun[0][0] == "error":
+            raise CkptError(f"conversion failed, nothing committed: rank 0: {begun[0][1]}")
+        path = Path(begun[0][1])
+        share = balance(export.weights, world)[rank]
+        error: str | None = None
+        receipt: UnitReceipt | None = None
+        try:
+            receipt = export.write(path, share, progress, worker=rank)
+        except Exception as e:  # noqa: BLE001 - reported to rank 0, then raised everywhere
+            error = f"rank {rank}: {e}"
+        gathered: list[Any] = [None] * world if rank == 0 else []
+        dist.gather_object((receipt, error), gathered if rank == 0 else None, dst=0)
+        outcome: list[Any] = [None]
+        if rank == 0:
+            errors = [e for _, e in gathered if e]
+            if not errors:
+                try:
+                    export.commit(path, Path(dst), [r for r, _ in gathered])
+                    tmp = None
+                except Exception as e:  # noqa: BLE001
+                    errors.append(f"commit: {e}")
+            if errors:
+                export.abort(path)
+                tmp = None
+            outcome[0] = "; ".join(errors) or None
+        dist.broadcast_object_list(outcome, src=0)
+        if outcome[0]:
+            raise CkptError(f"conversion failed, nothing committed: {outcome[0]}")
+    finally:
+        if tmp is not None:  # rank 0 left early (a collective failed): the folder is not published
+            export.abort(tmp)
+        if own:
+            dist.destroy_process_group()
+
+
 __all__ = [
     "ConvertOptions",
+    "folder_export",
     "ConvertResult",
     "convert",
     "describe",

@@ -48,7 +48,7 @@ def _tree(p: Path) -> list[str]:
         (["--to", "cuda", "--format", "nxd"], "use --to neuron"),
         (["--to", "neuron", "--format", "hf"], "CUDA layout"),
         (["--from", "neuron", "--to", "neuron"], "pass --from cuda"),
-        (["--to", "cuda", "--workers", "2", "--format", "hf"], "--workers 2 needs --format ckpt"),
+        (["--to", "cuda", "--workers", "0", "--format", "hf"], "--workers 0 must be >= 1"),
     ],
 )
 def test_cli_impossible_requests(cuda_ckpt: Path, tmp_path: Path, args: list[str], needle: str) -> None:
