@@ -71,7 +71,19 @@ from .common import err, human_bytes, out
 )
 @click.option("--step", type=int, default=None, help="Step to record (default: the source's).")
 @click.option(
-    "--workers", type=int, default=1, show_default=True, help="Local worker processes (--format ckpt)."
+    "--workers",
+    type=int,
+    default=1,
+    show_default=True,
+    help="Local worker processes, each writing a byte-balanced share of whole output files (all formats).",
+)
+@click.option(
+    "--max-shard-size",
+    "max_shard_size",
+    type=str,
+    default="5GiB",
+    show_default=True,
+    help="--format hf: largest shard file (bytes, or with KB/MB/GB/KiB/MiB/GiB); shards are what --workers share.",
 )
 @click.option(
     "--dry-run", is_flag=True, help="Print the plan (tensors, bytes, peak memory) and write nothing."
@@ -93,6 +105,7 @@ def convert(
     config_path: str | None,
     step: int | None,
     workers: int,
+    max_shard_size: str,
     dry_run: bool,
 ) -> None:
     """Convert checkpoint SRC into DST (SRC is never written; DST is committed atomically)."""
@@ -115,6 +128,7 @@ def convert(
             config=load_config(config_path),
             step=step,
             workers=workers,
+            max_shard_bytes=parse_size(max_shard_size, "--max-shard-size"),
         )
         if dry_run:
             conv = plan_conversion(open_source(src, opts), opts)
@@ -134,6 +148,29 @@ def convert(
     except CkptError as e:
         err.print(f"ckpt: error: {e}", markup=False)
         sys.exit(e.exit_code)
+
+
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "kib": 1 << 10,
+    "mib": 1 << 20,
+    "gib": 1 << 30,
+}
+
+
+def parse_size(text: str, flag: str) -> int:
+    """``"5GiB"`` / ``"500MB"`` / ``"1048576"`` as bytes (HF's ``max_shard_size`` spelling; one-line error)."""
+    import re
+
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
+    unit = m.group(2).lower() if m else ""
+    if m is None or unit not in _UNITS or float(m.group(1)) * _UNITS[unit] < 1:
+        raise CkptError(f"{flag} {text!r}: expected a size such as 2GB, 500MiB or 1048576")
+    return int(float(m.group(1)) * _UNITS[unit])
 
 
 def _run(run_convert, src: str, dst: str, opts) -> None:  # noqa: ANN001 - internal
