@@ -6,6 +6,8 @@ optimizer_state_dict}`` exactly as ``torch.distributed.checkpoint.state_dict.get
 ``set_state_dict`` applies them.  DCP's own ``DefaultSavePlanner`` computes the keys and the metadata from
 shape-only (``meta``) placeholders; we then stream each tensor in (one ``torch.save`` blob per tensor, DCP's
 default serialization) and write ``.metadata`` last, in a temp folder renamed into place.  Memory: one tensor.
+Parallel (:class:`DcpExport`): each worker writes its items into its own ``__<w>_0.distcp``, the coordinator
+merges their storage entries into ``.metadata``: DCP's own multi-rank layout.
 
 Reader (:func:`open_dcp`): ``.metadata`` is unpickled through :func:`ckpt.safe_unpickle.load_pickle` with an
 explicit allow-list of DCP metadata classes (never plain pickle), each chunk is read by its offset/length and

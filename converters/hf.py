@@ -9,6 +9,9 @@ Writer (:func:`write_hf`): sharded ``model-0000i-of-0000n.safetensors`` + ``mode
 every shard is computed from the plan before any data is read, then tensors are streamed in one at a time, so
 memory is one tensor whatever the shard size.  Everything is written into a hidden temp folder next to the
 destination and renamed into place at the end.  Optimizer state has no place in this format and is not written.
+
+Parallel (:class:`HFExport`): shard files are the units several workers (``--workers``, torchrun ranks) write
+whole into one temp folder; the coordinator writes the index and ``config.json`` and renames.
 """
 
 from __future__ import annotations

@@ -12,7 +12,8 @@ re-reading every file per tensor).
 
 Writing NxD-native tags (:func:`write_nxd`) streams rank by rank: each (tp, pp) rank's model shard and optimizer
 are produced from the conversion plan and handed to :class:`ckpt.converters.nxd.writer.TagWriter` (atomic temp
-folder + rename, ``done`` last), so memory is one rank's state plus a small cache of source tensors.
+folder + rename, ``done`` last), so memory is one rank's state plus a small cache of source tensors.  Parallel
+(:class:`NxdExport`): workers write whole ranks into the coordinator's temp tag folder, which it then finishes.
 """
 
 from __future__ import annotations
