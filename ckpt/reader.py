@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from .codecs import checksum, decompress
+from .codecs import StreamingChecksum, checksum, decompress
 from .dtypes import dtype_from_name, itemsize
 from .errors import CkptError, CorruptionError, ManifestError, StorageError
 from .manifest import MANIFEST_NAME, Box, Manifest, Shard, TensorEntry
@@ -133,18 +133,22 @@ class CheckpointReader:
 
     def _read_direct(self, e: TensorEntry, shard: Shard, out: torch.Tensor) -> None:
         view = tensor_bytes(out)
+        digest = StreamingChecksum() if self.verify and shard.checksum else None
         try:
-            self.storage.read_into(shard.file, shard.offset, view)
+            self.storage.read_into(shard.file, shard.offset, view, digest.update if digest else None)
         except FileNotFoundError:
             raise CorruptionError(f"{self.path}/{shard.file}: missing (holds tensor {e.name!r})") from None
         except (StorageError, OSError) as exc:
             raise CorruptionError(f"{self.path}/{shard.file}: tensor {e.name!r}: {exc}") from None
-        self._check(e, shard, view)
+        if digest is not None:
+            self._mismatch(e, shard, digest.hexdigest())
 
     def _check(self, e: TensorEntry, shard: Shard, data: bytes | memoryview) -> None:
         if not self.verify or not shard.checksum:
             return
-        got = checksum(data)
+        self._mismatch(e, shard, checksum(data))
+
+    def _mismatch(self, e: TensorEntry, shard: Shard, got: str) -> None:
         if got != shard.checksum:
             raise CorruptionError(
                 f"{self.path}/{shard.file}: tensor {e.name!r} shard at {list(shard.box.offsets)}: checksum "
