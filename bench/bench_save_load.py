@@ -1,4 +1,4 @@
-"""Save / load benchmark: ckpt vs torch.distributed.checkpoint vs torch.save, measured in the same run.
+"""Save / load benchmark: ckpt vs torch.distributed.checkpoint, torch.save and safetensors, in the same run.
 
     .venv/bin/python bench/bench_save_load.py [--gib 1.0] [--ranks 2] [--repeat 3] [--dir /tmp/ckpt-bench]
 
@@ -20,6 +20,7 @@ import statistics
 import sys
 import time
 
+import safetensors.torch
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -143,6 +144,10 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, q) -> Non
         tpath = f"{d}/torch-{rank}.pt"
         add("torch.save", timed(lambda: torch.save(local, tpath)))
         add("torch.load", timed(lambda: torch.load(tpath, weights_only=True)))
+        # --- safetensors save_file / load_file (each rank its local shard)
+        spath = f"{d}/st-{rank}.safetensors"
+        add("safetensors save", timed(lambda: safetensors.torch.save_file(local, spath)))
+        add("safetensors load", timed(lambda: safetensors.torch.load_file(spath)))
         dist.barrier()
         if rank == 0:
             shutil.rmtree(d, ignore_errors=True)
@@ -196,6 +201,7 @@ def main() -> None:
         print(f"{label:24} {r[ours]:9.3f} {r[theirs]:9.3f} {ratio:9.2f}")
         table.append({"operation": label, "ckpt_s": r[ours], "dcp_s": r[theirs], "ratio": ratio})
     print(f"{'torch.save / load':24} {r['torch.save']:9.3f} {r['torch.load']:9.3f}")
+    print(f"{'safetensors save / load':24} {r['safetensors save']:9.3f} {r['safetensors load']:9.3f}")
     print(
         f"one memory copy: {r['memcpy']:.3f} s -> async blocking = {r['ckpt async blocking'] / r['memcpy']:.2f}x copy"
     )
