@@ -11,16 +11,27 @@ from __future__ import annotations
 import json
 import math
 import posixpath
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
 from .codecs import check_checksum_format, check_codec
+from .codecs import checksum as checksum_of
 from .dtypes import dtype_from_name, itemsize
 from .errors import ManifestError
 
 FORMAT = "ckpt"
 FORMAT_VERSION = 1
 MANIFEST_NAME = "manifest.json"
+
+# The manifest's own checksum ("seal"): the file starts with this member, and its value is the xxh3-64 of the
+# file's bytes with that member cut out (docs/format.md, "Manifest checksum").  Byte-exact on purpose: a reader in
+# any language verifies it with a slice and a hash, no JSON canonicalisation (float spelling, escaping, key order)
+# to reproduce, and every changed byte is caught, not only those that change the parsed document.
+SEAL_HEAD = b'{"checksum":"xxh3_64:'
+SEAL_RE = re.compile(rb'\{"checksum":"(xxh3_64:[0-9a-f]{16})",')
+SEAL_LEN = len(SEAL_HEAD) + 16 + 2  # head + 16 hex digits + '",'
+_SEAL_VALUE_RE = re.compile(r"xxh3_64:[0-9a-f]{16}")
 
 ROLES = ("parameter", "buffer", "optimizer_state", "state")
 BACKENDS = ("cpu", "cuda", "neuron")
@@ -157,15 +168,64 @@ class Manifest:
             "user": self.user,
             "extra": self.extra,
         }
-        return json.dumps(doc, allow_nan=False, separators=(",", ":"))
+        return seal(doc)
 
     @staticmethod
     def from_json(text: str | bytes, source: str = "manifest") -> Manifest:
+        """Parse, check format and version, verify the manifest's own checksum, then validate the structure.
+
+        The checksum is checked after the version because a newer version may seal differently, and before
+        structural validation so that a damaged manifest is reported as damaged, not as some odd field.
+        """
+        raw = text.encode() if isinstance(text, str) else bytes(text)
         try:
-            doc = json.loads(text)
-        except (ValueError, UnicodeDecodeError) as e:
+            doc = json.loads(raw)
+        except (ValueError, UnicodeDecodeError, RecursionError) as e:
             raise ManifestError(f"{source}: not valid JSON ({e})") from None
+        _check_header(doc, source)
+        verify_seal(raw, doc, source)
         return _from_doc(doc, source)
+
+
+def seal(doc: dict[str, JSON], *, allow_nan: bool = False) -> str:
+    """Serialise a manifest document with its checksum as the first member; the one way manifests are written.
+
+    ``Manifest.to_json`` uses it, and so must anything that writes or edits a manifest by hand (tests, converters,
+    repair tools): an edited document that is not re-sealed is refused as damaged.  Any ``"checksum"`` key in
+    ``doc`` is replaced.  ``allow_nan`` exists only for fuzzing hostile documents; manifests are strict JSON.
+    """
+    body = json.dumps(
+        {k: v for k, v in doc.items() if k != "checksum"}, allow_nan=allow_nan, separators=(",", ":")
+    )
+    if body == "{}":
+        raise ValueError("cannot seal an empty manifest document")
+    digest = checksum_of(body.encode())
+    return f'{{"checksum":"{digest}",{body[1:]}'
+
+
+def verify_seal(raw: bytes, doc: dict[str, JSON], source: str) -> None:
+    """Raise ManifestError ("<source> is damaged: ...") unless ``raw`` carries a matching checksum.
+
+    A manifest without one is accepted: it was written before manifests were sealed (format version 1 made the
+    field optional on read).  A manifest counts as sealed when it has a top-level ``checksum`` key *or* any
+    top-level value that looks like a checksum: one flipped byte in the key's name must not turn a sealed manifest
+    into an unsealed one that is silently accepted.
+    """
+    sealed = "checksum" in doc or any(
+        isinstance(v, str) and _SEAL_VALUE_RE.fullmatch(v) for v in doc.values()
+    )
+    if not sealed:
+        return
+    m = SEAL_RE.match(raw)
+    if m is None:
+        raise ManifestError(
+            f"{source} is damaged: checksum mismatch (the checksum member is not the file's first member, "
+            f'exactly {SEAL_HEAD.decode()}<16 hex digits>", — damaged, or reformatted by hand)'
+        )
+    stored = m.group(1).decode()
+    computed = checksum_of(b"{" + raw[SEAL_LEN:])
+    if stored != computed:
+        raise ManifestError(f"{source} is damaged: checksum mismatch (stored {stored}, computed {computed})")
 
 
 def _layout_to_json(layout: Layout) -> dict[str, JSON]:
@@ -240,7 +300,8 @@ def check_relpath(path: Any, where: str) -> str:
     return path
 
 
-def _from_doc(doc: Any, source: str) -> Manifest:
+def _check_header(doc: Any, source: str) -> int:
+    """``format`` and ``format_version``: what decides how the rest (checksum included) is to be read."""
     if not isinstance(doc, dict):
         raise ManifestError(f"{source}: expected a JSON object")
     if doc.get("format") != FORMAT:
@@ -253,6 +314,11 @@ def _from_doc(doc: Any, source: str) -> Manifest:
         )
     if version < 1:
         raise ManifestError(f"{source}: invalid format_version {version}")
+    return version
+
+
+def _from_doc(doc: Any, source: str) -> Manifest:
+    version = _check_header(doc, source)
     step = _nonneg_int(_need(doc, "step", int, source), f"{source}: step")
     backend = _need(doc, "backend", str, source)
     if backend not in BACKENDS:
@@ -305,6 +371,14 @@ def _from_doc(doc: Any, source: str) -> Manifest:
     )
 
 
+def _named(check: Any, value: Any, where: str) -> Any:
+    """Run a value check whose error does not say where the value came from, and prefix the place (file/tensor)."""
+    try:
+        return check(value)
+    except ManifestError as e:
+        raise ManifestError(f"{where}: {e}") from None
+
+
 def _tensor_from_doc(name: str, t: Any, files: dict[str, FileEntry], source: str) -> TensorEntry:
     where = f"{source}: tensor {name!r}"
     if not isinstance(t, dict):
@@ -316,7 +390,7 @@ def _tensor_from_doc(name: str, t: Any, files: dict[str, FileEntry], source: str
     if len(shape) > 64 or math.prod(shape) > 1 << 50:
         raise ManifestError(f"{where}: absurd shape {list(shape)}")
     dtype = _need(t, "dtype", str, where)
-    dtype_from_name(dtype)
+    _named(dtype_from_name, dtype, where)
     size = itemsize(dtype)
     shards = []
     for i, s in enumerate(_need(t, "shards", list, where)):
@@ -336,7 +410,7 @@ def _tensor_from_doc(name: str, t: Any, files: dict[str, FileEntry], source: str
             raise ManifestError(f"{sw}: box {list(offsets)}+{list(lengths)} lies outside shape {list(shape)}")
         offset = _nonneg_int(_need(s, "offset", int, sw), f"{sw}.offset")
         nbytes = _nonneg_int(_need(s, "nbytes", int, sw), f"{sw}.nbytes")
-        codec = check_codec(_need(s, "codec", str, sw))
+        codec = _named(check_codec, _need(s, "codec", str, sw), sw)
         if codec == "raw" and nbytes != math.prod(lengths) * size:
             raise ManifestError(
                 f"{sw}: nbytes {nbytes} does not match its box ({math.prod(lengths) * size} bytes)"
@@ -347,7 +421,7 @@ def _tensor_from_doc(name: str, t: Any, files: dict[str, FileEntry], source: str
             )
         checksum = _need(s, "checksum", str, sw)
         if checksum:
-            check_checksum_format(checksum)
+            _named(check_checksum_format, checksum, sw)
         shards.append(Shard(file, offset, nbytes, Box(offsets, lengths), codec, checksum))
     param = t.get("param")
     key = t.get("key")

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 import ckpt
 from ckpt import treecodec
 from ckpt.errors import ManifestError
-from ckpt.manifest import MANIFEST_NAME, Box, Manifest
+from ckpt.manifest import MANIFEST_NAME, Box, Manifest, seal
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.bool]
 SETTINGS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -236,6 +236,45 @@ def test_manifest_json_round_trip(saved: Path) -> None:
     assert m.to_json() == again.to_json()
 
 
+def test_manifest_is_sealed_by_a_checksum_of_its_own_bytes(saved: Path) -> None:
+    """The file starts with its checksum; the value is xxh3-64 of the file without that member (docs/format.md)."""
+    import xxhash
+
+    raw = (saved / MANIFEST_NAME).read_bytes()
+    assert raw.startswith(b'{"checksum":"xxh3_64:') and raw[37:39] == b'",'
+    assert raw[13:37].decode() == "xxh3_64:" + xxhash.xxh3_64_hexdigest(b"{" + raw[39:])
+    assert seal(json.loads(raw)) == raw.decode()  # re-sealing an unchanged document is the identity
+
+
+def test_an_edited_manifest_that_is_not_resealed_is_refused_as_damaged(saved: Path) -> None:
+    doc = _doc(saved)
+    doc["optimizer"]["param_groups"][0]["lr"] = 0.5  # restorable state nothing else could check
+    edited = (saved / MANIFEST_NAME).read_text().replace('"lr":0.001', '"lr":0.5')
+    assert edited != (saved / MANIFEST_NAME).read_text()
+    with pytest.raises(
+        ManifestError, match=r"^manifest\.json is damaged: checksum mismatch \(stored xxh3_64:"
+    ):
+        Manifest.from_json(edited, "manifest.json")
+    with pytest.raises(ManifestError, match="is damaged: checksum mismatch"):  # reformatted: member misplaced
+        Manifest.from_json(json.dumps(doc, indent=1), "manifest.json")
+    assert Manifest.from_json(seal(doc)).optimizer["param_groups"][0]["lr"] == 0.5  # re-sealed: accepted
+
+
+def test_a_manifest_written_before_sealing_is_still_read(saved: Path) -> None:
+    """format_version 1 made the checksum optional on read: manifests without one (older ckpt) stay readable."""
+    doc = _doc(saved)
+    del doc["checksum"]
+    legacy = json.dumps(doc, separators=(",", ":"))
+    assert Manifest.from_json(legacy) == Manifest.from_json((saved / MANIFEST_NAME).read_bytes())
+
+
+def test_a_damaged_checksum_key_does_not_pass_for_an_unsealed_manifest(saved: Path) -> None:
+    raw = (saved / MANIFEST_NAME).read_text()
+    for broken in (raw.replace('"checksum"', '"checksuo"', 1), raw.replace('"checksum"', '"chEcksum"', 1)):
+        with pytest.raises(ManifestError, match="is damaged: checksum mismatch"):
+            Manifest.from_json(broken, "manifest.json")
+
+
 def _doc(saved: Path) -> dict[str, Any]:
     return json.loads((saved / MANIFEST_NAME).read_text())
 
@@ -262,7 +301,7 @@ def test_unsafe_file_paths_are_refused(saved: Path, bad: str) -> None:
         for s in t["shards"]:
             s["file"] = bad if s["file"] == name else s["file"]
     with pytest.raises(ManifestError, match="unsafe file name"):
-        Manifest.from_json(json.dumps(doc))
+        Manifest.from_json(seal(doc))
 
 
 @pytest.mark.parametrize(
@@ -283,7 +322,7 @@ def test_inconsistent_shards_are_refused(saved: Path, field: str, value: Any, me
     doc = _doc(saved)
     _first_shard(doc)[field] = value
     with pytest.raises(ManifestError, match=message):
-        Manifest.from_json(json.dumps(doc))
+        Manifest.from_json(seal(doc))
 
 
 def test_garbage_manifests_are_refused(saved: Path) -> None:
@@ -294,11 +333,11 @@ def test_garbage_manifests_are_refused(saved: Path) -> None:
     doc = _doc(saved)
     doc["tensors"]["weight"]["dtype"] = "F128"
     with pytest.raises(ManifestError, match="unknown dtype"):
-        Manifest.from_json(json.dumps(doc))
+        Manifest.from_json(seal(doc))
     doc = _doc(saved)
     doc["step"] = True
     with pytest.raises(ManifestError, match="step"):
-        Manifest.from_json(json.dumps(doc))
+        Manifest.from_json(seal(doc))
 
 
 def test_restore_of_a_newer_checkpoint_names_the_problem(saved: Path) -> None:

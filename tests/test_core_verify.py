@@ -7,6 +7,7 @@ import json
 import torch
 
 import ckpt
+from ckpt.manifest import seal
 from ckpt.verify import verify_checkpoint
 
 
@@ -17,9 +18,10 @@ def _save(path, chunk_bytes=64):
 
 
 def _edit_manifest(path, fn):
+    """Edit the manifest and re-seal it (an unsealed edit would be refused as damaged before verify sees it)."""
     doc = json.loads((path / "manifest.json").read_text())
     fn(doc)
-    (path / "manifest.json").write_text(json.dumps(doc))
+    (path / "manifest.json").write_text(seal(doc))
 
 
 def test_intact_checkpoint_has_no_problems(tmp_path):

@@ -1,8 +1,9 @@
 """Bad and hostile input, fuzzed with hypothesis: manifests, pickles with malicious globals, CLI arguments.
 
 * Manifests: mutations of a real manifest (keys dropped, values replaced by wrong types, absurd numbers, hostile
-  file names) are either accepted with every referenced file inside the checkpoint, or refused with one
-  ``ManifestError`` line — never another exception type.
+  file names), re-sealed so that they reach structural validation, are either accepted with every referenced file
+  inside the checkpoint, or refused with one ``ManifestError`` line — never another exception type.  Random byte
+  flips of a sealed manifest are all refused.
 * Pickles (the NxD ``.pt`` and DCP ``.metadata`` way in): a global such as ``os.system`` is refused by
   ``ckpt.safe_unpickle`` and never called (the marker file it would create stays absent).
 * CLI: random arguments and paths to ``ls/inspect/verify/verify-resume/report`` end with exit code 0/1/2, one error
@@ -30,7 +31,7 @@ from hypothesis import strategies as st
 
 import ckpt
 from ckpt.errors import CkptError, ManifestError, UnsafePickleError
-from ckpt.manifest import Manifest
+from ckpt.manifest import Manifest, seal
 from ckpt.safe_unpickle import load_pickle, load_torch_file
 
 pytestmark = pytest.mark.timeout(300)
@@ -122,7 +123,8 @@ def test_fuzzed_manifests_are_accepted_safely_or_refused_in_one_line(
     path, doc = good
     bad = data.draw(mutated(doc))
     try:
-        m = Manifest.from_json(json.dumps(bad), "manifest.json")
+        # sealed after fuzzing: an unsealed edit would only ever test the checksum, never the deep validation
+        m = Manifest.from_json(seal(bad, allow_nan=True), "manifest.json")
     except ManifestError as e:
         assert "\n" not in str(e) and str(e).startswith("manifest.json")
         return
@@ -141,7 +143,7 @@ def test_reading_through_a_fuzzed_manifest_raises_only_ckpt_errors(
     bad = data.draw(mutated(doc))
     ck = tmp_path_factory.mktemp("read") / "c"
     shutil.copytree(path, ck)
-    (ck / "manifest.json").write_text(json.dumps(bad))
+    (ck / "manifest.json").write_text(seal(bad, allow_nan=True))
     try:
         reader = ckpt.open_checkpoint(str(ck))
         for name in reader.names():
@@ -151,6 +153,23 @@ def test_reading_through_a_fuzzed_manifest_raises_only_ckpt_errors(
                 reader.read(name)
     except CkptError as e:
         assert "\n" not in str(e)
+
+
+@given(data=st.data())
+@FUZZ
+def test_byte_flips_of_a_sealed_manifest_are_all_refused(
+    good: tuple[Path, dict[str, Any]], data: st.DataObject
+) -> None:
+    """1-3 random bytes XORed with random non-zero masks: JSON error, version error or checksum mismatch."""
+    raw = bytearray((good[0] / "manifest.json").read_bytes())
+    for _ in range(data.draw(st.integers(1, 3))):
+        pos = data.draw(st.integers(0, len(raw) - 1))
+        raw[pos] ^= data.draw(st.integers(1, 255))
+    if bytes(raw) == (good[0] / "manifest.json").read_bytes():
+        return  # two flips of the same byte cancelled out
+    with pytest.raises(ManifestError) as info:
+        Manifest.from_json(bytes(raw), "manifest.json")
+    assert "\n" not in str(info.value) and str(info.value).startswith("manifest.json")
 
 
 # ------------------------------------------------------------------------------------------------ pickles

@@ -10,6 +10,7 @@ import torch
 
 import ckpt
 from ckpt.discovery import step_dir
+from ckpt.manifest import seal
 
 
 def many_checkpoints(root: str, count: int) -> None:
@@ -25,7 +26,7 @@ def many_checkpoints(root: str, count: int) -> None:
         doc["step"] = step
         doc["progress"] = {"step": step}
         with open(os.path.join(dst, "manifest.json"), "w") as f:
-            json.dump(doc, f)
+            f.write(seal(doc))  # an edited manifest must be re-sealed, or it is refused as damaged
 
 
 def many_tensors(count: int) -> dict[str, torch.Tensor]:
