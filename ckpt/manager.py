@@ -1,7 +1,8 @@
 """CheckpointManager: the object a training loop keeps — save every N steps, restore the latest, retention.
 
 It composes the pieces and owns only policy: where step folders go, which checkpoint is "latest" (the newest
-committed one whose files are all present; a damaged newest one is skipped with a warning), and what to delete.
+committed one whose files are all present; a damaged newest one, or a newer step folder without a manifest, is
+skipped with a warning), and what to delete.
 """
 
 from __future__ import annotations
@@ -139,6 +140,14 @@ class CheckpointManager:
             candidates = []
             for info in reversed(self.list()):
                 if info.status == "uncommitted":
+                    if not candidates:
+                        # newer than anything restorable: an interrupted save, or a committed checkpoint whose
+                        # manifest was deleted; the two look alike, so say so rather than skip it silently
+                        warnings.warn(
+                            f"skipping step {info.step}: {info.name} has no {MANIFEST_NAME} "
+                            "(an interrupted save, or its manifest was deleted)",
+                            stacklevel=2,
+                        )
                     continue
                 if info.status == "damaged":
                     warnings.warn(f"skipping damaged checkpoint step {info.step}: {info.error}", stacklevel=2)

@@ -148,6 +148,29 @@ def test_restore_latest_falls_back_from_a_damaged_newest_checkpoint(root: Root, 
     assert torch.equal(live["w"], state(1)["w"]) and torch.equal(live["b"], state(1)["b"])
 
 
+def test_restore_latest_says_it_skips_a_newer_step_without_a_manifest(root: Root) -> None:
+    """A newer folder without a manifest (interrupted save, or a deleted manifest) is skipped with a warning naming
+    the step; older leftovers below the restored step are not worth a warning."""
+    mgr = root.manager()
+    mgr.save(1, model=state(1)).result()
+    mgr.save(2, model=state(2)).result()
+    mgr.save(3, model=state(3)).result()
+    st = root.storage()
+    st.child(step_dir(3)).delete(MANIFEST_NAME)  # a deleted manifest
+    leftover = "r00000-deadbeef.safetensors"
+    st.put_bytes(f"{step_dir(4)}/{leftover}", b"partial", exclusive=False)  # an interrupted save
+    st.put_bytes(f"{step_dir(0)}/{leftover}", b"partial", exclusive=False)  # an older leftover
+    live = state(0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert mgr.restore_latest(model=live) == 2
+    messages = [str(w.message) for w in caught]
+    for step in (3, 4):
+        assert any(f"skipping step {step}:" in m and "no manifest.json" in m for m in messages), messages
+    assert not any("step 0" in m for m in messages), messages
+    assert torch.equal(live["w"], state(2)["w"])
+
+
 def test_restore_latest_with_only_damaged_checkpoints_returns_none(root: Root) -> None:
     mgr = root.manager()
     mgr.save(1, model=state(1)).result()

@@ -8,6 +8,7 @@ files are covered by the NxD reader's own tests, not here (see docs/reliability.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -20,7 +21,8 @@ import torch
 from conftest import run_ranks
 
 import ckpt
-from ckpt.errors import CkptError
+from ckpt.errors import CkptError, ManifestError
+from ckpt.manifest import Manifest, seal
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -98,11 +100,16 @@ def damage(ck: Path, how: str) -> tuple[str, str | None]:
         raw[0] ^= 0x01  # '{' -> 'z'
         manifest.write_bytes(bytes(raw))
         return "manifest.json", None
-    if how == "manifest-flip-checksum":
+    if how in ("manifest-flip-checksum", "manifest-reseal-checksum"):
         text = manifest.read_text()
         at = text.index(shard.checksum) + len(shard.checksum) - 1
         repl = "0" if text[at] != "0" else "1"
-        manifest.write_text(text[:at] + repl + text[at + 1 :])
+        text = text[:at] + repl + text[at + 1 :]
+        if how == "manifest-flip-checksum":  # the manifest's own checksum catches it
+            manifest.write_text(text)
+            return "manifest.json", None
+        # re-sealed (a buggy tool that rewrote the manifest): the data no longer matches it
+        manifest.write_text(seal(json.loads(text)))
         return data.name, "head.weight"
     if how == "manifest-truncate":
         manifest.write_bytes(manifest.read_bytes()[:-40])
@@ -129,6 +136,7 @@ CASES = [
     "data-swap",
     "manifest-flip",
     "manifest-flip-checksum",
+    "manifest-reseal-checksum",
     "manifest-truncate",
     "manifest-delete",
     "manifest-swap",
@@ -149,7 +157,8 @@ def test_damage_is_detected_named_and_skipped(template: Path, tmp_path: Path, ho
     # 1. ckpt verify, as a user runs it: one line per problem, naming file and tensor; no traceback
     r = cli("verify", str(ck))
     assert r.returncode in (1, 2), r.stdout
-    assert r.returncode == (2 if how in ("manifest-flip", "manifest-truncate", "manifest-delete") else 1)
+    manifest_refused = ("manifest-flip", "manifest-flip-checksum", "manifest-truncate", "manifest-delete")
+    assert r.returncode == (2 if how in manifest_refused else 1)
     assert "Traceback" not in r.stderr
     assert file in r.stderr
     if tensor is not None:
@@ -179,10 +188,13 @@ def test_damage_is_detected_named_and_skipped(template: Path, tmp_path: Path, ho
     assert step == 10
     assert torch.equal(live["head.bias"], ckpt.open_checkpoint(str(root / GOOD)).read("head.bias"))
     if how == "manifest-delete":
-        # without its manifest a step folder is, by the format's definition, an uncommitted save: skipped silently
-        assert not [m for m in messages if "step 20" in m]
+        # without its manifest a step folder is, by the format's definition, an uncommitted save; it is skipped,
+        # but not silently: a deleted manifest and an interrupted save look alike
+        assert any("skipping step 20" in m and "no manifest.json" in m for m in messages), messages
     else:
         assert any("step 20" in m for m in messages), messages
+    if how in ("manifest-flip", "manifest-flip-checksum", "manifest-truncate"):
+        assert any("step 20" in m and "manifest.json" in m for m in messages), messages
 
 
 def test_every_single_byte_flip_in_a_data_file_is_caught(template: Path, tmp_path: Path) -> None:
@@ -203,18 +215,41 @@ def test_every_single_byte_flip_in_a_data_file_is_caught(template: Path, tmp_pat
     assert ckpt.open_checkpoint(str(ck)).read("head.bias").shape == (32,)  # pristine bytes read back fine
 
 
-def manifest_flip_outcomes(ck: Path) -> dict[str, int]:
-    """Flip every byte of a manifest in turn; count how each flip is received (a measurement, not a check)."""
+def test_every_byte_flip_in_a_manifest_is_caught(template: Path, tmp_path: Path) -> None:
+    """Exhaustive: every byte of a real manifest XORed with each of the 8 single-bit masks is refused when the
+    manifest is parsed (JSON error, version error or checksum mismatch), in one line naming manifest.json; and each
+    byte flipped through the real read path (file on disk, ``open_checkpoint``) is refused too."""
+    ck = tmp_path / "c"
+    shutil.copytree(template / GOOD, ck)
+    pristine = (ck / "manifest.json").read_bytes()
+    kinds: dict[str, int] = {}
+    for pos in range(len(pristine)):
+        for bit in range(8):
+            raw = bytearray(pristine)
+            raw[pos] ^= 1 << bit
+            with pytest.raises(ManifestError) as info:
+                Manifest.from_json(bytes(raw), "manifest.json")
+            msg = str(info.value)
+            assert "\n" not in msg and msg.startswith("manifest.json"), (pos, bit, msg)
+            kind = "checksum" if "checksum mismatch" in msg else "json" if "valid JSON" in msg else "header"
+            kinds[kind] = kinds.get(kind, 0) + 1
+    assert sum(kinds.values()) == 8 * len(pristine) and kinds["checksum"] > len(pristine)
+    assert manifest_flip_outcomes(ck) == {"refused": len(pristine), "load_fails": 0, "undetected": 0}
+
+
+def manifest_flip_outcomes(ck: Path, mask: int = 0x01) -> dict[str, int]:
+    """Flip every byte of a manifest on disk in turn; count how each flip is received (also a measurement)."""
     path = ck / "manifest.json"
     pristine = path.read_bytes()
     out = {"refused": 0, "load_fails": 0, "undetected": 0}
     for pos in range(len(pristine)):
         raw = bytearray(pristine)
-        raw[pos] ^= 0x01
+        raw[pos] ^= mask
         path.write_bytes(bytes(raw))
         try:
             reader = ckpt.open_checkpoint(str(ck))
-        except CkptError:
+        except CkptError as e:
+            assert "\n" not in str(e) and "manifest.json" in str(e)
             out["refused"] += 1
             continue
         try:
@@ -231,4 +266,8 @@ def manifest_flip_outcomes(ck: Path) -> dict[str, int]:
 if (
     __name__ == "__main__"
 ):  # measurement for docs/reliability.md: python tests/test_torture_corruption.py CKPT
-    print(manifest_flip_outcomes(Path(sys.argv[1])), os.path.getsize(Path(sys.argv[1]) / "manifest.json"))
+    target = Path(sys.argv[1])
+    print(
+        {hex(m): manifest_flip_outcomes(target, m) for m in (0x01, 0x80)},
+        os.path.getsize(target / "manifest.json"),
+    )
