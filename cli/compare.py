@@ -7,7 +7,6 @@ from pathlib import Path
 
 import click
 
-from ckpt.errors import CkptError
 from ckpt.resume.compare import (
     DEFAULT_K,
     DEFAULT_WINDOW,
@@ -18,7 +17,7 @@ from ckpt.resume.compare import (
 )
 from ckpt.resume.sources import SOURCES, load_run
 
-from .common import out
+from .common import one_line_errors, out
 
 EPILOG = """\b
 Examples:
@@ -87,7 +86,7 @@ def compare(
     Reports LR equality, loss differences against a calibrated noise floor, divergent steps, drift, data order,
     tokenizer and environment differences.
     """
-    try:
+    with one_line_errors():
         result: Comparison = compare_runs(
             load_run(run_a, source_a),
             load_run(run_b, source_b),
@@ -99,9 +98,6 @@ def compare(
         )
         if plot is not None:
             plot_comparison(result, plot)
-    except CkptError as exc:
-        click.echo(f"error: {exc}", err=True)
-        ctx.exit(exc.exit_code)
     if as_json:
         click.echo(json.dumps(result.to_json(), indent=2))
     else:

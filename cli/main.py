@@ -13,6 +13,7 @@ import click
 from ckpt.errors import CkptError
 
 from . import demo, inspect_cmd, ls, verify
+from .common import error_line
 from .compare import compare
 from .convert import convert
 from .report import report
@@ -45,6 +46,6 @@ def main(argv: list[str] | None = None) -> None:
         click.echo("aborted", err=True)
         sys.exit(130)
     except CkptError as e:
-        click.echo(f"ckpt: error: {e}", err=True)
+        click.echo(error_line(e), err=True)
         sys.exit(e.exit_code)
     sys.exit(code if isinstance(code, int) else 0)

@@ -9,12 +9,11 @@ import click
 from rich.console import Console
 from rich.table import Table
 
-from ckpt.errors import CkptError
 from ckpt.resume.cost import RunCost, recovery_cost
 from ckpt.resume.model import Run
 from ckpt.resume.sources import SOURCES, load_run
 
-from .common import human_bytes
+from .common import human_bytes, one_line_errors
 
 EPILOG = """\b
 Examples:
@@ -86,12 +85,9 @@ def _render(run: Run, cost: RunCost) -> None:
 @click.pass_context
 def report(ctx: click.Context, run: Path, as_json: bool, source: str) -> None:
     """Summarise the sessions of RUN and the cost of each failure and of checkpointing."""
-    try:
+    with one_line_errors():
         loaded = load_run(run, source)
         cost = recovery_cost(loaded)
-    except CkptError as exc:
-        click.echo(f"error: {exc}", err=True)
-        ctx.exit(exc.exit_code)
     if as_json:
         click.echo(
             json.dumps({"run": loaded.path, "sessions": len(loaded.sessions), **cost.to_json()}, indent=2)

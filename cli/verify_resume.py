@@ -8,11 +8,12 @@ from pathlib import Path
 
 import click
 
-from ckpt.errors import CkptError
 from ckpt.resume.checks import VerifyOptions
 from ckpt.resume.report import render, to_json
 from ckpt.resume.sources import SOURCES, load_run
 from ckpt.resume.verify import Verification, verify_run
+
+from .common import one_line_errors
 
 EPILOG = """\b
 Examples:
@@ -86,7 +87,7 @@ def verify_resume(
     """
     options = VerifyOptions(deterministic=deterministic)
     rows = None
-    try:
+    with one_line_errors():
         if replay_cmd is not None:
             from ckpt.resume.continuity import step_rows
             from ckpt.resume.replay import replay_command
@@ -114,9 +115,6 @@ def verify_resume(
             from ckpt.resume.plot import plot_verification
 
             plot_verification(result, plot)
-    except CkptError as exc:
-        click.echo(f"error: {exc}", err=True)
-        ctx.exit(exc.exit_code)
     if as_json:
         doc = to_json(result)
         if rows is not None:

@@ -94,19 +94,33 @@ def test_verify_truncated_and_missing_files(root):
         (("verify", "/no/such/dir"), "no such checkpoint directory"),
         (("inspect", "/no/such/dir"), "no such checkpoint directory"),
         (("ls", "/no/such/dir"), "no such directory"),
+        (("verify-resume", "/no/such/run"), "/no/such/run"),
+        (("report", "/no/such/run"), "/no/such/run"),
+        (("compare", "/no/such/run", "/no/such/other"), "/no/such/run"),
+        (("convert", "/no/such/dir", "/tmp/never-written", "--to", "cuda"), "/no/such/dir"),
     ],
 )
 def test_bad_paths_one_line_exit_2(args, needle):
+    """Every command reports a user error the same way: one stderr line starting ``ckpt: error:``, exit 2."""
     r = run(*args)
     assert r.returncode == 2
     assert needle in r.stderr
     assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    assert r.stderr.strip().startswith("ckpt: error: "), r.stderr  # (convert emits a blank line first)
 
 
 def test_not_a_checkpoint_and_damaged_manifest_exit_2(root, tmp_path):
     r = run("inspect", str(root / "step_00000040"))
     assert r.returncode == 2 and "manifest.json missing" in r.stderr
     ck = root / "step_00000020"
+    raw = bytearray((ck / "manifest.json").read_bytes())
+    # one flipped bit, '2026' -> '3026': still valid JSON, only the manifest's own checksum sees it
+    raw[raw.index(b'"created_at":"') + 14] ^= 0x01
+    (ck / "manifest.json").write_bytes(bytes(raw))
+    r = run("verify", str(ck))
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert r.stderr.startswith(f"ckpt: error: {ck / 'manifest.json'} is damaged: "), r.stderr
+    # an unsealed hand-written manifest (as written before sealing) goes on to structural validation
     (ck / "manifest.json").write_text('{"format": "ckpt", "format_version": 1, "step": "x"}')
     r = run("verify", str(ck))
     assert r.returncode == 2 and "step" in r.stderr and "Traceback" not in r.stderr

@@ -63,7 +63,7 @@ def test_plot_writes_a_png(broken: Path, tmp_path: Path) -> None:
 def test_source_option(good: Path) -> None:
     assert invoke(verify_resume, good, "--source", "jsonl").exit_code == 0
     r = invoke(verify_resume, good, "--source", "tensorboard")
-    assert r.exit_code == 2 and r.output.startswith("error: no TensorBoard event files")
+    assert r.exit_code == 2 and r.output.startswith("ckpt: error: no TensorBoard event files")
 
 
 def _one_line_error(r) -> str:

@@ -303,7 +303,7 @@ def test_cli_bad_input_is_one_line_exit_2(
     )
     assert r.exit_code == 2, r.output
     lines = r.output.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], r.output
+    assert len(lines) == 1 and lines[0].startswith("ckpt: error: ") and message in lines[0], r.output
 
 
 def test_small_systematic_offset_is_caught_by_the_drift_not_the_band(
