@@ -14,7 +14,7 @@ from pathlib import Path
 
 from ckpt.errors import CkptError
 
-from .naming import RankKey, parse_legacy_name, parse_rank_file
+from .naming import RankKey, parse_legacy_name, parse_rank_file, rank_file_name
 from .xser import collect_refs, ep00_path, read_info, tensor_file, tensors_dir
 
 
@@ -120,8 +120,13 @@ def scan_tag(path: str | Path) -> TagFiles:
 
 
 def _grid_problems(kind: str, present: set[RankKey], tp: int, pp: int, ep: int) -> list[str]:
+    def expected(t: int, p: int, e: int) -> str:
+        if kind == "legacy":
+            return f"tp_rank_{t:02d}_pp_rank_{p:02d}"
+        return f"{kind}/{rank_file_name(0, t, p, e if ep > 1 else None)}"
+
     return [
-        f"{kind} file of tp {t} pp {p} ep {e} missing"
+        f"{kind} file of tp {t} pp {p} ep {e} missing ({expected(t, p, e)})"
         for t in range(tp)
         for p in range(pp)
         for e in range(ep)
@@ -160,8 +165,14 @@ def _file_problems(f: Path, xser: bool) -> list[str]:
     return [f"{torn[0]}: not a complete torch.save zip (truncated?)"] if torn else []
 
 
-def find_problems(files: TagFiles) -> list[str]:
-    """Everything a complete tag should hold but this one lacks (empty list = all files present)."""
+def missing_rank_files(files: TagFiles) -> list[str]:
+    """The model/optim (or legacy) rank files that the tag's grid expects but are absent, one line each.
+
+    The grid is inferred from the file names present (tp/pp/ep sizes = 1 + the highest rank named by any model or
+    optim file; DP size from the optim files), so a gap is seen only below the highest named rank: a tag whose every
+    file of its highest TP (or PP, or DP) rank is gone looks like a smaller complete tag.  NxD records the parallel
+    sizes nowhere in the files (``.info.pt`` holds tensor dtypes and shapes only).
+    """
     if files.is_legacy:
         return _grid_problems("legacy", set(files.legacy), files.tp_size, files.pp_size, 1)
     problems = _grid_problems("model", set(files.model), files.tp_size, files.pp_size, files.ep_size)
@@ -171,12 +182,24 @@ def find_problems(files: TagFiles) -> list[str]:
         have = set(files.optim)
         for dp in range(files.dp_size):
             problems += [
-                f"optim file of dp {dp} tp {t} pp {p} ep {e} missing"
+                f"optim file of dp {dp} tp {t} pp {p} ep {e} missing "
+                f"(optim/{rank_file_name(dp, t, p, e if ep > 1 else None)})"
                 for t in range(files.tp_size)
                 for p in range(files.pp_size)
                 for e in range(ep)
                 if (dp, (t, p, e)) not in have
             ]
+    return problems
+
+
+def find_problems(files: TagFiles) -> list[str]:
+    """Everything a complete tag should hold but this one lacks (empty list = all files present).
+
+    Cheap (used by ``ckpt ls``): file names, zip directories and xser tensor-file presence; no CRC check.
+    """
+    problems = missing_rank_files(files)
+    if files.is_legacy:
+        return problems
     for f in [*files.model.values(), *files.optim.values(), files.scheduler, files.user_content]:
         if f is not None:
             problems += _file_problems(f, files.xser and f.parent.name in ("model", "optim"))

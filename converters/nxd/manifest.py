@@ -96,14 +96,18 @@ def import_tag(
     flush_bytes: int = DEFAULT_FLUSH_BYTES,
     overwrite: bool = False,
     storage_options: dict[str, Any] | None = None,
+    verify: bool = True,
 ) -> Manifest:
     """Convert one NxD tag into a checkpoint at ``dest`` (a step folder); returns the committed manifest.
 
     ``step`` defaults to the number in the tag name (else ``user_content["total_steps"]``).  The NxD flags and
     ``config`` are recorded in ``extra.nxd`` for later conversion to the full layout (NxD files do not say them).
+
+    ``verify`` (default on) checks the zip CRC32 of every member of each NxD file as it is read and refuses a
+    damaged one with :class:`CorruptionError` before anything is committed (legacy non-zip files are not checked).
     """
     status = check_usable(tag_dir, allow_unmarked)
-    r = open_tag(tag_dir, param_names=param_names)
+    r = open_tag(tag_dir, param_names=param_names, verify=verify)
     meta = r.meta
     if meta.ep_size > 1:
         raise CkptError(f"{meta.path}: expert parallelism (ep {meta.ep_size}) import is not supported")

@@ -20,9 +20,9 @@ from ckpt.errors import CkptError, CorruptionError
 from ckpt.safe_unpickle import TensorReference, load_torch_file
 
 from .discovery import TagStatus, tag_status
-from .files import TagFiles, scan_tag
+from .files import TagFiles, missing_rank_files, scan_tag
 from .naming import RankKey, parse_step
-from .xser import load_nxd_file, read_info, tensors_dir
+from .xser import load_checked, load_nxd_file, read_info, tensors_dir
 from .zero1 import (
     is_zero1_dict,
     merge_plain_optimizer,
@@ -85,6 +85,14 @@ class NxdTagReader:
         param_names: optional explicit pid order per rank (names, index = pid), for optimizers built with a param
             grouping other than a single group or NxD's weight-decay split.
         mmap: memory-map plain files instead of reading them.
+        verify: check the zip CRC32 of every member of each ``torch.save`` file before its tensors are loaded
+            (:meth:`model`, :meth:`optimizer`, :meth:`scheduler`, :meth:`user_content`; plain files and each xser
+            ``tensor_<tid>.pt``) and raise :class:`CorruptionError` naming the file, rank and (xser) tensor.  Costs
+            one extra sequential read of each file, normally from the page cache.  Files that are not zips (legacy
+            ``torch.save`` pickles) have no CRC and are accepted unchecked.  Off: trust the bytes as torch.load does.
+
+    :meth:`read` (``read_tag``) refuses a tag whose grid has a gap (a rank file missing below the highest rank some
+    file names; see :func:`~.files.missing_rank_files` for what cannot be inferred).
     """
 
     def __init__(
@@ -93,10 +101,12 @@ class NxdTagReader:
         *,
         param_names: Mapping[RankKey, Sequence[str]] | None = None,
         mmap: bool = False,
+        verify: bool = True,
     ) -> None:
         self.files: TagFiles = scan_tag(path)
         self._param_names = param_names or {}
         self._mmap = mmap
+        self._verify = verify
         f = self.files
         zero1 = f.dp_size > 1 or (bool(f.optim) and self._peek_zero1())
         info = tag_status(f.path)
@@ -121,8 +131,23 @@ class NxdTagReader:
 
     @property
     def ranks(self) -> list[RankKey]:
-        """The (tp, pp, ep) ranks of the model shards."""
+        """The (tp, pp, ep) ranks of the model shards present (see :meth:`missing` for absent ones)."""
         return self.files.ranks
+
+    def missing(self) -> list[str]:
+        """Rank files the tag's grid expects but that are absent (one line each; empty when none is)."""
+        return missing_rank_files(self.files)
+
+    def check_complete(self) -> None:
+        """Raise :class:`CorruptionError` naming the first absent rank file, if any."""
+        gone = self.missing()
+        if gone:
+            more = f" (and {len(gone) - 1} more)" if len(gone) > 1 else ""
+            raise CorruptionError(f"{self.files.path}: {gone[0]}{more}")
+
+    @staticmethod
+    def _where(kind: str, rank: RankKey) -> str:
+        return f"{kind} of tp {rank[0]} pp {rank[1]} ep {rank[2]}"
 
     def _model_path(self, rank: RankKey) -> Path:
         table = self.files.legacy if self.meta.legacy else self.files.model
@@ -155,7 +180,7 @@ class NxdTagReader:
         if xser and self.files.optim and not self.meta.legacy:
             refs = load_torch_file(p)
             tid_name = {r.tid: k for k, r in refs.items() if isinstance(r, TensorReference)}
-            info = read_info(p)
+            info = read_info(p, verify=self._verify)
 
             def missing(ref: TensorReference) -> torch.Tensor:
                 opt = self.optimizer(rank)
@@ -167,7 +192,10 @@ class NxdTagReader:
                     )
                 return master[name].to(info[ref.tid]["dtype"])
 
-        return _flat_tensor_dict(load_nxd_file(p, xser, mmap=self._mmap, missing=missing), p)
+        loaded = load_nxd_file(
+            p, xser, mmap=self._mmap, missing=missing, verify=self._verify, context=self._where("model", rank)
+        )
+        return _flat_tensor_dict(loaded, p)
 
     def param_names(self, rank: RankKey) -> list[str] | None:
         """Name of each optimizer pid of this rank (index = pid); None without optimizer files."""
@@ -204,20 +232,32 @@ class NxdTagReader:
             return None
         names = self.param_names(rank)
         assert names is not None
-        dicts = [load_nxd_file(f, self.meta.xser, mmap=self._mmap) for f in files]
+        dicts = [
+            load_nxd_file(
+                f,
+                self.meta.xser,
+                mmap=self._mmap,
+                verify=self._verify,
+                context=self._where(f"optimizer dp {dp}", rank),
+            )
+            for dp, f in enumerate(files)
+        ]
         where = str(files[0])
         if is_zero1_dict(dicts[0]):
             return merge_zero1_optimizer(dicts, names, where=where)
         return merge_plain_optimizer(dicts[0], names, where=where)
 
     def scheduler(self) -> dict[str, Any] | None:
-        return None if self.files.scheduler is None else load_torch_file(self.files.scheduler)
+        f = self.files.scheduler
+        return None if f is None else load_checked(f, verify=self._verify)
 
     def user_content(self) -> Any:
-        return None if self.files.user_content is None else load_torch_file(self.files.user_content)
+        f = self.files.user_content
+        return None if f is None else load_checked(f, verify=self._verify)
 
     def read(self) -> NxdTag:
-        """Everything at once (memory = the whole tag)."""
+        """Everything at once (memory = the whole tag); refuses a tag with a missing rank file."""
+        self.check_complete()
         return NxdTag(
             meta=self.meta,
             per_rank_model={r: self.model(r) for r in self.ranks},
@@ -228,12 +268,22 @@ class NxdTagReader:
 
 
 def open_tag(
-    path: str | Path, *, param_names: Mapping[RankKey, Sequence[str]] | None = None, mmap: bool = False
+    path: str | Path,
+    *,
+    param_names: Mapping[RankKey, Sequence[str]] | None = None,
+    mmap: bool = False,
+    verify: bool = True,
 ) -> NxdTagReader:
-    """A lazy reader for one tag (see :class:`NxdTagReader`)."""
-    return NxdTagReader(path, param_names=param_names, mmap=mmap)
+    """A lazy reader for one tag (see :class:`NxdTagReader`; ``verify`` checks zip CRC32s on load)."""
+    return NxdTagReader(path, param_names=param_names, mmap=mmap, verify=verify)
 
 
-def read_tag(path: str | Path, *, param_names: Mapping[RankKey, Sequence[str]] | None = None) -> NxdTag:
-    """Read a whole tag into memory (see :class:`NxdTag`)."""
-    return NxdTagReader(path, param_names=param_names).read()
+def read_tag(
+    path: str | Path, *, param_names: Mapping[RankKey, Sequence[str]] | None = None, verify: bool = True
+) -> NxdTag:
+    """Read a whole tag into memory (see :class:`NxdTag`).
+
+    Raises :class:`CorruptionError` for a missing rank file (a gap in the grid the file names imply) and, with
+    ``verify`` (default), for a file whose zip CRC32s do not match its bytes (legacy non-zip files are not checked).
+    """
+    return NxdTagReader(path, param_names=param_names, verify=verify).read()

@@ -1,8 +1,8 @@
 """What ``ckpt ls`` / ``ckpt inspect`` show for NxD folders: plain dicts built from file names and metadata only.
 
 Kept here (not in the CLI) so that the commands stay thin and the same facts are available to other tools.
-Listing reads no tensor data; inspecting reads shapes (from ``.info.pt`` for xser, else the model pickles,
-through the safe unpickler).
+Listing reads no tensor data and checks no CRC; inspecting reads shapes (from ``.info.pt`` for xser, else the
+model files, whose zip CRC32s are then checked), through the safe unpickler.
 """
 
 from __future__ import annotations
@@ -58,8 +58,14 @@ def list_nxd(root: str | Path) -> list[dict[str, Any]]:
 
 
 def inspect_nxd(tag_dir: str | Path) -> dict[str, Any]:
-    """Tag facts plus, per (tp, pp, ep) rank, its tensors' names and shapes in stored order."""
+    """Tag facts plus, per (tp, pp, ep) rank, its tensors' names and shapes in stored order.
+
+    Raises :class:`~ckpt.errors.CorruptionError` for a missing rank file (the table would silently lack that
+    rank) and for a damaged file (plain files are read, so their zip CRC32s are checked; xser tags with
+    ``.info.pt`` read no tensor data and are not CRC-checked here).
+    """
     r = open_tag(tag_dir)
+    r.check_complete()
     m = r.meta
     return {
         "tag": m.name,

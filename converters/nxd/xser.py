@@ -25,6 +25,8 @@ import torch
 from ckpt.errors import CorruptionError
 from ckpt.safe_unpickle import XSER_TENSOR_REFERENCE, TensorReference, load_torch_file
 
+from .integrity import verify_torch_zip
+
 _GLOBAL_LINE = f"{XSER_TENSOR_REFERENCE[0]}\n{XSER_TENSOR_REFERENCE[1]}\n".encode()
 
 
@@ -65,12 +67,45 @@ def collect_refs(obj: Any) -> list[TensorReference]:
     return found
 
 
-def read_info(path: str | os.PathLike[str]) -> dict[int, dict[str, Any]] | None:
-    """``X.pt.info.pt`` if present (absent in NxD <= 0.6 and plain torch_xla ``xser.save`` output)."""
+def load_checked(
+    path: str | os.PathLike[str], *, verify: bool = True, context: str = "", mmap: bool = False
+) -> Any:
+    """:func:`load_torch_file` after checking the zip members' CRC32s (``verify``; see :mod:`.integrity`).
+
+    Files that are not zips (legacy ``torch.save`` pickles) are loaded without a CRC check.
+    """
+    if verify:
+        verify_torch_zip(path, context=context)
+    return load_torch_file(path, mmap=mmap)
+
+
+def ref_names(obj: Any) -> dict[int, str]:
+    """tid -> where its TensorReference sits in a ref structure (``key/key/index``), for error messages."""
+    names: dict[int, str] = {}
+
+    def walk(o: Any, at: str) -> None:
+        if isinstance(o, TensorReference):
+            names.setdefault(o.tid, at or "<root>")
+        elif isinstance(o, dict):
+            for k, v in o.items():
+                walk(v, f"{at}/{k}" if at else str(k))
+        elif isinstance(o, (list, tuple)) and not isinstance(o, torch.Size):
+            for i, v in enumerate(o):
+                walk(v, f"{at}/{i}" if at else str(i))
+
+    walk(obj, "")
+    return names
+
+
+def read_info(path: str | os.PathLike[str], *, verify: bool = False) -> dict[int, dict[str, Any]] | None:
+    """``X.pt.info.pt`` if present (absent in NxD <= 0.6 and plain torch_xla ``xser.save`` output).
+
+    ``verify`` checks its zip CRC32s first (off by default: ``ckpt ls`` reads it and must stay cheap).
+    """
     p = info_path(path)
     if not p.is_file():
         return None
-    info = load_torch_file(p)
+    info = load_checked(p, verify=verify)
     if not isinstance(info, dict):
         raise CorruptionError(f"{p}: expected a dict tid -> {{dtype, shape}}, got {type(info).__name__}")
     return info
@@ -83,16 +118,25 @@ def ep00_path(path: Path) -> Path | None:
 
 
 def load_xser_tensor(
-    path: Path, tid: int, info: dict[int, dict[str, Any]] | None, *, mmap: bool = False
+    path: Path,
+    tid: int,
+    info: dict[int, dict[str, Any]] | None,
+    *,
+    mmap: bool = False,
+    verify: bool = True,
+    context: str = "",
 ) -> torch.Tensor | None:
-    """Tensor ``tid`` of xser file ``path``; None when its file is absent (checked against info by the caller)."""
+    """Tensor ``tid`` of xser file ``path``; None when its file is absent (checked against info by the caller).
+
+    ``verify`` checks the tensor file's zip CRC32s before loading it (``context`` goes into the error message).
+    """
     candidates = [tensor_file(path, tid)]
     ep00 = ep00_path(path)
     if ep00 is not None and not (info and info.get(tid, {}).get("expert_model_parallel")):
         candidates.append(tensor_file(ep00, tid))
     for f in candidates:
         if f.is_file():
-            t = load_torch_file(f, mmap=mmap)
+            t = load_checked(f, verify=verify, context=context, mmap=mmap)
             if not isinstance(t, torch.Tensor):
                 raise CorruptionError(f"{f}: expected one tensor, got {type(t).__name__}")
             if info is not None and tid in info:
@@ -115,20 +159,30 @@ def load_nxd_file(
     *,
     mmap: bool = False,
     missing: Callable[[TensorReference], torch.Tensor] | None = None,
+    verify: bool = True,
+    context: str = "",
 ) -> Any:
     """Load one NxD file (plain or xser) with every tensor materialised on the CPU.
 
     ``missing`` is asked for tensors whose ``tensor_<tid>.pt`` is absent (NxD's
     ``avoid_saving_lower_precision_weights`` leaves model tensors out); without it an absent file is an error.
+
+    ``verify`` (default on) checks the zip CRC32 of every member of every file read (the ref/plain file, each
+    ``tensor_<tid>.pt``, ``.info.pt``) before loading it, and raises :class:`CorruptionError` naming the file,
+    ``context`` (e.g. the rank) and, for xser tensor files, the tensor.  Non-zip (legacy) files are not checked.
     """
     path = Path(path)
-    obj = load_torch_file(path, mmap=mmap and not xser)
+    obj = load_checked(path, verify=verify, context=context, mmap=mmap and not xser)
     if not xser:
         return obj
-    info = read_info(path)
+    info = read_info(path, verify=verify)
+    names = ref_names(obj) if verify else {}
 
     def resolve(ref: TensorReference) -> torch.Tensor:
-        t = load_xser_tensor(path, ref.tid, info, mmap=mmap)
+        where = f"tensor {ref.tid} '{names.get(ref.tid, '?')}' of {path.name}"
+        t = load_xser_tensor(
+            path, ref.tid, info, mmap=mmap, verify=verify, context=f"{where}, {context}" if context else where
+        )
         if t is None:
             if missing is not None:
                 return missing(ref)
