@@ -52,9 +52,10 @@ def xser_tag(tmp_path: Path) -> Path:
     return _copy(XSER_TAG, tmp_path)
 
 
-def flip_tensor_byte(f: Path, at: int = 5) -> str:
-    """Flip one bit of byte ``at`` of the first tensor-data member of torch.save zip ``f``; returns the member."""
-    member = next(i for i in zipfile.ZipFile(f).infolist() if "/data/" in i.filename and i.file_size > at)
+def flip_tensor_byte(f: Path, at: int = 5, part: str = "/data/") -> str:
+    """Flip one bit of byte ``at`` of the first member of torch.save zip ``f`` whose name holds ``part`` (default:
+    tensor data); returns the member."""
+    member = next(i for i in zipfile.ZipFile(f).infolist() if part in i.filename and i.file_size > at)
     raw = bytearray(f.read_bytes())
     name_len, extra_len = struct.unpack("<HH", raw[member.header_offset + 26 : member.header_offset + 30])
     raw[member.header_offset + 30 + name_len + extra_len + at] ^= 0x10
@@ -132,6 +133,13 @@ def test_flipped_tensor_byte_in_plain_rank_file_is_detected(tag: Path, tmp_path:
     assert r.returncode == 1 and VICTIM in r.stderr and "CRC32" in r.stderr and "Traceback" not in r.stderr
     r = cli("ls", str(tag.parent))  # ls stays cheap: no CRC check, the zip directory is intact
     assert r.returncode == 0 and "Traceback" not in r.stderr
+
+
+def test_flipped_byte_in_the_pickle_member_is_detected(tag: Path) -> None:
+    member = flip_tensor_byte(tag / VICTIM, at=40, part="data.pkl")
+    with pytest.raises(CorruptionError) as info:
+        read_tag(tag)
+    _one_line(info, VICTIM, "CRC32 mismatch", member)
 
 
 def test_flipped_tensor_byte_in_plain_optimizer_file_is_detected(tag: Path) -> None:
