@@ -89,15 +89,9 @@ class CheckpointReader:
             covered += inter.numel
             if inter.numel == 0:
                 continue
-            direct = (
-                shard.box == box
-                and shard.codec == "raw"
-                and out.dtype == dtype_from_name(e.dtype)
-                and out.is_contiguous()
-                and out.device.type == "cpu"
-            )
-            if direct:
-                self._read_direct(e, shard, out)
+            target = self._direct_target(e, shard, box, out)
+            if target is not None:
+                self._read_direct(e, shard, target)
                 continue
             src = self.read_shard(e, shard)
             out[inter.relative_to(box)] = src[inter.relative_to(shard.box)]
@@ -105,6 +99,29 @@ class CheckpointReader:
             raise CorruptionError(
                 f"{self.path}: tensor {name!r}: shards cover {covered} of the {box.numel} elements requested"
             )
+
+    @staticmethod
+    def _direct_target(e: TensorEntry, shard: Shard, box: Box, out: torch.Tensor) -> torch.Tensor | None:
+        """The slice of ``out`` a stored shard can be read straight into, or None.
+
+        That is the case when the shard is uncompressed, has ``out``'s dtype, lies inside the requested box and
+        spans it fully on every dim but the first: then its rows are one contiguous run of ``out``.
+        """
+        if (
+            shard.codec != "raw"
+            or out.dtype != dtype_from_name(e.dtype)
+            or out.device.type != "cpu"
+            or not out.is_contiguous()
+            or not shard.box.lengths
+        ):
+            return None
+        sb = shard.box
+        if sb.offsets[1:] != box.offsets[1:] or sb.lengths[1:] != box.lengths[1:]:
+            return None
+        start = sb.offsets[0] - box.offsets[0]
+        if start < 0 or start + sb.lengths[0] > box.lengths[0]:
+            return None
+        return out[start : start + sb.lengths[0]]
 
     def read_shard(self, e: TensorEntry, shard: Shard) -> torch.Tensor:
         """One stored shard as a tensor of its box's shape (checksum verified)."""
