@@ -41,7 +41,7 @@ from .staging import HostStager
 from .state import NamedTensor, model_tensors, optimizer_capture, state_dict_of
 from .storage import Storage
 
-DEFAULT_CHUNK_BYTES = 256 << 20
+DEFAULT_CHUNK_BYTES = 8 << 20
 
 # A layout hook: given a named tensor, return (global shape, local box, local tensor, partition metadata) when the
 # tensor is a shard of a bigger logical tensor that plain torch cannot describe (NxD TP shards), else None.
