@@ -18,6 +18,10 @@ import torch
 from .errors import StateMismatchError
 from .manifest import Box
 
+# Tensors are stored in chunks of at most this many bytes along dim 0: a rank restoring a different sharding reads
+# at most one chunk beyond its box per tensor edge, and every chunk carries its own checksum.
+DEFAULT_CHUNK_BYTES = 8 << 20
+
 
 @dataclass(frozen=True)
 class Piece:

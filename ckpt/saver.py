@@ -35,13 +35,11 @@ from .distributed import Collective
 from .dtypes import dtype_name
 from .errors import AsyncSaveError, CheckpointExistsError, CkptError
 from .manifest import MANIFEST_NAME, Box, Layout, Manifest
-from .planning import Piece, assign_writers, chunk_boxes, digest, local_box
+from .planning import DEFAULT_CHUNK_BYTES, Piece, assign_writers, chunk_boxes, digest, local_box
 from .shardfile import Chunk, write_shard_file
 from .staging import HostStager
 from .state import NamedTensor, model_tensors, optimizer_capture, state_dict_of
 from .storage import Storage
-
-DEFAULT_CHUNK_BYTES = 8 << 20
 
 # A layout hook: given a named tensor, return (global shape, local box, local tensor, partition metadata) when the
 # tensor is a shard of a bigger logical tensor that plain torch cannot describe (NxD TP shards), else None.

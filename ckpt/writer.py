@@ -21,7 +21,7 @@ from .commit import Receipt, TensorMeta, build_manifest, publish
 from .dtypes import dtype_name
 from .errors import CheckpointExistsError, CkptError
 from .manifest import MANIFEST_NAME, Box, Layout, Manifest
-from .planning import chunk_boxes
+from .planning import DEFAULT_CHUNK_BYTES, chunk_boxes
 from .shardfile import Chunk, write_shard_file
 from .storage import Storage
 
@@ -39,7 +39,7 @@ class StreamingWriter:
         attempt: str | None = None,
         codec: str = "raw",
         flush_bytes: int = DEFAULT_FLUSH_BYTES,
-        chunk_bytes: int = 256 << 20,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         storage_options: dict[str, Any] | None = None,
         overwrite: bool = False,
         background: bool = True,
