@@ -350,27 +350,15 @@ def _convert_distributed(
             flush_bytes=opts.flush_bytes,
             storage_options=opts.storage_options,
         )
-        error: str | None = None
-        receipt: Receipt | None = None
-        try:
-            receipt = write_share(conv, writer, share, progress)
-        except Exception as e:  # noqa: BLE001 - reported to rank 0, then raised everywhere
-            error = f"rank {rank}: {e}"
-        gathered: list[Any] = [None] * world if rank == 0 else []
-        dist.gather_object((receipt, error), gathered if rank == 0 else None, dst=0)
-        outcome: list[Any] = [None]
-        if rank == 0:
-            errors = [e for _, e in gathered if e]
-            if not errors:
-                try:
-                    commit(conv, Storage(dst, opts.storage_options), [r for r, _ in gathered])
-                except Exception as e:  # noqa: BLE001
-                    errors.append(f"commit: {e}")
-            outcome[0] = "; ".join(errors) or None
-        dist.broadcast_object_list(outcome, src=0)
-        if outcome[0]:
+        failure = _write_gather_commit(
+            rank,
+            world,
+            lambda: write_share(conv, writer, share, progress),
+            lambda receipts: commit(conv, Storage(dst, opts.storage_options), receipts),
+        )
+        if failure:
             writer.abort()
-            raise CkptError(f"conversion failed, nothing committed: {outcome[0]}")
+            raise CkptError(f"conversion failed, nothing committed: {failure}")
     finally:
         if own:
             dist.destroy_process_group()
@@ -476,35 +464,53 @@ def _export_distributed(
             raise CkptError(f"conversion failed, nothing committed: rank 0: {begun[0][1]}")
         path = Path(begun[0][1])
         share = balance(export.weights, world)[rank]
-        error: str | None = None
-        receipt: UnitReceipt | None = None
-        try:
-            receipt = export.write(path, share, progress, worker=rank)
-        except Exception as e:  # noqa: BLE001 - reported to rank 0, then raised everywhere
-            error = f"rank {rank}: {e}"
-        gathered: list[Any] = [None] * world if rank == 0 else []
-        dist.gather_object((receipt, error), gathered if rank == 0 else None, dst=0)
-        outcome: list[Any] = [None]
+        failure = _write_gather_commit(
+            rank,
+            world,
+            lambda: export.write(path, share, progress, worker=rank),
+            lambda receipts: export.commit(path, Path(dst), receipts),
+        )
         if rank == 0:
-            errors = [e for _, e in gathered if e]
-            if not errors:
-                try:
-                    export.commit(path, Path(dst), [r for r, _ in gathered])
-                    tmp = None
-                except Exception as e:  # noqa: BLE001
-                    errors.append(f"commit: {e}")
-            if errors:
+            if failure:
                 export.abort(path)
-                tmp = None
-            outcome[0] = "; ".join(errors) or None
-        dist.broadcast_object_list(outcome, src=0)
-        if outcome[0]:
-            raise CkptError(f"conversion failed, nothing committed: {outcome[0]}")
+            tmp = None
+        if failure:
+            raise CkptError(f"conversion failed, nothing committed: {failure}")
     finally:
         if tmp is not None:  # rank 0 left early (a collective failed): the folder is not published
             export.abort(tmp)
         if own:
             dist.destroy_process_group()
+
+
+def _write_gather_commit(
+    rank: int, world: int, write: Callable[[], Any], commit_all: Callable[[list[Any]], None]
+) -> str | None:
+    """Every rank runs ``write``; rank 0 gathers the receipts and runs ``commit_all`` iff no rank failed.
+
+    Returns the failure text (the same on every rank), or None when committed.  Errors are gathered, not raised
+    locally, so that no rank is left waiting in a collective.
+    """
+    import torch.distributed as dist
+
+    receipt, error = None, None
+    try:
+        receipt = write()
+    except Exception as e:  # noqa: BLE001 - reported to rank 0, then raised everywhere
+        error = f"rank {rank}: {e}"
+    gathered: list[Any] = [None] * world if rank == 0 else []
+    dist.gather_object((receipt, error), gathered if rank == 0 else None, dst=0)
+    outcome: list[Any] = [None]
+    if rank == 0:
+        errors = [e for _, e in gathered if e]
+        if not errors:
+            try:
+                commit_all([r for r, _ in gathered])
+            except Exception as e:  # noqa: BLE001
+                errors.append(f"commit: {e}")
+        outcome[0] = "; ".join(errors) or None
+    dist.broadcast_object_list(outcome, src=0)
+    return outcome[0]
 
 
 __all__ = [
