@@ -31,7 +31,6 @@ MANIFEST_NAME = "manifest.json"
 SEAL_HEAD = b'{"checksum":"xxh3_64:'
 SEAL_RE = re.compile(rb'\{"checksum":"(xxh3_64:[0-9a-f]{16})",')
 SEAL_LEN = len(SEAL_HEAD) + 16 + 2  # head + 16 hex digits + '",'
-_SEAL_VALUE_RE = re.compile(r"xxh3_64:[0-9a-f]{16}")
 
 ROLES = ("parameter", "buffer", "optimizer_state", "state")
 BACKENDS = ("cpu", "cuda", "neuron")
@@ -183,7 +182,7 @@ class Manifest:
         except (ValueError, UnicodeDecodeError, RecursionError) as e:
             raise ManifestError(f"{source}: not valid JSON ({e})") from None
         _check_header(doc, source)
-        verify_seal(raw, doc, source)
+        verify_seal(raw, source)
         return _from_doc(doc, source)
 
 
@@ -203,24 +202,17 @@ def seal(doc: dict[str, JSON], *, allow_nan: bool = False) -> str:
     return f'{{"checksum":"{digest}",{body[1:]}'
 
 
-def verify_seal(raw: bytes, doc: dict[str, JSON], source: str) -> None:
+def verify_seal(raw: bytes, source: str) -> None:
     """Raise ManifestError ("<source> is damaged: ...") unless ``raw`` carries a matching checksum.
 
-    A manifest without one is accepted: it was written before manifests were sealed (format version 1 made the
-    field optional on read).  A manifest counts as sealed when it has a top-level ``checksum`` key *or* any
-    top-level value that looks like a checksum: one flipped byte in the key's name must not turn a sealed manifest
-    into an unsealed one that is silently accepted.
+    Every manifest is sealed (ckpt has never written one without), so a missing or mangled checksum member is
+    damage like any other: no byte of a manifest can change without being noticed.
     """
-    sealed = "checksum" in doc or any(
-        isinstance(v, str) and _SEAL_VALUE_RE.fullmatch(v) for v in doc.values()
-    )
-    if not sealed:
-        return
     m = SEAL_RE.match(raw)
     if m is None:
         raise ManifestError(
-            f"{source} is damaged: checksum mismatch (the checksum member is not the file's first member, "
-            f'exactly {SEAL_HEAD.decode()}<16 hex digits>", — damaged, or reformatted by hand)'
+            f"{source} is damaged: its checksum is missing or is not the file's first member "
+            f'(expected {SEAL_HEAD.decode()}<16 hex digits>",): damaged, or edited by hand without ckpt.manifest.seal'
         )
     stored = m.group(1).decode()
     computed = checksum_of(b"{" + raw[SEAL_LEN:])

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import ckpt
+from ckpt.manifest import seal
 
 
 def run(*args: str) -> subprocess.CompletedProcess:
@@ -120,8 +121,11 @@ def test_not_a_checkpoint_and_damaged_manifest_exit_2(root, tmp_path):
     r = run("verify", str(ck))
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert r.stderr.startswith(f"ckpt: error: {ck / 'manifest.json'} is damaged: "), r.stderr
-    # an unsealed hand-written manifest (as written before sealing) goes on to structural validation
+    # a hand-written manifest without a checksum is damaged; sealed, it goes on to structural validation
     (ck / "manifest.json").write_text('{"format": "ckpt", "format_version": 1, "step": "x"}')
+    r = run("verify", str(ck))
+    assert r.returncode == 2 and "checksum is missing" in r.stderr and "Traceback" not in r.stderr
+    (ck / "manifest.json").write_text(seal({"format": "ckpt", "format_version": 1, "step": "x"}))
     r = run("verify", str(ck))
     assert r.returncode == 2 and "step" in r.stderr and "Traceback" not in r.stderr
     (ck / "manifest.json").write_text("{not json")

@@ -255,23 +255,26 @@ def test_an_edited_manifest_that_is_not_resealed_is_refused_as_damaged(saved: Pa
         ManifestError, match=r"^manifest\.json is damaged: checksum mismatch \(stored xxh3_64:"
     ):
         Manifest.from_json(edited, "manifest.json")
-    with pytest.raises(ManifestError, match="is damaged: checksum mismatch"):  # reformatted: member misplaced
+    with pytest.raises(ManifestError, match="is damaged: its checksum is missing or is not the file's first"):
         Manifest.from_json(json.dumps(doc, indent=1), "manifest.json")
     assert Manifest.from_json(seal(doc)).optimizer["param_groups"][0]["lr"] == 0.5  # re-sealed: accepted
 
 
-def test_a_manifest_written_before_sealing_is_still_read(saved: Path) -> None:
-    """format_version 1 made the checksum optional on read: manifests without one (older ckpt) stay readable."""
+def test_a_manifest_without_checksum_is_refused_as_damaged(saved: Path) -> None:
+    """The checksum is required: a manifest that lacks it was damaged or hand-edited without ``seal``."""
     doc = _doc(saved)
     del doc["checksum"]
-    legacy = json.dumps(doc, separators=(",", ":"))
-    assert Manifest.from_json(legacy) == Manifest.from_json((saved / MANIFEST_NAME).read_bytes())
+    with pytest.raises(ManifestError, match="is damaged: its checksum is missing"):
+        Manifest.from_json(json.dumps(doc, separators=(",", ":")), "manifest.json")
 
 
-def test_a_damaged_checksum_key_does_not_pass_for_an_unsealed_manifest(saved: Path) -> None:
+def test_a_damaged_checksum_member_is_refused(saved: Path) -> None:
     raw = (saved / MANIFEST_NAME).read_text()
-    for broken in (raw.replace('"checksum"', '"checksuo"', 1), raw.replace('"checksum"', '"chEcksum"', 1)):
-        with pytest.raises(ManifestError, match="is damaged: checksum mismatch"):
+    for broken in (
+        raw.replace('"checksum"', '"checksuo"', 1),
+        raw.replace('"checksum":"xxh3_64:', '"checksuo":"xxh3_65:', 1),  # key and value both damaged
+    ):
+        with pytest.raises(ManifestError, match="is damaged: its checksum is missing"):
             Manifest.from_json(broken, "manifest.json")
 
 
