@@ -44,26 +44,11 @@ def generate(path: Path, layers: int) -> int:
     """A CUDA-layout checkpoint (fp32 parameters) of a Llama-shaped model, written one tensor at a time."""
     import torch
 
+    from ckpt.layouts import ModelDims
     from ckpt.writer import StreamingWriter
 
     cfg = dict(CONFIG, num_hidden_layers=layers)
-    h, hd = cfg["hidden_size"], cfg["head_dim"]
-    q, kv, inter = cfg["num_attention_heads"] * hd, cfg["num_key_value_heads"] * hd, cfg["intermediate_size"]
-    shapes = {"model.embed_tokens.weight": (cfg["vocab_size"], h)}
-    for i in range(layers):
-        p = f"model.layers.{i}"
-        shapes |= {
-            f"{p}.self_attn.q_proj.weight": (q, h),
-            f"{p}.self_attn.k_proj.weight": (kv, h),
-            f"{p}.self_attn.v_proj.weight": (kv, h),
-            f"{p}.self_attn.o_proj.weight": (h, q),
-            f"{p}.mlp.gate_proj.weight": (inter, h),
-            f"{p}.mlp.up_proj.weight": (inter, h),
-            f"{p}.mlp.down_proj.weight": (h, inter),
-            f"{p}.input_layernorm.weight": (h,),
-            f"{p}.post_attention_layernorm.weight": (h,),
-        }
-    shapes |= {"model.norm.weight": (h,), "lm_head.weight": (cfg["vocab_size"], h)}
+    shapes = ModelDims.from_hf_config(cfg).hf_shapes()
     g = torch.Generator().manual_seed(0)
     w = StreamingWriter(str(path), flush_bytes=256 << 20)
     for name, shape in shapes.items():

@@ -46,6 +46,8 @@ def random_config(draw) -> dict:
 
 
 def full_names(cfg: dict, bias: bool) -> dict[str, tuple[int, ...]]:
+    """Like ``ModelDims.hf_shapes`` but with each layer's q/k/v biases after its other tensors: the order in which
+    the converter re-expands fused NxD tensors, so that param_groups compare equal after a round trip."""
     h, hd = cfg["hidden_size"], cfg["head_dim"]
     q, kv, inter = cfg["num_attention_heads"] * hd, cfg["num_key_value_heads"] * hd, cfg["intermediate_size"]
     out = {"model.embed_tokens.weight": (cfg["vocab_size"], h)}

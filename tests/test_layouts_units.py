@@ -273,3 +273,23 @@ def test_shape_contradicting_config_is_reported():
         )
     with pytest.raises(LayoutError, match="gate_proj.weight is missing"):
         plan_full_to_nxd(spec, {"model.layers.0.mlp.up_proj.weight": TensorMeta((96, 64), torch.float32)})
+
+
+@pytest.mark.parametrize("model_type, tie", [("llama", False), ("llama", True), ("qwen2", False)])
+def test_hf_shapes_match_a_real_transformers_model(model_type: str, tie: bool) -> None:
+    """ModelDims.hf_shapes lists exactly the tensors (names, shapes, order) of the real HF model."""
+    import transformers
+
+    cfg = {
+        "model_type": model_type, "hidden_size": 32, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "num_hidden_layers": 2, "vocab_size": 40, "intermediate_size": 24, "tie_word_embeddings": tie,
+    }  # fmt: skip
+    model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**cfg))
+    expected = {n: tuple(t.shape) for n, t in model.state_dict().items()}
+    if tie:
+        expected.pop("lm_head.weight", None)
+    got = ModelDims.from_hf_config(cfg).hf_shapes(qkv_bias=model_type == "qwen2")
+    assert (
+        list(got.items()) == [(n, s) for n, s in expected.items() if n in got]
+        and got.keys() == expected.keys()
+    )

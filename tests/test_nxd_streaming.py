@@ -28,7 +28,7 @@ from ckpt.converters.nxd.writer import TagWriter
 from ckpt.converters.nxd_tag import write_nxd
 
 from ckpt import treecodec
-from ckpt.layouts import LayoutSpec, bit_equal
+from ckpt.layouts import LayoutSpec, ModelDims, bit_equal
 from ckpt.reader import CheckpointReader
 from ckpt.writer import StreamingWriter
 
@@ -275,15 +275,7 @@ def _layer_bytes() -> int:
 def _write_cuda(path: Path, layers: int) -> None:
     """A CUDA-layout checkpoint (HF names, fp32, exp_avg/exp_avg_sq, one param group) of a generated Llama."""
     g = torch.Generator().manual_seed(layers)
-    h, i = HIDDEN, INTER
-    shapes = {"model.embed_tokens.weight": (VOCAB, h)}
-    for li in range(layers):
-        p = f"model.layers.{li}"
-        shapes |= {f"{p}.self_attn.{x}_proj.weight": (h, h) for x in "qkvo"}
-        shapes |= {f"{p}.mlp.gate_proj.weight": (i, h), f"{p}.mlp.up_proj.weight": (i, h)}
-        shapes |= {f"{p}.mlp.down_proj.weight": (h, i), f"{p}.input_layernorm.weight": (h,)}
-        shapes |= {f"{p}.post_attention_layernorm.weight": (h,)}
-    shapes |= {"model.norm.weight": (h,), "lm_head.weight": (VOCAB, h)}
+    shapes = ModelDims.from_hf_config(_llama(layers)).hf_shapes()
     w = StreamingWriter(str(path))
     for n, s in shapes.items():
         w.add(n, torch.randn(s, generator=g))

@@ -66,6 +66,30 @@ class ModelDims:
     def kv_rows(self) -> int:
         return self.kv_heads * self.head_dim
 
+    def hf_shapes(self, *, qkv_bias: bool = False) -> dict[str, tuple[int, ...]]:
+        """Every tensor of the Hugging Face Llama/Mistral/Qwen2 model with these dims, name -> shape, in
+        ``state_dict`` order (``qkv_bias`` adds Qwen2's q/k/v biases; a tied ``lm_head`` is omitted)."""
+        h, inter = self.hidden, self.intermediate
+        out: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (self.vocab, h)}
+        for i in range(self.layers):
+            p = f"model.layers.{i}"
+            for proj, rows in (("q", self.q_rows), ("k", self.kv_rows), ("v", self.kv_rows)):
+                out[f"{p}.self_attn.{proj}_proj.weight"] = (rows, h)
+                if qkv_bias:
+                    out[f"{p}.self_attn.{proj}_proj.bias"] = (rows,)
+            out |= {
+                f"{p}.self_attn.o_proj.weight": (h, self.q_rows),
+                f"{p}.mlp.gate_proj.weight": (inter, h),
+                f"{p}.mlp.up_proj.weight": (inter, h),
+                f"{p}.mlp.down_proj.weight": (h, inter),
+                f"{p}.input_layernorm.weight": (h,),
+                f"{p}.post_attention_layernorm.weight": (h,),
+            }
+        out["model.norm.weight"] = (h,)
+        if not self.tie_word_embeddings:
+            out["lm_head.weight"] = (self.vocab, h)
+        return out
+
 
 @dataclass(frozen=True)
 class LayoutSpec:
