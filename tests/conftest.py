@@ -33,15 +33,6 @@ REAL_S3_URL = os.environ.get("CKPT_TEST_S3_URL")
 BUCKET = "ckpt-test"
 
 
-def _moto_env() -> None:
-    os.environ.setdefault("AWS_ACCESS_KEY_ID", "testing")
-    os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "testing")
-    os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
-    os.environ["BOTO_CONFIG"] = "/dev/null"
-    os.environ.pop("AWS_PROFILE", None)
-    os.environ.pop("AWS_SESSION_TOKEN", None)
-
-
 @dataclass(frozen=True)
 class S3Target:
     """Where a test may write: ``url`` (``s3://bucket/prefix``) and the fsspec options to reach it."""
@@ -69,17 +60,10 @@ def _s3_endpoint() -> Iterator[tuple[str | None, dict[str, Any]]]:
         endpoint = os.environ.get("CKPT_TEST_S3_ENDPOINT")
         yield endpoint, ({"client_kwargs": {"endpoint_url": endpoint}} if endpoint else {})
         return
-    _moto_env()
-    from moto.server import ThreadedMotoServer
+    from torture.s3 import moto_server
 
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    url = f"http://{host}:{port}"
-    try:
+    with moto_server(bucket=None) as url:
         yield url, {"client_kwargs": {"endpoint_url": url}}
-    finally:
-        server.stop()
 
 
 @pytest.fixture

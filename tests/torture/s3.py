@@ -1,4 +1,4 @@
-"""A moto S3 server on 127.0.0.1 for scripts that run outside pytest (pytest uses the conftest fixture).
+"""A moto S3 server on 127.0.0.1, for the conftest fixture and for scripts that run outside pytest.
 
 moto's server mode is a real HTTP S3 endpoint (what s3fs itself tests with). It must listen on loopback only, and
 ``S3_UPLOAD_PART_MIN_SIZE`` must be set before moto is imported so that multipart logic runs on small parts.
@@ -23,8 +23,8 @@ def moto_env() -> None:
 
 
 @contextlib.contextmanager
-def moto_server(bucket: str = "ckpt-torture") -> Iterator[str]:
-    """Start moto on 127.0.0.1 (random port), create ``bucket``; yield the endpoint URL."""
+def moto_server(bucket: str | None = "ckpt-torture") -> Iterator[str]:
+    """Start moto on 127.0.0.1 (random port), create ``bucket`` (unless None); yield the endpoint URL."""
     moto_env()
     import boto3
     from moto.server import ThreadedMotoServer
@@ -37,7 +37,8 @@ def moto_server(bucket: str = "ckpt-torture") -> Iterator[str]:
     host, port = server.get_host_and_port()
     url = f"http://{host}:{port}"
     try:
-        boto3.client("s3", endpoint_url=url, region_name="us-east-1").create_bucket(Bucket=bucket)
+        if bucket is not None:
+            boto3.client("s3", endpoint_url=url, region_name="us-east-1").create_bucket(Bucket=bucket)
         yield url
     finally:
         server.stop()
