@@ -15,17 +15,13 @@ from typing import Any
 
 import pytest
 import torch
+from ckpt.converters import nxd
 from conftest import run_ranks
 from safetensors.torch import load_file
 
 from ckpt.layouts import LayoutSpec, bit_equal, nxd_to_full_state
 from ckpt.reader import CheckpointReader
 from ckpt.safe_unpickle import load_torch_file
-
-try:
-    from ckpt.converters import nxd
-except ImportError:  # pragma: no cover
-    from converters import nxd
 
 FIX = Path(__file__).resolve().parent.parent / "fixtures" / "nxd" / "llama_gqa_h64"
 TAG = FIX / "nxd_train_tp2_dp2_zero1_plain" / "step_3"

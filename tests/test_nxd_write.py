@@ -9,17 +9,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from ckpt.converters import nxd
+from ckpt.converters.nxd.zero1 import merge_zero1_optimizer, shard_zero1_optimizer
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ckpt.errors import CheckpointExistsError
-
-try:  # the package is installed as ckpt.converters; an editable install exposes the top-level folder
-    from ckpt.converters import nxd
-    from ckpt.converters.nxd.zero1 import merge_zero1_optimizer, shard_zero1_optimizer
-except ImportError:  # pragma: no cover
-    from converters import nxd
-    from converters.nxd.zero1 import merge_zero1_optimizer, shard_zero1_optimizer
 
 FIX = Path(__file__).resolve().parent.parent / "fixtures" / "nxd" / "llama_gqa_h64"
 PLAIN = FIX / "nxd_train_tp2_dp2_zero1_plain" / "step_3"
