@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from ckpt.converters.nxd.zero1 import merge_zero1_optimizer, shard_zero1_optimizer
 from safetensors.torch import load_file
 
 from ckpt.errors import LayoutError
@@ -30,7 +31,6 @@ from ckpt.layouts import (
     rank_shards_to_full,
 )
 from ckpt.layouts.gqa import kv_heads_of_rank, q_heads_of_rank
-from ckpt.layouts.zero1 import shard_optimizer, unshard_optimizer
 
 ROOT = Path(__file__).resolve().parent.parent / "fixtures" / "nxd" / "llama_gqa_h64"
 
@@ -141,17 +141,18 @@ def test_zero1_optimizer_fixture_merges_to_full_moments(config):
             step / "optim" / f"dp_rank_{d:02d}_tp_rank_{tp:02d}_pp_rank_{pp:02d}.pt" for d in range(spec.dp)
         ]
         dp_states = [torch.load(f, weights_only=True) for f in files]
-        merged = unshard_optimizer(dp_states)
         names = list(model[rank])  # pid = position in the rank's model state dict
-        assert len(merged.base_state) == len(names)
-        for pid, name in enumerate(names):
-            assert merged.shape_info[pid] == tuple(model[rank][name].shape)
-            assert float(merged.base_state[pid]["step"]) == 3.0
+        merged = merge_zero1_optimizer(dp_states, names, where=str(files[0]))
+        assert list(merged["state"]) == names
+        for name in names:
+            assert float(merged["state"][name]["step"]) == 3.0
             for key in moments:
-                moments[key].setdefault(rank, {})[name] = merged.base_state[pid][key]
-        for d, state in enumerate(dp_states):  # resharding reproduces every DP file's tensors
-            again = shard_optimizer(merged, spec.dp, d)
-            for pid, entry in state["base_state"].items():
+                assert merged["state"][name][key].shape == model[rank][name].shape
+                moments[key].setdefault(rank, {})[name] = merged["state"][name][key]
+        shapes = {n: tuple(t.shape) for n, t in model[rank].items()}
+        for d, again in enumerate(shard_zero1_optimizer(merged, shapes, spec.dp)):
+            # resharding reproduces every DP file's tensors
+            for pid, entry in dp_states[d]["base_state"].items():
                 for key, value in entry.items():
                     assert bit_equal(again["base_state"][pid][key], value)
     for key, shards in moments.items():

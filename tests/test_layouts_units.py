@@ -182,27 +182,20 @@ def test_zero1_shard_unshard(rows, cols, dp):
     shards = [zero1.shard(t, dp, d) for d in range(dp)]
     assert len({s.shape for s in shards}) == 1
     assert shards[0].shape[0] * dp == zero1.padded_dim0(rows, dp) < rows + dp
-    assert torch.equal(zero1.unshard(shards, rows), t)
+    assert torch.equal(zero1.unshard(shards, shape), t)
     for d, s in enumerate(shards):
-        start, real = zero1.shard_rows(rows, dp, d)
+        start, real, chunk = zero1.shard_rows(rows, dp, d)
+        assert chunk == s.shape[0]
         assert torch.equal(s[:real], t[start : start + real])
         assert not s[real:].any()  # padding rows are zeros
 
 
-def test_zero1_optimizer_with_master_weights():
-    full = {0: torch.randn(5, 3), 1: torch.randn(4)}
-    state = zero1.Zero1State(
-        base_state={pid: {"step": torch.tensor(7.0), "exp_avg": t * 2} for pid, t in full.items()},
-        master_weights={pid: t.double() for pid, t in full.items()},
-        shape_info={pid: tuple(t.shape) for pid, t in full.items()},
-    )
-    dp_states = [zero1.shard_optimizer(state, 3, d) for d in range(3)]
-    assert all("sharded_master_weights" in s for s in dp_states)
-    merged = zero1.unshard_optimizer(dp_states)
-    for pid, t in full.items():
-        assert torch.equal(merged.master_weights[pid], t.double())  # every DP rank's shard kept
-        assert torch.equal(merged.base_state[pid]["exp_avg"], t * 2)
-        assert float(merged.base_state[pid]["step"]) == 7.0
+def test_zero1_unshard_refuses_shards_of_another_shape():
+    shards = zero1.shard_all(torch.randn(5, 3), 2)
+    with pytest.raises(LayoutError, match="do not make shape"):
+        zero1.unshard(shards, (7, 3))
+    with pytest.raises(LayoutError, match="do not make shape"):
+        zero1.unshard(shards[:1], (5, 3))
 
 
 # ------------------------------------------------------------------------------------------ validation

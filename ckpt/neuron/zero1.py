@@ -17,6 +17,7 @@ import torch
 from ckpt import treecodec
 from ckpt.dtypes import dtype_from_name
 from ckpt.errors import StateMismatchError
+from ckpt.layouts import zero1
 from ckpt.manifest import Box
 from ckpt.state import NamedTensor, optim_name, optimizer_meta, param_names_in_optimizer_order
 
@@ -36,13 +37,6 @@ def dp_of(optimizer: Any) -> tuple[int, int]:
     return int(getattr(optimizer, "local_rank", 0) or 0), int(getattr(optimizer, "local_world_size", 1) or 1)
 
 
-def shard_rows(n: int, dp_rank: int, dp_size: int) -> tuple[int, int, int]:
-    """``(start, valid rows, chunk rows)`` of DP rank ``dp_rank`` for a dim-0 size ``n`` (torch_xla's rule)."""
-    chunk = -(-n // dp_size)
-    start = dp_rank * chunk
-    return start, max(0, min(chunk, n - start)), chunk
-
-
 def _scalar(v: Any) -> Any:
     return v.detach().cpu() if isinstance(v, torch.Tensor) and is_xla(v) else v
 
@@ -59,7 +53,7 @@ def capture_zero1(optimizer: Any, model: Any, layout: NxdLayout) -> tuple[list[N
     def add(pid: int, key: str, value: torch.Tensor) -> None:
         name = names[pid]
         shape = shape_info[pid]
-        start, valid, chunk = shard_rows(shape[0], dp_rank, dp_size)
+        start, valid, chunk = zero1.shard_rows(shape[0], dp_size, dp_rank)
         if tuple(value.shape) != (chunk, *shape[1:]):
             raise StateMismatchError(
                 f"ZeRO-1 state {name!r} {key}: shard shape {list(value.shape)} is not row chunk {chunk} of "
@@ -126,7 +120,7 @@ def restore_zero1(reader: Any, layout: NxdLayout, optimizer: Any, model: Any) ->
             )
         pid = pid_of[name]
         shape = shape_info[pid]
-        start, valid, chunk = shard_rows(shape[0], dp_rank, dp_size)
+        start, valid, chunk = zero1.shard_rows(shape[0], dp_size, dp_rank)
         for key, ename in keys.items():
             e = reader.entry(ename)
             gshape, gbox, _ = layout.global_box(
@@ -168,4 +162,4 @@ def restore_zero1(reader: Any, layout: NxdLayout, optimizer: Any, model: Any) ->
     optimizer.load_state_dict(sd)
 
 
-__all__ = ["capture_zero1", "is_zero1_optimizer", "restore_zero1", "shard_rows", "to_host"]
+__all__ = ["capture_zero1", "is_zero1_optimizer", "restore_zero1", "to_host"]

@@ -5,8 +5,9 @@ Facts (torch_xla ``distributed/zero_redundancy_optimizer.py``, NxD ``optimizer/z
 * one dict per DP rank: ``state`` (the wrapper's own, normally ``{}``), ``param_groups`` (params as pids),
   ``base_state = {pid: {"step", "exp_avg", ...}}`` holding this rank's shard, ``shape_info = {pid: TP-local shape}``
   and, with ``save_master_weights``, ``sharded_master_weights = {pid: shard}``;
-* shard rule: pad dim 0 with zeros to a multiple of the DP size, then ``chunk(dp)[dp_rank]``; master weight shards
-  keep their padding too; ``step`` (and any 0-dim value) is replicated, not sharded;
+* shard rule (:mod:`ckpt.layouts.zero1`): pad dim 0 with zeros to a multiple of the DP size, then
+  ``chunk(dp)[dp_rank]``; master weight shards keep their padding too; ``step`` (and any 0-dim value) is
+  replicated, not sharded;
 * ``pid`` counts the optimizer's parameters group by group (``get_shape_info``); the file stores no names.
   NxD's examples build two groups (``get_param_groups_by_weight_decay``: names without "bias"/"norm" first, then
   the others), so pid order equals model order only with a single group.  :func:`resolve_param_names` tries both
@@ -21,11 +22,9 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from ckpt.errors import CkptError, CorruptionError, StateMismatchError
-
-from .xser import compact
+from ckpt.layouts import zero1
 
 Shape = tuple[int, ...]
 NO_DECAY_MARKERS = ("bias", "norm")  # NxD examples' get_param_groups_by_weight_decay
@@ -38,31 +37,13 @@ def is_zero1_dict(obj: Any) -> bool:
 
 
 def shard_zero1(tensor: torch.Tensor, dp_size: int) -> list[torch.Tensor]:
-    """Split like torch_xla ZeRO-1: zero-pad dim 0 to a multiple of ``dp_size``, then ``chunk``; one per DP rank."""
-    if tensor.dim() == 0:
-        raise CkptError("ZeRO-1 cannot shard a 0-dim tensor (torch_xla pads dim 0)")
-    n = tensor.size(0)
-    if n % dp_size:
-        pad = dp_size - n % dp_size
-        tensor = F.pad(tensor, [0, 0] * (tensor.dim() - 1) + [0, pad])
-    return [compact(c.clone()) for c in tensor.chunk(dp_size)]
+    """One ZeRO-1 shard per DP rank (the rule: :func:`ckpt.layouts.zero1.shard_all`)."""
+    return zero1.shard_all(tensor, dp_size)
 
 
 def merge_zero1(shards: Sequence[torch.Tensor], shape: Sequence[int], *, where: str = "") -> torch.Tensor:
-    """Inverse of :func:`shard_zero1`: concatenate the DP shards along dim 0 and strip the padding to ``shape``."""
-    shape = tuple(int(s) for s in shape)
-    dp = len(shards)
-    full = torch.cat(list(shards), dim=0) if dp > 1 else shards[0]
-    ok = (
-        len(shape) == full.dim()
-        and tuple(full.shape[1:]) == shape[1:]
-        and all(s.shape == shards[0].shape for s in shards)
-        and shape[0] <= full.size(0) < shape[0] + dp
-    )
-    if not ok:
-        got = [list(s.shape) for s in shards]
-        raise CorruptionError(f"{where}: DP shards {got} do not merge to shape_info {list(shape)}")
-    return full[: shape[0]].clone() if full.size(0) != shape[0] else (full if dp > 1 else full.clone())
+    """Inverse of :func:`shard_zero1` for the shards read from NxD files (a mismatch is damage, exit 1)."""
+    return zero1.unshard(shards, shape, where=where, error=CorruptionError)
 
 
 def _shape(x: Any) -> Shape:
