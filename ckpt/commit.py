@@ -10,21 +10,8 @@ from typing import Any
 
 from . import environment
 from .errors import ManifestError
-from .manifest import MANIFEST_NAME, Box, FileEntry, Layout, Manifest, Shard, TensorEntry
+from .manifest import MANIFEST_NAME, Box, FileEntry, Layout, Manifest, Shard, TensorDesc, TensorEntry
 from .storage import Storage
-
-
-@dataclass(frozen=True)
-class TensorMeta:
-    """What a logical tensor is, independent of where its bytes went."""
-
-    name: str
-    role: str
-    shape: tuple[int, ...]
-    dtype: str
-    param: str | None = None
-    key: str | None = None
-    partition: dict[str, Any] | None = None
 
 
 @dataclass
@@ -43,7 +30,7 @@ def build_manifest(
     step: int,
     backend: str,
     layout: Layout,
-    metas: Iterable[TensorMeta],
+    metas: Iterable[TensorDesc],
     receipts: Iterable[Receipt],
     trees: dict[str, Any],
     rank_trees: dict[int, dict[str, Any]] | None = None,
@@ -68,16 +55,7 @@ def build_manifest(
             total *= d
         if stored != total:
             raise ManifestError(f"tensor {n!r}: written shards hold {stored} of {total} elements")
-        tensors[n] = TensorEntry(
-            n,
-            m.role,
-            m.shape,
-            m.dtype,
-            tuple(sorted(shards[n], key=lambda s: s.box.offsets)),
-            m.param,
-            m.key,
-            m.partition,
-        )
+        tensors[n] = TensorEntry.of(m, tuple(sorted(shards[n], key=lambda s: s.box.offsets)))
     rank_trees = rank_trees or {}
     return Manifest(
         step=step,

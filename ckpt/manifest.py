@@ -84,14 +84,17 @@ class Shard:
 
 
 @dataclass(frozen=True)
-class TensorEntry:
-    """A logical (global) tensor and the shards it was stored as."""
+class TensorDesc:
+    """What a logical (global) tensor is, independent of where its bytes are: the one tensor descriptor.
+
+    The saver's plan, the commit, the converters' plans and the manifest all describe tensors with it;
+    ``dtype`` is the manifest's dtype name (``"F32"``), ``partition`` the Neuron layout's TP split (or None).
+    """
 
     name: str
     role: str
     shape: tuple[int, ...]
     dtype: str
-    shards: tuple[Shard, ...]
     param: str | None = None
     key: str | None = None
     partition: dict[str, JSON] | None = None
@@ -99,6 +102,24 @@ class TensorEntry:
     @property
     def nbytes(self) -> int:
         return math.prod(self.shape) * itemsize(self.dtype)
+
+    @property
+    def desc(self) -> TensorDesc:
+        """Just the description (drops the shards of a :class:`TensorEntry`)."""
+        return TensorDesc(self.name, self.role, self.shape, self.dtype, self.param, self.key, self.partition)
+
+
+@dataclass(frozen=True)
+class TensorEntry(TensorDesc):
+    """A logical tensor and the shards it was stored as."""
+
+    shards: tuple[Shard, ...] = field(default=(), kw_only=True)
+
+    @classmethod
+    def of(cls, desc: TensorDesc, shards: tuple[Shard, ...]) -> TensorEntry:
+        return cls(
+            desc.name, desc.role, desc.shape, desc.dtype, desc.param, desc.key, desc.partition, shards=shards
+        )
 
 
 @dataclass(frozen=True)
@@ -424,4 +445,4 @@ def _tensor_from_doc(name: str, t: Any, files: dict[str, FileEntry], source: str
         raise ManifestError(f"{where}: 'key' must be a string")
     if partition is not None and not isinstance(partition, dict):
         raise ManifestError(f"{where}: 'partition' must be an object")
-    return TensorEntry(name, role, shape, dtype, tuple(shards), param, key, partition)
+    return TensorEntry(name, role, shape, dtype, param, key, partition, shards=tuple(shards))

@@ -11,12 +11,12 @@ from __future__ import annotations
 import hashlib
 import math
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
+from .dtypes import itemsize
 from .errors import StateMismatchError
-from .manifest import Box
+from .manifest import Box, TensorDesc
 
 # Tensors are stored in chunks of at most this many bytes along dim 0: a rank restoring a different sharding reads
 # at most one chunk beyond its box per tensor edge, and every chunk carries its own checksum.
@@ -25,20 +25,22 @@ DEFAULT_CHUNK_BYTES = 8 << 20
 
 @dataclass(frozen=True)
 class Piece:
-    """What a rank holds of one logical tensor (a description only; no data)."""
+    """What a rank holds of one logical tensor: its description and the box it holds (no data)."""
 
-    name: str
-    role: str
-    shape: tuple[int, ...]
-    dtype: str
+    desc: TensorDesc
     box: Box
-    itemsize: int
-    param: str | None = None
-    key: str | None = None
-    partition: dict[str, Any] | None = None
+
+    @property
+    def name(self) -> str:
+        return self.desc.name
+
+    @property
+    def itemsize(self) -> int:
+        return itemsize(self.desc.dtype)
 
     @property
     def nbytes(self) -> int:
+        """Bytes of the held box (not of the whole tensor)."""
         return self.box.numel * self.itemsize
 
 
@@ -46,7 +48,8 @@ def digest(pieces: list[Piece]) -> str:
     """A stable hash of a rank's pieces, for plan caching across saves."""
     h = hashlib.blake2b(digest_size=16)
     for p in pieces:
-        h.update(repr((p.name, p.role, p.shape, p.dtype, p.box, p.param, p.key, p.partition)).encode())
+        d = p.desc
+        h.update(repr((d.name, d.role, d.shape, d.dtype, p.box, d.param, d.key, d.partition)).encode())
     return h.hexdigest()
 
 
@@ -60,10 +63,10 @@ def assign_writers(per_rank: list[list[Piece]]) -> dict[tuple[str, Box], int]:
     meta: dict[str, tuple[tuple[int, ...], str]] = {}
     for rank, pieces in enumerate(per_rank):
         for p in pieces:
-            seen = meta.setdefault(p.name, (p.shape, p.dtype))
-            if seen != (p.shape, p.dtype):
+            seen = meta.setdefault(p.name, (p.desc.shape, p.desc.dtype))
+            if seen != (p.desc.shape, p.desc.dtype):
                 raise StateMismatchError(
-                    f"tensor {p.name!r}: rank {rank} has shape {list(p.shape)} {p.dtype}, another rank has "
+                    f"tensor {p.name!r}: rank {rank} has shape {list(p.desc.shape)} {p.desc.dtype}, another rank has "
                     f"{list(seen[0])} {seen[1]}"
                 )
             holders.setdefault((p.name, p.box), []).append(rank)

@@ -30,11 +30,11 @@ import torch
 from . import rng as rng_mod
 from . import tokenizer as tokenizer_mod
 from . import treecodec
-from .commit import Receipt, TensorMeta, build_manifest, publish
+from .commit import Receipt, build_manifest, publish
 from .distributed import Collective
 from .dtypes import dtype_name
 from .errors import AsyncSaveError, CheckpointExistsError, CkptError
-from .manifest import MANIFEST_NAME, Box, Layout, Manifest
+from .manifest import MANIFEST_NAME, Box, Layout, Manifest, TensorDesc
 from .planning import DEFAULT_CHUNK_BYTES, Piece, assign_writers, chunk_boxes, digest, local_box
 from .shardfile import Chunk, write_shard_file
 from .staging import HostStager
@@ -269,15 +269,7 @@ class Checkpointer:
                 shape, box, t = local_box(nt.tensor)
                 partition = None
             p = Piece(
-                nt.name,
-                nt.role,
-                shape,
-                dtype_name(t.dtype),
-                box,
-                t.element_size(),
-                nt.param,
-                nt.key,
-                partition,
+                TensorDesc(nt.name, nt.role, shape, dtype_name(t.dtype), nt.param, nt.key, partition), box
             )
             pieces.append(p)
             local[(p.name, p.box)] = t
@@ -345,12 +337,10 @@ class Checkpointer:
 
     def _manifest(self, job: _Job, reports: list[dict[str, Any]]) -> Manifest:
         assert job.per_rank is not None
-        metas: dict[str, TensorMeta] = {}
+        metas: dict[str, TensorDesc] = {}
         for pieces in job.per_rank:
             for p in pieces:
-                metas.setdefault(
-                    p.name, TensorMeta(p.name, p.role, p.shape, p.dtype, p.param, p.key, p.partition)
-                )
+                metas.setdefault(p.name, p.desc)
         receipts = [r["receipt"] for r in reports]
         return build_manifest(
             step=job.step,

@@ -17,10 +17,10 @@ from typing import Any
 
 import torch
 
-from .commit import Receipt, TensorMeta, build_manifest, publish
+from .commit import Receipt, build_manifest, publish
 from .dtypes import dtype_name
 from .errors import CheckpointExistsError, CkptError
-from .manifest import MANIFEST_NAME, Box, Layout, Manifest
+from .manifest import MANIFEST_NAME, Box, Layout, Manifest, TensorDesc
 from .planning import DEFAULT_CHUNK_BYTES, chunk_boxes
 from .shardfile import Chunk, write_shard_file
 from .storage import Storage
@@ -57,7 +57,7 @@ class StreamingWriter:
         self.flush_bytes = flush_bytes
         self.chunk_bytes = chunk_bytes
         self.receipt = Receipt(rank)
-        self.metas: dict[str, TensorMeta] = {}
+        self.metas: dict[str, TensorDesc] = {}
         self._pending: list[tuple[str, Box, torch.Tensor]] = []
         self._pending_bytes = 0
         self._seq = 0
@@ -90,7 +90,7 @@ class StreamingWriter:
             raise CkptError(
                 f"tensor {name!r}: data shape {list(t.shape)} does not match its box {list(box.lengths)}"
             )
-        meta = TensorMeta(name, role, shape, dtype_name(t.dtype), param, key, partition)
+        meta = TensorDesc(name, role, shape, dtype_name(t.dtype), param, key, partition)
         if self.metas.setdefault(name, meta) != meta:
             raise CkptError(f"tensor {name!r} added twice with different metadata")
         for b in chunk_boxes(box, t.element_size(), self.chunk_bytes):
@@ -150,7 +150,7 @@ class StreamingWriter:
         layout: Layout | None = None,
         trees: dict[str, Any] | None = None,
         receipts: list[Receipt] | None = None,
-        metas: list[TensorMeta] | None = None,
+        metas: list[TensorDesc] | None = None,
         env: dict[str, Any] | None = None,
     ) -> Manifest:
         """Write the manifest (create-only). ``receipts``/``metas`` default to this writer's own."""

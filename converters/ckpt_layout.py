@@ -238,7 +238,7 @@ def optim_tensor_name(param: str, key: str) -> str:
 
 def nxd_partition_dim(nxd_name: str, spec: LayoutSpec) -> int | None:
     """Partition dim of an NxD tensor (None: replicated over TP), from the rule of the HF tensors it holds."""
-    rule = rule_for(nxd_to_hf_names(nxd_name, spec)[0])
+    rule = rule_for(nxd_to_hf_names(nxd_name)[0])
     return None if rule.kind is Kind.REPLICATED else rule.partition_dim
 
 
@@ -247,7 +247,7 @@ def nxd_partition(nxd_name: str, spec: LayoutSpec) -> dict[str, Any] | None:
     dim = nxd_partition_dim(nxd_name, spec)
     if dim is None:
         return None
-    parts = nxd_to_hf_names(nxd_name, spec)
+    parts = nxd_to_hf_names(nxd_name)
     stride = rule_for(parts[0]).stride if len(parts) == 1 else len(parts)
     return {"dim": dim, "stride": stride, "tp": spec.tp, "source": RULE_SET}
 
@@ -343,7 +343,7 @@ class FullView:
                 raise StateMismatchError(
                     f"{source.path}: optimizer state for {param!r}, which is not a parameter"
                 )
-            for hf in nxd_to_hf_names(param, spec):
+            for hf in nxd_to_hf_names(param):
                 base = self.plans[hf]
                 for key, info in keys.items():
                     if info.shape != model[param].shape:
@@ -473,7 +473,7 @@ def plan_to_neuron(
     optim = _optimizer_keys(view.infos)
     tensors: list[OutTensor] = []
     for nxd, per_rank in by_name.items():
-        parts_hf = nxd_to_hf_names(nxd, spec)
+        parts_hf = nxd_to_hf_names(nxd)
         present = [h for h in parts_hf if h in model]
         role = model[present[0]].role
         pps = pp_ranks_of(nxd, spec)
@@ -607,7 +607,7 @@ def map_trees_to_cuda(source: Source, view: FullView, config: dict[str, Any] | N
         present = set(view.infos)
         trees.optimizer = _map_optimizer(
             trees.optimizer,
-            lambda n: [h for h in nxd_to_hf_names(n, spec) if h in present] or [n],
+            lambda n: [h for h in nxd_to_hf_names(n) if h in present] or [n],
             False,
             source.path,
         )
@@ -636,7 +636,7 @@ def map_trees_to_neuron(
         assert src_spec is not None
         # to full names first, then to the target's
         trees.optimizer = _map_optimizer(
-            trees.optimizer, lambda n: list(nxd_to_hf_names(n, src_spec)), False, source.path
+            trees.optimizer, lambda n: list(nxd_to_hf_names(n)), False, source.path
         )
         trees.extra.pop("nxd", None)
     trees.optimizer = _map_optimizer(trees.optimizer, lambda h: [hf_to_nxd_name(h, spec)], True, source.path)

@@ -50,7 +50,7 @@ def specs(draw) -> LayoutSpec:
         model_type=draw(st.sampled_from(["llama", "mistral", "qwen2"])),
     )
     return LayoutSpec(
-        dims,
+        model=dims,
         tp=tp,
         pp=pp,
         virtual_pp=vpp,

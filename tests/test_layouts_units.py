@@ -32,15 +32,15 @@ def test_stage_split_remainder_on_later_stages():
 
 
 def test_virtual_pp_stage_s_on_rank_s_mod_pp():
-    spec = LayoutSpec(dims(layers=8), pp=2, virtual_pp=2)
+    spec = LayoutSpec(model=dims(layers=8), pp=2, virtual_pp=2)
     assert [layer_pp_rank(i, spec) for i in range(8)] == [0, 0, 1, 1, 0, 0, 1, 1]
     assert layers_of_pp_rank(spec, 0) == (0, 1, 4, 5)
-    spec = LayoutSpec(dims(layers=7), pp=2, virtual_pp=2)  # stages 1,2,2,2 layers
+    spec = LayoutSpec(model=dims(layers=7), pp=2, virtual_pp=2)  # stages 1,2,2,2 layers
     assert [layer_pp_rank(i, spec) for i in range(7)] == [0, 1, 1, 0, 0, 1, 1]
 
 
 def test_pp_placement_of_non_layer_tensors():
-    spec = LayoutSpec(dims(), pp=3)
+    spec = LayoutSpec(model=dims(), pp=3)
     assert pp_ranks_of("model.embed_tokens.weight", spec) == (0,)
     assert pp_ranks_of("model.norm.weight", spec) == (2,)
     assert pp_ranks_of("lm_head.weight", spec) == (2,)
@@ -54,7 +54,7 @@ def test_pp_placement_of_non_layer_tensors():
 def test_trn1_q_order_matches_nxd_converter_docstring():
     """checkpoint_converter.py: heads=64, kv=16, m=4, trn1: KV (K0..K15) x4, Q order Q0,Q4,..,Q60,Q1,Q5,.."""
     spec = LayoutSpec(
-        dims(heads=64, kv=16, hidden=512, vocab=1024, intermediate=1024),
+        model=dims(heads=64, kv=16, hidden=512, vocab=1024, intermediate=1024),
         tp=64,
         qkv_linear=True,
         kv_size_multiplier=4,
@@ -68,7 +68,7 @@ def test_trn1_q_order_matches_nxd_converter_docstring():
 def test_trn2_keeps_q_contiguous_and_interleaves_kv():
     """trn2: KV (K0 K0 K0 K0)(K1 ..) (repeat_interleave), Q contiguous Q0,Q1,..."""
     spec = LayoutSpec(
-        dims(heads=64, kv=16, hidden=512, vocab=1024, intermediate=1024),
+        model=dims(heads=64, kv=16, hidden=512, vocab=1024, intermediate=1024),
         tp=64,
         qkv_linear=True,
         kv_size_multiplier=4,
@@ -87,7 +87,7 @@ def test_kv_copies_live_in_nxd_kv_shared_groups(hw, kv, mult, tp):
     """Replicas of a KV head must sit on one of NxD's kv-shared groups (parallel_state.arrange_kv_groups):
     trn2 groups are adjacent ranks; trn1 groups are ranks j, j + tp/m, j + 2tp/m, ..."""
     spec = LayoutSpec(
-        dims(heads=kv * mult * 2, kv=kv, vocab=1024, intermediate=1024),
+        model=dims(heads=kv * mult * 2, kv=kv, vocab=1024, intermediate=1024),
         tp=tp,
         qkv_linear=True,
         kv_size_multiplier=mult,
@@ -120,14 +120,14 @@ def test_kv_copies_live_in_nxd_kv_shared_groups(hw, kv, mult, tp):
     ],
 )
 def test_names(flags, q, qkv_bias):
-    spec = LayoutSpec(dims(model_type="qwen2"), tp=2, **flags)
+    spec = LayoutSpec(model=dims(model_type="qwen2"), tp=2, **flags)
     assert hf_to_nxd_name("model.layers.1.self_attn.q_proj.weight", spec) == q
     assert hf_to_nxd_name("model.layers.1.self_attn.q_proj.bias", spec) == qkv_bias
-    assert "model.layers.1.self_attn.q_proj.weight" in nxd_to_hf_names(q, spec)
+    assert "model.layers.1.self_attn.q_proj.weight" in nxd_to_hf_names(q)
     assert (
         hf_to_nxd_name("model.layers.1.mlp.up_proj.weight", spec) == "model.layers.1.mlp.gate_up_proj.weight"
     )
-    assert nxd_to_hf_names("model.layers.1.mlp.gate_up_proj.weight", spec) == (
+    assert nxd_to_hf_names("model.layers.1.mlp.gate_up_proj.weight") == (
         "model.layers.1.mlp.gate_proj.weight",
         "model.layers.1.mlp.up_proj.weight",
     )
@@ -138,7 +138,7 @@ def test_names(flags, q, qkv_bias):
 
 
 def test_mha_fused_name_is_stride3_qkv_proj():
-    spec = LayoutSpec(dims(heads=8, kv=8), tp=2, fuse_qkv=True)
+    spec = LayoutSpec(model=dims(heads=8, kv=8), tp=2, fuse_qkv=True)
     assert (
         hf_to_nxd_name("model.layers.0.self_attn.v_proj.weight", spec)
         == "model.layers.0.self_attn.qkv_proj.weight"
@@ -235,7 +235,7 @@ def test_zero1_unshard_refuses_shards_of_another_shape():
 )
 def test_impossible_specs_fail_early(model, flags, message):
     with pytest.raises(LayoutError, match=message):
-        LayoutSpec(model, **flags)
+        LayoutSpec(model=model, **flags)
 
 
 def test_from_hf_config_reads_dims_and_reports_missing_keys():
@@ -257,7 +257,7 @@ def test_from_hf_config_reads_dims_and_reports_missing_keys():
 def test_shape_contradicting_config_is_reported():
     from ckpt.layouts import TensorMeta, plan_full_to_nxd
 
-    spec = LayoutSpec(dims(), tp=2)
+    spec = LayoutSpec(model=dims(), tp=2)
     with pytest.raises(
         LayoutError, match=r"q_proj.weight has shape \[32, 64\] but the config implies \[64, 64\]"
     ):

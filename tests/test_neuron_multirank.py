@@ -33,7 +33,7 @@ class Holder(torch.nn.Module):
 
     def __init__(self, tensors: dict[str, torch.Tensor], zero: bool = False) -> None:
         super().__init__()
-        from ckpt.neuron import rule_partition
+        from ckpt.layouts.partition import nxd_partition
 
         for name, t in tensors.items():
             *path, leaf = name.split(".")
@@ -43,7 +43,7 @@ class Holder(torch.nn.Module):
                     mod.add_module(p, torch.nn.Module())
                 mod = getattr(mod, p)
             param = torch.nn.Parameter(torch.zeros_like(t) if zero else t.clone())
-            part = rule_partition(name)  # what NxD's parallel layers set at runtime
+            part = nxd_partition(name)  # what NxD's parallel layers set at runtime
             param.tensor_model_parallel = part is not None
             param.partition_dim = part[0] if part else -1
             param.partition_stride = part[1] if part else 1

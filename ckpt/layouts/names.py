@@ -43,8 +43,9 @@ def hf_to_nxd_name(name: str, spec: LayoutSpec) -> str:
     return name
 
 
-def nxd_to_hf_names(name: str, spec: LayoutSpec) -> tuple[str, ...]:
-    """HF tensors stored in NxD tensor ``name``, in the order they are concatenated on each rank."""
+def nxd_to_hf_names(name: str) -> tuple[str, ...]:
+    """HF tensors stored in NxD tensor ``name``, in the order they are concatenated on each rank (the name alone
+    decides it, whatever the layout)."""
     m = _QKV_NXD.match(name)
     if m:
         pre, part, kind = m["pre"], m["p"], m["kind"]
@@ -61,4 +62,4 @@ def fusion_group(name: str, spec: LayoutSpec) -> tuple[str, ...]:
 
     A streaming full->NxD converter loads exactly this group at a time (at most q, k, v of one layer).
     """
-    return nxd_to_hf_names(hf_to_nxd_name(name, spec), spec)
+    return nxd_to_hf_names(hf_to_nxd_name(name, spec))

@@ -176,7 +176,7 @@ def placements(spec: LayoutSpec, hf_name: str, shape: tuple[int, ...]) -> tuple[
         raise LayoutError(f"{hf_name} has shape {list(shape)} but the config implies {list(expected)}")
     rule = rule_for(hf_name, NXD_LLAMA)
     nxd_name = hf_to_nxd_name(hf_name, spec)
-    parts = nxd_to_hf_names(nxd_name, spec)
+    parts = nxd_to_hf_names(nxd_name)
     base = 0
     if len(parts) > 1:
         base = part_offsets(local_part_sizes(parts, spec))[parts.index(hf_name)]
@@ -209,7 +209,7 @@ def plan_full_to_nxd(spec: LayoutSpec, full_metas: Mapping[str, TensorMeta]) -> 
     order = {r: i for i, r in enumerate(spec.ranks)}
     plans = []
     for (rank, nxd_name), ps in sorted(grouped.items(), key=lambda kv: order[kv[0][0]]):
-        parts = nxd_to_hf_names(nxd_name, spec)
+        parts = nxd_to_hf_names(nxd_name)
         missing = [h for h in parts if h not in full_metas]
         if missing:
             raise LayoutError(f"{nxd_name} fuses {', '.join(parts)} but {', '.join(missing)} is missing")
@@ -285,7 +285,7 @@ def plan_nxd_to_full(spec: LayoutSpec, rank_metas: Mapping[Rank, Mapping[str, Te
     full: dict[str, TensorMeta] = {}
     for rank in spec.ranks:
         for nxd_name, meta in rank_metas[rank].items():
-            for hf_name in nxd_to_hf_names(nxd_name, spec):
+            for hf_name in nxd_to_hf_names(nxd_name):
                 if hf_name not in full:
                     full[hf_name] = full_meta_from_local(spec, hf_name, meta)
     _check_complete(spec, full)

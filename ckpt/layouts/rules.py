@@ -50,7 +50,8 @@ NXD_LLAMA: tuple[Rule, ...] = (
 )
 """Llama, Mistral and Qwen2 style decoders as NxD's training models and checkpoint converter lay them out."""
 
-RULE_SETS: dict[str, tuple[Rule, ...]] = {"nxd-llama": NXD_LLAMA}
+DEFAULT_RULE_SET = "nxd-llama"
+RULE_SETS: dict[str, tuple[Rule, ...]] = {DEFAULT_RULE_SET: NXD_LLAMA}
 
 _REPLICATED = Rule(r"", Kind.REPLICATED, None)
 

@@ -8,7 +8,7 @@ that every division it does is exact.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
 from ckpt.errors import LayoutError
@@ -92,16 +92,16 @@ class ModelDims:
 
 
 @dataclass(frozen=True)
-class LayoutSpec:
-    """An NxD parallel layout of one model.
+class NxdFlags:
+    """The parallel flags of an NxD layout: everything about it but the model.
 
     ``kv_size_multiplier`` is NxD's ``kv_shared_group_size``: how many TP ranks hold a copy of each KV head.
     ``qkv_linear`` selects NxD's ``GQAQKVColumnParallelLinear`` (names ``qkv_proj.weight_q|k|v``);
     ``fuse_qkv`` stores one ``weight_qkv`` per rank (or, for MHA without ``qkv_linear``, the stride-3
-    ``qkv_proj.weight``).  ``hw`` decides how KV copies are laid over ranks (see ``gqa.py``).
+    ``qkv_proj.weight``).  ``hw`` decides how KV copies are laid over ranks (see ``gqa.py``).  ``dp`` only
+    shards ZeRO-1 optimizer state; it never moves a model tensor.
     """
 
-    model: ModelDims
     tp: int = 1
     pp: int = 1
     virtual_pp: int = 1
@@ -111,6 +111,26 @@ class LayoutSpec:
     fuse_qkv: bool = False
     qkv_linear: bool = False
 
+    @classmethod
+    def names(cls) -> tuple[str, ...]:
+        """The flag names, in declaration order (what options and records list)."""
+        return tuple(f.name for f in fields(NxdFlags))
+
+    def flags(self) -> NxdFlags:
+        """Just the flags (drops the model of a :class:`LayoutSpec`)."""
+        return NxdFlags(**{n: getattr(self, n) for n in NxdFlags.names()})
+
+    def model_layout_equal(self, other: NxdFlags) -> bool:
+        """True when both place every model tensor identically (they may differ in ``dp`` only)."""
+        return all(getattr(self, n) == getattr(other, n) for n in NxdFlags.names() if n != "dp")
+
+
+@dataclass(frozen=True)
+class LayoutSpec(NxdFlags):
+    """An NxD parallel layout of one model: :class:`NxdFlags` plus the model's dimensions (keyword ``model``)."""
+
+    model: ModelDims = field(kw_only=True)
+
     def __post_init__(self) -> None:
         validate(self)
 
@@ -118,6 +138,10 @@ class LayoutSpec:
     def from_hf_config(cls, config: Mapping[str, Any], **flags: Any) -> LayoutSpec:
         """Build a spec from an HF config dict and the parallel flags (``tp=``, ``pp=``, ...)."""
         return cls(model=ModelDims.from_hf_config(config), **flags)
+
+    @classmethod
+    def of(cls, model: ModelDims, flags: NxdFlags) -> LayoutSpec:
+        return cls(model=model, **{n: getattr(flags, n) for n in NxdFlags.names()})
 
     @property
     def num_stages(self) -> int:
@@ -150,7 +174,7 @@ def validate(spec: LayoutSpec) -> None:
         ("--kv-size-multiplier", spec.kv_size_multiplier),
     ):
         _positive(flag, value)
-    for field, value in (
+    for name, value in (
         ("hidden_size", m.hidden),
         ("num_attention_heads", m.heads),
         ("num_key_value_heads", m.kv_heads),
@@ -159,7 +183,7 @@ def validate(spec: LayoutSpec) -> None:
         ("vocab_size", m.vocab),
         ("intermediate_size", m.intermediate),
     ):
-        _positive(f"config {field}", value)
+        _positive(f"config {name}", value)
     if m.model_type not in SUPPORTED_MODEL_TYPES:
         raise LayoutError(
             f"config model_type {m.model_type!r} is not covered by rule set nxd-llama "

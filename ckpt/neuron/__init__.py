@@ -6,7 +6,7 @@ package imports (and its layout logic runs) on any machine.
 
 from .checkpointer import NeuronCheckpointer, NeuronCheckpointManager, NeuronRestorer, restore
 from .parallel import ParallelInfo
-from .partition import NxdLayout, attribute_partition, rule_partition
+from .partition import NxdLayout, attribute_partition
 from .stager import XlaStager
 from .transfer import to_device, to_host
 from .zero1 import capture_zero1, is_zero1_optimizer, restore_zero1
@@ -23,7 +23,6 @@ __all__ = [
     "is_zero1_optimizer",
     "restore",
     "restore_zero1",
-    "rule_partition",
     "to_device",
     "to_host",
 ]

@@ -14,40 +14,17 @@ states are boxes too: rows ``[start, start + n)`` of the TP-local tensor (paddin
 
 from __future__ import annotations
 
-import re
-from functools import lru_cache
 from typing import Any
 
 import torch
 
 from ckpt.errors import CkptError
-from ckpt.layouts.names import nxd_to_hf_names
-from ckpt.layouts.rules import Kind, get_rule_set, rule_for
+from ckpt.layouts.partition import Partition, nxd_partition
+from ckpt.layouts.rules import get_rule_set
 from ckpt.manifest import Box
 from ckpt.state import NamedTensor
 
 from .parallel import ParallelInfo
-
-Partition = dict[str, Any]
-_MHA_FUSED_QKV = re.compile(r"\.self_attn\.qkv_proj\.(weight|bias)$")
-
-
-@lru_cache(maxsize=4096)
-def rule_partition(name: str, rule_set: str = "nxd-llama") -> tuple[int, int] | None:
-    """``(partition dim, stride)`` of NxD parameter ``name`` under ``rule_set``; None when it is replicated.
-
-    Fused NxD tensors take the rule of their first part: ``gate_up_proj`` is dim 0 stride 2, the MHA
-    ``qkv_proj.weight`` (``ColumnParallelLinear`` with stride 3) dim 0 stride 3, ``qkv_proj.weight_q|k|v`` and
-    ``weight_qkv`` (``GQAQKVColumnParallelLinear``) dim 0 stride 1.
-    """
-    rules = get_rule_set(rule_set)
-    hf = nxd_to_hf_names(name, None)  # type: ignore[arg-type]  # this direction does not use the spec
-    rule = rule_for(hf[0], rules)
-    if rule.kind is Kind.REPLICATED or rule.partition_dim is None:
-        return None
-    if _MHA_FUSED_QKV.search(name):
-        return (rule.partition_dim, 3)
-    return (rule.partition_dim, rule.stride)
 
 
 def attribute_partition(param: torch.Tensor) -> tuple[int, int] | None | bool:
@@ -94,7 +71,7 @@ class NxdLayout:
             found = attribute_partition(param)
         if found is False:
             source = self.rule_set or ""
-            found = rule_partition(name, self.rule_set) if self.rule_set is not None else None
+            found = nxd_partition(name, self.rule_set) if self.rule_set is not None else None
         part = None
         if found:
             dim, stride = found  # type: ignore[misc]

@@ -27,7 +27,7 @@ import torch
 from ckpt import treecodec
 from ckpt.errors import CkptError, CorruptionError
 from ckpt.manifest import Box, Layout, Manifest
-from ckpt.neuron.partition import rule_partition
+from ckpt.layouts.partition import partition_entry
 from ckpt.reader import CheckpointReader
 from ckpt.state import optim_name
 from ckpt.writer import DEFAULT_FLUSH_BYTES, StreamingWriter
@@ -58,13 +58,6 @@ def check_usable(tag_dir: str | Path, allow_unmarked: bool) -> TagStatus:
             stacklevel=3,
         )
     return info.status
-
-
-def _partition(name: str, rule_set: str, tp: int) -> dict[str, Any] | None:
-    found = rule_partition(name, rule_set)
-    if found is None:
-        return None
-    return {"dim": found[0], "stride": found[1], "tp": tp, "source": rule_set}
 
 
 def _place(shape: tuple[int, ...], part: dict[str, Any] | None, tp_rank: int) -> tuple[tuple[int, ...], Box]:
@@ -136,7 +129,7 @@ def import_tag(
                 pp_ranks.setdefault(name, [])
                 if pp_rank not in pp_ranks[name]:
                     pp_ranks[name].append(pp_rank)
-                part = _partition(name, rule_set, tp)
+                part = partition_entry(name, tp, rule_set)
                 if part is None and name in stored:
                     continue
                 shape, box = _place(tuple(t.shape), part, tp_rank)
@@ -157,7 +150,7 @@ def import_tag(
                 tensors[(name, MASTER_KEY)] = w_
             for (name, key), v in tensors.items():
                 oname = optim_name(name, key)
-                part = _partition(name, rule_set, tp)
+                part = partition_entry(name, tp, rule_set)
                 if part is None and oname in stored:
                     continue
                 shape, box = _place(tuple(v.shape), part, tp_rank)
@@ -269,7 +262,7 @@ def _pp_ranks(m: Manifest, names: Sequence[str]) -> dict[str, list[int]]:
         kv_size_multiplier=int(nxd.get("kv_size_multiplier", 1)), hw=nxd.get("hw", "trn1"),
         fuse_qkv=bool(nxd.get("fuse_qkv")), qkv_linear=bool(nxd.get("qkv_linear")),
     )  # fmt: skip
-    return {n: list(pp_ranks_of(nxd_to_hf_names(n, spec)[0], spec)) for n in names}
+    return {n: list(pp_ranks_of(nxd_to_hf_names(n)[0], spec)) for n in names}
 
 
 def _tp_boxes(shape: tuple[int, ...], part: Mapping[str, Any] | None, tp: int) -> list[Box | None]:

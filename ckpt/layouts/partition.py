@@ -1,0 +1,46 @@
+"""How NxD partitions a tensor over TP ranks, by its NxD name: the one place NxD tensor names meet the rule sets.
+
+NxD writes no partition metadata to disk, so a tensor's split is known from its name: the HF tensors stored in it
+(:func:`~ckpt.layouts.names.nxd_to_hf_names`) are matched against a rule set (:mod:`~ckpt.layouts.rules`).  Fused
+NxD tensors take the rule of their first part, with the stride NxD's parallel layers record: ``gate_up_proj`` is
+dim 0 stride 2, the MHA ``qkv_proj.weight`` (a ``ColumnParallelLinear`` with stride 3) dim 0 stride 3, and
+``GQAQKVColumnParallelLinear``'s ``weight_q|k|v`` and ``weight_qkv`` dim 0 stride 1.
+
+In a Neuron-layout manifest a partitioned tensor carries ``partition = {"dim", "stride", "tp", "source"}``
+(docs/format.md): TP rank ``r`` holds box ``r`` of ``tp`` equal boxes along ``dim``.  The stride is NxD's
+bookkeeping, recorded for reference; the box rule alone places the bytes.
+"""
+
+from __future__ import annotations
+
+import re
+from functools import lru_cache
+from typing import Any
+
+from ckpt.layouts.names import nxd_to_hf_names
+from ckpt.layouts.rules import DEFAULT_RULE_SET, Kind, get_rule_set, rule_for
+
+Partition = dict[str, Any]
+_MHA_FUSED_QKV = re.compile(r"\.self_attn\.qkv_proj\.(weight|bias)$")
+
+
+@lru_cache(maxsize=8192)
+def nxd_partition(name: str, rule_set: str = DEFAULT_RULE_SET) -> tuple[int, int] | None:
+    """``(partition dim, stride)`` of NxD tensor ``name`` under ``rule_set``; None when it is replicated."""
+    rule = rule_for(nxd_to_hf_names(name)[0], get_rule_set(rule_set))
+    if rule.kind is Kind.REPLICATED or rule.partition_dim is None:
+        return None
+    if _MHA_FUSED_QKV.search(name):
+        return (rule.partition_dim, 3)
+    return (rule.partition_dim, rule.stride)
+
+
+def partition_entry(name: str, tp: int, rule_set: str = DEFAULT_RULE_SET) -> Partition | None:
+    """The manifest ``partition`` of NxD tensor ``name`` split over ``tp`` ranks by ``rule_set`` (None: replicated)."""
+    found = nxd_partition(name, rule_set)
+    if found is None:
+        return None
+    return {"dim": found[0], "stride": found[1], "tp": tp, "source": rule_set}
+
+
+__all__ = ["Partition", "nxd_partition", "partition_entry"]
