@@ -168,6 +168,10 @@ class StreamingWriter:
         publish(self.storage, manifest)
         return manifest
 
+    def close(self) -> None:
+        """Stop the background thread (after :meth:`finish`, :meth:`commit` or :meth:`abort`; idempotent)."""
+        self._shutdown()
+
     def abort(self) -> None:
         """Delete the files this writer published (nothing was committed)."""
         self._pending = []

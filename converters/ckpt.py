@@ -1,0 +1,217 @@
+"""Our own format (docs/format.md) as a conversion source and target.
+
+Source (:class:`ManifestSource`): a committed checkpoint, CUDA layout (full tensors) or Neuron layout
+(``layout.kind == "nxd"``: TP rank ``r``'s part of a partitioned tensor is box ``r``; ``extra.nxd`` says the rest).
+A piece is read as a box straight from the data files (only the chunks it overlaps), except slices across a
+tensor's columns (a dim-1 split such as ``o_proj``), which would read every row of the tensor once per TP rank:
+those tensors are read whole once into a small cache and sliced.
+
+Target (:class:`ManifestExport`): units are target tensors (byte-balanced over workers); every worker streams its
+share into data files named with the attempt id (:class:`ckpt.writer.StreamingWriter`), and the coordinator's
+``manifest.json`` is the commit.  Aborting removes the attempt's data files.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections import OrderedDict
+from collections.abc import Hashable, Mapping, Sequence
+from typing import Any
+
+import torch
+
+from ckpt.commit import Receipt, build_manifest, publish
+from ckpt.dtypes import dtype_from_name
+from ckpt.errors import CheckpointExistsError, LayoutError
+from ckpt.layouts import Piece
+from ckpt.layouts.record import NxdRecord
+from ckpt.manifest import MANIFEST_NAME, Box
+from ckpt.reader import CheckpointReader
+from ckpt.storage import Storage
+from ckpt.writer import StreamingWriter
+
+from .engine import Conversion, Source, Staging, Trees, UnitReceipt, check_cover, write_share
+from .engine.export import Progress
+
+NAME = "ckpt"
+CUDA_KINDS = ("replicated", "dtensor", "fsdp", "ddp", "cuda", "full")
+
+
+def detect(path: str, storage_options: Mapping[str, Any] | None = None) -> bool:
+    return Storage(path, dict(storage_options) if storage_options else None).exists(MANIFEST_NAME)
+
+
+class ManifestSource(Source):
+    """A committed checkpoint in our format (Neuron layout iff ``layout.kind == "nxd"``)."""
+
+    format = NAME
+
+    def __init__(
+        self,
+        path: str | Storage,
+        *,
+        config: Mapping[str, Any] | None = None,
+        storage_options: dict[str, Any] | None = None,
+        verify: bool = True,
+        cache_tensors: int = 2,
+    ) -> None:
+        self.reader = CheckpointReader(path, storage_options, verify)
+        m = self.reader.manifest
+        self.path = self.reader.path
+        self.trees = Trees.of_manifest(m)
+        self.tensors = {n: e.desc for n, e in m.tensors.items()}
+        self._cache: OrderedDict[str, torch.Tensor] = OrderedDict()
+        self._cache_size = cache_tensors
+        nxd = m.extra.get("nxd")
+        if m.layout.kind == "nxd" or (m.backend == "neuron" and isinstance(nxd, dict)):
+            if nxd is None:
+                raise LayoutError(f"{self.path}: Neuron-layout checkpoint without extra.nxd; unknown layout")
+            self.layout = "neuron"
+            self.record = NxdRecord.from_extra(nxd, self.path)
+            self.flags = self.record.flags(tp=m.layout.tp, pp=m.layout.pp, dp=m.layout.dp)
+            self.zero1 = m.layout.zero_stage == 1
+            self.config = dict(config) if config is not None else self.record.config
+        elif m.layout.kind in CUDA_KINDS or m.layout.tp == 1:
+            self.layout = "cuda"
+            cfg = config if config is not None else m.extra.get("config")
+            self.config = dict(cfg) if cfg else None
+        else:
+            raise LayoutError(
+                f"{self.path}: unknown layout kind {m.layout.kind!r} with tp={m.layout.tp}; cannot convert it"
+            )
+
+    def pp_ranks(self, name: str) -> tuple[int, ...]:
+        saved = self.record.pp_ranks if self.record is not None else None
+        if saved is not None and self.flags is not None and self.flags.pp > 1:
+            if name not in saved:
+                raise LayoutError(f"{self.path}: extra.nxd.pp_ranks has no PP rank for {name!r}")
+            return tuple(saved[name])
+        return super().pp_ranks(name)
+
+    def _box(self, piece: Piece) -> Box:
+        """The box of the logical tensor that ``piece`` (rank-local coordinates for a Neuron layout) reads."""
+        desc = self.tensors[piece.name]
+        shape = desc.shape
+        offsets = [0] * len(shape)
+        lengths = list(shape)
+        if piece.rank is not None and desc.partition is not None:
+            d = int(desc.partition["dim"])
+            local = self.local_shape(desc)
+            offsets[d] = piece.rank[0] * local[d]
+            lengths[d] = local[d]
+        if piece.dim is not None:
+            offsets[piece.dim] += piece.start
+            lengths[piece.dim] = piece.length
+        return Box(tuple(offsets), tuple(lengths))
+
+    def locate(self, piece: Piece) -> Hashable:
+        return (piece.name, self._box(piece))
+
+    def read(self, piece: Piece) -> torch.Tensor:
+        desc = self.tensors[piece.name]
+        box = self._box(piece)
+        if box == Box.full(desc.shape):
+            return self._whole(piece.name) if piece.name in self._cache else self.reader.read(piece.name)
+        if any(o or n != s for o, n, s in zip(box.offsets[1:], box.lengths[1:], desc.shape[1:], strict=True)):
+            # a slice across columns: reading it as a box would read every row of the tensor once per slice
+            whole = self._whole(piece.name)
+            return whole[box.relative_to(Box.full(desc.shape))]
+        out = torch.empty(box.lengths, dtype=dtype_from_name(desc.dtype))
+        self.reader.read_box_into(piece.name, box, out)
+        return out
+
+    def _whole(self, name: str) -> torch.Tensor:
+        t = self._cache.get(name)
+        if t is None:
+            t = self._cache[name] = self.reader.read(name)
+            while len(self._cache) > self._cache_size:
+                self._cache.popitem(last=False)
+        else:
+            self._cache.move_to_end(name)
+        return t
+
+    def close(self) -> None:
+        self._cache.clear()
+
+
+def open_source(path: str, *, config: Mapping[str, Any] | None, storage_options: dict[str, Any] | None,
+                verify: bool = True, **_: Any) -> ManifestSource:  # fmt: skip
+    return ManifestSource(path, config=config, storage_options=storage_options, verify=verify)
+
+
+class ManifestExport:
+    """Our format as an :class:`~converters.engine.Export`: units = target tensors, the manifest = the commit."""
+
+    def __init__(
+        self,
+        conv: Conversion,
+        *,
+        flush_bytes: int,
+        codec: str = "raw",
+        storage_options: dict[str, Any] | None = None,
+        verify: bool = True,
+    ) -> None:
+        self.conv = conv
+        self.flush_bytes = flush_bytes
+        self.codec = codec
+        self.storage_options = storage_options
+        self.verify = verify
+        self.weights = [t.desc.nbytes for t in conv.tensors]
+
+    def begin(self, dst: str) -> Staging:
+        storage = Storage(dst, self.storage_options)
+        if storage.exists(MANIFEST_NAME):
+            raise CheckpointExistsError(f"{storage.display(MANIFEST_NAME)} already exists; choose a new DST")
+        return Staging(dst, uuid.uuid4().hex[:8])
+
+    def write(self, staging: Staging, units: Sequence[int], progress: Progress = None, *, worker: int = 0) -> UnitReceipt:
+        writer = StreamingWriter(
+            staging.url,
+            rank=worker,
+            attempt=staging.attempt,
+            codec=self.codec,
+            flush_bytes=self.flush_bytes,
+            storage_options=self.storage_options,
+        )
+        try:
+            write_share(self.conv, writer, units, progress, verify=self.verify)
+            return UnitReceipt(worker, tuple(units), writer.finish())
+        except BaseException:
+            writer.abort()
+            raise
+        finally:
+            writer.close()
+
+    def commit(self, staging: Staging, dst: str, receipts: list[UnitReceipt]) -> str:
+        receipts = check_cover(receipts, len(self.conv.tensors), dst)
+        rs: list[Receipt] = [r.data for r in receipts]
+        backend, layout = self.conv.layout()
+        manifest = build_manifest(
+            step=self.conv.trees.step,
+            backend=backend,
+            layout=layout,
+            metas=[t.desc for t in self.conv.tensors],
+            receipts=rs,
+            trees=self.conv.trees.as_commit_trees(),
+            env=self.conv.trees.environment or None,
+        )
+        publish(Storage(dst, self.storage_options), manifest)
+        return dst
+
+    def abort(self, staging: Staging) -> None:
+        """Remove the data files of this attempt (their names carry the attempt id)."""
+        storage = Storage(staging.url, self.storage_options)
+        try:
+            names = storage.listdir()
+        except Exception:  # noqa: BLE001 - best effort: nothing was committed anyway
+            return
+        for name in names:
+            if f"-{staging.attempt}-" in name:
+                storage.delete(name)
+
+
+def export(conv: Conversion, *, flush_bytes: int, codec: str = "raw", storage_options: dict[str, Any] | None = None,
+           verify: bool = True, **_: Any) -> ManifestExport:  # fmt: skip
+    return ManifestExport(conv, flush_bytes=flush_bytes, codec=codec, storage_options=storage_options, verify=verify)
+
+__all__ = ["ManifestExport", "ManifestSource", "detect", "export", "open_source"]

@@ -1,0 +1,442 @@
+"""Plans: which pieces of the source make each part of each target tensor.  No tensor data is touched here.
+
+Every conversion is planned through the full (Hugging Face-named) view of the model, without ever building it:
+
+* the *full view* of a source maps each full tensor to the source pieces it is made of: the identity for a
+  CUDA-layout source, the layout engine's :func:`~ckpt.layouts.plan_nxd_to_full` for a Neuron one (TP merge with
+  strides, fused ``gate_up``/``qkv`` split, KV replicas set aside as ``replicas`` to compare);
+* a CUDA target is the full view itself; a Neuron target is :func:`~ckpt.layouts.plan_full_to_nxd` of the target
+  layout, *composed* with the full view (:func:`compose`), so each target rank's tensor reads the source pieces
+  directly: a TP-split tensor is read once and written once, never concatenated and cut again;
+* a Neuron target with the source's own layout (its parallel flags; the DP size may differ) is the identity on
+  rank tensors (:func:`plan_same_layout`): no model dimensions, no config needed, every stored copy compared.
+
+Optimizer moments follow their parameter (same plan, renamed); the trees are renamed alongside (:mod:`.trees`).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from collections.abc import Callable, Hashable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from ckpt.dtypes import dtype_from_name, dtype_name
+from ckpt.errors import LayoutError, StateMismatchError
+from ckpt.layouts import LayoutSpec, Piece, TensorMeta, TensorPlan, plan_full_to_nxd, plan_nxd_to_full
+from ckpt.layouts.names import hf_to_nxd_name, nxd_to_hf_names
+from ckpt.layouts.partition import partition_entry
+from ckpt.layouts.pipeline import pp_ranks_of
+from ckpt.layouts.record import NxdRecord
+from ckpt.layouts.spec import ModelDims, NxdFlags
+from ckpt.manifest import Box, Layout, TensorDesc
+from ckpt.state import optim_name
+
+from .source import MODEL_ROLES, LayoutKind, Rank, Source
+from .trees import Trees, move_xla_rng_in, move_xla_rng_out, rename_optimizer
+
+
+@dataclass(frozen=True)
+class OutPart:
+    """One box of a target tensor and how to make it.  ``ranks``: the NxD (tp, pp) ranks that hold this box in
+    NxD-native output (empty for CUDA targets)."""
+
+    box: Box
+    plan: TensorPlan
+    ranks: tuple[Rank, ...] = ()
+
+    @property
+    def nbytes(self) -> int:
+        return self.box.numel * self.plan.meta.dtype.itemsize
+
+
+@dataclass(frozen=True)
+class OutTensor:
+    """One logical tensor of the target and its parts (TP boxes for a Neuron target, one box otherwise)."""
+
+    desc: TensorDesc
+    parts: tuple[OutPart, ...]
+
+
+@dataclass
+class Conversion:
+    """A planned conversion: what is written, from which pieces; executing it touches one target part at a time."""
+
+    source: Source
+    to: LayoutKind
+    tensors: list[OutTensor]
+    trees: Trees
+    config: dict[str, Any] | None = None
+    #: Neuron targets: the target flags, ``extra.nxd`` and whether optimizer state is ZeRO-1 sharded
+    flags: NxdFlags | None = None
+    record: NxdRecord | None = None
+    zero1: bool = False
+    #: True when the target keeps the source's Neuron layout (rank tensors copied as they are)
+    same_layout: bool = False
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.desc.nbytes for t in self.tensors)
+
+    def layout(self) -> tuple[str, Layout]:
+        """``(backend, layout)`` of the target manifest."""
+        if self.to == "neuron":
+            f = self.flags
+            assert f is not None
+            return "neuron", Layout(
+                world_size=f.tp * f.pp * f.dp, tp=f.tp, pp=f.pp, dp=f.dp,
+                zero_stage=1 if self.zero1 else 0, kind="nxd",
+            )  # fmt: skip
+        return "cuda", Layout(world_size=self.trees.world_size, kind="replicated")
+
+    def peak_bytes_estimate(self, flush_bytes: int = 0) -> int:
+        """Largest working set of one target part: the part itself plus the pieces read for it, plus the writer's
+        buffers (``flush_bytes``)."""
+        peak = 0
+        for t in self.tensors:
+            for part in t.parts:
+                read = sum(_piece_bytes(self.source, p) for p in part.plan.pieces)
+                peak = max(peak, read + part.nbytes)
+        return peak + flush_bytes
+
+
+def _piece_bytes(source: Source, p: Piece) -> int:
+    desc = source.tensors.get(p.name)
+    if desc is None:
+        return 0
+    shape = list(source.local_shape(desc) if p.rank is not None else desc.shape)
+    if p.dim is not None:
+        shape[p.dim] = p.length
+    n = 1
+    for s in shape:
+        n *= s
+    return n * dtype_from_name(desc.dtype).itemsize
+
+
+# ------------------------------------------------------------------------------------------------ plan algebra
+
+
+def rename_plan(plan: TensorPlan, name: str, dtype_: Any, rename: Callable[[str], str]) -> TensorPlan:
+    """``plan`` for a tensor laid out like it (an optimizer moment of a parameter): new name, dtype, piece names."""
+
+    def pieces(ps: tuple[Piece, ...]) -> tuple[Piece, ...]:
+        return tuple(dataclasses.replace(p, name=rename(p.name)) for p in ps)
+
+    return dataclasses.replace(
+        plan,
+        name=name,
+        meta=TensorMeta(plan.meta.shape, dtype_),
+        pieces=pieces(plan.pieces),
+        replicas=tuple(pieces(r) for r in plan.replicas),
+    )
+
+
+def dedup_replicas(source: Source, plan: TensorPlan) -> TensorPlan:
+    """Drop replica piece lists that read the very same stored bytes as the canonical one or an earlier replica."""
+    seen: set[tuple[Hashable, ...]] = {tuple(source.locate(p) for p in plan.pieces)}
+    kept = []
+    for rep in plan.replicas:
+        key = tuple(source.locate(p) for p in rep)
+        if key not in seen:
+            seen.add(key)
+            kept.append(rep)
+    return dataclasses.replace(plan, replicas=tuple(kept)) if len(kept) != len(plan.replicas) else plan
+
+
+def _narrow(q: Piece, dim: int, start: int, length: int, where: str) -> Piece:
+    if q.dim is None:
+        return Piece(q.name, q.rank, dim, start, length)
+    if q.dim != dim:
+        raise LayoutError(f"{where}: cannot take a dim-{dim} slice of a dim-{q.dim} piece (unsupported layout)")
+    return Piece(q.name, q.rank, dim, q.start + start, length)
+
+
+def _merge_runs(pieces: list[Piece]) -> tuple[Piece, ...]:
+    """Adjacent slices of one stored tensor that continue each other become one piece (fewer, bigger copies)."""
+    out: list[Piece] = []
+    for p in pieces:
+        last = out[-1] if out else None
+        if (
+            last is not None
+            and p.dim is not None
+            and (last.name, last.rank, last.dim) == (p.name, p.rank, p.dim)
+            and last.start + last.length == p.start
+        ):
+            out[-1] = dataclasses.replace(last, length=last.length + p.length)
+        else:
+            out.append(p)
+    return tuple(out)
+
+
+def compose(target: TensorPlan, full: Mapping[str, TensorPlan], pick: Mapping[str, int] | None = None) -> TensorPlan:
+    """``target`` (pieces of full tensors) with every piece replaced by the source pieces it is made of.
+
+    ``pick[name] = j`` reads full tensor ``name`` from its ``j``-th replica (1-based) instead of its canonical
+    pieces: the variants the executor compares.
+    """
+    pick = pick or {}
+    out: list[Piece] = []
+    for p in target.pieces:
+        fp = full[p.name]
+        j = pick.get(p.name, 0)
+        chosen = fp.pieces if j == 0 else fp.replicas[j - 1]
+        if p.dim is None:
+            if target.dim is None:  # the whole full tensor is the target (one piece)
+                return dataclasses.replace(target, dim=fp.dim, pieces=chosen, replicas=())
+            if fp.dim not in (None, target.dim):
+                raise LayoutError(f"{target.name}: {p.name} is split along dim {fp.dim}, fused along {target.dim}")
+            out.extend(chosen)
+        elif fp.dim is None:
+            out.append(_narrow(chosen[0], p.dim, p.start, p.length, target.name))
+        elif fp.dim == p.dim:
+            pos = 0
+            for q in chosen:
+                lo, hi = max(p.start, pos), min(p.start + p.length, pos + q.length)
+                if lo < hi:
+                    out.append(Piece(q.name, q.rank, q.dim, q.start + lo - pos, hi - lo))
+                pos += q.length
+        else:
+            raise LayoutError(f"{target.name}: {p.name} is split along dim {fp.dim}, the target along {p.dim}")
+    return dataclasses.replace(target, pieces=_merge_runs(out), replicas=())
+
+
+def compose_all(target: TensorPlan, full: Mapping[str, TensorPlan]) -> TensorPlan:
+    """:func:`compose` with every replica of every full tensor involved as a variant to compare."""
+    base = compose(target, full)
+    variants = []
+    for name in dict.fromkeys(p.name for p in target.pieces):
+        for j in range(len(full[name].replicas)):
+            variants.append(compose(target, full, {name: j + 1}).pieces)
+    return dataclasses.replace(base, replicas=tuple(variants))
+
+
+# ------------------------------------------------------------------------------------------------ full view
+
+
+def _identity(desc: TensorDesc) -> TensorPlan:
+    return TensorPlan(
+        desc.name, None, TensorMeta(desc.shape, dtype_from_name(desc.dtype)), None, (Piece(desc.name, None, None),)
+    )
+
+
+def full_view(source: Source, config: Mapping[str, Any] | None = None) -> dict[str, tuple[TensorDesc, TensorPlan]]:
+    """Full (HF-named) tensor -> (its description, its plan over source pieces): model tensors, then optimizer
+    states (``optim/<full name>/<key>``)."""
+    if source.layout == "cuda":
+        return {n: (d, _identity(d)) for n, d in source.tensors.items()}
+    spec = source.spec(config)
+    model = {n: d for n, d in source.tensors.items() if d.role in MODEL_ROLES}
+    out: dict[str, tuple[TensorDesc, TensorPlan]] = {}
+    for t in plan_nxd_to_full(spec, source.rank_metas()).tensors:
+        src = model[hf_to_nxd_name(t.name, spec)]
+        out[t.name] = (TensorDesc(t.name, src.role, t.meta.shape, dtype_name(t.meta.dtype)), dedup_replicas(source, t))
+    for param, keys in source.optimizer_states().items():
+        if param not in model:
+            raise StateMismatchError(f"{source.path}: optimizer state for {param!r}, which is not a parameter")
+        for d in keys.values():
+            if d.shape != model[param].shape:
+                raise LayoutError(
+                    f"{source.path}: {d.name} has shape {list(d.shape)}, its parameter {list(model[param].shape)}; "
+                    "only optimizer states shaped like their parameter convert"
+                )
+        for hf in nxd_to_hf_names(param):
+            base = out[hf][1]
+            for key, d in keys.items():
+                name = optim_name(hf, key)
+                plan = rename_plan(base, name, dtype_from_name(d.dtype), lambda n, k=key: optim_name(n, k))
+                out[name] = (TensorDesc(name, "optimizer_state", base.meta.shape, d.dtype, hf, key), plan)
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ targets
+
+
+def plan_to_cuda(source: Source, *, config: Mapping[str, Any] | None = None) -> Conversion:
+    """Plan the CUDA (full, HF-named) form of ``source``."""
+    cfg = dict(config) if config is not None else source.config
+    view = full_view(source, config)
+    tensors = [OutTensor(desc, (OutPart(Box.full(desc.shape), plan),)) for desc, plan in view.values()]
+    trees = copy.deepcopy(source.trees)
+    if source.layout == "neuron":
+        trees.optimizer = rename_optimizer(
+            trees.optimizer, lambda n: [h for h in nxd_to_hf_names(n) if h in view] or [n], False, source.path
+        )
+        nxd = trees.extra.pop("nxd", None)
+        trees.extra["converted_from"] = {"layout": "neuron", "format": source.format, "nxd": nxd}
+    move_xla_rng_out(trees)
+    if cfg is not None:
+        trees.extra["config"] = dict(cfg)
+    return Conversion(source, "cuda", tensors, trees, cfg)
+
+
+def _tp_parts(
+    plans: Mapping[Rank, TensorPlan], dim: int | None, tp: int, pps: tuple[int, ...], local: tuple[int, ...]
+) -> tuple[OutPart, ...]:
+    """The parts of one target tensor from its per-rank plans: TP box ``r`` per rank, or one box for all ranks."""
+    if dim is None:
+        ranks = tuple((t, p) for p in pps for t in range(tp))
+        return (OutPart(Box.full(local), plans[(0, pps[0])], ranks),)
+    parts = []
+    for r in range(tp):
+        offs = [0] * len(local)
+        offs[dim] = r * local[dim]
+        parts.append(OutPart(Box(tuple(offs), local), plans[(r, pps[0])], tuple((r, p) for p in pps)))
+    return tuple(parts)
+
+
+def _logical(local: tuple[int, ...], dim: int | None, tp: int) -> tuple[int, ...]:
+    shape = list(local)
+    if dim is not None:
+        shape[dim] *= tp
+    return tuple(shape)
+
+
+def plan_to_neuron(
+    source: Source, flags: NxdFlags, *, config: Mapping[str, Any] | None = None, rule_set: str | None = None
+) -> Conversion:
+    """Plan the Neuron (NxD TP/PP) form of ``source`` with ``flags``.
+
+    Keeping the source's own layout (:meth:`NxdFlags.model_layout_equal`) copies rank tensors as they are and needs
+    no config; any other layout goes through the full view and needs the model's dimensions.
+    """
+    if source.layout == "neuron" and source.flags is not None and source.flags.model_layout_equal(flags):
+        return plan_same_layout(source, flags, config=config)
+    cfg = dict(config) if config is not None else source.config
+    if not cfg:
+        raise LayoutError(f"{source.path}: the model config is unknown; pass --config config.json")
+    spec = LayoutSpec.of(ModelDims.from_hf_config(cfg), flags)
+    view = full_view(source, config)
+    full_plans = {n: plan for n, (_, plan) in view.items()}
+    model = {n: d for n, (d, _) in view.items() if d.role in MODEL_ROLES}
+    metas = {n: TensorMeta(d.shape, dtype_from_name(d.dtype)) for n, d in model.items()}
+    rule = rule_set or (source.record.rule_set if source.record is not None else NxdRecord().rule_set)
+    by_name: dict[str, dict[Rank, TensorPlan]] = {}
+    for t in plan_full_to_nxd(spec, metas).tensors:
+        assert t.rank is not None
+        by_name.setdefault(t.name, {})[t.rank] = t
+    optim = {}
+    for d, _ in view.values():
+        if d.role == "optimizer_state":
+            assert d.param is not None and d.key is not None
+            optim.setdefault(d.param, {})[d.key] = d
+    tensors: list[OutTensor] = []
+    pp_ranks: dict[str, list[int]] = {}
+    for nxd, per_rank in by_name.items():
+        parts_hf = nxd_to_hf_names(nxd)
+        present = [h for h in parts_hf if h in model]
+        pps = pp_ranks_of(nxd, spec)
+        pp_ranks[nxd] = list(pps)
+        first = per_rank[(0, pps[0])]
+        part = partition_entry(nxd, spec.tp, rule)
+        dim = None if part is None else int(part["dim"])
+        composed = {rank: compose_all(plan, full_plans) for rank, plan in per_rank.items()}
+        local = first.meta.shape
+        tensors.append(
+            OutTensor(
+                TensorDesc(nxd, model[present[0]].role, _logical(local, dim, spec.tp), dtype_name(first.meta.dtype),
+                           partition=part),  # fmt: skip
+                _tp_parts(composed, dim, spec.tp, pps, local),
+            )
+        )
+        keys = [optim.get(h, {}) for h in present]
+        for key in dict.fromkeys(k for ks in keys for k in ks):
+            descs = [ks.get(key) for ks in keys]
+            if any(d is None for d in descs):
+                missing = present[[d is None for d in descs].index(True)]
+                raise StateMismatchError(f"{source.path}: {missing} has no optimizer state {key!r}, but {nxd} fuses it")
+            dtypes = {d.dtype for d in descs if d is not None}
+            if len(dtypes) > 1:
+                raise LayoutError(f"{source.path}: optimizer state {key!r} of {nxd}'s parts has dtypes {sorted(dtypes)}")
+            dt = dtypes.pop()
+            name = optim_name(nxd, key)
+            renamed = {
+                rank: rename_plan(plan, name, dtype_from_name(dt), lambda n, k=key: optim_name(n, k))
+                for rank, plan in per_rank.items()
+            }
+            tensors.append(
+                OutTensor(
+                    TensorDesc(name, "optimizer_state", _logical(local, dim, spec.tp), dt, nxd, key, part),
+                    _tp_parts({r: compose_all(p, full_plans) for r, p in renamed.items()}, dim, spec.tp, pps, local),
+                )
+            )
+    for param in optim:
+        if param not in model:
+            raise StateMismatchError(f"{source.path}: optimizer state for {param!r}, which is not a parameter")
+    record = NxdRecord.of(flags, rule_set=rule, config=cfg, pp_ranks=pp_ranks if spec.pp > 1 else None)
+    trees = copy.deepcopy(source.trees)
+    if source.layout == "neuron":
+        trees.optimizer = rename_optimizer(trees.optimizer, lambda n: list(nxd_to_hf_names(n)), False, source.path)
+        trees.extra.pop("nxd", None)
+    trees.optimizer = rename_optimizer(trees.optimizer, lambda h: [hf_to_nxd_name(h, spec)], True, source.path)
+    move_xla_rng_in(trees)
+    trees.extra.pop("config", None)
+    trees.extra["nxd"] = record.to_extra()
+    return Conversion(
+        source, "neuron", tensors, trees, cfg, flags=flags, record=record, zero1=flags.dp > 1 or _zero1(source, flags)
+    )
+
+
+def _zero1(source: Source, flags: NxdFlags) -> bool:
+    """Keep a ZeRO-1 source's optimizer ZeRO-1 at an unchanged DP size (even DP 1)."""
+    return bool(getattr(source, "zero1", False)) and source.flags is not None and source.flags.dp == flags.dp
+
+
+def plan_same_layout(source: Source, flags: NxdFlags, *, config: Mapping[str, Any] | None = None) -> Conversion:
+    """Neuron -> Neuron keeping the layout: every rank tensor is copied as it is stored; replicated copies (every
+    TP rank's norm, every PP rank's shared tensor) are compared, not trusted."""
+    assert source.flags is not None and source.record is not None
+    tp = flags.tp
+    tensors: list[OutTensor] = []
+    for name, desc in source.tensors.items():
+        param = desc.param if desc.role == "optimizer_state" and desc.param is not None else name
+        pps = source.pp_ranks(param)
+        local = source.local_shape(desc)
+        meta = TensorMeta(local, dtype_from_name(desc.dtype))
+        dim = None if desc.partition is None else int(desc.partition["dim"])
+        copies = [(r, p) for p in pps for r in range(tp)]
+
+        def plan_of(ranks: list[Rank], name: str = name, meta: TensorMeta = meta) -> TensorPlan:
+            canon, *rest = ranks
+            plan = TensorPlan(
+                name, canon, meta, None, (Piece(name, canon, None),), tuple((Piece(name, r, None),) for r in rest)
+            )
+            return dedup_replicas(source, plan)
+
+        if dim is None:
+            parts: tuple[OutPart, ...] = (OutPart(Box.full(local), plan_of(copies), tuple(copies)),)
+        else:
+            parts = tuple(
+                OutPart(
+                    Box(tuple(r * local[d] if d == dim else 0 for d in range(len(local))), local),
+                    plan_of([(r, p) for p in pps]),
+                    tuple((r, p) for p in pps),
+                )
+                for r in range(tp)
+            )
+        tensors.append(OutTensor(desc, parts))
+    record = source.record
+    if config is not None:
+        record = dataclasses.replace(record, config=dict(config))
+    trees = copy.deepcopy(source.trees)
+    trees.extra["nxd"] = record.to_extra()
+    trees.world_size = flags.tp * flags.pp * flags.dp
+    return Conversion(
+        source, "neuron", tensors, trees, record.config, flags=flags, record=record,
+        zero1=flags.dp > 1 or _zero1(source, flags), same_layout=True,
+    )  # fmt: skip
+
+
+__all__ = [
+    "Conversion",
+    "OutPart",
+    "OutTensor",
+    "compose",
+    "compose_all",
+    "dedup_replicas",
+    "full_view",
+    "plan_same_layout",
+    "plan_to_cuda",
+    "plan_to_neuron",
+    "rename_plan",
+]

@@ -1,0 +1,151 @@
+"""Running an :class:`~.export.Export`: in this process, in N local worker processes, or on torchrun ranks.
+
+All three share one protocol: the coordinator ``begin``s (refusing a used destination, creating the staging
+location), workers write their :func:`~.export.balance` share of the units, the coordinator ``commit``s once every
+receipt is in, and on any failure ``abort``s so that nothing is published.
+
+Workers in other processes re-open and re-plan the source themselves (``rebuild``, a picklable callable returning
+the same export): planning is deterministic, so they agree on the units without the parent shipping its plan, and
+:func:`~.export.check_cover` at commit catches one that planned differently.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+from collections.abc import Callable
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from typing import Any
+
+from ckpt.errors import CkptError
+
+from .export import Export, Progress, Staging, UnitReceipt, balance
+
+
+def run_serial(export: Export, dst: str, progress: Progress = None) -> str:
+    """Write every unit in this process, then commit."""
+    staging = export.begin(dst)
+    try:
+        receipt = export.write(staging, range(len(export.weights)), progress, worker=0)
+        return export.commit(staging, dst, [receipt])
+    except BaseException:
+        export.abort(staging)
+        raise
+
+
+def _worker(rebuild: Callable[[], Export], staging: Staging, units: list[int], index: int) -> UnitReceipt:
+    import torch
+
+    torch.set_num_threads(1)
+    export = rebuild()
+    try:
+        return export.write(staging, units, None, worker=index)
+    finally:
+        close = getattr(export, "close", None)
+        if close is not None:
+            close()
+
+
+def run_workers(
+    export: Export, dst: str, workers: int, rebuild: Callable[[], Export], progress: Progress = None
+) -> str:
+    """``workers`` spawned processes write the units; this process commits.  On any failure it waits for the
+    other workers (leaving the pool), then aborts: nothing is ever published."""
+    shares = balance(export.weights, workers)
+    staging = export.begin(dst)
+    try:
+        receipts: list[UnitReceipt] = []
+        busy = [i for i in range(workers) if shares[i]]  # more workers than units: the rest have nothing to do
+        with ProcessPoolExecutor(max_workers=max(1, len(busy)), mp_context=mp.get_context("spawn")) as pool:
+            futures = {pool.submit(_worker, rebuild, staging, shares[i], i): i for i in busy}
+            for fut in as_completed(futures):
+                receipts.append(fut.result())
+                if progress is not None:
+                    progress(sum(export.weights[u] for u in shares[futures[fut]]))
+        return export.commit(staging, dst, receipts)
+    except BaseException:
+        export.abort(staging)
+        raise
+
+
+def run_torchrun(export: Export, dst: str, rank: int, world: int, progress: Progress = None) -> str:
+    """torchrun: rank 0 begins and broadcasts the staging location, every rank writes its share, rank 0 gathers the
+    receipts and commits (or aborts), and every rank learns the outcome.
+
+    Ranks on several machines need the destination on storage they all reach (a shared filesystem or an object
+    store).
+    """
+    import torch.distributed as dist
+
+    own = False
+    if not dist.is_initialized():
+        dist.init_process_group("gloo")
+        own = True
+    staging: Staging | None = None
+    try:
+        begun: list[Any] = [None]
+        begin_error: Exception | None = None
+        if rank == 0:
+            try:
+                staging = export.begin(dst)
+                begun[0] = ("ok", staging)
+            except Exception as e:  # noqa: BLE001 - every rank must learn it, or they wait forever
+                begin_error = e
+                begun[0] = ("error", f"{e}")
+        dist.broadcast_object_list(begun, src=0)
+        if begin_error is not None:
+            raise begin_error  # rank 0: the original one-line error (e.g. DST exists)
+        if begun[0][0] == "error":
+            raise CkptError(f"conversion failed, nothing committed: rank 0: {begun[0][1]}")
+        shared: Staging = begun[0][1]
+        share = balance(export.weights, world)[rank]
+        failure = _write_gather_commit(
+            rank,
+            world,
+            lambda: export.write(shared, share, progress, worker=rank),
+            lambda receipts: export.commit(shared, dst, receipts),
+        )
+        if rank == 0:
+            if failure:
+                export.abort(shared)
+            staging = None
+        if failure:
+            raise CkptError(f"conversion failed, nothing committed: {failure}")
+        return dst
+    finally:
+        if staging is not None:  # rank 0 left early (a collective failed): nothing is published
+            export.abort(staging)
+        if own:
+            dist.destroy_process_group()
+
+
+def _write_gather_commit(
+    rank: int, world: int, write: Callable[[], Any], commit_all: Callable[[list[Any]], None]
+) -> str | None:
+    """Every rank runs ``write``; rank 0 gathers the receipts and runs ``commit_all`` iff no rank failed.
+
+    Returns the failure text (the same on every rank), or None when committed.  Errors are gathered, not raised
+    locally, so that no rank is left waiting in a collective.
+    """
+    import torch.distributed as dist
+
+    receipt, error = None, None
+    try:
+        receipt = write()
+    except Exception as e:  # noqa: BLE001 - reported to rank 0, then raised everywhere
+        error = f"rank {rank}: {e}"
+    gathered: list[Any] = [None] * world if rank == 0 else []
+    dist.gather_object((receipt, error), gathered if rank == 0 else None, dst=0)
+    outcome: list[Any] = [None]
+    if rank == 0:
+        errors = [e for _, e in gathered if e]
+        if not errors:
+            try:
+                commit_all([r for r, _ in gathered])
+            except Exception as e:  # noqa: BLE001
+                errors.append(f"commit: {e}")
+        outcome[0] = "; ".join(errors) or None
+    dist.broadcast_object_list(outcome, src=0)
+    return outcome[0]
+
+
+__all__ = ["run_serial", "run_torchrun", "run_workers"]
