@@ -18,6 +18,7 @@ import abc
 import contextlib
 import copy
 import importlib
+import os
 from collections.abc import Callable
 from typing import Any, BinaryIO, NamedTuple
 
@@ -35,6 +36,7 @@ class Storage(abc.ABC):
     """
 
     url: str  # the root as the user gave it (no trailing slash)
+    root: str  # the root as the backend names it: path(""), an absolute local path or the fsspec path
     protocol: str  # "file", "s3", "memory", ...
     retries: int = RETRIES  # how often a transient failure is retried (remote backends)
     local = False  # True when files are plain local files: no retries, stat is cheap, mmap works
@@ -57,7 +59,7 @@ class Storage(abc.ABC):
         """A Storage rooted at ``rel`` below this one, sharing the backend's connection and options."""
         sub = copy.copy(self)
         sub.url = f"{self.url}/{rel}"
-        sub.root = self.path(rel)  # type: ignore[attr-defined]
+        sub.root = self.path(rel)
         return sub
 
     # ------------------------------------------------------------------------------------------------ writing
@@ -157,7 +159,7 @@ def scheme(url: str) -> str:
 
 
 def open_storage(
-    url: Any, storage_options: dict[str, Any] | None = None, *, retries: int = RETRIES
+    url: str | os.PathLike[str], storage_options: dict[str, Any] | None = None, *, retries: int = RETRIES
 ) -> Storage:
     """The :class:`Storage` for ``url`` (a local path, ``file://``, ``s3://`` or any fsspec URL).
 
@@ -199,4 +201,4 @@ def _missing_package(name: str, exc: ImportError) -> str:
     return f"the fsspec implementation of {name}://"
 
 
-__all__ = ["BACKENDS", "RETRIES", "Backend", "Storage", "open_storage", "scheme"]
+__all__ = ["BACKENDS", "FSSPEC", "RETRIES", "Backend", "Storage", "open_storage", "scheme"]

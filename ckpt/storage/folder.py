@@ -20,6 +20,7 @@ context manager, a transaction that was not committed when the block ends is abo
 
 from __future__ import annotations
 
+import abc
 import errno
 import os
 import shutil
@@ -33,7 +34,7 @@ from . import Storage, open_storage
 from .local import fsync_dir
 
 
-class FolderTxn:
+class FolderTxn(abc.ABC):
     """An open folder transaction (see the module docstring). Get one from :func:`begin_folder`."""
 
     destination: str  # where the folder is published, as the user wrote it (for messages)
@@ -65,11 +66,13 @@ class FolderTxn:
             self._discard()
             self.state = "aborted"
 
+    @abc.abstractmethod
     def _publish(self, markers: dict[str, bytes]) -> None:
-        raise NotImplementedError
+        """Make the folder, with ``markers`` written last, what readers of the destination see."""
 
+    @abc.abstractmethod
     def _discard(self) -> None:
-        raise NotImplementedError
+        """Remove everything written so far."""
 
     def __enter__(self) -> FolderTxn:
         return self
