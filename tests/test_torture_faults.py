@@ -1,7 +1,7 @@
 """Object-store faults: a loopback proxy between s3fs and moto injects 5xx/SlowDown, resets and slow responses.
 
 Most tests turn botocore's own retries off (``max_attempts: 1``) so that each injected fault reaches ckpt's retry
-layer (``Storage._retry``) and the request counts are exact; one test keeps the default botocore configuration to
+layer (``ckpt.storage.retry.with_retries``) and the request counts are exact; one test keeps the default botocore configuration to
 show the layers together. Every test checks the wire (the proxy's request log) and the store itself (moto, read
 directly, not through the proxy): what was committed, and that no multipart upload is left open.
 """
