@@ -14,7 +14,7 @@ from typing import Any
 from .errors import CkptError
 from .manifest import MANIFEST_NAME, Manifest
 from .reader import read_manifest
-from .storage import Storage
+from .storage import Storage, open_storage
 
 STEP_RE = re.compile(r"^step_(\d+)$")
 
@@ -75,7 +75,7 @@ def list_checkpoints(
     threads: int = 16,
 ) -> list[CheckpointInfo]:
     """All step folders under ``root`` with their status, ordered by step."""
-    storage = root if isinstance(root, Storage) else Storage(str(root), storage_options)
+    storage = root if isinstance(root, Storage) else open_storage(root, storage_options)
     names = [n for n in storage.listdir() if parse_step(n) is not None]
     if storage.local or len(names) < 2:
         infos = [inspect_dir(storage, n, check_files) for n in names]

@@ -20,7 +20,7 @@ from .loader import RestoreResult, restore
 from .manifest import MANIFEST_NAME
 from .reader import CheckpointReader
 from .saver import Checkpointer, SaveResult
-from .storage import Storage
+from .storage import open_storage
 
 
 class CheckpointManager:
@@ -47,7 +47,7 @@ class CheckpointManager:
         if keep_last is not None and keep_last < 1:
             raise CkptError(f"keep_last={keep_last}: expected at least 1 (or None to keep all)")
         self.root = str(root).rstrip("/")
-        self.storage = Storage(self.root, storage_options)
+        self.storage = open_storage(self.root, storage_options)
         self.storage_options = storage_options
         self.keep_last = keep_last
         self.keep_every = keep_every

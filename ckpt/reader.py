@@ -18,7 +18,7 @@ from .dtypes import dtype_from_name, itemsize
 from .errors import CkptError, CorruptionError, ManifestError, StorageError
 from .manifest import MANIFEST_NAME, Box, Manifest, Shard, TensorEntry
 from .shardfile import tensor_bytes
-from .storage import Storage
+from .storage import Storage, open_storage
 
 
 def read_manifest(storage: Storage) -> Manifest:
@@ -46,7 +46,7 @@ class CheckpointReader:
     def __init__(
         self, path: str | Storage, storage_options: dict[str, Any] | None = None, verify: bool = True
     ):
-        self.storage = path if isinstance(path, Storage) else Storage(str(path), storage_options)
+        self.storage = path if isinstance(path, Storage) else open_storage(path, storage_options)
         self.manifest = read_manifest(self.storage)
         self.verify = verify
 

@@ -39,7 +39,7 @@ from .planning import DEFAULT_CHUNK_BYTES, Piece, assign_writers, chunk_boxes, d
 from .shardfile import Chunk, write_shard_file
 from .staging import HostStager
 from .state import NamedTensor, model_tensors, optimizer_capture, state_dict_of
-from .storage import Storage
+from .storage import Storage, open_storage
 
 # A layout hook: given a named tensor, return (global shape, local box, local tensor, partition metadata) when the
 # tensor is a shard of a bigger logical tensor that plain torch cannot describe (NxD TP shards), else None.
@@ -142,7 +142,7 @@ class Checkpointer:
         """
         self.wait()
         started = time.perf_counter()
-        storage = Storage(path, self.storage_options)
+        storage = open_storage(path, self.storage_options)
         named: list[NamedTensor] = []
         trees: dict[str, Any] = {"progress": {"step": step, **(progress or {})}}
         if model is not None:

@@ -23,7 +23,7 @@ from .errors import CheckpointExistsError, CkptError
 from .manifest import MANIFEST_NAME, Box, Layout, Manifest, TensorDesc
 from .planning import DEFAULT_CHUNK_BYTES, chunk_boxes
 from .shardfile import Chunk, write_shard_file
-from .storage import Storage
+from .storage import Storage, open_storage
 
 DEFAULT_FLUSH_BYTES = 512 << 20
 
@@ -44,7 +44,7 @@ class StreamingWriter:
         overwrite: bool = False,
         background: bool = True,
     ) -> None:
-        self.storage = path if isinstance(path, Storage) else Storage(str(path), storage_options)
+        self.storage = path if isinstance(path, Storage) else open_storage(path, storage_options)
         if rank == 0 and self.storage.exists(MANIFEST_NAME):
             if not overwrite:
                 raise CheckpointExistsError(

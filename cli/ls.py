@@ -9,7 +9,7 @@ from rich.table import Table
 
 from ckpt.discovery import list_checkpoints
 from ckpt.errors import CkptError
-from ckpt.storage import Storage
+from ckpt.storage import open_storage
 
 from .common import human_bytes, layout_text, out
 
@@ -25,7 +25,7 @@ except ImportError:  # pragma: no cover - editable checkouts expose the top-leve
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
 def ls(root: str, check_files: bool, as_json: bool) -> None:
     """List checkpoints under ROOT: step, time, size, backend, layout, status."""
-    storage = Storage(root)
+    storage = open_storage(root)
     if not storage.is_dir():
         raise CkptError(f"{root}: no such directory")
     infos = list_checkpoints(storage, check_files=check_files)

@@ -26,7 +26,7 @@ from ckpt.commit import Receipt
 from ckpt.errors import CheckpointExistsError, CkptError, LayoutError
 from ckpt.layouts import LayoutSpec
 from ckpt.manifest import MANIFEST_NAME
-from ckpt.storage import Storage
+from ckpt.storage import open_storage
 from ckpt.writer import StreamingWriter
 
 from .ckpt_layout import (
@@ -87,7 +87,7 @@ def detect_format(src: str) -> str:
     """``ckpt`` / ``dcp`` / ``hf`` / ``nxd`` for the folder at ``src`` (one-line error when none fits)."""
     if "://" not in src and not Path(src).exists():
         raise CkptError(f"{src}: no such file or directory")
-    if Storage(src).exists(MANIFEST_NAME):
+    if open_storage(src).exists(MANIFEST_NAME):
         return "ckpt"
     if "://" in src:
         raise CkptError(f"{src}: no manifest.json; only our format is read from object stores")
@@ -213,7 +213,7 @@ def _dist_env() -> tuple[int, int]:
 
 
 def _check_ckpt_dst(dst: str, opts: ConvertOptions) -> None:
-    storage = Storage(dst, opts.storage_options)
+    storage = open_storage(dst, opts.storage_options)
     if storage.exists(MANIFEST_NAME):
         raise CheckpointExistsError(f"{storage.display(MANIFEST_NAME)} already exists; choose a new DST")
 
@@ -291,7 +291,7 @@ def convert(
 
 def _sweep(dst: str, opts: ConvertOptions, attempt: str) -> None:
     """Remove data files of a failed attempt (their names carry the attempt id)."""
-    storage = Storage(dst, opts.storage_options)
+    storage = open_storage(dst, opts.storage_options)
     try:
         names = storage.listdir()
     except Exception:  # noqa: BLE001
@@ -318,7 +318,7 @@ def _convert_local_workers(
                 receipts.append(fut.result())
                 if progress is not None:
                     progress(sum(conv.tensors[j].info.nbytes for j in shares[futures[fut]]))
-        commit(conv, Storage(dst, opts.storage_options), sorted(receipts, key=lambda r: r.rank))
+        commit(conv, open_storage(dst, opts.storage_options), sorted(receipts, key=lambda r: r.rank))
     except BaseException:
         _sweep(dst, opts, attempt)
         raise
@@ -354,7 +354,7 @@ def _convert_distributed(
             rank,
             world,
             lambda: write_share(conv, writer, share, progress),
-            lambda receipts: commit(conv, Storage(dst, opts.storage_options), receipts),
+            lambda receipts: commit(conv, open_storage(dst, opts.storage_options), receipts),
         )
         if failure:
             writer.abort()

@@ -14,7 +14,7 @@ import torch
 import ckpt
 from ckpt.discovery import step_dir
 from ckpt.manifest import MANIFEST_NAME
-from ckpt.storage import Storage
+from ckpt.storage import Storage, open_storage
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -26,7 +26,7 @@ class Root:
     s3: Any = None
 
     def storage(self) -> Storage:
-        return Storage(self.url, self.storage_options)
+        return open_storage(self.url, self.storage_options)
 
     def manager(self, **kw: Any) -> ckpt.CheckpointManager:
         kw.setdefault("async_save", False)
@@ -77,7 +77,9 @@ def test_retention_deletes_the_manifest_before_the_data(root: Root, monkeypatch:
     mgr = root.manager(keep_last=1)
     mgr.save(1, model=state(1)).result()
     # a crash while deleting the data of step 1: the checkpoint must already be uncommitted
-    monkeypatch.setattr(Storage, "delete_tree", lambda self, rel: (_ for _ in ()).throw(OSError("crash")))
+    monkeypatch.setattr(
+        type(mgr.storage), "delete_tree", lambda self, rel: (_ for _ in ()).throw(OSError("crash"))
+    )
     with pytest.warns(UserWarning, match="crash"):
         mgr.save(2, model=state(2)).result()
     infos = {i.step: i.status for i in mgr.list()}

@@ -112,9 +112,9 @@ def test_truncated_file_is_detected(saved: tuple[Path, dict[str, torch.Tensor]])
     with pytest.raises(CorruptionError, match="short read"):
         reader.read_box_into("big", Box((9, 0), (1, 3)), torch.empty(1, 3))
     from ckpt.discovery import missing_files
-    from ckpt.storage import Storage
+    from ckpt.storage import open_storage
 
-    assert missing_files(Storage(str(path)), reader.manifest) == [
+    assert missing_files(open_storage(path), reader.manifest) == [
         f"{file.name} ({offset + nbytes - 2} bytes, manifest says {reader.manifest.files[file.name].size})"
     ]
 

@@ -1,7 +1,7 @@
 """Object-store faults: a loopback proxy between s3fs and moto injects 5xx/SlowDown, resets and slow responses.
 
 Most tests turn botocore's own retries off (``max_attempts: 1``) so that each injected fault reaches ckpt's retry
-layer (``Storage._retry``) and the request counts are exact; one test keeps the default botocore configuration to
+layer (``ckpt.storage.retry.with_retries``) and the request counts are exact; one test keeps the default botocore configuration to
 show the layers together. Every test checks the wire (the proxy's request log) and the store itself (moto, read
 directly, not through the proxy): what was committed, and that no multipart upload is left open.
 """
@@ -21,7 +21,7 @@ from torture.faultproxy import Fault, FaultProxy, fault_proxy
 import ckpt
 from ckpt.discovery import list_checkpoints
 from ckpt.errors import CkptError, StorageError
-from ckpt.storage import Storage
+from ckpt.storage import open_storage
 
 pytestmark = [
     pytest.mark.s3,
@@ -94,13 +94,13 @@ def test_save_gives_up_after_the_retry_limit_without_committing(s3: Any) -> None
     with proxied(s3, faults) as (proxy, options):
         # requests one ckpt-level attempt costs (the layers below still retry once even with max_attempts=1)
         with pytest.raises(StorageError):
-            Storage(s3.url, options, retries=0).put_bytes("probe/x.safetensors", b"x")
+            open_storage(s3.url, options, retries=0).put_bytes("probe/x.safetensors", b"x")
         per_attempt = proxy.count("error 500", "PUT")
         mgr = ckpt.CheckpointManager(s3.url, storage_options=options, async_save=False)
         with pytest.raises(CkptError, match=r"not committed.*r00000-\w+\.safetensors failed") as info:
             mgr.save(1, model=model())
         assert "\n" not in str(info.value)
-        assert proxy.count("error 500", "PUT") == per_attempt * (1 + Storage(s3.url).retries + 1)
+        assert proxy.count("error 500", "PUT") == per_attempt * (1 + open_storage(s3.url).retries + 1)
         assert proxy.count("forward", "PUT") == 0
     assert not [k for k in keys(s3) if k.endswith("manifest.json")]
     assert [i.status for i in list_checkpoints(s3.url, storage_options=s3.storage_options)] in (
@@ -118,7 +118,7 @@ def test_manifest_put_failing_leaves_data_but_no_checkpoint(s3: Any) -> None:
         mgr.save(1, model=model())
         with pytest.raises(CkptError, match="rank 0 commit.*manifest.json"):
             mgr.wait()
-        assert proxy.count("error 500", "PUT", "manifest.json") > Storage(s3.url).retries
+        assert proxy.count("error 500", "PUT", "manifest.json") > open_storage(s3.url).retries
         mgr.checkpointer.stager.release()
     assert [k for k in keys(s3) if k.endswith(".safetensors")] and not [
         k for k in keys(s3) if k.endswith("manifest.json")
@@ -161,7 +161,7 @@ def test_multipart_upload_failure_is_aborted_or_swept(s3: Any, tmp_path: Any) ->
         Fault("error", method="DELETE", path="uploadId=", status=500),
     ]
     with proxied(s3, faults) as (proxy, options):
-        st = Storage(s3.url, options, retries=0)
+        st = open_storage(s3.url, options, retries=0)
         with pytest.raises(StorageError, match="big.safetensors"):
             st.put_bytes("step_00000001/big.safetensors", big)
         assert proxy.count("error 500", "DELETE") >= 1
@@ -177,7 +177,7 @@ def test_multipart_part_reset_once_then_succeeds(s3: Any) -> None:
     big = os.urandom(1 << 20) * 101
     faults = [Fault("reset", method="PUT", path="partNumber=2", nth={1})]
     with proxied(s3, faults) as (proxy, options):
-        Storage(s3.url, options).put_bytes("blob.bin", big)
+        open_storage(s3.url, options).put_bytes("blob.bin", big)
         assert proxy.count("reset") == 1
     assert s3.boto3_client().get_object(Bucket=s3.bucket, Key=f"{s3.prefix}/blob.bin")["Body"].read() == big
     assert open_uploads(s3) == []

@@ -111,12 +111,12 @@ class ManifestFacts:
     def _load(self, step: int, path: str | None) -> CheckpointFacts | None:
         from ckpt.errors import CkptError
         from ckpt.reader import read_manifest
-        from ckpt.storage import Storage
+        from ckpt.storage import open_storage
 
         last_error = None
         for cand in self._candidates(step, path):
             try:
-                manifest = read_manifest(Storage(cand, self.storage_options))
+                manifest = read_manifest(open_storage(cand, self.storage_options))
             except (CkptError, OSError) as exc:  # not a ckpt checkpoint (a torch.save file), unreadable
                 last_error = str(exc) or type(exc).__name__
                 continue

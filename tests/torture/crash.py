@@ -28,7 +28,8 @@ from typing import Any
 
 from ckpt.discovery import list_checkpoints
 from ckpt.reader import CheckpointReader
-from ckpt.storage import Storage
+from ckpt.storage import open_storage
+from ckpt.storage.s3 import S3Storage
 from ckpt.verify import verify_checkpoint
 
 TRAINER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "trainer.py")
@@ -76,7 +77,7 @@ def read_events(path: str) -> list[dict[str, Any]]:
 
 def newest_verified(root: str, storage_options: dict[str, Any] | None, report: CrashReport) -> int | None:
     """The newest committed step, after fully verifying every committed checkpoint (a failure is recorded)."""
-    storage = Storage(root, storage_options)
+    storage = open_storage(root, storage_options)
     newest = None
     for info in list_checkpoints(storage):
         if info.status == "damaged":
@@ -183,11 +184,9 @@ def run_trials(
                 f"in-flight save killed: {bool(saves - committed)}, newest committed now {expected}",
                 flush=True,
             )
-    storage = Storage(root, options)
+    storage = open_storage(root, options)
     report.leftover_uncommitted = sum(1 for i in list_checkpoints(storage) if i.status == "uncommitted")
-    if storage.protocol in ("s3", "s3a"):
-        bucket, _, key = storage.path().partition("/")
-        resp = storage.fs.call_s3("list_multipart_uploads", Bucket=bucket, Prefix=key + "/")
-        report.open_multipart_uploads = len(resp.get("Uploads", []))
+    if isinstance(storage, S3Storage):
+        report.open_multipart_uploads = len(storage.open_uploads())
     report.seconds = round(time.monotonic() - started, 1)
     return report

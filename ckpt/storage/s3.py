@@ -1,0 +1,60 @@
+"""S3 (``s3://``, ``s3a://``) through s3fs: the fsspec backend plus what S3 alone has.
+
+* Create-only is ``If-None-Match: *`` on the PUT (or on CompleteMultipartUpload), atomic against concurrent
+  writers.  s3fs reports the refusal as ``FileExistsError`` when S3 names the failed condition; a bare
+  ``412 PreconditionFailed`` (some S3-compatible stores) is recognised here from the botocore error s3fs chains.
+* Multipart uploads left open by a crashed writer are invisible but billed: :meth:`S3Storage.abort_stale_uploads`
+  aborts them (retention calls it).
+* s3fs's ``put_file`` uploads parts concurrently, grows the part size past 10,000 parts and aborts its multipart
+  upload on error; s3fs itself is imported by fsspec on first use, so ``import ckpt`` does not need it.
+"""
+
+from __future__ import annotations
+
+from ckpt.errors import StorageError
+
+from .fsspec import FsspecStorage
+from .retry import causes, error_responses
+
+
+def precondition_failed(exc: BaseException) -> bool:
+    """Is ``exc`` (or an error chained under it) S3's answer to a failed create-only condition?
+
+    Looks at the botocore error's code and status, not at the message: a message names the key, and a key may
+    well contain "412" (``step_00000412/...``).
+    """
+    if any(code == "PreconditionFailed" or status == 412 for code, status in error_responses(exc)):
+        return True
+    # the backend's own errors (botocore's text carries the code); not our StorageError, whose text has the key
+    return any("PreconditionFailed" in str(e) for e in causes(exc) if not isinstance(e, StorageError))
+
+
+class S3Storage(FsspecStorage):
+    """Files under ``s3://bucket/prefix``; ``fs`` is an ``s3fs.S3FileSystem``."""
+
+    def _refused_as_existing(self, error: StorageError) -> bool:
+        return precondition_failed(error)
+
+    def _past_the_end(self, error: StorageError) -> bool:
+        # S3 answers a range starting at or past the end with 416 InvalidRange
+        return any(code == "InvalidRange" or status == 416 for code, status in error_responses(error))
+
+    def open_uploads(self, rel: str = "") -> list[tuple[str, str]]:
+        """(key, upload id) of every unfinished multipart upload under ``rel``."""
+        bucket, _, key = self.path(rel).partition("/")
+        prefix = key.rstrip("/") + "/" if key else ""
+        out: list[tuple[str, str]] = []
+        markers: dict[str, str] = {}
+        while True:
+            resp = self.fs.call_s3("list_multipart_uploads", Bucket=bucket, Prefix=prefix, **markers)
+            out.extend((up["Key"], up["UploadId"]) for up in resp.get("Uploads", []))
+            if not resp.get("IsTruncated"):
+                return out
+            markers = {"KeyMarker": resp["NextKeyMarker"], "UploadIdMarker": resp["NextUploadIdMarker"]}
+
+    def abort_stale_uploads(self, rel: str = "") -> int:
+        bucket = self.path(rel).partition("/")[0]
+        uploads = self.open_uploads(rel)
+        for key, upload_id in uploads:
+            self.fs.call_s3("abort_multipart_upload", Bucket=bucket, Key=key, UploadId=upload_id)
+        return len(uploads)
