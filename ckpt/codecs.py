@@ -41,8 +41,9 @@ def check_codec(codec: str) -> str:
 
 
 def check_checksum_format(value: str) -> str:
+    """``value`` is ``"xxh3_64:"`` and 16 lowercase hex digits, as :func:`checksum` writes it."""
     algo, _, digest = value.partition(":")
-    if algo != CHECKSUM_ALGO or len(digest) != 16:
+    if algo != CHECKSUM_ALGO or len(digest) != 16 or any(c not in "0123456789abcdef" for c in digest):
         raise ManifestError(f"bad checksum {value!r}: expected '{CHECKSUM_ALGO}:<16 hex digits>'")
     return value
 

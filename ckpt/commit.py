@@ -4,6 +4,7 @@ training-loop saver and the streaming writer used by converters."""
 from __future__ import annotations
 
 import datetime
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -36,9 +37,15 @@ def build_manifest(
     rank_trees: dict[int, dict[str, Any]] | None = None,
     env: dict[str, Any] | None = None,
 ) -> Manifest:
-    """Assemble the manifest; every tensor must be fully covered by the receipts' shards."""
+    """Assemble the manifest; every tensor must be covered by the receipts' shards.
+
+    Checked here, in time linear in the shards, so that a writer bug is refused before anything is committed:
+    every shard's box lies inside its tensor, no box was written twice, and the boxes hold as many elements as
+    the tensor (together: no gap, unless boxes overlap partially, which ``ckpt verify`` detects).
+    """
     metas_by_name = {m.name: m for m in metas}
     shards: dict[str, list[Shard]] = {n: [] for n in metas_by_name}
+    seen: set[tuple[str, tuple[int, ...], tuple[int, ...]]] = set()
     files: dict[str, FileEntry] = {}
     for r in receipts:
         for fname, size in r.files:
@@ -46,13 +53,25 @@ def build_manifest(
         for name, offs, lens, fname, off, nbytes, codec, csum in r.shards:
             if name not in shards:
                 raise ManifestError(f"rank {r.rank} wrote tensor {name!r} that no rank described")
-            shards[name].append(Shard(fname, off, nbytes, Box(tuple(offs), tuple(lens)), codec, csum))
+            box = Box(tuple(offs), tuple(lens))
+            shape = metas_by_name[name].shape
+            if (
+                len(offs) != len(shape)
+                or len(lens) != len(shape)
+                or any(o < 0 or n < 0 or o + n > d for o, n, d in zip(offs, lens, shape, strict=True))
+            ):
+                raise ManifestError(
+                    f"rank {r.rank} wrote box {list(offs)}+{list(lens)} of tensor {name!r}, "
+                    f"which lies outside its shape {list(shape)}"
+                )
+            if (name, box.offsets, box.lengths) in seen and box.numel:
+                raise ManifestError(f"tensor {name!r}: box {list(offs)}+{list(lens)} was written twice")
+            seen.add((name, box.offsets, box.lengths))
+            shards[name].append(Shard(fname, off, nbytes, box, codec, csum))
     tensors = {}
     for n, m in metas_by_name.items():
         stored = sum(s.box.numel for s in shards[n])
-        total = 1
-        for d in m.shape:
-            total *= d
+        total = math.prod(m.shape)
         if stored != total:
             raise ManifestError(f"tensor {n!r}: written shards hold {stored} of {total} elements")
         tensors[n] = TensorEntry.of(m, tuple(sorted(shards[n], key=lambda s: s.box.offsets)))

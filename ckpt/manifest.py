@@ -337,13 +337,16 @@ def _from_doc(doc: Any, source: str) -> Manifest:
     if backend not in BACKENDS:
         raise ManifestError(f"{source}: backend {backend!r} is not one of {BACKENDS}")
     lay = _need(doc, "layout", dict, source)
+    mesh = lay.get("mesh")
+    if mesh is not None and not isinstance(mesh, dict):
+        raise ManifestError(f"{source}: field 'layout.mesh' must be an object or null")
     layout = Layout(
         **{
             k: _nonneg_int(lay.get(k, 1 if k != "zero_stage" else 0), f"{source}: layout.{k}")
             for k in ("world_size", "tp", "pp", "dp", "ep", "zero_stage")
         },
-        mesh=lay.get("mesh"),
-        kind=str(lay.get("kind", "replicated")),
+        mesh=mesh,
+        kind=_need(lay, "kind", str, f"{source}: layout") if "kind" in lay else "replicated",
     )
     files: dict[str, FileEntry] = {}
     for path, f in _need(doc, "files", dict, source).items():
@@ -363,9 +366,10 @@ def _from_doc(doc: Any, source: str) -> Manifest:
     for key in ("rng", "progress", "data", "environment", "extra"):
         if doc.get(key) is not None and not isinstance(doc[key], dict):
             raise ManifestError(f"{source}: field {key!r} must be an object")
+    created_at = _need(doc, "created_at", str, source) if "created_at" in doc else ""
     return Manifest(
         step=step,
-        created_at=str(doc.get("created_at", "")),
+        created_at=created_at,
         backend=backend,
         layout=layout,
         tensors=tensors,
