@@ -7,17 +7,11 @@ from pathlib import Path
 
 import click
 
-from ckpt.resume.compare import (
-    DEFAULT_K,
-    DEFAULT_WINDOW,
-    Comparison,
-    compare_runs,
-    plot_comparison,
-    render_comparison,
-)
+from ckpt.resume.compare import DEFAULT_K, DEFAULT_WINDOW, Comparison, compare_runs
 from ckpt.resume.sources import SOURCES, load_run
 
 from .common import one_line_errors, out
+from .render_resume import render_comparison
 
 EPILOG = """\b
 Examples:
@@ -97,6 +91,8 @@ def compare(
             labels=(label_a, label_b),
         )
         if plot is not None:
+            from ckpt.resume.compare_plot import plot_comparison
+
             plot_comparison(result, plot)
     if as_json:
         click.echo(json.dumps(result.to_json(), indent=2))

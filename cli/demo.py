@@ -21,12 +21,12 @@ from rich.table import Table
 from ckpt.discovery import list_checkpoints
 from ckpt.resume.cost import recovery_cost
 from ckpt.resume.manifest_facts import ManifestFacts
-from ckpt.resume.report import render
 from ckpt.resume.sources import load_run
 from ckpt.resume.verify import verify_run
 
 from .common import out
-from .report import _render as render_cost
+from .render_resume import render_cost
+from .render_resume import render_verification as render
 
 
 def _free_port() -> int:

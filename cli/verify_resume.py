@@ -9,11 +9,12 @@ from pathlib import Path
 import click
 
 from ckpt.resume.checks import VerifyOptions
-from ckpt.resume.report import render, to_json
+from ckpt.resume.report import to_json
 from ckpt.resume.sources import SOURCES, load_run
 from ckpt.resume.verify import Verification, verify_run
 
 from .common import one_line_errors
+from .render_resume import render_verification
 
 EPILOG = """\b
 Examples:
@@ -132,5 +133,5 @@ def verify_resume(
 
             click.echo(f"replayed {outcome.steps} steps from step {outcome.from_step}: {outcome.command}")
             click.echo(render_rows(rows), nl=False)
-        render(result)
+        render_verification(result)
     ctx.exit(result.exit_code)

@@ -104,3 +104,22 @@ def test_report_recovery_cost(good: Path) -> None:
     assert (f["crash_step"], f["restored_step"], f["steps_recomputed"]) == (75, 60, 15)
     assert f["restore_seconds"] == 0.01 and f["downtime_seconds"] >= 0
     assert doc["saves"] == 6 and doc["save_blocking_seconds"] == pytest.approx(6 * 0.002)
+
+
+def test_rich_stays_at_the_cli_edge() -> None:
+    # Every library module of ckpt.resume imported in a fresh interpreter: none of them pulls in rich (the
+    # tables and colours live in cli/render_resume.py).
+    import pkgutil
+    import subprocess
+    import sys
+
+    import ckpt.resume
+
+    names = [m.name for m in pkgutil.walk_packages(ckpt.resume.__path__, "ckpt.resume.")]
+    assert {"ckpt.resume.report", "ckpt.resume.compare_report", "ckpt.resume.continuity"} <= set(names)
+    code = (
+        f"import importlib, sys\nfor n in {names!r}: importlib.import_module(n)\nprint('rich' in sys.modules)"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "False"

@@ -26,23 +26,25 @@ and must be equal exactly.  So the comparison is:
 
 Exit codes as for every ckpt command: 0 the curves agree and the settings match, 1 they diverge or a setting
 differs, 2 bad input.
+
+This module computes the :class:`Comparison` and its JSON; :mod:`ckpt.resume.environment` summarises each
+run's environment, :mod:`ckpt.resume.compare_report` puts the result into words, and
+:mod:`ckpt.resume.compare_plot` draws it.  (A little over 450 lines, on purpose: the statistics and the
+result fields that carry them change together, so they stay in one file, as ``verify_run`` and
+``Verification`` do.)
 """
 
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
-from rich.console import Console
-from rich.table import Table
-from rich.text import Text
 
-from ckpt.resume.checks.history import NEURON_KEYS, VERSION_KEYS
 from ckpt.resume.checks.stats import diff_sigma, median
 from ckpt.resume.continuity import effective_history
+from ckpt.resume.environment import env_differences, env_summary, last_env, run_tokenizer
 from ckpt.resume.errors import RunInputError
 from ckpt.resume.model import Run, StepRecord
 
@@ -61,17 +63,6 @@ MEDIAN_SE = math.sqrt(math.pi / 2)
 
 EXIT_AGREE = 0
 EXIT_DIVERGE = 1
-
-_ENV_IGNORED = frozenset({"hostname", "pid", "tokenizer_id"})
-"""Keys that differ between any two processes (or are reported on their own) and say nothing about numerics."""
-
-_DIST_NAMES = {
-    "torch_xla": "torch-xla",
-    "torch_neuronx": "torch-neuronx",
-    "neuronx_cc": "neuronx-cc",
-    "neuronx_distributed": "neuronx-distributed",
-    "libneuronxla": "libneuronxla",
-}
 
 
 # -- results ---------------------------------------------------------------------------------------------
@@ -261,63 +252,6 @@ def _finite(x: float) -> float | None:
     return x if math.isfinite(x) else None
 
 
-# -- environment -----------------------------------------------------------------------------------------
-def last_env(run: Run) -> dict[str, object]:
-    """The environment of the run's last session that logged one: the process whose steps end the curve."""
-    for session in reversed(run.sessions):
-        if session.env:
-            return dict(session.env)
-    return {}
-
-
-def _tokenizer(run: Run) -> str | None:
-    ids = [s.env.get("tokenizer_id") for s in run.sessions if s.env.get("tokenizer_id") is not None]
-    return str(ids[-1]) if ids else None
-
-
-def backend(env: Mapping[str, object]) -> str:
-    """``neuron``, ``cuda``, ``xla`` or ``cpu``: an explicit ``backend``/``device`` extra wins; else guessed
-    from what is installed (Neuron compiler/runtime packages, then a CUDA build of torch, then torch-xla).
-    Installed is not used: a CUDA build of torch run on CPU reads as cuda, so log
-    ``extra_env={"backend": ...}`` when it matters."""
-    for key in ("backend", "device"):
-        if env.get(key):
-            return str(env[key])
-    if any(env.get(k) for k in NEURON_KEYS if k != "torch_xla"):
-        return "neuron"
-    if env.get("cuda"):
-        return "cuda"
-    if env.get("torch_xla"):
-        return "xla"
-    return "cpu" if env else "unknown"
-
-
-def env_summary(env: Mapping[str, object]) -> str:
-    """One line per run, e.g. ``neuron torch 2.9.0 torch-xla 2.9.0 neuronx-cc 2.21`` or ``cuda 12.8 torch
-    2.9.0``: the backend and the versions that change numerics, in the order people name them."""
-    if not env:
-        return "not logged"
-    parts = [backend(env)]
-    if parts[0] == "cuda" and env.get("cuda"):
-        parts.append(str(env["cuda"]))
-    for key in ("torch", *NEURON_KEYS):
-        if env.get(key):
-            parts.append(f"{_DIST_NAMES.get(key, key)} {env[key]}")
-    if env.get("world_size") is not None:
-        parts.append(f"world {env['world_size']}")
-    return " ".join(parts)
-
-
-def env_differences(a: Mapping[str, object], b: Mapping[str, object]) -> list[tuple[str, object, object]]:
-    """(key, A, B) for every logged setting that differs: versions first, then the rest alphabetically.
-    Nothing when either run logged no environment (TensorBoard, CSV): every key would "differ"."""
-    if not a or not b:
-        return []
-    keys = [k for k in VERSION_KEYS if k in a or k in b]
-    keys += sorted((set(a) | set(b)) - set(VERSION_KEYS) - _ENV_IGNORED)
-    return [(k, a.get(k), b.get(k)) for k in keys if a.get(k) != b.get(k)]
-
-
 # -- the comparison --------------------------------------------------------------------------------------
 def _resolution(precision: str, value: float) -> float:
     """Largest rounding error of one logged value: half an ulp for float32, half of HF's 4th decimal."""
@@ -399,8 +333,8 @@ def compare_runs(
     if window < 2:
         raise RunInputError(f"--window must be at least 2 steps, got {window}")
     la, lb = labels or ("A", "B")
-    a = RunSide(la, run_a, effective_history(run_a), last_env(run_a), _tokenizer(run_a))
-    b = RunSide(lb, run_b, effective_history(run_b), last_env(run_b), _tokenizer(run_b))
+    a = RunSide(la, run_a, effective_history(run_a), last_env(run_a), run_tokenizer(run_a))
+    b = RunSide(lb, run_b, effective_history(run_b), last_env(run_b), run_tokenizer(run_b))
     steps = sorted(a.curve.keys() & b.curve.keys())
     loss_steps = [s for s in steps if a.curve[s].loss is not None and b.curve[s].loss is not None]
     if not loss_steps:
@@ -534,221 +468,3 @@ def _drift(
 
 def _span(curve: Mapping[int, StepRecord]) -> str:
     return f"{min(curve)}..{max(curve)}" if curve else "none"
-
-
-# -- output ----------------------------------------------------------------------------------------------
-def _g(x: float | None, fmt: str = ".4g") -> str:
-    return "n/a" if x is None or not math.isfinite(x) else format(x, fmt)
-
-
-def _rows(c: Comparison) -> list[tuple[str, str, str]]:
-    """(what, verdict, details) rows of the table: the numbers a person needs to trust the verdict."""
-    a, b, s = c.a, c.b, c.loss
-    rows: list[tuple[str, str, str]] = []
-    span = f"{c.steps[0]}..{c.steps[-1]}" if c.steps else "none"
-    extra = f"; only in {a.label}: {c.only_a}, only in {b.label}: {c.only_b}" if c.only_a or c.only_b else ""
-    rows.append(("steps", "", f"{len(c.steps)} common steps ({span}), {s.compared} with both losses{extra}"))
-    if c.lr.status == "not logged":
-        rows.append(("learning rate", "skip", "not logged by both runs"))
-    elif c.lr.differs:
-        rows.append(
-            (
-                "learning rate",
-                "different",
-                f"first differs at step {c.lr.first_mismatch}: {a.label} {c.lr.a!r} vs {b.label} {c.lr.b!r} "
-                f"({c.lr.mismatched}/{c.lr.compared} steps differ)",
-            )
-        )
-    else:
-        rows.append(("learning rate", "equal", f"{c.lr.compared} steps equal bit for bit"))
-    how = {
-        "calibrated": f"{_g(s.k, 'g')} x noise floor",
-        "absolute": "--tolerance",
-        "relative": "--rtol x |loss A|",
-    }[s.tolerance_mode]
-    rows.append(
-        (
-            "noise floor",
-            "",
-            f"{_g(s.noise_floor)} (robust sigma of step-to-step changes: {a.label} {_g(a.noise_floor)}, "
-            f"{b.label} {_g(b.noise_floor)}); tolerance {_g(s.tolerance)} ({how})",
-        )
-    )
-    if s.bitwise_equal:
-        loss_verdict, detail = "equal", f"{s.compared} losses equal bit for bit"
-    else:
-        loss_verdict = "diverge" if s.diverging else "agree"
-        detail = (
-            f"|{b.label}-{a.label}| mean {_g(s.mean_abs_diff)}, median {_g(s.median_abs_diff)}, max {_g(s.max_abs_diff)} "
-            f"at step {s.max_abs_diff_step}; relative mean {_g(s.mean_rel_diff, '.2e')}, "
-            f"max {_g(s.max_rel_diff, '.2e')}"
-        )
-        if s.diverging:
-            detail += f"; {len(s.diverging)} steps beyond tolerance, first at step {s.first_divergence}"
-    rows.append(("loss", loss_verdict, detail))
-    d = c.drift
-    rows.append(
-        (
-            "drift",
-            "significant" if d.significant else "none",
-            f"median {b.label}-{a.label} {_g(d.last, '+.4g')} over the last {d.window} steps "
-            f"({_g(d.first, '+.4g')} over the first); threshold {_g(d.threshold)}",
-        )
-    )
-    if c.data.status == "not logged":
-        rows.append(("data order", "skip", "data digests not logged by both runs"))
-    elif c.data.differs:
-        rows.append(
-            (
-                "data order",
-                "different",
-                f"{c.data.status}: first differs at step {c.data.first_mismatch} "
-                f"({c.data.mismatched}/{c.data.compared} steps differ)",
-            )
-        )
-    else:
-        rows.append(("data order", "equal", f"same batches in the same order at {c.data.compared} steps"))
-    if c.tokenizer == "equal":
-        tok_detail = f"both {a.tokenizer_id}"
-    elif c.tokenizer == "different":
-        tok_detail = f"{a.label}: {a.tokenizer_id} / {b.label}: {b.tokenizer_id}"
-    else:
-        tok_detail = f"not logged by both runs ({a.label}: {a.tokenizer_id}, {b.label}: {b.tokenizer_id})"
-    rows.append(("tokenizer", "skip" if c.tokenizer == "not logged" else c.tokenizer, tok_detail))
-    env = f"{a.label}: {env_summary(a.env)} / {b.label}: {env_summary(b.env)}"
-    if c.env_differences:
-        env += "; differs: " + ", ".join(f"{k} {va} vs {vb}" for k, va, vb in c.env_differences)
-    rows.append(("environment", "differs" if c.env_differences else "same", env))
-    return rows
-
-
-_STYLE = {
-    "equal": "green",
-    "agree": "green",
-    "none": "green",
-    "same": "green",
-    "different": "bold red",
-    "diverge": "bold red",
-    "significant": "bold red",
-    "differs": "yellow",
-    "skip": "dim",
-}
-
-
-def render_comparison(c: Comparison, console: Console | None = None) -> None:
-    """Print the comparison as one rich table and a one-line verdict."""
-    con = console or Console()
-    a, b = c.a, c.b
-    for side in (a, b):
-        r = side.run
-        con.print(
-            f"[bold]{side.label}[/]: {r.path} ({r.source}, {len(r.sessions)} sessions, "
-            f"{len(side.curve)} effective steps, values {r.precision})"
-        )
-        for note in r.notes:
-            con.print(f"[dim]  note: {note}[/]")
-    table = Table(
-        title=f"{b.label} vs {a.label} (differences are {b.label} - {a.label})", title_justify="left"
-    )
-    table.add_column("what")
-    table.add_column("verdict")
-    table.add_column("details", overflow="fold")
-    for what, verdict, detail in _rows(c):
-        table.add_row(what, Text(verdict, style=_STYLE.get(verdict, "")), detail)
-    con.print(table)
-    if c.agree:
-        con.print(f"[bold green]AGREE[/] over {len(c.steps)} common steps")
-    else:
-        con.print(f"[bold red]DIVERGE[/]: {'; '.join(c.problems)}")
-
-
-def plot_comparison(c: Comparison, out: str | os.PathLike[str]) -> None:
-    """Loss of both runs, their difference with the tolerance band below, and both LRs: one PNG, drawn with
-    the headless Agg backend so it works on clusters without a display."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        raise RunInputError("--plot needs matplotlib: pip install 'ckpt[plot]'") from None
-    colour_a, colour_b = "#1f77b4", "#ff7f0e"
-    fig, (ax_loss, ax_diff, ax_lr) = plt.subplots(
-        3, 1, figsize=(11, 8.5), sharex=True, gridspec_kw={"height_ratios": [3, 2, 1.6]}
-    )
-    for side, colour, lw, alpha in ((c.a, colour_a, 2.4, 0.55), (c.b, colour_b, 1.0, 1.0)):
-        steps = sorted(side.curve)
-        for ax, attr in ((ax_loss, "loss"), (ax_lr, "lr")):
-            pts = [
-                (s, getattr(side.curve[s], attr)) for s in steps if getattr(side.curve[s], attr) is not None
-            ]
-            ax.plot(
-                [p[0] for p in pts], [p[1] for p in pts], color=colour, lw=lw, alpha=alpha, label=side.label
-            )
-    xs, ds = c.diff_series()
-    ax_diff.plot(xs, ds, color="#444444", lw=0.9, label=f"{c.b.label} - {c.a.label}")
-    s = c.loss
-    if math.isfinite(s.tolerance):
-        ax_diff.axhspan(-s.tolerance, s.tolerance, color="green", alpha=0.10, lw=0, label="tolerance")
-    ax_diff.axhline(0, color="grey", lw=0.6)
-    div = set(s.diverging)
-    pts = [(x, d) for x, d in zip(xs, ds, strict=True) if x in div]
-    if pts:
-        ax_diff.scatter(
-            [p[0] for p in pts], [p[1] for p in pts], color="red", s=10, zorder=3, label="diverging"
-        )
-    biggest = max((abs(d) for d in ds if math.isfinite(d)), default=0.0)
-    if 0 < biggest < 0.25 * s.tolerance:
-        # Zoom in on a difference far inside the band, or the panel shows a flat line at zero.
-        ax_diff.set_ylim(-1.4 * biggest, 1.4 * biggest)
-        ax_diff.annotate(
-            f"tolerance +/-{s.tolerance:.3g} is off this scale",
-            (0.01, 0.04),
-            xycoords="axes fraction",
-            fontsize=8,
-            color="green",
-        )
-    if c.drift.window and xs:
-        lo = xs[-min(c.drift.window, len(xs))]
-        ax_diff.axvspan(
-            lo, xs[-1], color="grey", alpha=0.08, lw=0, label=f"drift window ({c.drift.window} steps)"
-        )
-        ax_diff.hlines(c.drift.last, lo, xs[-1], color="purple", lw=1.6, label=f"drift {c.drift.last:+.3g}")
-    for ax, step, text in (
-        (ax_loss, s.first_divergence, "loss diverges"),
-        (ax_diff, s.first_divergence, ""),
-        (ax_lr, c.lr.first_mismatch, "LR differs"),
-        (ax_loss, c.data.first_mismatch, "data differs"),
-    ):
-        if step is not None:
-            ax.axvline(step, color="red", ls=":", lw=0.9)
-            if text:
-                ax.annotate(
-                    f"{text} @ {step}",
-                    (step, 0.97),
-                    xycoords=("data", "axes fraction"),
-                    fontsize=8,
-                    va="top",
-                    ha="left",
-                    color="red",
-                )
-    verdict = (
-        f"agree (max |{c.b.label} - {c.a.label}| {_g(s.max_abs_diff, '.3g')}, tolerance {_g(s.tolerance, '.3g')})"
-        if c.agree
-        else "diverge: " + "; ".join(c.problems)
-    )
-    ax_loss.set_title(f"{c.b.label} vs {c.a.label}: {verdict}", fontsize=10, loc="left", wrap=True)
-    ax_loss.set_ylabel("loss")
-    ax_diff.set_ylabel("loss difference")
-    ax_lr.set_ylabel("learning rate")
-    ax_lr.set_xlabel("step")
-    for ax in (ax_loss, ax_diff, ax_lr):
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8, loc="upper right")
-    fig.tight_layout()
-    try:
-        fig.savefig(out, dpi=110)
-    except OSError as exc:
-        raise RunInputError(f"cannot write plot {out}: {exc.strerror or exc}") from None
-    finally:
-        plt.close(fig)

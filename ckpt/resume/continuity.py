@@ -208,13 +208,9 @@ class ContinuationResult:
 
     def report(self) -> str:
         """Plain text: the checks, then the step table; what an assertion message should show."""
-        from rich.console import Console
+        from ckpt.resume.report import render_text
 
-        from ckpt.resume.report import render
-
-        buf = io.StringIO()
-        render(self.verification, Console(file=buf, width=160, no_color=True))
-        text = buf.getvalue()
+        text = render_text(self.verification)
         if self.baseline_mismatch is not None:
             text = (
                 f"not reproducible without a resume: step {self.baseline_mismatch} differs between the straight "

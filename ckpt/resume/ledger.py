@@ -90,6 +90,11 @@ def collect_env(
         torch = sys.modules["torch"]
         env["cuda"] = getattr(torch.version, "cuda", None)
         env["torch_deterministic_algorithms"] = bool(torch.are_deterministic_algorithms_enabled())
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        # Evidence of the device the run uses (nccl: CUDA, gloo: CPU, xla: torch-xla); ``cuda`` above is only
+        # the CUDA version torch was built with, present whether or not a GPU is used.
+        env["dist_backend"] = str(dist.get_backend())
     if world_size is None and os.environ.get("WORLD_SIZE", "").isdigit():
         world_size = int(os.environ["WORLD_SIZE"])
     env["world_size"] = world_size

@@ -1,4 +1,7 @@
-"""Render a :class:`Verification` for people (rich tables) and machines (JSON), and fix the exit codes.
+"""Put a :class:`Verification` into words for people (lines, table rows, a verdict) and machines (JSON).
+
+Styling (colours, table borders) is the CLI's job (``cli/render_resume.py``); this module decides what is
+said, so the terminal tables, :func:`render_text` (assertion messages, logs) and the JSON agree.
 
 Exit codes, as for every ckpt command: 0 the run is continuous at every boundary (warnings allowed),
 1 a discontinuity was found, 2 bad input (raised as :class:`ckpt.errors.CkptError` before any report).
@@ -6,9 +9,7 @@ Exit codes, as for every ckpt command: 0 the run is continuous at every boundary
 
 from __future__ import annotations
 
-from rich.console import Console
-from rich.table import Table
-from rich.text import Text
+from typing import NamedTuple
 
 from ckpt.resume.checks import Status
 from ckpt.resume.verify import BoundaryVerdict, Verification
@@ -17,7 +18,17 @@ EXIT_CONTINUOUS = 0
 EXIT_DISCONTINUITY = 1
 EXIT_BAD_INPUT = 2
 
-_STYLE = {Status.PASS: "green", Status.WARN: "yellow", Status.FAIL: "bold red", Status.SKIP: "dim"}
+NO_BOUNDARY = "No resume boundary found: nothing to verify."
+CHECK_COLUMNS = ("check", "verdict", "cause", "details")
+
+
+class CheckRow(NamedTuple):
+    """One check at one boundary, as a table shows it."""
+
+    check: str
+    status: Status
+    cause: str
+    details: str
 
 
 def boundary_json(v: BoundaryVerdict) -> dict[str, object]:
@@ -56,7 +67,16 @@ def to_json(result: Verification) -> dict[str, object]:
     }
 
 
-def _title(v: BoundaryVerdict) -> str:
+def run_line(result: Verification) -> tuple[str, str]:
+    """(the run's path, what it is): ``("runs/x/ledger.jsonl", " (jsonl, 2 sessions, ...)")``."""
+    run = result.run
+    return run.path, (
+        f" ({run.source}, {len(run.sessions)} sessions, {run.num_steps} step records, values {run.precision})"
+    )
+
+
+def boundary_title(v: BoundaryVerdict) -> str:
+    """Where the boundary is, what was restored from where, and how losses are compared."""
     b = v.boundary
     src = f" from {b.restore.path}" if b.restore and b.restore.path else ""
     how = "inferred" if b.inferred else "logged"
@@ -68,34 +88,40 @@ def _title(v: BoundaryVerdict) -> str:
     )
 
 
-def render(result: Verification, console: Console | None = None) -> None:
-    """Print one table per boundary (check, verdict, cause, numbers) and a one-line verdict."""
-    console = console or Console()
-    run = result.run
-    console.print(
-        f"[bold]{run.path}[/] ({run.source}, {len(run.sessions)} sessions, {run.num_steps} step records, "
-        f"values {run.precision})"
-    )
-    for note in result.notes:
-        console.print(f"[dim]note: {note}[/]")
-    if not result.verdicts:
-        console.print("No resume boundary found: nothing to verify.")
-    for v in result.verdicts:
-        table = Table(title=_title(v), title_justify="left", show_lines=False, expand=False)
-        table.add_column("check")
-        table.add_column("verdict")
-        table.add_column("cause")
-        table.add_column("details", overflow="fold")
-        for c in v.checks:
-            cause = c.cause.value if c.cause else ""
-            if c.explained_by:
-                cause = f"(follows from: {', '.join(x.value for x in c.explained_by)})"
-            table.add_row(c.name, Text(c.status.value, style=_STYLE[c.status]), cause, c.summary)
-        console.print(table)
+def check_rows(v: BoundaryVerdict) -> list[CheckRow]:
+    """One row per check; a failure explained by another check names what it follows from."""
+    rows = []
+    for c in v.checks:
+        cause = c.cause.value if c.cause else ""
+        if c.explained_by:
+            cause = f"(follows from: {', '.join(x.value for x in c.explained_by)})"
+        rows.append(CheckRow(c.name, c.status, cause, c.summary))
+    return rows
+
+
+def verdict_line(result: Verification) -> tuple[str, str]:
+    """(word, the rest): ``("CONTINUOUS", " at 2 boundaries")`` or ``("DISCONTINUITY", ": LR off by one ...")``."""
     if result.status is Status.FAIL:
-        causes = "; ".join(dict.fromkeys(c.value for c in result.causes))
-        console.print(f"[bold red]DISCONTINUITY[/]: {causes}")
-    else:
-        warned = [c.value for c in result.causes]
-        extra = f" (warnings: {'; '.join(dict.fromkeys(warned))})" if warned else ""
-        console.print(f"[bold green]CONTINUOUS[/] at {len(result.verdicts)} boundaries{extra}")
+        return "DISCONTINUITY", ": " + "; ".join(dict.fromkeys(c.value for c in result.causes))
+    warned = [c.value for c in result.causes]
+    extra = f" (warnings: {'; '.join(dict.fromkeys(warned))})" if warned else ""
+    return "CONTINUOUS", f" at {len(result.verdicts)} boundaries{extra}"
+
+
+def render_text(result: Verification) -> str:
+    """The whole verification as plain text, one aligned table per boundary: for logs and assertion messages
+    (the terminal gets the same words as styled tables from the CLI)."""
+    path, what = run_line(result)
+    lines = [path + what, *(f"note: {n}" for n in result.notes)]
+    if not result.verdicts:
+        lines.append(NO_BOUNDARY)
+    for v in result.verdicts:
+        lines.append(boundary_title(v))
+        cells = [CHECK_COLUMNS] + [(r.check, r.status.value, r.cause, r.details) for r in check_rows(v)]
+        widths = [max(len(row[i]) for row in cells) for i in range(3)]
+        for row in cells:
+            lines.append(
+                "  " + "  ".join(x.ljust(w) for x, w in zip(row[:3], widths, strict=True)) + "  " + row[3]
+            )
+    lines.append("".join(verdict_line(result)))
+    return "\n".join(line.rstrip() for line in lines) + "\n"

@@ -4,18 +4,7 @@ from __future__ import annotations
 
 from ckpt.resume.checks.base import Cause, CheckResult, Status
 from ckpt.resume.checks.context import CheckContext
-
-VERSION_KEYS = (
-    "torch",
-    "torch_xla",
-    "torch_neuronx",
-    "neuronx_cc",
-    "neuronx_distributed",
-    "libneuronxla",
-    "cuda",
-    "python",
-)
-NEURON_KEYS = ("torch_xla", "torch_neuronx", "neuronx_cc", "neuronx_distributed", "libneuronxla")
+from ckpt.resume.environment import NEURON_KEYS, VERSION_KEYS
 
 
 def check_lost_work(ctx: CheckContext) -> CheckResult:

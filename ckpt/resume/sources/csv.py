@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import csv
 import os
+from collections.abc import Mapping
 from pathlib import Path
 
 from ckpt.resume.errors import RunInputError
 from ckpt.resume.model import Run, Session, StepRecord
+from ckpt.resume.sources.base import LogSource
 
 _ALIASES = {"learning_rate": "lr", "global_step": "step", "session_id": "session"}
 _FLOATS = ("loss", "lr", "grad_norm", "time")
@@ -59,3 +61,29 @@ def read_csv(path: str | os.PathLike[str]) -> Run:
     if not run.sessions:
         raise RunInputError(f"CSV {p} has no rows")
     return run
+
+
+def _probe(d: Path) -> bool:
+    csvs = list(d.glob("*.csv"))
+    if len(csvs) > 1:
+        raise RunInputError(f"several CSV files in {d}; pass the one to read")
+    return len(csvs) == 1
+
+
+def _read(path: Path, tags: Mapping[str, str] | None) -> Run:
+    if path.is_dir():
+        csvs = sorted(path.glob("*.csv"))
+        if len(csvs) != 1:
+            raise RunInputError(f"expected one CSV file in {path}, found {len(csvs)}")
+        path = csvs[0]
+    return read_csv(path)
+
+
+SOURCE = LogSource(
+    name="csv",
+    priority=3,
+    file_patterns=("*.csv",),
+    probe=_probe,
+    looks_for="CSV",
+    read=_read,
+)

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from ckpt.resume.errors import RunInputError
 from ckpt.resume.model import Restore, Run, Save, Session, StepRecord
+from ckpt.resume.sources.base import LogSource
 
 _CKPT_RE = re.compile(r"checkpoint-(\d+)$")
 
@@ -124,3 +125,17 @@ def read_hf(path: str | os.PathLike[str]) -> Run:
     if not any(s.steps for s in run.sessions):
         raise RunInputError(f"no training loss entries in log_history under {p}")
     return run
+
+
+def _probe(d: Path) -> bool:
+    return (d / "trainer_state.json").is_file() or any(d.glob("checkpoint-*/trainer_state.json"))
+
+
+SOURCE = LogSource(
+    name="hf",
+    priority=1,
+    file_patterns=("trainer_state.json",),
+    probe=_probe,
+    looks_for="trainer_state.json",
+    read=lambda path, tags: read_hf(path),
+)

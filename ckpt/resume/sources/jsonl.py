@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Mapping
 from pathlib import Path
 
 from ckpt.resume.errors import RunInputError
+from ckpt.resume.ledger import LEDGER_NAME
 from ckpt.resume.model import Compile, Exit, Restore, Run, Save, Session, SessionStart, StepRecord
+from ckpt.resume.sources.base import LogSource
 
 
 def _opt_float(rec: dict, key: str) -> float | None:
@@ -119,3 +122,18 @@ def _add(session: Session, kind: object, rec: dict) -> None:
     elif kind == "exit":
         session.add_event(Exit(time=t, clean=bool(rec.get("clean", True))))
     # Unknown kinds are ignored: newer writers may add events this reader does not need.
+
+
+def _read(path: Path, tags: Mapping[str, str] | None) -> Run:
+    return read_jsonl(path / LEDGER_NAME if path.is_dir() else path)
+
+
+SOURCE = LogSource(
+    name="jsonl",
+    priority=0,
+    file_patterns=("*.jsonl",),
+    probe=lambda d: (d / LEDGER_NAME).is_file(),
+    looks_for=LEDGER_NAME,
+    read=_read,
+)
+"""The ledger: ckpt's own log (with save, restore and environment events) wins over any other log beside it."""

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from ckpt.resume.errors import RunInputError
 from ckpt.resume.model import Run, Session, StepRecord
+from ckpt.resume.sources.base import LogSource
 
 FIELD_ALIASES: dict[str, tuple[str, ...]] = {
     "loss": ("loss", "train_loss", "training_loss", "lm_loss"),
@@ -181,3 +182,13 @@ def read_tensorboard(path: str | os.PathLike[str], tags: Mapping[str, str] | Non
     sessions.sort(key=lambda s: (s.steps[0].time or 0.0, s.id))
     run.sessions = sessions
     return run
+
+
+SOURCE = LogSource(
+    name="tensorboard",
+    priority=2,
+    file_patterns=("*tfevents*",),
+    probe=lambda d: any(d.rglob("*tfevents*")),
+    looks_for="TensorBoard events",
+    read=read_tensorboard,
+)

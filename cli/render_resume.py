@@ -1,0 +1,130 @@
+"""Rich terminal tables for the resume commands: ``verify-resume``, ``compare`` and ``report`` (and ``demo``).
+
+The words come from the library (:mod:`ckpt.resume.report`, :mod:`ckpt.resume.compare_report`, the
+:class:`~ckpt.resume.cost.RunCost` numbers); this module only lays them out and colours them, so the library
+never imports rich.  Text from the run (paths, notes, causes) is escaped: a ``[`` in a path is printed, not
+read as markup.
+"""
+
+from __future__ import annotations
+
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+from rich.text import Text
+
+from ckpt.resume.checks import Status
+from ckpt.resume.compare import Comparison
+from ckpt.resume.compare_report import VERDICTS, comparison_rows, side_line, table_title
+from ckpt.resume.compare_report import verdict_line as comparison_verdict
+from ckpt.resume.cost import RunCost
+from ckpt.resume.model import Run
+from ckpt.resume.report import CHECK_COLUMNS, NO_BOUNDARY, boundary_title, check_rows, run_line, verdict_line
+from ckpt.resume.verify import Verification
+
+from .common import human_bytes
+
+STATUS_STYLE = {Status.PASS: "green", Status.WARN: "yellow", Status.FAIL: "bold red", Status.SKIP: "dim"}
+KIND_STYLE = {"good": "green", "bad": "bold red", "notice": "yellow", "skipped": "dim", "": ""}
+"""Colours of :data:`ckpt.resume.compare_report.VERDICTS` kinds."""
+
+
+def _verdict(word: str, rest: str, good: bool) -> str:
+    return f"[bold {'green' if good else 'red'}]{word}[/]{escape(rest)}"
+
+
+def render_verification(result: Verification, console: Console | None = None) -> None:
+    """``verify-resume``: the run, its notes, one table per boundary (check, verdict, cause, details) and a
+    one-line verdict."""
+    console = console or Console()
+    path, what = run_line(result)
+    console.print(f"[bold]{escape(path)}[/]{escape(what)}")
+    for note in result.notes:
+        console.print(f"[dim]note: {escape(note)}[/]")
+    if not result.verdicts:
+        console.print(NO_BOUNDARY)
+    for v in result.verdicts:
+        table = Table(title=escape(boundary_title(v)), title_justify="left", show_lines=False, expand=False)
+        for col in CHECK_COLUMNS[:-1]:
+            table.add_column(col)
+        table.add_column(CHECK_COLUMNS[-1], overflow="fold")
+        for row in check_rows(v):
+            status = Text(row.status.value, style=STATUS_STYLE[row.status])
+            table.add_row(row.check, status, escape(row.cause), escape(row.details))
+        console.print(table)
+    word, rest = verdict_line(result)
+    console.print(_verdict(word, rest, result.status is not Status.FAIL))
+
+
+def render_comparison(c: Comparison, console: Console | None = None) -> None:
+    """``compare``: each run in one line (and its notes), one table of what was compared, a one-line verdict."""
+    con = console or Console()
+    for side in (c.a, c.b):
+        con.print(f"[bold]{escape(side.label)}[/]: {escape(side_line(side))}")
+        for note in side.run.notes:
+            con.print(f"[dim]  note: {escape(note)}[/]")
+    table = Table(title=escape(table_title(c)), title_justify="left")
+    table.add_column("what")
+    table.add_column("verdict")
+    table.add_column("details", overflow="fold")
+    for row in comparison_rows(c):
+        style = KIND_STYLE[VERDICTS.get(row.verdict, "")]
+        table.add_row(row.what, Text(row.verdict, style=style), escape(row.details))
+    con.print(table)
+    word, rest = comparison_verdict(c)
+    con.print(_verdict(word, rest, c.agree))
+
+
+def _seconds(x: float | None, unit: str = "s") -> str:
+    return "-" if x is None else f"{x:.2f}{unit}"
+
+
+def render_cost(run: Run, cost: RunCost, console: Console | None = None) -> None:
+    """``report``: one table of the run's sessions, one of what each failure cost (steps recomputed, downtime,
+    restore, compile), and a line on checkpointing's own cost."""
+    console = console or Console()
+    sessions = Table(title=escape(f"{run.path}: {len(run.sessions)} sessions"), title_justify="left")
+    for col in ("session", "steps", "first", "last", "restored", "saves", "exit"):
+        sessions.add_column(col)
+    for s in run.sessions:
+        restored = ", ".join(str(r.step) for r in s.restores) or "-"
+        ex = s.exit
+        sessions.add_row(
+            escape(s.id),
+            str(len(s.steps)),
+            str(s.steps[0].step) if s.steps else "-",
+            str(s.steps[-1].step) if s.steps else "-",
+            restored,
+            str(len(s.saves)),
+            "killed" if ex is None else ("clean" if ex.clean else "error"),
+        )
+    console.print(sessions)
+    failures = Table(title="Recovery cost per failure", title_justify="left")
+    for col in (
+        "#",
+        "crash step",
+        "restored",
+        "recomputed",
+        "recompute time",
+        "downtime",
+        "restore",
+        "compile",
+    ):
+        failures.add_column(col, justify="right")
+    for f in cost.failures:
+        failures.add_row(
+            str(f.boundary),
+            str(f.crash_step),
+            str(f.restored_step),
+            str(f.steps_recomputed),
+            _seconds(f.recompute_seconds),
+            _seconds(f.downtime_seconds),
+            _seconds(f.restore_seconds),
+            f"{_seconds(f.compile_seconds)} ({f.compile_events})",
+        )
+    console.print(failures)
+    console.print(
+        f"saves: {cost.saves} ({human_bytes(cost.save_bytes)}), blocking {_seconds(cost.save_blocking_seconds)}, "
+        f"background {_seconds(cost.save_background_seconds)}; compiles: {cost.compile_events} "
+        f"({_seconds(cost.compile_seconds)}); median step {_seconds(cost.median_step_seconds)}"
+    )
