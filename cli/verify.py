@@ -7,8 +7,8 @@ import sys
 import click
 from rich.progress import BarColumn, DownloadColumn, Progress, TransferSpeedColumn
 
+from ckpt.integrity import verify_checkpoint
 from ckpt.reader import CheckpointReader
-from ckpt.verify import verify_checkpoint
 
 from .common import err, out
 

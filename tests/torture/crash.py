@@ -27,9 +27,9 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from ckpt.discovery import list_checkpoints
+from ckpt.integrity import verify_checkpoint
 from ckpt.reader import CheckpointReader
 from ckpt.storage import Storage
-from ckpt.verify import verify_checkpoint
 
 TRAINER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "trainer.py")
 

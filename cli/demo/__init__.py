@@ -1,6 +1,6 @@
 """``ckpt demo``: a real multi-rank run that saves asynchronously, crashes (SIGKILL), resumes and is compared.
 
-It launches the tiny job in ``ckpt.demo_train`` on N gloo ranks three times: an uninterrupted reference run, a
+It launches the tiny job in ``ckpt.cli.demo.train`` on N gloo ranks three times: an uninterrupted reference run, a
 run killed in the middle of an async save, and its restart from the newest committed checkpoint; then it checks
 that the resumed run's losses are bit-identical to the reference, runs ``verify-resume`` on the crashed run's
 ledger and checkpoints (with a plot), and prints the recovery-cost report (``ckpt report``).
@@ -25,8 +25,8 @@ from ckpt.resume.report import render
 from ckpt.resume.sources import load_run
 from ckpt.resume.verify import verify_run
 
-from .common import out
-from .report import _render as render_cost
+from ..common import out
+from ..report import _render as render_cost
 
 
 def _free_port() -> int:
@@ -47,7 +47,7 @@ def _launch(ranks: int, args: list[str]) -> list[int]:
             MASTER_PORT=port,
             OMP_NUM_THREADS="1",
         )
-        procs.append(subprocess.Popen([sys.executable, "-m", "ckpt.demo_train", *args], env=env))
+        procs.append(subprocess.Popen([sys.executable, "-m", "ckpt.cli.demo.train", *args], env=env))
     return [p.wait() for p in procs]
 
 
