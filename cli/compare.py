@@ -4,20 +4,17 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 
-from ckpt.resume.compare import (
-    DEFAULT_K,
-    DEFAULT_WINDOW,
-    Comparison,
-    compare_runs,
-    plot_comparison,
-    render_comparison,
-)
-from ckpt.resume.sources import SOURCES, load_run
+from ckpt.resume.compare import DEFAULT_K, DEFAULT_WINDOW
+from ckpt.resume.sources import SOURCES
 
-from .common import one_line_errors, out
+if TYPE_CHECKING:
+    from ckpt.resume.compare import Comparison
+
+from .common import out
 
 EPILOG = """\b
 Examples:
@@ -86,18 +83,20 @@ def compare(
     Reports LR equality, loss differences against a calibrated noise floor, divergent steps, drift, data order,
     tokenizer and environment differences.
     """
-    with one_line_errors():
-        result: Comparison = compare_runs(
-            load_run(run_a, source_a),
-            load_run(run_b, source_b),
-            tolerance=tolerance,
-            rtol=rtol,
-            k=k,
-            window=window,
-            labels=(label_a, label_b),
-        )
-        if plot is not None:
-            plot_comparison(result, plot)
+    from ckpt.resume.compare import compare_runs, plot_comparison, render_comparison
+    from ckpt.resume.sources import load_run
+
+    result: Comparison = compare_runs(
+        load_run(run_a, source_a),
+        load_run(run_b, source_b),
+        tolerance=tolerance,
+        rtol=rtol,
+        k=k,
+        window=window,
+        labels=(label_a, label_b),
+    )
+    if plot is not None:
+        plot_comparison(result, plot)
     if as_json:
         click.echo(json.dumps(result.to_json(), indent=2))
     else:

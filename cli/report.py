@@ -4,16 +4,19 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 from rich.console import Console
 from rich.table import Table
 
-from ckpt.resume.cost import RunCost, recovery_cost
-from ckpt.resume.model import Run
-from ckpt.resume.sources import SOURCES, load_run
+from ckpt.resume.sources import SOURCES
 
-from .common import human_bytes, one_line_errors
+if TYPE_CHECKING:
+    from ckpt.resume.cost import RunCost
+    from ckpt.resume.model import Run
+
+from .common import human_bytes
 
 EPILOG = """\b
 Examples:
@@ -85,9 +88,11 @@ def _render(run: Run, cost: RunCost) -> None:
 @click.pass_context
 def report(ctx: click.Context, run: Path, as_json: bool, source: str) -> None:
     """Summarise the sessions of RUN and the cost of each failure and of checkpointing."""
-    with one_line_errors():
-        loaded = load_run(run, source)
-        cost = recovery_cost(loaded)
+    from ckpt.resume.cost import recovery_cost
+    from ckpt.resume.sources import load_run
+
+    loaded = load_run(run, source)
+    cost = recovery_cost(loaded)
     if as_json:
         click.echo(
             json.dumps({"run": loaded.path, "sessions": len(loaded.sessions), **cost.to_json()}, indent=2)
