@@ -274,3 +274,15 @@ def test_ctrl_c_prints_one_line_and_exits_130(tmp_path, when):
         w.wait(timeout=30)  # raises if it is still running: the parent must have ended it
     assert not dst.exists() or not list(dst.iterdir())
     assert not [x.name for x in tmp_path.iterdir() if x.name not in ("src", "dst")]
+
+
+def test_import_ckpt_is_lazy_and_every_export_resolves():
+    code = (
+        "import sys, ckpt\n"
+        "assert 'torch' not in sys.modules\n"
+        "missing = [n for n in ckpt.__all__ if getattr(ckpt, n, None) is None]\n"
+        "assert not missing, missing\n"
+        "assert 'torch' in sys.modules and ckpt.save and ckpt.CheckpointManager.__module__ == 'ckpt.manager'\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
