@@ -13,31 +13,75 @@ Library entry points::
 
 from __future__ import annotations
 
-from typing import Any
-
-from .discovery import CheckpointInfo, list_checkpoints
-from .errors import (
-    AsyncSaveError,
-    CheckpointExistsError,
-    CkptError,
-    CorruptionError,
-    LayoutError,
-    ManifestError,
-    StateMismatchError,
-    StorageError,
-    UnsafePickleError,
-)
-from .loader import RestoreResult, restore
-from .manager import CheckpointManager
-from .manifest import FORMAT_VERSION, Box, Layout, Manifest
-from .reader import CheckpointReader, open_checkpoint
-from .saver import Checkpointer, SaveResult
+import importlib
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
+
+# Public name -> the module that defines it.  Imported on first use (PEP 562), so that ``import ckpt`` and the
+# commands that never touch a tensor (``ckpt --help``, ``ls``, ``inspect``, ``report``) do not pay for torch.
+_EXPORTS = {
+    "CheckpointInfo": "discovery",
+    "list_checkpoints": "discovery",
+    "AsyncSaveError": "errors",
+    "CheckpointExistsError": "errors",
+    "CkptError": "errors",
+    "CorruptionError": "errors",
+    "LayoutError": "errors",
+    "ManifestError": "errors",
+    "StateMismatchError": "errors",
+    "StorageError": "errors",
+    "UnsafePickleError": "errors",
+    "RestoreResult": "loader",
+    "restore": "loader",
+    "CheckpointManager": "manager",
+    "FORMAT_VERSION": "manifest",
+    "Box": "manifest",
+    "Layout": "manifest",
+    "Manifest": "manifest",
+    "CheckpointReader": "reader",
+    "open_checkpoint": "reader",
+    "Checkpointer": "saver",
+    "SaveResult": "saver",
+}
+
+if TYPE_CHECKING:
+    from .discovery import CheckpointInfo, list_checkpoints
+    from .errors import (
+        AsyncSaveError,
+        CheckpointExistsError,
+        CkptError,
+        CorruptionError,
+        LayoutError,
+        ManifestError,
+        StateMismatchError,
+        StorageError,
+        UnsafePickleError,
+    )
+    from .loader import RestoreResult, restore
+    from .manager import CheckpointManager
+    from .manifest import FORMAT_VERSION, Box, Layout, Manifest
+    from .reader import CheckpointReader, open_checkpoint
+    from .saver import Checkpointer, SaveResult
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'ckpt' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value  # later look-ups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
 
 
 def save(path: str, *, step: int, **state: Any) -> SaveResult:
     """Save one checkpoint synchronously to ``path`` (call on every rank). See :meth:`Checkpointer.save`."""
+    from .saver import Checkpointer
+
     saver = Checkpointer(async_save=False, storage_options=state.pop("storage_options", None))
     return saver.save(path, step=step, **state).result()
 

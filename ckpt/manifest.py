@@ -17,7 +17,7 @@ from typing import Any
 
 from .codecs import check_checksum_format, check_codec
 from .codecs import checksum as checksum_of
-from .dtypes import dtype_from_name, itemsize
+from .dtypes import itemsize
 from .errors import ManifestError
 
 FORMAT = "ckpt"
@@ -407,8 +407,7 @@ def _tensor_from_doc(name: str, t: Any, files: dict[str, FileEntry], source: str
     if len(shape) > 64 or math.prod(shape) > 1 << 50:
         raise ManifestError(f"{where}: absurd shape {list(shape)}")
     dtype = _need(t, "dtype", str, where)
-    _named(dtype_from_name, dtype, where)
-    size = itemsize(dtype)
+    size = _named(itemsize, dtype, where)
     shards = []
     for i, s in enumerate(_need(t, "shards", list, where)):
         sw = f"{where} shard {i}"

@@ -3,22 +3,25 @@
 Each shard read is one ranged read of exactly its stored bytes; a rank restoring a slice reads only the shards
 that overlap it.  Checksums are verified on the stored bytes unless ``verify=False``.  Uncompressed shards whose
 box is exactly the requested one are read straight into the destination tensor (no intermediate copy).
+
+torch is imported by the methods that make tensors, not here: opening a checkpoint for its manifest
+(``ckpt inspect``, ``ckpt ls``) does not need it.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Iterator
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from .codecs import StreamingChecksum, checksum, decompress
 from .dtypes import dtype_from_name, itemsize
 from .errors import CkptError, CorruptionError, ManifestError, StorageError
 from .manifest import MANIFEST_NAME, Box, Manifest, Shard, TensorEntry
-from .shardfile import tensor_bytes
 from .storage import Storage, open_storage
+
+if TYPE_CHECKING:
+    import torch
 
 
 def read_manifest(storage: Storage) -> Manifest:
@@ -69,6 +72,8 @@ class CheckpointReader:
 
     def read(self, name: str) -> torch.Tensor:
         """The whole tensor, on the CPU."""
+        import torch
+
         e = self.entry(name)
         out = torch.empty(e.shape, dtype=dtype_from_name(e.dtype))
         self.read_box_into(name, Box.full(e.shape), out)
@@ -125,6 +130,8 @@ class CheckpointReader:
 
     def read_shard(self, e: TensorEntry, shard: Shard) -> torch.Tensor:
         """One stored shard as a tensor of its box's shape (checksum verified)."""
+        import torch
+
         raw = self._fetch(e, shard)
         self._check(e, shard, raw)
         expected = math.prod(shard.box.lengths) * itemsize(e.dtype)
@@ -149,6 +156,8 @@ class CheckpointReader:
             raise CorruptionError(f"{self.path}/{shard.file}: tensor {e.name!r}: {exc}") from None
 
     def _read_direct(self, e: TensorEntry, shard: Shard, out: torch.Tensor) -> None:
+        from .shardfile import tensor_bytes
+
         view = tensor_bytes(out)
         digest = StreamingChecksum() if self.verify and shard.checksum else None
         try:

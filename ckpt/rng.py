@@ -27,7 +27,7 @@ def capture() -> dict[str, Any]:
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state_all()
     if "torch_xla" in sys.modules:
-        from .neuron_rng import capture_xla
+        from .neuron.rng import capture_xla
 
         state.update(capture_xla())
     return treecodec.encode(state, "rng")
@@ -60,7 +60,7 @@ def restore(encoded: dict[str, Any]) -> list[str]:
             torch.cuda.set_rng_state(s, i)
         done.append("cuda")
     if any(k.startswith("xla") for k in state):
-        from .neuron_rng import restore_xla
+        from .neuron.rng import restore_xla
 
         done.extend(restore_xla(state))
     return done

@@ -1,42 +1,17 @@
-"""Small helpers shared by the commands: consoles, the one-line error convention, human-readable sizes."""
+"""Small helpers shared by the commands: consoles, human-readable sizes and layouts.
+
+(Errors are not the commands' business: they raise, and the group reports, see :mod:`.group`.)
+"""
 
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterator
-from contextlib import contextmanager
 
-import click
 from rich.console import Console
-
-from ckpt.errors import CkptError
-
-# Every command reports a user error as exactly one stderr line with this prefix (``main()`` and the commands that
-# handle errors themselves share it, so scripts can match one spelling).
-ERROR_PREFIX = "ckpt: error: "
 
 # Piped output (logs, CI, tests) gets a wide console so that tables are not cut to 80 columns.
 out = Console(highlight=False, soft_wrap=True, width=None if sys.stdout.isatty() else 200)
 err = Console(stderr=True, highlight=False, soft_wrap=True, width=None if sys.stderr.isatty() else 200)
-
-
-def error_line(exc: BaseException) -> str:
-    """The one line a user sees for ``exc``."""
-    return f"{ERROR_PREFIX}{exc}"
-
-
-@contextmanager
-def one_line_errors() -> Iterator[None]:
-    """Turn a CkptError into the one-line message and its exit code inside a command.
-
-    For commands that must behave the same whether run through ``main()`` or invoked directly (click's test
-    runner, embedding): without it a direct invocation would surface the exception instead of the message.
-    """
-    try:
-        yield
-    except CkptError as exc:
-        click.echo(error_line(exc), err=True)
-        raise click.exceptions.Exit(exc.exit_code) from None
 
 
 def human_bytes(n: int) -> str:

@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 
-from ckpt.resume.compare import DEFAULT_K, DEFAULT_WINDOW, Comparison, compare_runs
-from ckpt.resume.sources import SOURCES, load_run
+from ckpt.resume.compare import DEFAULT_K, DEFAULT_WINDOW
+from ckpt.resume.sources import SOURCES
 
-from .common import one_line_errors, out
-from .render_resume import render_comparison
+if TYPE_CHECKING:
+    from ckpt.resume.compare import Comparison
+
+from .common import out
 
 EPILOG = """\b
 Examples:
@@ -80,20 +83,24 @@ def compare(
     Reports LR equality, loss differences against a calibrated noise floor, divergent steps, drift, data order,
     tokenizer and environment differences.
     """
-    with one_line_errors():
-        result: Comparison = compare_runs(
-            load_run(run_a, source_a),
-            load_run(run_b, source_b),
-            tolerance=tolerance,
-            rtol=rtol,
-            k=k,
-            window=window,
-            labels=(label_a, label_b),
-        )
-        if plot is not None:
-            from ckpt.resume.compare_plot import plot_comparison
+    from ckpt.resume.compare import compare_runs
+    from ckpt.resume.sources import load_run
 
-            plot_comparison(result, plot)
+    from .render_resume import render_comparison
+
+    result: Comparison = compare_runs(
+        load_run(run_a, source_a),
+        load_run(run_b, source_b),
+        tolerance=tolerance,
+        rtol=rtol,
+        k=k,
+        window=window,
+        labels=(label_a, label_b),
+    )
+    if plot is not None:
+        from ckpt.resume.compare_plot import plot_comparison
+
+        plot_comparison(result, plot)
     if as_json:
         click.echo(json.dumps(result.to_json(), indent=2))
     else:

@@ -6,8 +6,6 @@ Thin: parses flags into :class:`ckpt.converters.convert.ConvertOptions`, shows a
 
 from __future__ import annotations
 
-import sys
-
 import click
 
 from ckpt.errors import CkptError
@@ -112,42 +110,38 @@ def convert(
     from ckpt.converters.convert import ConvertOptions, describe, load_config, open_source, plan_conversion
     from ckpt.converters.convert import convert as run_convert
 
-    try:
-        opts = ConvertOptions(
-            to=to,  # type: ignore[arg-type]
-            format=fmt,  # type: ignore[arg-type]
-            from_=from_,  # type: ignore[arg-type]
-            tp=tp,
-            pp=pp,
-            dp=dp,
-            virtual_pp=virtual_pp,
-            kv_size_multiplier=kv_size_multiplier,
-            hw=hw,
-            fuse_qkv=fuse_qkv,
-            qkv_linear=qkv_linear,
-            config=load_config(config_path),
-            step=step,
-            workers=workers,
-            max_shard_bytes=parse_size(max_shard_size, "--max-shard-size"),
+    opts = ConvertOptions(
+        to=to,  # type: ignore[arg-type]
+        format=fmt,  # type: ignore[arg-type]
+        from_=from_,  # type: ignore[arg-type]
+        tp=tp,
+        pp=pp,
+        dp=dp,
+        virtual_pp=virtual_pp,
+        kv_size_multiplier=kv_size_multiplier,
+        hw=hw,
+        fuse_qkv=fuse_qkv,
+        qkv_linear=qkv_linear,
+        config=load_config(config_path),
+        step=step,
+        workers=workers,
+        max_shard_bytes=parse_size(max_shard_size, "--max-shard-size"),
+    )
+    if dry_run:
+        conv = plan_conversion(open_source(src, opts), opts)
+        d = describe(conv, opts)
+        out.print(f"plan: {d['source']['format']} ({d['source']['layout']}) {src} -> {fmt} ({to}) {dst}")
+        if d["target"]["spec"]:
+            out.print(f"  layout: {d['target']['spec']}")
+        out.print(
+            f"  tensors: {d['tensors']} ({', '.join(f'{k} {v}' for k, v in sorted(d['by_role'].items()))})"
         )
-        if dry_run:
-            conv = plan_conversion(open_source(src, opts), opts)
-            d = describe(conv, opts)
-            out.print(f"plan: {d['source']['format']} ({d['source']['layout']}) {src} -> {fmt} ({to}) {dst}")
-            if d["target"]["spec"]:
-                out.print(f"  layout: {d['target']['spec']}")
-            out.print(
-                f"  tensors: {d['tensors']} ({', '.join(f'{k} {v}' for k, v in sorted(d['by_role'].items()))})"
-            )
-            out.print(f"  bytes: {human_bytes(d['bytes'])} ({d['bytes']})")
-            out.print(f"  largest tensor: {human_bytes(d['largest_tensor'])}")
-            out.print(f"  peak memory estimate: {human_bytes(d['peak_memory_estimate'])} per worker")
-            out.print(f"  step: {d['step']}, workers: {workers}")
-            return
-        _run(run_convert, src, dst, opts)
-    except CkptError as e:
-        err.print(f"ckpt: error: {e}", markup=False)
-        sys.exit(e.exit_code)
+        out.print(f"  bytes: {human_bytes(d['bytes'])} ({d['bytes']})")
+        out.print(f"  largest tensor: {human_bytes(d['largest_tensor'])}")
+        out.print(f"  peak memory estimate: {human_bytes(d['peak_memory_estimate'])} per worker")
+        out.print(f"  step: {d['step']}, workers: {workers}")
+        return
+    _run(run_convert, src, dst, opts)
 
 
 _UNITS = {
@@ -191,6 +185,7 @@ def _run(run_convert, src: str, dst: str, opts) -> None:  # noqa: ANN001 - inter
         TimeRemainingColumn(),
         console=err,
         transient=True,
+        disable=not err.is_terminal,  # a bar only on a terminal: logs get the result line and nothing else
     ) as bar:
         task = bar.add_task("convert", total=None)
 
@@ -199,9 +194,6 @@ def _run(run_convert, src: str, dst: str, opts) -> None:  # noqa: ANN001 - inter
 
         result = run_convert(src, dst, opts, progress=lambda n: bar.advance(task, n), on_plan=on_plan)
     out.print(
-        f"converted {result.tensors} tensors ({human_bytes(result.bytes)}) -> {result.dst} [{result.format}]"
+        f"converted {result.tensors} tensors ({human_bytes(result.bytes)}) -> {result.dst} [{result.format}]",
+        markup=False,  # "[hf]" is text, not a style
     )
-
-
-if __name__ == "__main__":  # pragma: no cover
-    convert()

@@ -6,16 +6,8 @@ import json
 from pathlib import Path
 
 import click
-from rich.table import Table
-
-from ckpt.reader import CheckpointReader
 
 from .common import human_bytes, layout_text, out
-
-try:
-    from ckpt.converters.nxd import summary as nxd_summary
-except ImportError:  # pragma: no cover - editable checkouts expose the top-level package
-    from converters.nxd import summary as nxd_summary
 
 
 @click.command(epilog="Example: ckpt inspect run/checkpoints/step_00001000 --json")
@@ -24,9 +16,17 @@ except ImportError:  # pragma: no cover - editable checkouts expose the top-leve
 @click.option("--shards", is_flag=True, help="List every shard (file, offset, box, codec).")
 def inspect(checkpoint: str, as_json: bool, shards: bool) -> None:
     """Show the tensors (name, role, shape, dtype, shards) and training state of CHECKPOINT (or an NxD tag)."""
-    if nxd_summary.is_nxd_dir(checkpoint) and not Path(checkpoint, "manifest.json").exists():
-        _inspect_nxd(checkpoint, as_json)
-        return
+    from rich.table import Table
+
+    from ckpt.reader import CheckpointReader
+
+    if not Path(checkpoint, "manifest.json").exists():
+        # NxD's reader needs torch: imported only for a folder that is not ours
+        from ckpt.converters.nxd import summary as nxd_summary
+
+        if nxd_summary.is_nxd_dir(checkpoint):
+            _inspect_nxd(nxd_summary.inspect_nxd(checkpoint), as_json)
+            return
     m = CheckpointReader(checkpoint).manifest
     if as_json:
         doc = json.loads(m.to_json())
@@ -78,8 +78,9 @@ def inspect(checkpoint: str, as_json: bool, shards: bool) -> None:
     out.print("environment: " + ", ".join(f"{k} {v}" for k, v in versions.items()))
 
 
-def _inspect_nxd(tag_dir: str, as_json: bool) -> None:
-    doc = nxd_summary.inspect_nxd(tag_dir)
+def _inspect_nxd(doc: dict, as_json: bool) -> None:
+    from rich.table import Table
+
     if as_json:
         out.print_json(json.dumps(doc))
         return

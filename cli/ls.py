@@ -5,18 +5,8 @@ from __future__ import annotations
 import json
 
 import click
-from rich.table import Table
-
-from ckpt.discovery import list_checkpoints
-from ckpt.errors import CkptError
-from ckpt.storage import open_storage
 
 from .common import human_bytes, layout_text, out
-
-try:
-    from ckpt.converters.nxd import summary as nxd_summary
-except ImportError:  # pragma: no cover - editable checkouts expose the top-level package
-    from converters.nxd import summary as nxd_summary
 
 
 @click.command(epilog="Example: ckpt ls s3://bucket/run/checkpoints")
@@ -25,13 +15,23 @@ except ImportError:  # pragma: no cover - editable checkouts expose the top-leve
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
 def ls(root: str, check_files: bool, as_json: bool) -> None:
     """List checkpoints under ROOT: step, time, size, backend, layout, status."""
+    from rich.table import Table
+
+    from ckpt.discovery import list_checkpoints
+    from ckpt.errors import CkptError
+    from ckpt.storage import open_storage
+
     storage = open_storage(root)
     if not storage.is_dir():
         raise CkptError(f"{root}: no such directory")
     infos = list_checkpoints(storage, check_files=check_files)
-    if all(i.status == "uncommitted" for i in infos) and nxd_summary.is_nxd_dir(root):
-        _ls_nxd(root, as_json)
-        return
+    # only a root without a single manifest can be NxD's (whose reader needs torch: imported just for that case)
+    if all(i.status == "uncommitted" for i in infos):
+        from ckpt.converters.nxd import summary as nxd_summary
+
+        if nxd_summary.is_nxd_dir(root):
+            _ls_nxd(nxd_summary.list_nxd(root), root, as_json)
+            return
     if as_json:
         rows = [
             {
@@ -69,9 +69,10 @@ def ls(root: str, check_files: bool, as_json: bool) -> None:
     out.print(table)
 
 
-def _ls_nxd(root: str, as_json: bool) -> None:
+def _ls_nxd(rows: list[dict], root: str, as_json: bool) -> None:
     """NxD tags: complete (``done``), unmarked (all files, no ``done``), incomplete; ordered by step."""
-    rows = nxd_summary.list_nxd(root)
+    from rich.table import Table
+
     if as_json:
         out.print_json(json.dumps(rows))
         return

@@ -4,14 +4,11 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 
-from ckpt.resume.cost import recovery_cost
-from ckpt.resume.sources import SOURCES, load_run
-
-from .common import one_line_errors
-from .render_resume import render_cost
+from ckpt.resume.sources import SOURCES
 
 EPILOG = """\b
 Examples:
@@ -30,9 +27,13 @@ Exit codes: 0 report printed, 2 bad input.
 @click.pass_context
 def report(ctx: click.Context, run: Path, as_json: bool, source: str) -> None:
     """Summarise the sessions of RUN and the cost of each failure and of checkpointing."""
-    with one_line_errors():
-        loaded = load_run(run, source)
-        cost = recovery_cost(loaded)
+    from ckpt.resume.cost import recovery_cost
+    from ckpt.resume.sources import load_run
+
+    from .render_resume import render_cost
+
+    loaded = load_run(run, source)
+    cost = recovery_cost(loaded)
     if as_json:
         click.echo(
             json.dumps({"run": loaded.path, "sessions": len(loaded.sessions), **cost.to_json()}, indent=2)

@@ -5,10 +5,6 @@ from __future__ import annotations
 import sys
 
 import click
-from rich.progress import BarColumn, DownloadColumn, Progress, TransferSpeedColumn
-
-from ckpt.reader import CheckpointReader
-from ckpt.verify import verify_checkpoint
 
 from .common import err, out
 
@@ -17,6 +13,11 @@ from .common import err, out
 @click.argument("checkpoint")
 def verify(checkpoint: str) -> None:
     """Check that CHECKPOINT is complete and its data matches the manifest's checksums."""
+    from rich.progress import BarColumn, DownloadColumn, Progress, TransferSpeedColumn
+
+    from ckpt.integrity import verify_checkpoint
+    from ckpt.reader import CheckpointReader
+
     reader = CheckpointReader(checkpoint)
     total = sum(s.nbytes for t in reader.manifest.tensors.values() for s in t.shards)
     with Progress(

@@ -5,16 +5,14 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 
-from ckpt.resume.checks import VerifyOptions
-from ckpt.resume.report import to_json
-from ckpt.resume.sources import SOURCES, load_run
-from ckpt.resume.verify import Verification, verify_run
+from ckpt.resume.sources import SOURCES
 
-from .common import one_line_errors
-from .render_resume import render_verification
+if TYPE_CHECKING:
+    from ckpt.resume.verify import Verification
 
 EPILOG = """\b
 Examples:
@@ -86,36 +84,42 @@ def verify_resume(
 
     With --replay, re-run training from one checkpoint instead and compare it step by step with RUN's log.
     """
+    from ckpt.resume.checks import VerifyOptions
+    from ckpt.resume.report import to_json
+    from ckpt.resume.sources import load_run
+    from ckpt.resume.verify import verify_run
+
+    from .render_resume import render_verification
+
     options = VerifyOptions(deterministic=deterministic)
     rows = None
-    with one_line_errors():
-        if replay_cmd is not None:
-            from ckpt.resume.continuity import step_rows
-            from ckpt.resume.replay import replay_command
+    if replay_cmd is not None:
+        from ckpt.resume.continuity import step_rows
+        from ckpt.resume.replay import replay_command
 
-            outcome = replay_command(
-                run,
-                replay_cmd,
-                from_step=from_step,
-                steps=replay_steps,
-                checkpoints=checkpoints,
-                scratch=scratch,
-                options=options,
-                source=source,
-            )
-            result: Verification = outcome.verification
-            rows = step_rows(result.verdicts[0])
-        else:
-            if from_step is not None or replay_steps is not None or scratch is not None:
-                raise click.UsageError("--from-step, --replay-steps and --scratch need --replay")
-            facts = _facts(run, checkpoints)
-            result = verify_run(load_run(run, source), options=options, facts=facts)
-            if facts is not None:
-                result.notes.extend(facts.notes)
-        if plot is not None:
-            from ckpt.resume.plot import plot_verification
+        outcome = replay_command(
+            run,
+            replay_cmd,
+            from_step=from_step,
+            steps=replay_steps,
+            checkpoints=checkpoints,
+            scratch=scratch,
+            options=options,
+            source=source,
+        )
+        result: Verification = outcome.verification
+        rows = step_rows(result.verdicts[0])
+    else:
+        if from_step is not None or replay_steps is not None or scratch is not None:
+            raise click.UsageError("--from-step, --replay-steps and --scratch need --replay")
+        facts = _facts(run, checkpoints)
+        result = verify_run(load_run(run, source), options=options, facts=facts)
+        if facts is not None:
+            result.notes.extend(facts.notes)
+    if plot is not None:
+        from ckpt.resume.plot import plot_verification
 
-            plot_verification(result, plot)
+        plot_verification(result, plot)
     if as_json:
         doc = to_json(result)
         if rows is not None:

@@ -42,7 +42,7 @@ from .ckpt_layout import (
 from .dcp import DcpExport, check_dcp_export, is_dcp_dir, open_dcp
 from .hf import HFExport, check_hf_export, is_hf_dir, open_hf
 from .nxd_tag import NxdExport, is_nxd_dir, open_nxd
-from .parallel import FolderExport, UnitReceipt, balance, write_serial
+from .parallel import FolderExport, UnitReceipt, balance, submit, worker_pool, write_serial
 
 Format = Literal["ckpt", "hf", "dcp", "nxd"]
 DEFAULT_FLUSH_BYTES = 64 << 20
@@ -304,16 +304,15 @@ def _sweep(dst: str, opts: ConvertOptions, attempt: str) -> None:
 def _convert_local_workers(
     conv: Conversion, src: str, dst: str, opts: ConvertOptions, progress: Callable[[int], None] | None
 ) -> None:
-    import multiprocessing as mp
-    from concurrent.futures import ProcessPoolExecutor, as_completed
+    from concurrent.futures import as_completed
 
     attempt = uuid.uuid4().hex[:8]
     n = opts.workers
     shares = assign_shares(conv.tensors, n)
     receipts: list[Receipt] = []
     try:
-        with ProcessPoolExecutor(max_workers=n, mp_context=mp.get_context("spawn")) as pool:
-            futures = {pool.submit(_worker, src, dst, opts, i, n, attempt): i for i in range(n)}
+        with worker_pool(n) as pool:
+            futures = {submit(pool, _worker, src, dst, opts, i, n, attempt): i for i in range(n)}
             for fut in as_completed(futures):
                 receipts.append(fut.result())
                 if progress is not None:
@@ -407,8 +406,7 @@ def _export_local_workers(
     On any failure the parent waits for the other workers (leaving the pool's ``with`` block), then removes the
     temp folder with everything in it: nothing is ever renamed to ``dst``.
     """
-    import multiprocessing as mp
-    from concurrent.futures import ProcessPoolExecutor, as_completed
+    from concurrent.futures import as_completed
 
     n = opts.workers
     shares = balance(export.weights, n)
@@ -416,8 +414,8 @@ def _export_local_workers(
     try:
         receipts: list[UnitReceipt] = []
         busy = [i for i in range(n) if shares[i]]  # more workers than units: the rest have nothing to do
-        with ProcessPoolExecutor(max_workers=max(1, len(busy)), mp_context=mp.get_context("spawn")) as pool:
-            futures = {pool.submit(_folder_worker, src, opts, str(tmp), i, n): i for i in busy}
+        with worker_pool(max(1, len(busy))) as pool:
+            futures = {submit(pool, _folder_worker, src, opts, str(tmp), i, n): i for i in busy}
             for fut in as_completed(futures):
                 receipts.append(fut.result())
                 if progress is not None:

@@ -13,7 +13,10 @@ exporter run as one worker, so serial and parallel output are the same files.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import signal
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future, ProcessPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -112,4 +115,54 @@ def write_serial(export: FolderExport, dst: str | Path, progress: Progress = Non
         raise
 
 
-__all__ = ["FolderExport", "Progress", "UnitReceipt", "balance", "check_cover", "write_serial"]
+def _leave_sigint_to_parent() -> None:
+    """Worker initializer: ignore SIGINT (then take it off the blocked set :func:`submit` started us with)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+
+
+@contextmanager
+def worker_pool(n: int) -> Iterator[ProcessPoolExecutor]:
+    """``n`` spawned worker processes (``--workers``) that leave Ctrl-C to this process.
+
+    A terminal's Ctrl-C goes to every process of the foreground group, and each worker would die printing its own
+    KeyboardInterrupt traceback.  Workers instead ignore SIGINT (see :func:`submit`); when this process is
+    interrupted, or fails, it terminates them rather than waiting for their shares, and the interruption goes on
+    (the caller removes what they wrote).
+    """
+    import multiprocessing as mp
+
+    pool = ProcessPoolExecutor(
+        max_workers=n, mp_context=mp.get_context("spawn"), initializer=_leave_sigint_to_parent
+    )
+    try:
+        yield pool
+    except BaseException:
+        for proc in list(pool._processes.values()):  # no public handle on the workers; stable since 3.2
+            proc.terminate()
+        pool.shutdown(wait=True, cancel_futures=True)
+        raise
+    pool.shutdown(wait=True)
+
+
+def submit(pool: ProcessPoolExecutor, fn: Callable[..., Any], *args: Any) -> Future:
+    """``pool.submit`` with SIGINT blocked meanwhile: a worker the call starts inherits the blocked signal, so it
+    cannot be interrupted before its initializer ignores SIGINT; one that arrives meanwhile reaches this process
+    when the call returns."""
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        return pool.submit(fn, *args)
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
+__all__ = [
+    "FolderExport",
+    "Progress",
+    "UnitReceipt",
+    "balance",
+    "check_cover",
+    "submit",
+    "worker_pool",
+    "write_serial",
+]

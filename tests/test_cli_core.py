@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -139,3 +141,148 @@ def test_not_a_checkpoint_and_damaged_manifest_exit_2(root, tmp_path):
 def test_unknown_option_is_a_usage_error():
     r = run("verify", "--bogus")
     assert r.returncode == 2 and "No such option" in r.stderr
+
+
+# -- one way for errors; startup without torch; Ctrl-C ---------------------------------------------------------
+
+
+def test_click_runner_and_the_real_command_report_an_error_the_same_way(root):
+    """The group reports errors (cli/group.py), so the test runner sees exactly what a user's shell sees."""
+    from ckpt.cli.main import cli
+    from click.testing import CliRunner
+
+    for args in (("ls", "/no/such/dir"), ("inspect", str(root / "step_00000040"))):
+        real = run(*args)
+        runner = CliRunner().invoke(cli, list(args))
+        assert (runner.exit_code, runner.output) == (real.returncode, real.stderr) == (2, real.stderr)
+        assert real.stderr.startswith("ckpt: error: ") and real.stderr.count("\n") == 1
+
+
+def _imported(stderr: str) -> set[str]:
+    """Top-level names of the modules a ``python -X importtime`` run imported (its report is on stderr)."""
+    names = set()
+    for line in stderr.splitlines():
+        if line.startswith("import time:") and "|" in line:
+            names.add(line.rsplit("|", 1)[1].strip().split(".")[0])
+    return names
+
+
+def run_importtime(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-X", "importtime", "-m", "ckpt", *args], capture_output=True, text=True, timeout=120
+    )
+
+
+def test_importtime_report_sees_torch():
+    """The control for the test below: the same report does list torch when a library name that needs it is
+    used."""
+    r = subprocess.run(
+        [sys.executable, "-X", "importtime", "-c", "import ckpt; ckpt.Checkpointer"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "torch" in _imported(r.stderr) and "click" not in _imported(r.stderr)
+
+
+@pytest.fixture(scope="module")
+def logged_run(tmp_path_factory):
+    from test_resume_sim import simulate
+
+    return simulate(tmp_path_factory.mktemp("run"), "correct")
+
+
+@pytest.mark.parametrize(
+    "args, expect",
+    [
+        (("--help",), "Commands:"),
+        (("--version",), "ckpt, version"),
+        (("convert", "--help"), "--workers"),
+        (("ls", "{root}"), "committed"),
+        (("ls", "{root}", "--json"), '"committed"'),
+        (("inspect", "{root}/step_00000020"), "optim/1.bias/exp_avg_sq"),
+        (("inspect", "{root}/step_00000020", "--json"), '"optimizer_state"'),
+        (("report", "{run}"), "Recovery cost"),
+        (("verify-resume", "{run}"), "CONTINUOUS"),
+    ],
+)
+def test_commands_that_touch_no_tensor_do_not_import_torch(root, logged_run, args, expect):
+    """``ckpt --help`` and the manifest/log commands start without torch (issue 18: 3-4 s and 650 MB before)."""
+    r = run_importtime(*(a.format(root=root, run=logged_run) for a in args))
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert expect in r.stdout
+    imported = _imported(r.stderr)
+    assert "click" in imported  # the report is there ...
+    assert "torch" not in imported  # ... and torch is not in it
+
+
+def _sizable_checkpoint(path) -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(32)])  # 128 MiB in 64 tensors
+    ckpt.save(str(path), step=1, model=model)
+
+
+def _loaded(pid: int, library: str) -> bool:
+    try:
+        with open(f"/proc/{pid}/maps") as f:
+            return library in f.read()
+    except OSError:
+        return False
+
+
+@pytest.mark.parametrize("when", ["importing torch", "workers importing torch", "workers writing"])
+def test_ctrl_c_prints_one_line_and_exits_130(tmp_path, when):
+    """Ctrl-C (SIGINT to the whole process group, as a terminal sends it) while the command imports torch, while
+    the spawned workers of ``convert --workers 2`` import torch (outside any task: without care each prints a
+    traceback) and while they write DST: one line, exit 130, no traceback from the command or any worker, no
+    worker left running, no data file left."""
+    psutil = pytest.importorskip("psutil")
+    src, dst = tmp_path / "src", tmp_path / "dst"
+    _sizable_checkpoint(src)
+    p = subprocess.Popen(
+        [sys.executable, "-m", "ckpt", "convert", str(src), str(dst), "--to", "cuda", "--workers", "2"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,  # its own process group, so that the signal reaches exactly it and its workers
+    )
+    workers: list = []
+    try:
+        while p.poll() is None:
+            if when == "importing torch" and _loaded(p.pid, "libtorch"):
+                break
+            if when != "importing torch":
+                workers = [
+                    c for c in psutil.Process(p.pid).children() if "spawn_main" in " ".join(c.cmdline())
+                ]
+                if len(workers) == 2 and (
+                    all(_loaded(w.pid, "libtorch") for w in workers)
+                    if when == "workers importing torch"
+                    else dst.is_dir() and any(dst.iterdir())
+                ):
+                    break
+            time.sleep(0.02)
+        assert p.poll() is None, "the conversion ended before it could be interrupted"
+        os.killpg(p.pid, signal.SIGINT)
+        out, err = p.communicate(timeout=120)
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+    assert (p.returncode, err, out) == (130, "ckpt: interrupted\n", "")
+    for w in workers:
+        w.wait(timeout=30)  # raises if it is still running: the parent must have ended it
+    assert not dst.exists() or not list(dst.iterdir())
+    assert not [x.name for x in tmp_path.iterdir() if x.name not in ("src", "dst")]
+
+
+def test_import_ckpt_is_lazy_and_every_export_resolves():
+    code = (
+        "import sys, ckpt\n"
+        "assert 'torch' not in sys.modules\n"
+        "missing = [n for n in ckpt.__all__ if getattr(ckpt, n, None) is None]\n"
+        "assert not missing, missing\n"
+        "assert 'torch' in sys.modules and ckpt.save and ckpt.CheckpointManager.__module__ == 'ckpt.manager'\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from ckpt.cli.convert import convert as convert_cmd
+from ckpt.cli.main import cli
 from click.testing import CliRunner
 
 from ckpt import open_checkpoint
@@ -28,7 +28,7 @@ CONFIG = FIX / "config.json"
 def cuda_ckpt(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("cli") / "cuda"
     r = CliRunner().invoke(
-        convert_cmd, [str(TAG), str(out), "--from", "neuron", "--to", "cuda", "--config", str(CONFIG)]
+        cli, ["convert", str(TAG), str(out), "--from", "neuron", "--to", "cuda", "--config", str(CONFIG)]
     )
     assert r.exit_code == 0, r.output
     return out
@@ -54,7 +54,7 @@ def _tree(p: Path) -> list[str]:
 def test_cli_impossible_requests(cuda_ckpt: Path, tmp_path: Path, args: list[str], needle: str) -> None:
     dst = tmp_path / "dst"
     before = _tree(cuda_ckpt)
-    r = CliRunner().invoke(convert_cmd, [str(cuda_ckpt), str(dst), *args])
+    r = CliRunner().invoke(cli, ["convert", str(cuda_ckpt), str(dst), *args])
     assert r.exit_code == 2, r.output
     lines = [ln for ln in r.output.splitlines() if ln.strip()]
     assert len(lines) == 1 and needle in lines[0] and lines[0].startswith("ckpt: error:"), r.output
@@ -63,7 +63,7 @@ def test_cli_impossible_requests(cuda_ckpt: Path, tmp_path: Path, args: list[str
 
 
 def test_cli_missing_config_and_unknown_layout(tmp_path: Path) -> None:
-    r = CliRunner().invoke(convert_cmd, [str(TAG), str(tmp_path / "x"), "--to", "cuda"])
+    r = CliRunner().invoke(cli, ["convert", str(TAG), str(tmp_path / "x"), "--to", "cuda"])
     assert (
         r.exit_code == 2
         and "pass --config config.json" in r.output
@@ -71,24 +71,24 @@ def test_cli_missing_config_and_unknown_layout(tmp_path: Path) -> None:
     )
     (tmp_path / "junk").mkdir()
     (tmp_path / "junk" / "a.txt").write_text("x")
-    r = CliRunner().invoke(convert_cmd, [str(tmp_path / "junk"), str(tmp_path / "y"), "--to", "cuda"])
+    r = CliRunner().invoke(cli, ["convert", str(tmp_path / "junk"), str(tmp_path / "y"), "--to", "cuda"])
     assert r.exit_code == 2 and "unknown checkpoint layout" in r.output
     assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
 
 
 def test_cli_refuses_existing_dst(cuda_ckpt: Path, tmp_path: Path) -> None:
-    r = CliRunner().invoke(convert_cmd, [str(cuda_ckpt), str(cuda_ckpt), "--to", "cuda"])
+    r = CliRunner().invoke(cli, ["convert", str(cuda_ckpt), str(cuda_ckpt), "--to", "cuda"])
     assert r.exit_code == 2 and "same path" in r.output
     other = tmp_path / "o"
-    assert CliRunner().invoke(convert_cmd, [str(cuda_ckpt), str(other), "--to", "cuda"]).exit_code == 0
-    r = CliRunner().invoke(convert_cmd, [str(cuda_ckpt), str(other), "--to", "cuda"])
+    assert CliRunner().invoke(cli, ["convert", str(cuda_ckpt), str(other), "--to", "cuda"]).exit_code == 0
+    r = CliRunner().invoke(cli, ["convert", str(cuda_ckpt), str(other), "--to", "cuda"])
     assert r.exit_code == 2 and "already exists" in r.output
 
 
 def test_cli_dry_run_writes_nothing(cuda_ckpt: Path, tmp_path: Path) -> None:
     dst = tmp_path / "dst"
     r = CliRunner().invoke(
-        convert_cmd, [str(cuda_ckpt), str(dst), "--to", "neuron", "--tp", "2", "--qkv-linear", "--dry-run"]
+        cli, ["convert", str(cuda_ckpt), str(dst), "--to", "neuron", "--tp", "2", "--qkv-linear", "--dry-run"]
     )
     assert r.exit_code == 0, r.output
     assert (
@@ -101,12 +101,12 @@ def test_cli_dry_run_writes_nothing(cuda_ckpt: Path, tmp_path: Path) -> None:
 
 def test_cli_subprocess_and_progress(cuda_ckpt: Path, tmp_path: Path) -> None:
     dst = tmp_path / "hf"
-    code = "from ckpt.cli.convert import convert; convert()"
     p = subprocess.run(
         [
             sys.executable,
-            "-c",
-            code,
+            "-m",
+            "ckpt",
+            "convert",
             str(cuda_ckpt),
             str(dst),
             "--from",
@@ -124,7 +124,18 @@ def test_cli_subprocess_and_progress(cuda_ckpt: Path, tmp_path: Path) -> None:
     assert "converted 117 tensors" in p.stdout  # model + moments planned; HF holds the 39 model tensors
     assert len(json.loads((dst / "model.safetensors.index.json").read_text())["weight_map"]) == 39
     p = subprocess.run(
-        [sys.executable, "-c", code, str(cuda_ckpt), str(tmp_path / "z"), "--to", "neuron", "--tp", "5"],
+        [
+            sys.executable,
+            "-m",
+            "ckpt",
+            "convert",
+            str(cuda_ckpt),
+            str(tmp_path / "z"),
+            "--to",
+            "neuron",
+            "--tp",
+            "5",
+        ],
         capture_output=True,
         text=True,
         timeout=120,
@@ -142,8 +153,8 @@ def _same(a: Path, b: Path) -> None:
 
 def test_cli_workers(cuda_ckpt: Path, tmp_path: Path) -> None:
     args = ["--to", "neuron", "--tp", "2", "--qkv-linear"]
-    assert CliRunner().invoke(convert_cmd, [str(cuda_ckpt), str(tmp_path / "one"), *args]).exit_code == 0
-    r = CliRunner().invoke(convert_cmd, [str(cuda_ckpt), str(tmp_path / "two"), *args, "--workers", "2"])
+    assert CliRunner().invoke(cli, ["convert", str(cuda_ckpt), str(tmp_path / "one"), *args]).exit_code == 0
+    r = CliRunner().invoke(cli, ["convert", str(cuda_ckpt), str(tmp_path / "two"), *args, "--workers", "2"])
     assert r.exit_code == 0, r.output
     m = open_checkpoint(str(tmp_path / "two")).manifest
     assert {f.rank for f in m.files.values()} == {0, 1}
@@ -162,7 +173,7 @@ def test_torchrun_ranks_share_and_commit(cuda_ckpt: Path, tmp_path: Path) -> Non
     m = open_checkpoint(str(tmp_path / "multi")).manifest
     assert {f.rank for f in m.files.values()} == {0, 1, 2}
     r = CliRunner().invoke(
-        convert_cmd, [str(cuda_ckpt), str(tmp_path / "one"), "--to", "neuron", "--tp", "2", "--qkv-linear"]
+        cli, ["convert", str(cuda_ckpt), str(tmp_path / "one"), "--to", "neuron", "--tp", "2", "--qkv-linear"]
     )
     assert r.exit_code == 0
     _same(tmp_path / "one", tmp_path / "multi")

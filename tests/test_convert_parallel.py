@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 import torch
-from ckpt.cli.convert import convert as convert_cmd
+from ckpt.cli.main import cli
 from ckpt.converters.convert import ConvertOptions, convert, folder_export, load_config
 from ckpt.converters.parallel import balance
 from click.testing import CliRunner
@@ -130,15 +130,15 @@ def test_workers_equal_serial(fmt: str, src: Path, serial: dict[str, Path], tmp_
 
 def test_cli_workers_nxd_and_hf(src: Path, serial: dict[str, Path], tmp_path: Path) -> None:
     args = ["--to", "neuron", "--format", "nxd", "--tp", "2", "--pp", "2", "--dp", "2", "--qkv-linear"]
-    r = CliRunner().invoke(convert_cmd, [str(src), str(tmp_path / "nxd"), *args, "--workers", "3"])
+    r = CliRunner().invoke(cli, ["convert", str(src), str(tmp_path / "nxd"), *args, "--workers", "3"])
     assert r.exit_code == 0, r.output
     assert files(tmp_path / "nxd") == files(serial["nxd"])
     args = ["--to", "cuda", "--format", "hf", "--max-shard-size", str(SHARD), "--workers", "2"]
-    r = CliRunner().invoke(convert_cmd, [str(src), str(tmp_path / "hf"), *args])
+    r = CliRunner().invoke(cli, ["convert", str(src), str(tmp_path / "hf"), *args])
     assert r.exit_code == 0, r.output
     assert files(tmp_path / "hf") == files(serial["hf"])
     r = CliRunner().invoke(
-        convert_cmd, [str(src), str(tmp_path / "x"), "--to", "cuda", "--max-shard-size", "1XB"]
+        cli, ["convert", str(src), str(tmp_path / "x"), "--to", "cuda", "--max-shard-size", "1XB"]
     )
     assert r.exit_code == 2 and "--max-shard-size" in r.output and not (tmp_path / "x").exists()
 

@@ -1,4 +1,4 @@
-"""The README's demo command, end to end, as a user runs it."""
+"""The README's demo command, end to end, as a user runs it; and its flags refused up front."""
 
 from __future__ import annotations
 
@@ -6,19 +6,58 @@ import os
 import subprocess
 import sys
 
+import pytest
+
+
+def demo(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "ckpt", "demo", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, "PYTHONWARNINGS": "ignore"},
+    )
+
 
 def test_demo_runs_end_to_end(tmp_path):
     workdir = tmp_path / "demo"
-    r = subprocess.run(
-        [sys.executable, "-m", "ckpt", "demo", "--dir", str(workdir), "--steps", "12", "--kill-at", "8"],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env={**os.environ, "PYTHONWARNINGS": "ignore"},
-    )
+    r = demo("--dir", str(workdir), "--steps", "12", "--kill-at", "8")
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "resume is bit-exact" in r.stdout
     assert "CONTINUOUS" in r.stdout
     assert "bit-identical" in r.stdout and "round trip" in r.stdout
     assert (workdir / "crashed" / "resume.png").stat().st_size > 0
     assert (workdir / "crashed" / "converted-neuron-tp2" / "manifest.json").exists()
+    # the ranks' chatter (gloo's connection lines on stdout, torch-xla's PJRT warning) stays in their logs
+    for text in (r.stdout, r.stderr):
+        assert "[Gloo]" not in text and "PJRT" not in text and "Traceback" not in text
+    assert "[Gloo] Rank 0 is connected" in (workdir / "logs" / "reference.rank0.log").read_text()
+
+
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (["--kill-at", "3"], "--kill-at 3: expected a step from 6 to 29"),  # before the first checkpoint
+        (["--kill-at", "50", "--steps", "10"], "--kill-at 50: expected a step from 6 to 9"),  # never crashes
+        (
+            ["--kill-at", "10", "--steps", "10"],
+            "--kill-at 10: expected a step from 6 to 9",
+        ),  # at the last step
+        (["--steps", "6", "--kill-at", "6"], "--steps 6: expected 7 or more"),
+        (["--ranks", "0"], "--ranks 0: expected 1 or more"),
+    ],
+)
+def test_flags_that_cannot_show_a_crash_are_refused_up_front(tmp_path, args, needle):
+    workdir = tmp_path / "demo"
+    r = demo("--dir", str(workdir), *args, timeout=120)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert r.stderr.startswith("ckpt: error: ") and r.stderr.count("\n") == 1
+    assert needle in r.stderr and r.stdout == ""
+    assert not workdir.exists()
+
+
+def test_a_folder_that_is_not_a_demos_is_never_emptied(tmp_path):
+    (tmp_path / "notes.txt").write_text("mine")
+    r = demo("--dir", str(tmp_path), timeout=120)
+    assert r.returncode == 2 and r.stderr.startswith(f"ckpt: error: --dir {tmp_path}: holds notes.txt")
+    assert r.stderr.count("\n") == 1 and (tmp_path / "notes.txt").read_text() == "mine"

@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+from ckpt.cli.main import cli
 from ckpt.cli.report import report
 from ckpt.cli.verify_resume import verify_resume
 from click.testing import CliRunner
@@ -25,7 +26,8 @@ def broken(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def invoke(cmd, *args: str):
-    return CliRunner().invoke(cmd, [str(a) for a in args], terminal_width=200)
+    """Run ``cmd`` as ``ckpt <cmd> ARGS`` does: through the group, which reports errors (cli/group.py)."""
+    return CliRunner().invoke(cli, [cmd.name, *(str(a) for a in args)], terminal_width=200)
 
 
 def test_continuous_run_exits_0(good: Path) -> None:

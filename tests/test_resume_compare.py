@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from ckpt.cli.compare import compare
+from ckpt.cli.main import cli
 from click.testing import CliRunner
 
 from ckpt.resume.compare import compare_runs, env_summary
@@ -143,7 +143,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 def invoke(*args: object):
-    return CliRunner().invoke(compare, [str(a) for a in args], terminal_width=200)
+    return CliRunner().invoke(cli, ["compare", *(str(a) for a in args)], terminal_width=200)
 
 
 # -- the library ---------------------------------------------------------------------------------------
@@ -299,7 +299,9 @@ def test_cli_bad_input_is_one_line_exit_2(
     with LedgerWriter(short) as ledger:
         ledger.step(1000, 1.0, 0.1)
     r = CliRunner().invoke(
-        compare, [a.format(tmp=tmp_path, ref=runs["ref"], short=short) for a in args], terminal_width=200
+        cli,
+        ["compare", *(a.format(tmp=tmp_path, ref=runs["ref"], short=short) for a in args)],
+        terminal_width=200,
     )
     assert r.exit_code == 2, r.output
     lines = r.output.strip().splitlines()

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
-from ckpt.cli.verify_resume import verify_resume
+from ckpt.cli.main import cli
 from click.testing import CliRunner
 
 from ckpt.resume.checks import Cause, Status
@@ -144,7 +144,7 @@ def test_sigkill_at_an_arbitrary_moment_then_resume_passes(tmp_path: Path) -> No
 
 def test_cli_verifies_with_checkpoint_facts_and_plots(correct: Path, tmp_path: Path) -> None:
     png = tmp_path / "resume.png"
-    r = CliRunner().invoke(verify_resume, [str(correct), "--json", "--plot", str(png)])
+    r = CliRunner().invoke(cli, ["verify-resume", str(correct), "--json", "--plot", str(png)])
     assert r.exit_code == 0, r.output
     doc = json.loads(r.output)
     counters = next(c for c in doc["boundaries"][0]["checks"] if c["check"] == "counters")
@@ -159,8 +159,18 @@ REPLAY = (
 
 def test_replay_reproduces_the_logged_steps(correct: Path, tmp_path: Path) -> None:
     r = CliRunner().invoke(
-        verify_resume,
-        [str(correct), "--replay", REPLAY, "--from-step", "10", "--replay-steps", "4", "--json"],
+        cli,
+        [
+            "verify-resume",
+            str(correct),
+            "--replay",
+            REPLAY,
+            "--from-step",
+            "10",
+            "--replay-steps",
+            "4",
+            "--json",
+        ],
         env={"PYTHONWARNINGS": "ignore"},
     )
     assert r.exit_code == 0, r.output
@@ -173,15 +183,17 @@ def test_replay_reproduces_the_logged_steps(correct: Path, tmp_path: Path) -> No
 
 def test_replay_of_a_broken_command_names_the_cause(correct: Path, tmp_path: Path) -> None:
     # Default --from-step: the newest checkpoint the log has steps after (15); default K: up to 10 steps.
-    r = CliRunner().invoke(verify_resume, [str(correct), "--replay", REPLAY + " --bug rng_not_restored"])
+    r = CliRunner().invoke(
+        cli, ["verify-resume", str(correct), "--replay", REPLAY + " --bug rng_not_restored"]
+    )
     assert r.exit_code == 1, r.output
     assert "replayed 5 steps from step 15" in r.output and "RNG not restored" in r.output
 
 
 def test_replay_bad_input_exits_2(correct: Path) -> None:
-    r = CliRunner().invoke(verify_resume, [str(correct), "--replay", "false"])
+    r = CliRunner().invoke(cli, ["verify-resume", str(correct), "--replay", "false"])
     assert r.exit_code == 2 and "replay command exited with code 1" in r.output
-    r = CliRunner().invoke(verify_resume, [str(correct), "--replay", REPLAY, "--from-step", "7"])
+    r = CliRunner().invoke(cli, ["verify-resume", str(correct), "--replay", REPLAY, "--from-step", "7"])
     assert r.exit_code == 2 and "no committed checkpoint of step 7" in r.output
 
 

@@ -14,7 +14,7 @@ from torture.scale import many_checkpoints, many_tensors
 
 import ckpt
 from ckpt.discovery import list_checkpoints
-from ckpt.verify import verify_checkpoint
+from ckpt.integrity import verify_checkpoint
 
 pytestmark = pytest.mark.timeout(600)
 

@@ -27,10 +27,11 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from ckpt.discovery import list_checkpoints
+from ckpt.integrity import verify_checkpoint
 from ckpt.reader import CheckpointReader
+from ckpt.integrity import verify_checkpoint
 from ckpt.storage import open_storage
 from ckpt.storage.s3 import S3Storage
-from ckpt.verify import verify_checkpoint
 
 TRAINER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "trainer.py")
 

@@ -1,4 +1,6 @@
-"""Full verification of a checkpoint: every file present at its size, every shard's checksum, full coverage.
+"""Integrity of a checkpoint's stored bytes: every file present at its size, every shard's checksum, full coverage.
+
+(Whether training *resumed* correctly from a checkpoint is :mod:`ckpt.resume.verify`'s question, not this one's.)
 
 Used by ``ckpt verify`` and by tools that must not trust a checkpoint blindly.  Each problem names the file and
 the tensor it affects, so a damaged checkpoint can be repaired or discarded knowingly.

@@ -1,4 +1,4 @@
-"""ckpt.verify: coverage gaps/overlaps and file damage are each reported with the file and tensor."""
+"""ckpt.integrity: coverage gaps/overlaps and file damage are each reported with the file and tensor."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import json
 import torch
 
 import ckpt
+from ckpt.integrity import verify_checkpoint
 from ckpt.manifest import seal
-from ckpt.verify import verify_checkpoint
 
 
 def _save(path, chunk_bytes=64):

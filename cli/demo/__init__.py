@@ -1,9 +1,12 @@
 """``ckpt demo``: a real multi-rank run that saves asynchronously, crashes (SIGKILL), resumes and is compared.
 
-It launches the tiny job in ``ckpt.demo_train`` on N gloo ranks three times: an uninterrupted reference run, a
+It launches the tiny job in ``ckpt.cli.demo.train`` on N gloo ranks three times: an uninterrupted reference run, a
 run killed in the middle of an async save, and its restart from the newest committed checkpoint; then it checks
 that the resumed run's losses are bit-identical to the reference, runs ``verify-resume`` on the crashed run's
 ledger and checkpoints (with a plot), and prints the recovery-cost report (``ckpt report``).
+
+The ranks' own output (gloo prints "[Gloo] Rank N is connected to ..." on stdout, unconditionally, when a process
+group connects; library warnings on stderr) goes to ``DIR/logs/<phase>.rank<N>.log``, shown only when a rank fails.
 """
 
 from __future__ import annotations
@@ -16,17 +19,47 @@ import subprocess
 import sys
 
 import click
-from rich.table import Table
 
-from ckpt.discovery import list_checkpoints
-from ckpt.resume.cost import recovery_cost
-from ckpt.resume.manifest_facts import ManifestFacts
-from ckpt.resume.sources import load_run
-from ckpt.resume.verify import verify_run
+from ckpt.errors import CkptError
 
-from .common import out
-from .render_resume import render_cost
-from .render_resume import render_verification as render
+from ..common import err, out
+
+#: the demo job checkpoints every this many steps (``--save-every`` of ``train.py``)
+SAVE_EVERY = 5
+#: what a demo folder holds; ``--dir`` is emptied only when it holds nothing else
+DEMO_ENTRIES = {"reference", "crashed", "logs"}
+
+
+class DemoFailed(CkptError):
+    """A step of the demo did not do what it shows (a rank failed, the round trip changed a tensor)."""
+
+    exit_code = 1
+
+
+def check_flags(workdir: str, ranks: int, steps: int, kill_at: int) -> None:
+    """Refuse, before anything runs, flags with which the demo cannot show a crash and a resume."""
+    first, last = SAVE_EVERY + 1, steps - 1
+    if ranks < 1:
+        raise CkptError(f"--ranks {ranks}: expected 1 or more processes")
+    if steps < first + 1:
+        raise CkptError(
+            f"--steps {steps}: expected {first + 1} or more (the run checkpoints at step {SAVE_EVERY} and must "
+            "crash after that, before its last step)"
+        )
+    if not first <= kill_at <= last:
+        raise CkptError(
+            f"--kill-at {kill_at}: expected a step from {first} to {last} (after the first checkpoint at step "
+            f"{SAVE_EVERY}, before the last step {steps})"
+        )
+    if os.path.isfile(workdir):
+        raise CkptError(f"--dir {workdir}: is a file; expected a folder for the demo's runs")
+    if os.path.isdir(workdir):
+        other = sorted(set(os.listdir(workdir)) - DEMO_ENTRIES)
+        if other:
+            raise CkptError(
+                f"--dir {workdir}: holds {', '.join(other[:3])}{', ...' if len(other) > 3 else ''}, not a "
+                "previous demo's runs; the demo empties its folder, so pick a new or empty one"
+            )
 
 
 def _free_port() -> int:
@@ -35,20 +68,52 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _launch(ranks: int, args: list[str]) -> list[int]:
+def _launch(ranks: int, args: list[str], logs: str, phase: str) -> tuple[list[int], list[str]]:
+    """Run the job on ``ranks`` gloo processes; their exit codes and log files (stdout and stderr together).
+
+    If this process is interrupted (Ctrl-C), the ranks still running are killed before the interruption goes on.
+    """
     port = str(_free_port())
-    procs = []
-    for r in range(ranks):
-        env = dict(
-            os.environ,
-            RANK=str(r),
-            WORLD_SIZE=str(ranks),
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=port,
-            OMP_NUM_THREADS="1",
-        )
-        procs.append(subprocess.Popen([sys.executable, "-m", "ckpt.demo_train", *args], env=env))
-    return [p.wait() for p in procs]
+    procs: list[subprocess.Popen] = []
+    paths = [os.path.join(logs, f"{phase}.rank{r}.log") for r in range(ranks)]
+    try:
+        for r in range(ranks):
+            env = dict(
+                os.environ,
+                RANK=str(r),
+                WORLD_SIZE=str(ranks),
+                MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=port,
+                OMP_NUM_THREADS="1",
+            )
+            with open(paths[r], "wb") as log:
+                procs.append(
+                    subprocess.Popen(
+                        [sys.executable, "-m", "ckpt.cli.demo.train", *args],
+                        env=env,
+                        stdout=log,
+                        stderr=subprocess.STDOUT,
+                    )
+                )
+        return [p.wait() for p in procs], paths
+    except BaseException:
+        for p in procs:
+            p.kill()
+        for p in procs:
+            p.wait()
+        raise
+
+
+def _require_success(phase: str, codes: list[int], paths: list[str]) -> None:
+    """Show the log of the first failed rank (its last lines) and stop, or return when every rank exited 0."""
+    failed = [r for r, c in enumerate(codes) if c != 0]
+    if not failed:
+        return
+    r = failed[0]
+    with open(paths[r], errors="replace") as f:
+        tail = f.read().splitlines()[-20:]
+    err.print("\n".join(tail), markup=False, highlight=False)
+    raise DemoFailed(f"{phase} run failed: rank {r} exited with {codes[r]} (its log: {paths[r]})")
 
 
 def _losses(run: str) -> dict[int, str]:
@@ -59,39 +124,54 @@ def _losses(run: str) -> dict[int, str]:
 
 @click.command()
 @click.option(
-    "--dir", "workdir", default="demo_run", show_default=True, help="Where the demo writes its runs."
+    "--dir",
+    "workdir",
+    default="demo_run",
+    show_default=True,
+    help="Where the demo writes its runs (emptied first; must be new, empty or a previous demo's).",
 )
 @click.option("--ranks", default=2, show_default=True, help="Number of gloo processes.")
-@click.option("--steps", default=30, show_default=True)
+@click.option("--steps", default=30, show_default=True, help=f"Training steps (more than {SAVE_EVERY + 1}).")
 @click.option(
-    "--kill-at", default=17, show_default=True, help="Step at which the crashing run SIGKILLs itself."
+    "--kill-at",
+    default=17,
+    show_default=True,
+    help=f"Step at which the crashing run SIGKILLs itself (after the first checkpoint at step {SAVE_EVERY}, "
+    "before the last step).",
 )
 def demo(workdir: str, ranks: int, steps: int, kill_at: int) -> None:
     """Train on several ranks, crash mid async-save, resume, and prove the losses continue bit for bit."""
+    from rich.table import Table
+
+    from ckpt.discovery import list_checkpoints
+    from ckpt.resume.cost import recovery_cost
+    from ckpt.resume.sources import load_run
+
+    check_flags(workdir, ranks, steps, kill_at)
     shutil.rmtree(workdir, ignore_errors=True)
     ref, crash = os.path.join(workdir, "reference"), os.path.join(workdir, "crashed")
-    os.makedirs(ref)
-    os.makedirs(crash)
+    logs = os.path.join(workdir, "logs")
+    for d in (ref, crash, logs):
+        os.makedirs(d)
     # keep every checkpoint so verify-resume can read the restored one's manifest afterwards
-    common = ["--steps", str(steps), "--save-every", "5", "--keep-last", "100"]
+    common = ["--steps", str(steps), "--save-every", str(SAVE_EVERY), "--keep-last", "100"]
     out.print(f"[bold]1/6[/] reference run: {ranks} ranks, {steps} steps")
-    if any(_launch(ranks, ["--run", ref, *common])):
-        raise click.ClickException("reference run failed")
+    _require_success("reference", *_launch(ranks, ["--run", ref, *common], logs, "reference"))
     out.print(f"[bold]2/6[/] crashing run: SIGKILL at step {kill_at}, right after an async save started")
-    codes = _launch(ranks, ["--run", crash, "--kill-at", str(kill_at), *common])
+    codes, _ = _launch(ranks, ["--run", crash, "--kill-at", str(kill_at), *common], logs, "crash")
     out.print(f"    exit codes {codes} (-9 = killed)")
     for info in list_checkpoints(os.path.join(crash, "checkpoints")):
         out.print(f"    step {info.step}: {info.status}")
     out.print("[bold]3/6[/] restart: restore_latest() and continue")
-    if any(_launch(ranks, ["--run", crash, *common])):
-        raise click.ClickException("resumed run failed")
+    _require_success("resumed", *_launch(ranks, ["--run", crash, *common], logs, "restart"))
     a, b = _losses(ref), _losses(crash)
     table = Table(title="loss after resume vs reference")
     for col in ("step", "reference", "resumed", "same bits"):
         table.add_column(col)
     with open(os.path.join(crash, "losses.jsonl")) as f:
         starts = [json.loads(line) for line in f if '"event"' in line]
-    resumed_from = starts[-1]["restored"]
+    restored = starts[-1]["restored"]
+    resumed_from = restored or 0  # None: no checkpoint had committed before the crash, the restart began anew
     mismatches = 0
     for step in range(resumed_from + 1, steps + 1):
         same = a.get(step) == b.get(step)
@@ -103,7 +183,10 @@ def demo(workdir: str, ranks: int, steps: int, kill_at: int) -> None:
             "[green]yes[/]" if same else "[red]no[/]",
         )
     out.print(table)
-    out.print(f"resumed from step {resumed_from} (restore took {starts[-1]['restore_s']:.3f} s)")
+    if restored is None:
+        out.print("no checkpoint had committed before the crash: the restart began from step 0")
+    else:
+        out.print(f"resumed from step {restored} (restore took {starts[-1]['restore_s']:.3f} s)")
     if mismatches:
         out.print(f"[red]{mismatches} step(s) differ after resume[/]")
         sys.exit(1)
@@ -111,6 +194,8 @@ def demo(workdir: str, ranks: int, steps: int, kill_at: int) -> None:
     verified = _verify(crash)
     _convert(crash)
     out.print("[bold]6/6[/] recovery cost ([cyan]ckpt report[/] on the crashed run)")
+    from ..render_resume import render_cost
+
     run = load_run(crash)
     render_cost(run, recovery_cost(run))
     if verified.exit_code:
@@ -119,6 +204,10 @@ def demo(workdir: str, ranks: int, steps: int, kill_at: int) -> None:
 
 def _verify(run_dir: str):
     """Step 4: ``ckpt verify-resume`` on the crashed run, with its checkpoints' manifests and a plot."""
+    from ckpt.resume.manifest_facts import ManifestFacts
+    from ckpt.resume.sources import load_run
+    from ckpt.resume.verify import verify_run
+
     png = os.path.join(run_dir, "resume.png")
     out.print(f"[bold]4/6[/] [cyan]ckpt verify-resume {run_dir} --plot {png}[/]")
     facts = ManifestFacts(os.path.join(run_dir, "checkpoints"))
@@ -131,7 +220,9 @@ def _verify(run_dir: str):
         out.print(f"    plot: {png}")
     except ImportError:  # pragma: no cover - matplotlib is optional; the verdict does not need it
         out.print("    (no plot: pip install 'ckpt[plot]')")
-    render(result, out)
+    from ..render_resume import render_verification
+
+    render_verification(result, out)
     return result
 
 
@@ -158,7 +249,7 @@ def _convert(run_dir: str) -> None:
             [sys.executable, "-m", "ckpt", "convert", *args], capture_output=True, text=True
         )
         if done.returncode:
-            raise click.ClickException(f"ckpt convert failed: {done.stderr.strip()}")
+            raise DemoFailed(f"ckpt convert failed: {done.stderr.strip()}")
     a, n, b = CheckpointReader(src), CheckpointReader(neuron), CheckpointReader(back)
     qkv = next(name for name in n.manifest.tensors if "qkv_proj" in name or "q_proj" in name)
     out.print(
@@ -170,7 +261,7 @@ def _convert(run_dir: str) -> None:
         name for name in a.manifest.tensors if name in b.manifest.tensors and a.read(name).equal(b.read(name))
     ]
     if len(same) != len(a.manifest.tensors) or b.manifest.scheduler != a.manifest.scheduler:
-        raise click.ClickException(f"round trip changed {len(a.manifest.tensors) - len(same)} tensor(s)")
+        raise DemoFailed(f"round trip changed {len(a.manifest.tensors) - len(same)} tensor(s)")
     out.print(
         f"    round trip: all {len(same)} model and optimizer tensors bit-identical; step {b.manifest.step}, "
         "scheduler, RNG and data position carried"

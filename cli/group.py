@@ -1,0 +1,55 @@
+"""How the outcome of any ``ckpt`` command reaches the user, decided in one place: the command group.
+
+A :class:`~ckpt.errors.CkptError` becomes one stderr line ``ckpt: error: <message>`` and the error's exit code
+(2 bad input, 1 a problem found in a checkpoint); Ctrl-C becomes one line ``ckpt: interrupted`` and exit code 130
+(128 + SIGINT, what a shell reports for it); anything else is a bug and keeps its traceback.  Commands just raise.
+``main()`` and click's test runner both go through the group, so they behave the same.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import click
+
+from ckpt.errors import CkptError
+
+#: every user error is exactly one stderr line with this prefix, so that scripts can match one spelling
+ERROR_PREFIX = "ckpt: error: "
+INTERRUPTED = "ckpt: interrupted"
+INTERRUPTED_EXIT = 130
+
+
+def error_line(exc: BaseException) -> str:
+    """The one line a user sees for ``exc``."""
+    return f"{ERROR_PREFIX}{exc}"
+
+
+@contextmanager
+def reported() -> Iterator[None]:
+    """Turn a CkptError or a Ctrl-C into its line on stderr and its exit code (click's ``Exit``)."""
+    try:
+        yield
+    except CkptError as exc:
+        click.echo(error_line(exc), err=True)
+        raise click.exceptions.Exit(exc.exit_code) from None
+    except KeyboardInterrupt:
+        if sys.stderr.isatty():
+            click.echo(err=True)  # past the "^C" the terminal echoed
+        click.echo(INTERRUPTED, err=True)
+        raise click.exceptions.Exit(INTERRUPTED_EXIT) from None
+
+
+class CkptGroup(click.Group):
+    """A click group that reports errors and interruptions of its commands (and of its own parsing) as above."""
+
+    def make_context(self, *args: Any, **kwargs: Any) -> click.Context:
+        with reported():  # ``ckpt --help`` / ``--version`` run here, before ``invoke``
+            return super().make_context(*args, **kwargs)
+
+    def invoke(self, ctx: click.Context) -> Any:
+        with reported():  # the command's own option parsing, imports and work
+            return super().invoke(ctx)
