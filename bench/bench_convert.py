@@ -84,7 +84,7 @@ def baseline_child(src: Path, dst: Path) -> tuple[float, int]:
     code = f"""
 from ckpt import open_checkpoint
 from ckpt.layouts import LayoutSpec, full_state_to_nxd
-from ckpt.converters.ckpt_layout import nxd_partition_dim
+from ckpt.layouts.partition import nxd_partition
 from ckpt.layouts.pipeline import pp_ranks_of
 from ckpt.writer import StreamingWriter
 import torch
@@ -98,7 +98,7 @@ for (tp, pp), sd in sorted(shards.items()):
     for n, t in sd.items():
         if pp != pp_ranks_of(n, spec)[0]:
             continue
-        dim = nxd_partition_dim(n, spec)
+        dim = (nxd_partition(n) or (None,))[0]
         if dim is None:
             if n in done:
                 continue

@@ -58,6 +58,24 @@ def flat_dense(t: torch.Tensor) -> torch.Tensor:
     return t.as_strided((t.numel(),), (1,))
 
 
+def safetensors_header(
+    entries: Sequence[tuple[str, str, Sequence[int], int]], metadata: dict[str, str] | None = None
+) -> bytes:
+    """The 8-byte length + JSON header of a safetensors file whose payloads follow back to back, in order.
+
+    ``entries`` are ``(key, dtype name, shape, payload bytes)``; the header is padded with spaces to a multiple of 8
+    (as safetensors writes it) so the data that follows is aligned.  The one header writer: data files and HF shards.
+    """
+    header: dict[str, object] = {"__metadata__": dict(metadata or {})} if metadata is not None else {}
+    pos = 0
+    for key, dtype, shape, nbytes in entries:
+        header[key] = {"dtype": dtype, "shape": list(shape), "data_offsets": [pos, pos + nbytes]}
+        pos += nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    return struct.pack("<Q", len(raw)) + raw
+
+
 def write_shard_file(
     f: BinaryIO, chunks: Sequence[Chunk], metadata: dict[str, str] | None = None, threads: int = 4
 ) -> tuple[list[Written], int]:
@@ -70,23 +88,16 @@ def write_shard_file(
                 to_compress, pool.map(lambda i: compress(payloads[i]), to_compress), strict=True
             ):
                 payloads[i] = data
-    header: dict[str, object] = {"__metadata__": {"format": "ckpt", **(metadata or {})}}
-    pos = 0
+    entries = []
     for c, p in zip(chunks, payloads, strict=True):
         if c.codec == "raw":
-            entry = {"dtype": dtype_name(c.tensor.dtype), "shape": list(c.tensor.shape)}
+            entries.append((c.key, dtype_name(c.tensor.dtype), tuple(c.tensor.shape), len(p)))
         else:
-            entry = {"dtype": "U8", "shape": [len(p)]}
-        entry["data_offsets"] = [pos, pos + len(p)]
-        header[c.key] = entry
-        pos += len(p)
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)
-    f.write(struct.pack("<Q", len(raw)))
-    f.write(raw)
-    base = 8 + len(raw)
+            entries.append((c.key, "U8", (len(p),), len(p)))
+    head = safetensors_header(entries, {"format": "ckpt", **(metadata or {})})
+    f.write(head)
     written = []
-    offset = base
+    offset = len(head)
     for c, p in zip(chunks, payloads, strict=True):
         digest = checksum(p)
         view = memoryview(p)

@@ -6,14 +6,64 @@ Thin: parses flags into :class:`ckpt.converters.convert.ConvertOptions`, shows a
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import click
 
 from ckpt.errors import CkptError
 
 from .common import err, human_bytes, out
 
+#: the Neuron layout flags: one definition per flag, used for the target (``--tp``...) and, where an NxD tag cannot
+#: record it, for the source (``--source-hw``...).  Unset flags keep the source's own Neuron layout (or defaults).
+LAYOUT_FLAGS: dict[str, tuple[Any, str]] = {
+    "tp": (int, "tensor-parallel size"),
+    "pp": (int, "pipeline-parallel size"),
+    "dp": (int, "data-parallel size (ZeRO-1 optimizer shards)"),
+    "virtual_pp": (int, "virtual pipeline stages per rank"),
+    "kv_size_multiplier": (int, "KV head replication"),
+    "hw": (click.Choice(["trn1", "trn2"]), "KV head order of the hardware generation"),
+    "fuse_qkv": (bool, "fused QKV weights"),
+    "qkv_linear": (bool, "GQAQKVColumnParallelLinear names (qkv_proj.weight_q|k|v)"),
+}
+#: what an NxD tag's files cannot say about it
+SOURCE_FLAGS = ("hw", "kv_size_multiplier", "virtual_pp")
 
-@click.command("convert", context_settings={"help_option_names": ["-h", "--help"]})
+EPILOG = """\b
+Examples:
+  ckpt convert run/step_1000 out/cuda --to cuda                      # NxD tag or ckpt -> full (CUDA) layout
+  ckpt convert run/step_1000 out/hf --to cuda --format hf --config config.json
+  ckpt convert hf_model/ out/trn --to neuron --tp 8 --qkv-linear --kv-size-multiplier 2 --hw trn2
+  ckpt convert out/trn out/nxd_tag --to neuron --format nxd --dp 4    # NxD-native tag, ZeRO-1 over 4 ranks
+  ckpt convert big/ out/ --to cuda --workers 4 --dry-run
+
+\b
+Layout flags describe the Neuron target; unset ones keep SRC's own Neuron layout. --source-* flags describe an NxD
+tag SRC where its files cannot. Exit codes: 0 converted, 1 SRC damaged, 2 bad input or impossible request.
+"""
+
+
+def layout_options(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """The ``--tp`` ... ``--qkv-linear`` target options and the ``--source-*`` ones, from :data:`LAYOUT_FLAGS`."""
+    for name in reversed(SOURCE_FLAGS):
+        kind, text = LAYOUT_FLAGS[name]
+        fn = click.option(
+            f"--source-{name.replace('_', '-')}", f"source_{name}", type=kind, default=None,
+            help=f"NxD tag SRC: its {text} (its files do not record it).",
+        )(fn)  # fmt: skip
+    for name, (kind, text) in reversed(LAYOUT_FLAGS.items()):
+        flag = f"--{name.replace('_', '-')}"
+        if kind is bool:
+            fn = click.option(
+                f"{flag}/--no-{name.replace('_', '-')}", name, default=None, help=f"Neuron target: {text}."
+            )(fn)
+        else:
+            fn = click.option(flag, name, type=kind, default=None, help=f"Neuron target: {text}.")(fn)
+    return fn
+
+
+@click.command("convert", epilog=EPILOG, context_settings={"help_option_names": ["-h", "--help"]})
 @click.argument("src")
 @click.argument("dst")
 @click.option(
@@ -32,42 +82,22 @@ from .common import err, human_bytes, out
     show_default=True,
     help="Format of DST.",
 )
-@click.option("--tp", type=int, default=1, show_default=True, help="Neuron target: tensor-parallel size.")
-@click.option("--pp", type=int, default=1, show_default=True, help="Neuron target: pipeline-parallel size.")
-@click.option(
-    "--dp",
-    type=int,
-    default=1,
-    show_default=True,
-    help="Neuron target: data-parallel size (ZeRO-1 shards for --format nxd).",
-)
-@click.option(
-    "--virtual-pp",
-    type=int,
-    default=1,
-    show_default=True,
-    help="Neuron target: virtual pipeline stages per rank.",
-)
-@click.option(
-    "--kv-size-multiplier", type=int, default=1, show_default=True, help="Neuron target: KV head replication."
-)
-@click.option(
-    "--hw",
-    type=click.Choice(["trn1", "trn2"]),
-    default="trn1",
-    show_default=True,
-    help="Neuron KV head order.",
-)
-@click.option("--fuse-qkv", is_flag=True, help="Neuron target: fused QKV weights.")
-@click.option(
-    "--qkv-linear",
-    is_flag=True,
-    help="Neuron target: GQAQKVColumnParallelLinear names (qkv_proj.weight_q|k|v).",
-)
+@layout_options
 @click.option(
     "--config", "config_path", type=str, default=None, help="Hugging Face config.json of the model."
 )
 @click.option("--step", type=int, default=None, help="Step to record (default: the source's).")
+@click.option(
+    "--xser/--no-xser", default=None, help="--format nxd: write torch_xla's xser form (default: SRC's)."
+)
+@click.option(
+    "--codec",
+    type=click.Choice(["raw", "zstd"]),
+    default="raw",
+    show_default=True,
+    help="--format ckpt: data codec.",
+)
+@click.option("--allow-unmarked", is_flag=True, help="Use an NxD training tag whose save never wrote 'done'.")
 @click.option(
     "--workers",
     type=int,
@@ -92,45 +122,48 @@ def convert(
     from_: str | None,
     to: str,
     fmt: str,
-    tp: int,
-    pp: int,
-    dp: int,
-    virtual_pp: int,
-    kv_size_multiplier: int,
-    hw: str,
-    fuse_qkv: bool,
-    qkv_linear: bool,
     config_path: str | None,
     step: int | None,
+    xser: bool | None,
+    codec: str,
+    allow_unmarked: bool,
     workers: int,
     max_shard_size: str,
     dry_run: bool,
+    **flags: Any,
 ) -> None:
     """Convert checkpoint SRC into DST (SRC is never written; DST is committed atomically)."""
-    from ckpt.converters.convert import ConvertOptions, describe, load_config, open_source, plan_conversion
     from ckpt.converters.convert import convert as run_convert
+    from ckpt.converters.convert import describe, open_source, plan_conversion
+    from ckpt.converters.options import ConvertOptions, RunOptions, load_config
 
+    layout = {k: v for k, v in flags.items() if not k.startswith("source_") and v is not None}
+    source_flags = {
+        k[len("source_") :]: v for k, v in flags.items() if k.startswith("source_") and v is not None
+    }
     opts = ConvertOptions(
         to=to,  # type: ignore[arg-type]
-        format=fmt,  # type: ignore[arg-type]
+        format=fmt,
         from_=from_,  # type: ignore[arg-type]
-        tp=tp,
-        pp=pp,
-        dp=dp,
-        virtual_pp=virtual_pp,
-        kv_size_multiplier=kv_size_multiplier,
-        hw=hw,
-        fuse_qkv=fuse_qkv,
-        qkv_linear=qkv_linear,
+        layout=layout,
+        source_flags=source_flags,
         config=load_config(config_path),
         step=step,
-        workers=workers,
         max_shard_bytes=parse_size(max_shard_size, "--max-shard-size"),
+        xser=xser,
+        codec=codec,
     )
+    run = RunOptions(workers=workers, allow_unmarked=allow_unmarked)
     if dry_run:
-        conv = plan_conversion(open_source(src, opts), opts)
-        d = describe(conv, opts)
-        out.print(f"plan: {d['source']['format']} ({d['source']['layout']}) {src} -> {fmt} ({to}) {dst}")
+        source = open_source(src, opts, run)
+        try:
+            d = describe(plan_conversion(source, opts), opts, run)
+        finally:
+            source.close()
+        out.print(
+            f"plan: {d['source']['format']} ({d['source']['layout']}) {src} -> {fmt} ({to}) {dst}",
+            markup=False,
+        )
         if d["target"]["spec"]:
             out.print(f"  layout: {d['target']['spec']}")
         out.print(
@@ -141,7 +174,7 @@ def convert(
         out.print(f"  peak memory estimate: {human_bytes(d['peak_memory_estimate'])} per worker")
         out.print(f"  step: {d['step']}, workers: {workers}")
         return
-    _run(run_convert, src, dst, opts)
+    _run(run_convert, src, dst, opts, run)
 
 
 _UNITS = {
@@ -167,7 +200,7 @@ def parse_size(text: str, flag: str) -> int:
     return int(float(m.group(1)) * _UNITS[unit])
 
 
-def _run(run_convert, src: str, dst: str, opts) -> None:  # noqa: ANN001 - internal
+def _run(run_convert, src: str, dst: str, opts, run) -> None:  # noqa: ANN001 - internal
     from rich.progress import (
         BarColumn,
         DownloadColumn,
@@ -192,7 +225,7 @@ def _run(run_convert, src: str, dst: str, opts) -> None:  # noqa: ANN001 - inter
         def on_plan(conv) -> None:  # noqa: ANN001
             bar.update(task, total=conv.nbytes)
 
-        result = run_convert(src, dst, opts, progress=lambda n: bar.advance(task, n), on_plan=on_plan)
+        result = run_convert(src, dst, opts, run, progress=lambda n: bar.advance(task, n), on_plan=on_plan)
     out.print(
         f"converted {result.tensors} tensors ({human_bytes(result.bytes)}) -> {result.dst} [{result.format}]",
         markup=False,  # "[hf]" is text, not a style

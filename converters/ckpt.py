@@ -27,7 +27,7 @@ from ckpt.layouts import Piece
 from ckpt.layouts.record import NxdRecord
 from ckpt.manifest import MANIFEST_NAME, Box
 from ckpt.reader import CheckpointReader
-from ckpt.storage import Storage
+from ckpt.storage import Storage, open_storage
 from ckpt.writer import StreamingWriter
 
 from .engine import Conversion, Source, Staging, Trees, UnitReceipt, check_cover, write_share
@@ -38,7 +38,7 @@ CUDA_KINDS = ("replicated", "dtensor", "fsdp", "ddp", "cuda", "full")
 
 
 def detect(path: str, storage_options: Mapping[str, Any] | None = None) -> bool:
-    return Storage(path, dict(storage_options) if storage_options else None).exists(MANIFEST_NAME)
+    return open_storage(path, dict(storage_options) if storage_options else None).exists(MANIFEST_NAME)
 
 
 class ManifestSource(Source):
@@ -159,12 +159,14 @@ class ManifestExport:
         self.weights = [t.desc.nbytes for t in conv.tensors]
 
     def begin(self, dst: str) -> Staging:
-        storage = Storage(dst, self.storage_options)
+        storage = open_storage(dst, self.storage_options)
         if storage.exists(MANIFEST_NAME):
             raise CheckpointExistsError(f"{storage.display(MANIFEST_NAME)} already exists; choose a new DST")
         return Staging(dst, uuid.uuid4().hex[:8])
 
-    def write(self, staging: Staging, units: Sequence[int], progress: Progress = None, *, worker: int = 0) -> UnitReceipt:
+    def write(
+        self, staging: Staging, units: Sequence[int], progress: Progress = None, *, worker: int = 0
+    ) -> UnitReceipt:
         writer = StreamingWriter(
             staging.url,
             rank=worker,
@@ -195,12 +197,12 @@ class ManifestExport:
             trees=self.conv.trees.as_commit_trees(),
             env=self.conv.trees.environment or None,
         )
-        publish(Storage(dst, self.storage_options), manifest)
+        publish(open_storage(dst, self.storage_options), manifest)
         return dst
 
     def abort(self, staging: Staging) -> None:
         """Remove the data files of this attempt (their names carry the attempt id)."""
-        storage = Storage(staging.url, self.storage_options)
+        storage = open_storage(staging.url, self.storage_options)
         try:
             names = storage.listdir()
         except Exception:  # noqa: BLE001 - best effort: nothing was committed anyway
@@ -212,6 +214,9 @@ class ManifestExport:
 
 def export(conv: Conversion, *, flush_bytes: int, codec: str = "raw", storage_options: dict[str, Any] | None = None,
            verify: bool = True, **_: Any) -> ManifestExport:  # fmt: skip
-    return ManifestExport(conv, flush_bytes=flush_bytes, codec=codec, storage_options=storage_options, verify=verify)
+    return ManifestExport(
+        conv, flush_bytes=flush_bytes, codec=codec, storage_options=storage_options, verify=verify
+    )
+
 
 __all__ = ["ManifestExport", "ManifestSource", "detect", "export", "open_source"]

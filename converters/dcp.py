@@ -20,29 +20,45 @@ from __future__ import annotations
 
 import dataclasses
 import io
-import os
 import pathlib
 import pickle
 import uuid
-from collections.abc import Callable, Sequence
+from collections import OrderedDict
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from ckpt import treecodec
+from ckpt.dtypes import dtype_from_name, dtype_name
 from ckpt.errors import CkptError, CorruptionError, LayoutError
+from ckpt.layouts import Piece
+from ckpt.manifest import TensorDesc
 from ckpt.safe_unpickle import load_pickle, load_torch_file
+from ckpt.storage import open_storage
+from ckpt.storage.folder import FolderTxn, begin_folder
 
-from .ckpt_layout import MODEL_ROLES, Conversion, Source, TensorCache, TensorInfo, Trees
-from .fsutil import make_temp_dir, publish_dir, remove_dir
-from .parallel import UnitReceipt, check_cover, write_serial
+from .engine import (
+    MODEL_ROLES,
+    Conversion,
+    Source,
+    Staging,
+    Trees,
+    UnitReceipt,
+    check_cover,
+    produce,
+    slice_of,
+)
+from .engine.export import Progress
+
+NAME = "dcp"
 
 METADATA_NAME = ".metadata"
 OPTIM_KEYS = ("optim", "optimizer")
 
 
-def is_dcp_dir(path: str | Path) -> bool:
+def detect(path: str, storage_options: Mapping[str, Any] | None = None) -> bool:
     return (Path(path) / METADATA_NAME).is_file()
 
 
@@ -98,7 +114,7 @@ class DCPSource(Source):
     """
 
     layout = "cuda"
-    format = "dcp"
+    format = NAME
 
     def __init__(self, path: str | Path, *, config: dict[str, Any] | None = None, step: int = 0) -> None:
         self.root = Path(path)
@@ -113,7 +129,8 @@ class DCPSource(Source):
             off = tuple(idx.offset) if idx.offset is not None else None
             by_fqn.setdefault(idx.fqn, {})[off] = info
         self._by_fqn = by_fqn
-        self.infos = {}
+        self.tensors = {}
+        self._cache: OrderedDict[str, torch.Tensor] = OrderedDict()
         self._fqn_of: dict[str, str] = {}
         groups: dict[int, dict[str, Any]] = {}
         scalars: dict[str, dict[str, Any]] = {}
@@ -156,7 +173,9 @@ class DCPSource(Source):
         self, name: str, fqn: str, item: Any, role: str, param: str | None = None, key: str | None = None
     ) -> None:
         self._fqn_of[name] = fqn
-        self.infos[name] = TensorInfo(name, tuple(item.size), item.properties.dtype, role, param, key)
+        self.tensors[name] = TensorDesc(
+            name, role, tuple(item.size), dtype_name(item.properties.dtype), param, key
+        )
 
     def _blob(self, fqn: str, offset: tuple[int, ...] | None) -> bytes:
         info = self._by_fqn.get(fqn, {}).get(offset)
@@ -202,30 +221,42 @@ class DCPSource(Source):
             out[idx] = t.reshape(sizes)
         return out
 
-    def read(self, name: str) -> torch.Tensor:
-        fqn = self._fqn_of[name]
-        return self._read_fqn(fqn, self._md.state_dict_metadata[fqn])
+    def read(self, piece: Piece) -> torch.Tensor:
+        """A slice of one tensor; the tensor is assembled from its chunks once and kept while its slices are read
+        (a small LRU: DCP stores chunks in the saver's boxes, not ours)."""
+        t = self._cache.get(piece.name)
+        if t is None:
+            fqn = self._fqn_of[piece.name]
+            t = self._cache[piece.name] = self._read_fqn(fqn, self._md.state_dict_metadata[fqn])
+            while len(self._cache) > 2:
+                self._cache.popitem(last=False)
+        return slice_of(t, piece)
+
+    def close(self) -> None:
+        self._cache.clear()
 
 
-def open_dcp(path: str | Path, *, config: dict[str, Any] | None = None, step: int = 0) -> DCPSource:
+def open_source(
+    path: str, *, config: Mapping[str, Any] | None = None, step: int | None = None, **_: Any
+) -> DCPSource:
     """A lazy reader over a DCP folder."""
-    return DCPSource(path, config=config, step=step)
+    return DCPSource(path, config=dict(config) if config is not None else None, step=step or 0)
 
 
 def _state_dict_skeleton(conv: Conversion) -> tuple[dict[str, Any], dict[tuple[Any, ...], str]]:
-    """``{"model": ..., "optim": ...}`` with ``meta`` placeholders for tensors, and placeholder path -> view name."""
+    """``{"model": ..., "optim": ...}`` with ``meta`` placeholders for tensors, and placeholder path -> target name."""
     fetch: dict[tuple[Any, ...], str] = {}
     model: dict[str, Any] = {}
     state: dict[str, dict[str, Any]] = {}
     for t in conv.tensors:
-        info = t.info
-        placeholder = torch.empty(info.shape, dtype=info.dtype, device="meta")
-        if info.role in MODEL_ROLES:
-            model[info.name] = placeholder
-            fetch[("model", info.name)] = info.name
-        elif info.role == "optimizer_state" and info.param is not None and info.key is not None:
-            state.setdefault(info.param, {})[info.key] = placeholder
-            fetch[("optim", "state", info.param, info.key)] = info.name
+        d = t.desc
+        placeholder = torch.empty(d.shape, dtype=dtype_from_name(d.dtype), device="meta")
+        if d.role in MODEL_ROLES:
+            model[d.name] = placeholder
+            fetch[("model", d.name)] = d.name
+        elif d.role == "optimizer_state" and d.param is not None and d.key is not None:
+            state.setdefault(d.param, {})[d.key] = placeholder
+            fetch[("optim", "state", d.param, d.key)] = d.name
     sd: dict[str, Any] = {"model": model}
     opt = conv.trees.optimizer
     if opt is not None:
@@ -234,9 +265,9 @@ def _state_dict_skeleton(conv: Conversion) -> tuple[dict[str, Any], dict[tuple[A
                 state.setdefault(param, {})[key] = treecodec.decode(value)
         groups = []
         for g in opt.get("param_groups", []):
-            d = {k: treecodec.decode(v) for k, v in g.items() if k != "params"}
-            d["params"] = list(g["params"])
-            groups.append(d)
+            gd = {k: treecodec.decode(v) for k, v in g.items() if k != "params"}
+            gd["params"] = list(g["params"])
+            groups.append(gd)
         # get_state_dict orders state by parameter; keep the param_groups order
         order = [p for g in groups for p in g["params"]]
         ordered = {p: state[p] for p in order if p in state}
@@ -245,9 +276,11 @@ def _state_dict_skeleton(conv: Conversion) -> tuple[dict[str, Any], dict[tuple[A
     return sd, fetch
 
 
-def check_dcp_export(conv: Conversion) -> None:
+def check_export(conv: Conversion) -> None:
     if conv.to != "cuda":
-        raise LayoutError("DCP export needs --to cuda (FSDP2 loads full tensors and reshards them)")
+        raise LayoutError(
+            "--format dcp holds the CUDA layout (FSDP2 loads full tensors and reshards them); use --to cuda"
+        )
 
 
 def distcp_name(worker: int) -> str:
@@ -255,8 +288,27 @@ def distcp_name(worker: int) -> str:
     return f"__{worker}_0.distcp"
 
 
+class _Counting:
+    """A write-only file wrapper that counts bytes (``torch.save`` streams into it; no per-item buffer)."""
+
+    def __init__(self, f: Any) -> None:
+        self.f = f
+        self.n = 0
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data).cast("B")
+        done = 0
+        while done < len(view):
+            done += self.f.write(view[done:])
+        self.n += done
+        return done
+
+    def flush(self) -> None:
+        pass
+
+
 class DcpExport:
-    """A DCP folder as units for :mod:`~converters.parallel`: one unit = one DCP write item (a tensor or a bytes
+    """A DCP folder as an :class:`~converters.engine.Export`: one unit = one DCP write item (a tensor or a bytes
     blob), written by worker ``w`` into its own ``__<w>_0.distcp``; ``.metadata`` is the commit.
 
     This is DCP's own multi-rank layout: ``.metadata`` maps every item to ``(relative_path, offset, length)``, so
@@ -265,12 +317,16 @@ class DcpExport:
     worker returns the storage entries of its items and the coordinator merges them into the metadata.
     """
 
-    def __init__(self, conv: Conversion) -> None:
+    def __init__(
+        self, conv: Conversion, *, storage_options: dict[str, Any] | None = None, verify: bool = True
+    ) -> None:
         from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
         from torch.distributed.checkpoint.planner import WriteItemType
 
-        check_dcp_export(conv)
+        check_export(conv)
         self.conv = conv
+        self.storage_options = storage_options
+        self.verify = verify
         sd, self.fetch = _state_dict_skeleton(conv)
         self.planner = DefaultSavePlanner()
         self.planner.set_up_planner(sd, storage_meta=None, is_coordinator=True)
@@ -278,7 +334,7 @@ class DcpExport:
         global_plans, self.metadata = self.planner.create_global_plan([local])
         self.items = list(self.planner.finish_plan(global_plans[0]).items)
         self.paths: dict[str, tuple[Any, ...]] = dict(self.metadata.planner_data or {})
-        self.outs = {t.info.name: t for t in conv.tensors}
+        self.outs = {t.desc.name: t for t in conv.tensors}
         self.weights = []
         for item in self.items:
             if item.type == WriteItemType.BYTE_IO:
@@ -289,96 +345,92 @@ class DcpExport:
                 for size in td.chunk.sizes:
                     n *= int(size)
                 self.weights.append(n * td.properties.dtype.itemsize)
+        self._txn: FolderTxn | None = None
 
-    def begin(self, dst: Path) -> Path:
-        return make_temp_dir(dst)
+    def begin(self, dst: str) -> Staging:
+        self._txn = begin_folder(dst, self.storage_options)
+        return Staging(self._txn.url, "")
 
     def write(
-        self,
-        tmp: Path,
-        units: Sequence[int],
-        progress: Callable[[int], None] | None = None,
-        *,
-        worker: int = 0,
+        self, staging: Staging, units: Sequence[int], progress: Progress = None, *, worker: int = 0
     ) -> UnitReceipt:
         """Stream items ``units`` (one ``torch.save`` blob each, DCP's default) into ``__<worker>_0.distcp``."""
         from torch.distributed.checkpoint.filesystem import _StorageInfo
         from torch.distributed.checkpoint.planner import WriteItemType
 
-        storage: dict[Any, Any] = {}
+        entries: dict[Any, Any] = {}
         if not units:
-            return UnitReceipt(worker, (), storage)
-        conv, planner = self.conv, self.planner
-        cache = TensorCache(conv.view.read, capacity=3)
+            return UnitReceipt(worker, (), entries)
+        planner = self.planner
         fname = distcp_name(worker)
-        with open(tmp / fname, "wb") as f:
+        with open_storage(staging.url, self.storage_options).create(fname) as f:
+            offset = 0
             for u in units:
                 item = self.items[u]
-                offset = f.tell()
+                buf = _Counting(f)
                 if item.type == WriteItemType.BYTE_IO:
-                    f.write(planner.resolve_data(item).getbuffer())
+                    buf.write(planner.resolve_data(item).getbuffer())
                 else:
                     fqn = item.index.fqn
                     name = self.fetch.get(tuple(self.paths.get(fqn, (fqn,))))
                     if name is None:  # a real (small) tensor, e.g. Adam's step
                         tensor = planner.resolve_data(item)
                     else:
-                        (_, tensor), *_ = list(conv.produce(self.outs[name], cache))
+                        (part,) = self.outs[name].parts
+                        tensor = produce(self.conv, part, verify=self.verify)
                         if progress is not None:
-                            progress(self.outs[name].info.nbytes)
+                            progress(self.outs[name].desc.nbytes)
                     chunk = item.tensor_data.chunk
-                    for d, (o, s) in enumerate(zip(chunk.offsets, chunk.sizes, strict=True)):
-                        if o != 0 or s != tensor.shape[d]:
-                            tensor = tensor.narrow(d, o, s)
+                    for d, (o, n) in enumerate(zip(chunk.offsets, chunk.sizes, strict=True)):
+                        if o != 0 or n != tensor.shape[d]:
+                            tensor = tensor.narrow(d, o, n)
                     tensor = tensor.detach().cpu().contiguous()
                     if tensor.untyped_storage().nbytes() != tensor.numel() * tensor.element_size():
                         tensor = tensor.clone()
-                    torch.save(tensor, f)
-                storage[item.index] = _StorageInfo(fname, offset, f.tell() - offset)
-            f.flush()
-            os.fsync(f.fileno())
-        return UnitReceipt(worker, tuple(units), storage)
+                    torch.save(tensor, buf)
+                entries[item.index] = _StorageInfo(fname, offset, buf.n)
+                offset += buf.n
+        return UnitReceipt(worker, tuple(units), entries)
 
-    def commit(self, tmp: Path, dst: Path, receipts: list[UnitReceipt]) -> Path:
-        """Merge the workers' storage entries into the planner's metadata, write ``.metadata`` last, rename."""
+    def commit(self, staging: Staging, dst: str, receipts: list[UnitReceipt]) -> str:
+        """Merge the workers' storage entries into the planner's metadata; ``.metadata`` is written last."""
         from torch.distributed.checkpoint.metadata import StorageMeta
 
-        receipts = check_cover(receipts, len(self.items), str(dst))
-        storage: dict[Any, Any] = {}
+        receipts = check_cover(receipts, len(self.items), dst)
+        if self._txn is None or self._txn.url != staging.url:
+            raise CkptError(f"{dst}: commit by an export that did not begin this folder")
+        entries: dict[Any, Any] = {}
         for r in receipts:
-            storage.update(r.data)
-        missing = [item.index for item in self.items if item.index not in storage]
-        if missing or len(storage) != len(self.items):
+            entries.update(r.data)
+        missing = [item.index for item in self.items if item.index not in entries]
+        if missing or len(entries) != len(self.items):
             raise CorruptionError(
                 f"{dst}: no storage entry for {len(missing)} DCP items (e.g. {missing[:1]})"
             )
-        for info in storage.values():
-            path = tmp / info.relative_path
-            if not path.is_file() or path.stat().st_size < info.offset + info.length:
+        storage = self._txn.storage
+        for info in entries.values():
+            size = storage.size(info.relative_path)
+            if size is None or size < info.offset + info.length:
                 raise CorruptionError(f"{dst}: {info.relative_path} is shorter than its items")
         metadata = dataclasses.replace(self.metadata)
         if hasattr(metadata, "version"):
             from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION
 
             metadata.version = CURRENT_DCP_VERSION
-        metadata.storage_data = {item.index: storage[item.index] for item in self.items}
+        metadata.storage_data = {item.index: entries[item.index] for item in self.items}
         metadata.storage_meta = StorageMeta(checkpoint_id=str(dst), save_id=uuid.uuid4().hex)
-        with open(tmp / METADATA_NAME, "wb") as mf:
-            pickle.dump(metadata, mf)
-        publish_dir(tmp, dst)
+        self._txn.commit({METADATA_NAME: pickle.dumps(metadata)})
         return dst
 
-    def abort(self, tmp: Path) -> None:
-        remove_dir(tmp)
+    def abort(self, staging: Staging) -> None:
+        if self._txn is not None:
+            self._txn.abort()
 
 
-def write_dcp(conv: Conversion, dst: str | Path, *, progress: Callable[[int], None] | None = None) -> Path:
-    """Write ``conv`` (CUDA layout) as a DCP folder at ``dst`` (atomically; one data file ``__0_0.distcp``).
-
-    One process; ``--workers N`` / torchrun run the same :class:`DcpExport` with the items spread over the
-    workers (``__<w>_0.distcp`` each).
-    """
-    return write_serial(DcpExport(conv), dst, progress)
+def export(
+    conv: Conversion, *, storage_options: dict[str, Any] | None = None, verify: bool = True, **_: Any
+) -> DcpExport:
+    return DcpExport(conv, storage_options=storage_options, verify=verify)
 
 
-__all__ = ["DCPSource", "DcpExport", "is_dcp_dir", "open_dcp", "read_metadata", "write_dcp"]
+__all__ = ["DCPSource", "DcpExport", "detect", "export", "open_source", "read_metadata"]

@@ -1,44 +1,55 @@
 """Hugging Face checkpoints: a folder with ``config.json`` and ``model*.safetensors`` (+ index).
 
-Reader (:func:`open_hf`): a CUDA-layout :class:`~converters.ckpt_layout.Source` over the safetensors files; each
-tensor is read on its own (``safe_open``), so importing into our manifest or straight into the Neuron TP/PP
-layout (to start a fine-tune on Trainium) holds one fusion group at a time.
+Source (:class:`HFSource`): a CUDA-layout source over the safetensors files; a piece is read as a slice of the
+memory-mapped file (``safe_open(...).get_slice``), so importing into our manifest or straight into the Neuron TP/PP
+layout (to start a fine-tune on Trainium) reads each byte once and holds no more than a part at a time.
 
-Writer (:func:`write_hf`): sharded ``model-0000i-of-0000n.safetensors`` + ``model.safetensors.index.json`` +
-``config.json``, loadable with ``transformers.AutoModelForCausalLM.from_pretrained``.  The safetensors header of
-every shard is computed from the plan before any data is read, then tensors are streamed in one at a time, so
-memory is one tensor whatever the shard size.  Everything is written into a hidden temp folder next to the
-destination and renamed into place at the end.  Optimizer state has no place in this format and is not written.
-
-Parallel (:class:`HFExport`): shard files are the units several workers (``--workers``, torchrun ranks) write
-whole into one temp folder; the coordinator writes the index and ``config.json`` and renames.
+Target (:class:`HFExport`): sharded ``model-0000i-of-0000n.safetensors`` + ``model.safetensors.index.json`` +
+``config.json``, loadable with ``transformers.AutoModelForCausalLM.from_pretrained``.  A shard's safetensors header
+is computed from the plan before any data is read, then tensors are streamed in one at a time.  Units are whole
+shard files (any worker can write any of them); the index and ``config.json`` are the commit, published with the
+folder (:func:`ckpt.storage.folder.begin_folder`: a temp folder and a rename on disk, markers last on object
+stores).  Optimizer state has no place in this format and is not written.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import struct
-from collections.abc import Callable, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from ckpt.dtypes import dtype_from_name, dtype_name
+from ckpt.dtypes import dtype_from_name
 from ckpt.errors import CkptError, CorruptionError, LayoutError
-from ckpt.shardfile import tensor_bytes
+from ckpt.layouts import Piece
+from ckpt.manifest import TensorDesc
+from ckpt.shardfile import safetensors_header, tensor_bytes
+from ckpt.storage import open_storage
+from ckpt.storage.folder import FolderTxn, begin_folder
 
-from .ckpt_layout import MODEL_ROLES, Conversion, Source, TensorCache, TensorInfo, Trees
-from .fsutil import make_temp_dir, publish_dir, remove_dir
-from .parallel import UnitReceipt, check_cover, write_serial
+from .engine import (
+    MODEL_ROLES,
+    Conversion,
+    Source,
+    Staging,
+    Trees,
+    UnitReceipt,
+    check_cover,
+    produce,
+    slice_of,
+)
+from .engine.export import Progress
 
+NAME = "hf"
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
 DEFAULT_SHARD_BYTES = 5 << 30
 
 
-def is_hf_dir(path: str | Path) -> bool:
+def detect(path: str, storage_options: Mapping[str, Any] | None = None) -> bool:
     p = Path(path)
     return (p / "config.json").is_file() and ((p / INDEX_NAME).is_file() or (p / SINGLE_NAME).is_file())
 
@@ -61,90 +72,78 @@ def read_header(path: Path) -> dict[str, Any]:
 class HFSource(Source):
     """A Hugging Face model folder as a CUDA-layout source (parameters only; step from ``--step`` or 0)."""
 
+    format = NAME
     layout = "cuda"
-    format = "hf"
 
-    def __init__(self, path: str | Path, *, config: dict[str, Any] | None = None, step: int = 0) -> None:
+    def __init__(self, path: str | Path, *, config: Mapping[str, Any] | None = None, step: int = 0) -> None:
         root = Path(path)
         self.path = str(root)
-        if not is_hf_dir(root):
+        if not detect(str(root)):
             raise CkptError(f"{root}: not a Hugging Face model folder (config.json + model*.safetensors)")
-        self.config = config if config is not None else json.loads((root / "config.json").read_text())
+        self.config = dict(config) if config is not None else json.loads((root / "config.json").read_text())
         if (root / INDEX_NAME).is_file():
             weight_map = json.loads((root / INDEX_NAME).read_text()).get("weight_map", {})
             files = list(dict.fromkeys(weight_map.values()))
         else:
             files = [SINGLE_NAME]
         self._file_of: dict[str, Path] = {}
-        self.infos = {}
+        self.tensors = {}
         for fname in files:
-            fpath = root / fname
             if Path(fname).is_absolute() or ".." in Path(fname).parts:
                 raise CorruptionError(f"{root / INDEX_NAME}: unsafe shard name {fname!r}")
+            fpath = root / fname
             for name, entry in read_header(fpath).items():
                 if name == "__metadata__":
                     continue
                 self._file_of[name] = fpath
-                self.infos[name] = TensorInfo(name, tuple(entry["shape"]), dtype_from_name(entry["dtype"]))
+                self.tensors[name] = TensorDesc(name, "parameter", tuple(entry["shape"]), entry["dtype"])
         self.trees = Trees(step=step, progress={"step": step}, extra={"config": self.config})
         self._handles: dict[Path, Any] = {}
 
-    def read(self, name: str) -> torch.Tensor:
+    def read(self, piece: Piece) -> torch.Tensor:
         from safetensors import safe_open
 
-        fpath = self._file_of[name]
+        fpath = self._file_of[piece.name]
         h = self._handles.get(fpath)
         if h is None:
             h = self._handles[fpath] = safe_open(str(fpath), framework="pt")
-        return h.get_tensor(name)
+        if piece.dim is None:
+            return h.get_tensor(piece.name)
+        if piece.dim == 0:
+            return h.get_slice(piece.name)[piece.start : piece.start + piece.length]
+        return slice_of(h.get_tensor(piece.name), piece)
 
     def close(self) -> None:
         self._handles.clear()
 
 
-def open_hf(path: str | Path, *, config: dict[str, Any] | None = None, step: int = 0) -> HFSource:
-    """A lazy reader over a Hugging Face model folder."""
-    return HFSource(path, config=config, step=step)
+def open_source(
+    path: str, *, config: Mapping[str, Any] | None = None, step: int | None = None, **_: Any
+) -> HFSource:
+    return HFSource(path, config=config, step=step or 0)
 
 
-def shard_plan(infos: list[TensorInfo], max_shard_bytes: int) -> list[list[TensorInfo]]:
+def shard_plan(descs: list[TensorDesc], max_shard_bytes: int) -> list[list[TensorDesc]]:
     """Tensors grouped into shards of at most ``max_shard_bytes`` (a larger tensor gets a shard of its own)."""
-    shards: list[list[TensorInfo]] = [[]]
+    shards: list[list[TensorDesc]] = [[]]
     size = 0
-    for info in infos:
-        if shards[-1] and size + info.nbytes > max_shard_bytes:
+    for d in descs:
+        if shards[-1] and size + d.nbytes > max_shard_bytes:
             shards.append([])
             size = 0
-        shards[-1].append(info)
-        size += info.nbytes
+        shards[-1].append(d)
+        size += d.nbytes
     return [s for s in shards if s]
 
 
-def _header(infos: list[TensorInfo]) -> bytes:
-    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
-    pos = 0
-    for info in infos:
-        header[info.name] = {
-            "dtype": dtype_name(info.dtype),
-            "shape": list(info.shape),
-            "data_offsets": [pos, pos + info.nbytes],
-        }
-        pos += info.nbytes
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)
-    return struct.pack("<Q", len(raw)) + raw
+def _header(shard: list[TensorDesc]) -> bytes:
+    return safetensors_header([(d.name, d.dtype, d.shape, d.nbytes) for d in shard], {"format": "pt"})
 
 
-def hf_model_tensors(conv: Conversion) -> list[int]:
-    """Indices of the target tensors that go into an HF folder (model parameters and buffers)."""
-    if conv.to != "cuda":
-        raise LayoutError("Hugging Face export needs --to cuda (full tensors)")
-    return [i for i, t in enumerate(conv.tensors) if t.info.role in MODEL_ROLES]
-
-
-def check_hf_export(conv: Conversion) -> None:
+def check_export(conv: Conversion) -> None:
     """Fail before any work when the export cannot produce a loadable folder."""
-    hf_model_tensors(conv)
+    if conv.to != "cuda":
+        raise LayoutError("--format hf holds the CUDA layout (full tensors); use --to cuda")
     if not conv.config:
         raise LayoutError("Hugging Face export needs the model config; pass --config config.json")
 
@@ -155,98 +154,82 @@ def shard_file_name(k: int, n: int) -> str:
 
 
 class HFExport:
-    """An HF folder as units for :mod:`~converters.parallel`: one unit = one whole shard file.
+    """An HF folder as an :class:`~converters.engine.Export`: one unit = one whole shard file."""
 
-    A safetensors file is a header followed by its tensors' bytes, so a shard cannot be split between writers;
-    shards are independent, so any worker can write any of them.  The index and ``config.json`` are the commit.
-    The shard plan depends only on the conversion plan and ``max_shard_bytes``, so every worker agrees on it.
-    """
-
-    def __init__(self, conv: Conversion, *, max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> None:
-        check_hf_export(conv)
+    def __init__(
+        self,
+        conv: Conversion,
+        *,
+        max_shard_bytes: int = DEFAULT_SHARD_BYTES,
+        storage_options: dict[str, Any] | None = None,
+        verify: bool = True,
+    ) -> None:
+        check_export(conv)
         self.conv = conv
-        indices = hf_model_tensors(conv)
-        self.outs = {conv.tensors[i].info.name: conv.tensors[i] for i in indices}
-        self.shards = shard_plan([conv.tensors[i].info for i in indices], max_shard_bytes)
+        self.storage_options = storage_options
+        self.verify = verify
+        self.outs = {t.desc.name: t for t in conv.tensors if t.desc.role in MODEL_ROLES}
+        self.shards = shard_plan([t.desc for t in self.outs.values()], max_shard_bytes)
         self.names = [shard_file_name(k, len(self.shards)) for k in range(len(self.shards))]
-        self.weights = [sum(info.nbytes for info in shard) for shard in self.shards]
+        self.weights = [sum(d.nbytes for d in shard) for shard in self.shards]
+        self._txn: FolderTxn | None = None
 
-    def begin(self, dst: Path) -> Path:
-        return make_temp_dir(dst)
+    def begin(self, dst: str) -> Staging:
+        self._txn = begin_folder(dst, self.storage_options)
+        return Staging(self._txn.url, "")
 
     def write(
-        self,
-        tmp: Path,
-        units: Sequence[int],
-        progress: Callable[[int], None] | None = None,
-        *,
-        worker: int = 0,
+        self, staging: Staging, units: Sequence[int], progress: Progress = None, *, worker: int = 0
     ) -> UnitReceipt:
-        """Write shard files ``units`` (header from the plan, then tensors streamed one at a time), fsynced."""
-        conv = self.conv
-        cache = TensorCache(conv.view.read, capacity=3)
+        """Write shard files ``units`` (header from the plan, then tensors streamed one at a time)."""
+        storage = open_storage(staging.url, self.storage_options)
         sizes: dict[str, int] = {}
         for k in units:
             shard, fname = self.shards[k], self.names[k]
-            with open(tmp / fname, "wb") as f:
-                f.write(_header(shard))
-                for info in shard:
-                    for _, data in conv.produce(self.outs[info.name], cache):
-                        data = data.contiguous()
-                        if data.dtype != info.dtype or tuple(data.shape) != info.shape:
-                            raise CorruptionError(f"{info.name}: produced {list(data.shape)} {data.dtype}")
-                        f.write(tensor_bytes(data))
+            with storage.create(fname) as f:
+                size = f.write(_header(shard))
+                for d in shard:
+                    (part,) = self.outs[d.name].parts
+                    data = produce(self.conv, part, verify=self.verify).contiguous()
+                    if data.dtype != dtype_from_name(d.dtype) or tuple(data.shape) != d.shape:
+                        raise CorruptionError(f"{d.name}: produced {list(data.shape)} {data.dtype}")
+                    view = tensor_bytes(data)
+                    done = 0
+                    while done < len(view):
+                        done += f.write(view[done:])
+                    size += done
                     if progress is not None:
-                        progress(info.nbytes)
-                f.flush()
-                os.fsync(f.fileno())
-                sizes[fname] = f.tell()
+                        progress(d.nbytes)
+            sizes[fname] = size
         return UnitReceipt(worker, tuple(units), sizes)
 
-    def commit(self, tmp: Path, dst: Path, receipts: list[UnitReceipt]) -> Path:
-        """Check every shard is there at its planned size, write the index and ``config.json``, rename."""
-        check_cover(receipts, len(self.shards), str(dst))
+    def commit(self, staging: Staging, dst: str, receipts: list[UnitReceipt]) -> str:
+        """Check every shard is there at its planned size, then publish with the index and ``config.json``."""
+        check_cover(receipts, len(self.shards), dst)
+        if self._txn is None or self._txn.url != staging.url:
+            raise CkptError(f"{dst}: commit by an export that did not begin this folder")
         sizes = {name: size for r in receipts for name, size in r.data.items()}
+        storage = self._txn.storage
         for k, shard in enumerate(self.shards):
             fname = self.names[k]
             want = len(_header(shard)) + self.weights[k]
-            path = tmp / fname
-            if sizes.get(fname) != want or not path.is_file() or path.stat().st_size != want:
+            if sizes.get(fname) != want or storage.size(fname) != want:
                 raise CorruptionError(f"{dst}: shard {fname} is not the {want} bytes planned")
-        weight_map = {info.name: self.names[k] for k, shard in enumerate(self.shards) for info in shard}
+        weight_map = {d.name: self.names[k] for k, shard in enumerate(self.shards) for d in shard}
         index = {"metadata": {"total_size": sum(self.weights)}, "weight_map": weight_map}
-        (tmp / INDEX_NAME).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
         config = dict(self.conv.config or {})
-        (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-        publish_dir(tmp, dst)
+        storage.put_bytes("config.json", (json.dumps(config, indent=2, sort_keys=True) + "\n").encode())
+        self._txn.commit({INDEX_NAME: (json.dumps(index, indent=2, sort_keys=True) + "\n").encode()})
         return dst
 
-    def abort(self, tmp: Path) -> None:
-        remove_dir(tmp)
+    def abort(self, staging: Staging) -> None:
+        if self._txn is not None:
+            self._txn.abort()
 
 
-def write_hf(
-    conv: Conversion,
-    dst: str | Path,
-    *,
-    max_shard_bytes: int = DEFAULT_SHARD_BYTES,
-    progress: Callable[[int], None] | None = None,
-) -> Path:
-    """Write the model tensors of ``conv`` (CUDA layout) as a Hugging Face folder at ``dst`` (atomically).
-
-    One process; ``ckpt convert --workers N`` and torchrun run the same :class:`HFExport` with the shard files
-    spread over the workers, so the files are the same.
-    """
-    return write_serial(HFExport(conv, max_shard_bytes=max_shard_bytes), dst, progress)
+def export(conv: Conversion, *, max_shard_bytes: int = DEFAULT_SHARD_BYTES, storage_options: dict[str, Any] | None = None,
+           verify: bool = True, **_: Any) -> HFExport:  # fmt: skip
+    return HFExport(conv, max_shard_bytes=max_shard_bytes, storage_options=storage_options, verify=verify)
 
 
-__all__ = [
-    "HFExport",
-    "HFSource",
-    "is_hf_dir",
-    "open_hf",
-    "read_header",
-    "shard_plan",
-    "write_hf",
-    "dtype_name",
-]
+__all__ = ["HFExport", "HFSource", "detect", "export", "open_source", "read_header", "shard_plan"]

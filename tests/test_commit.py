@@ -9,20 +9,18 @@ from typing import Any
 
 import pytest
 
-from ckpt.commit import Receipt, TensorMeta, build_manifest, publish
+from ckpt.commit import Receipt, build_manifest, publish
 from ckpt.errors import CheckpointExistsError, ManifestError
-from ckpt.manifest import MANIFEST_NAME, Layout, Manifest
+from ckpt.manifest import MANIFEST_NAME, Layout, Manifest, TensorDesc
 
 CSUM = "xxh3_64:0123456789abcdef"
 ENV = {"python": "3", "world_size": 2}
 
 
 def storage(url: str) -> Any:
-    """The storage of ``url`` through whichever entry point ckpt.storage offers."""
-    import ckpt.storage as mod
+    from ckpt.storage import open_storage
 
-    opener = getattr(mod, "open_storage", None)
-    return opener(url) if opener is not None else mod.Storage(url)
+    return open_storage(url)
 
 
 def rows(name: str, start: int, n: int, cols: int, fname: str, off: int) -> tuple:
@@ -30,9 +28,9 @@ def rows(name: str, start: int, n: int, cols: int, fname: str, off: int) -> tupl
     return (name, (start, 0), (n, cols), fname, off, n * cols * 4, "raw", CSUM)
 
 
-def two_ranks() -> tuple[list[TensorMeta], list[Receipt]]:
+def two_ranks() -> tuple[list[TensorDesc], list[Receipt]]:
     """Tensor 'w' (4x2) split over two ranks, 'b' (3,) on rank 1 only; rank 1 reports its shards out of order."""
-    metas = [TensorMeta("w", "parameter", (4, 2), "F32"), TensorMeta("b", "buffer", (3,), "F32")]
+    metas = [TensorDesc("w", "parameter", (4, 2), "F32"), TensorDesc("b", "buffer", (3,), "F32")]
     r0 = Receipt(0, [("r00000-a.safetensors", 100)], [rows("w", 0, 2, 2, "r00000-a.safetensors", 64)])
     r1 = Receipt(
         1,
@@ -45,7 +43,7 @@ def two_ranks() -> tuple[list[TensorMeta], list[Receipt]]:
     return metas, [r1, r0]
 
 
-def build(metas: list[TensorMeta], receipts: list[Receipt], **kw: Any) -> Manifest:
+def build(metas: list[TensorDesc], receipts: list[Receipt], **kw: Any) -> Manifest:
     return build_manifest(
         step=5,
         backend="cpu",
@@ -111,13 +109,13 @@ def test_a_gap_is_refused() -> None:
 
 def test_a_described_tensor_nobody_wrote_is_refused() -> None:
     metas, receipts = two_ranks()
-    metas.append(TensorMeta("optim/w/exp_avg", "optimizer_state", (4, 2), "F32", "w", "exp_avg"))
+    metas.append(TensorDesc("optim/w/exp_avg", "optimizer_state", (4, 2), "F32", "w", "exp_avg"))
     with pytest.raises(ManifestError, match=r"tensor 'optim/w/exp_avg': written shards hold 0 of 8 elements"):
         build(metas, receipts)
 
 
 def test_an_empty_tensor_needs_no_shard() -> None:
-    m = build([TensorMeta("e", "buffer", (0, 3), "F32")], [])
+    m = build([TensorDesc("e", "buffer", (0, 3), "F32")], [])
     assert m.tensors["e"].shards == ()
 
 

@@ -165,7 +165,7 @@ def _rank_convert(rank: int, world: int, src: str, dst: str) -> None:
     from ckpt.converters.convert import ConvertOptions, convert
 
     assert os.environ["WORLD_SIZE"] == str(world)
-    convert(src, dst, ConvertOptions(to="neuron", tp=2, qkv_linear=True))
+    convert(src, dst, ConvertOptions.neuron(tp=2, qkv_linear=True))
 
 
 def test_torchrun_ranks_share_and_commit(cuda_ckpt: Path, tmp_path: Path) -> None:

@@ -7,7 +7,6 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 from ckpt.converters import nxd
 from ckpt.converters.convert import ConvertOptions, convert, load_config
 from safetensors.torch import load_file
@@ -68,12 +67,12 @@ def test_fixture_back_to_neuron_and_nxd_native(truth, tmp_path: Path) -> None:
     convert(
         str(tmp_path / "cuda"),
         str(tmp_path / "neuron"),
-        ConvertOptions(to="neuron", tp=2, dp=2, qkv_linear=True),
+        ConvertOptions.neuron(tp=2, dp=2, qkv_linear=True),
     )
     convert(
         str(tmp_path / "neuron"),
         str(tmp_path / "nxd" / "step_3"),
-        ConvertOptions(to="neuron", format="nxd", tp=2, dp=2, qkv_linear=True),
+        ConvertOptions.neuron(format="nxd", tp=2, dp=2, qkv_linear=True),
     )
     orig = nxd.read_tag(tag)
     new = nxd.read_tag(tmp_path / "nxd" / "step_3")
@@ -99,28 +98,30 @@ def test_fixture_trn2_replicas_checked(truth, tmp_path: Path) -> None:
     convert(
         str(cuda),
         str(neuron),
-        ConvertOptions(to="neuron", tp=4, qkv_linear=True, kv_size_multiplier=2, hw="trn2"),
+        ConvertOptions.neuron(tp=4, qkv_linear=True, kv_size_multiplier=2, hw="trn2"),
     )
     # swap the two copies of KV head 0 with KV head 1 in one layer's k: copies now disagree
-    from ckpt.converters.ckpt_layout import ManifestSource, plan_to_cuda
+    import dataclasses
+
+    from ckpt.converters.ckpt import ManifestSource
+    from ckpt.converters.engine import plan_to_cuda, produce
 
     src = ManifestSource(str(neuron))
     name = "model.layers.0.self_attn.qkv_proj.weight_k"
     real = src.read
 
-    def tampered(n: str) -> torch.Tensor:
-        t = real(n)
-        if n == name:
-            t = t.clone()
-            t[8:16] = t[16:24].clone()  # rank 1's slot := rank 2's (another KV head)
-        return t
+    def tampered(piece):  # noqa: ANN001, ANN202
+        if piece.name == name and piece.rank == (1, 0):  # rank 1's KV slot := rank 2's (another KV head)
+            return real(dataclasses.replace(piece, rank=(2, 0)))
+        return real(piece)
 
     src.read = tampered  # type: ignore[method-assign]
     conv = plan_to_cuda(src)
+    (out,) = [t for t in conv.tensors if t.desc.name == "model.layers.0.self_attn.k_proj.weight"]
     from ckpt.errors import LayoutError
 
-    with pytest.raises(LayoutError, match="differs from the canonical copy"):
-        conv.view.read("model.layers.0.self_attn.k_proj.weight")
+    with pytest.raises(LayoutError, match="differs from the one on"):
+        produce(conv, out.parts[0])
 
 
 def test_imported_neuron_manifest_converts_to_ground_truth(truth, tmp_path: Path) -> None:

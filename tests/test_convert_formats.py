@@ -85,9 +85,7 @@ def trained(tmp_path_factory) -> tuple[Path, list[float], dict]:
 def test_hf_export_logits_equal(trained, tmp_path: Path) -> None:
     root, _, cfg = trained
     neuron = tmp_path / "neuron"
-    convert(
-        str(root / "cuda"), str(neuron), ConvertOptions(to="neuron", tp=2, pp=2, qkv_linear=True, config=cfg)
-    )
+    convert(str(root / "cuda"), str(neuron), ConvertOptions.neuron(tp=2, pp=2, qkv_linear=True, config=cfg))
     hf = tmp_path / "hf"
     convert(str(neuron), str(hf), ConvertOptions(to="cuda", format="hf", max_shard_bytes=40_000))
     assert (
@@ -116,7 +114,7 @@ def test_hf_import_to_neuron_and_back(trained, tmp_path: Path) -> None:
     convert(
         str(hf),
         str(neuron),
-        ConvertOptions(to="neuron", from_="cuda", tp=4, qkv_linear=True, kv_size_multiplier=2, hw="trn2"),
+        ConvertOptions.neuron(from_="cuda", tp=4, qkv_linear=True, kv_size_multiplier=2, hw="trn2"),
     )
     assert open_checkpoint(str(neuron)).manifest.extra["nxd"]["kv_size_multiplier"] == 2
     back = tmp_path / "back"
@@ -192,7 +190,7 @@ def _fsdp_load(rank: int, world: int, dcp_dir: str, expect_dir: str) -> None:
 def test_dcp_export_loads_into_fsdp2(trained, tmp_path: Path) -> None:
     root, _, cfg = trained
     neuron = tmp_path / "neuron"
-    convert(str(root / "cuda"), str(neuron), ConvertOptions(to="neuron", tp=2, qkv_linear=True, config=cfg))
+    convert(str(root / "cuda"), str(neuron), ConvertOptions.neuron(tp=2, qkv_linear=True, config=cfg))
     out = tmp_path / "dcp"
     convert(str(neuron), str(out), ConvertOptions(to="cuda", format="dcp"))
     run_ranks(_fsdp_load, 2, str(out), str(root / "cuda"))
@@ -211,7 +209,7 @@ def test_resume_after_conversion_continues_loss(trained, tmp_path: Path) -> None
     convert(
         str(root / "cuda"),
         str(neuron),
-        ConvertOptions(to="neuron", tp=4, pp=2, qkv_linear=True, kv_size_multiplier=2, hw="trn2", config=cfg),
+        ConvertOptions.neuron(tp=4, pp=2, qkv_linear=True, kv_size_multiplier=2, hw="trn2", config=cfg),
     )
     back = tmp_path / "back"
     convert(str(neuron), str(back), ConvertOptions(to="cuda"))

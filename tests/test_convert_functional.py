@@ -9,13 +9,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from ckpt.converters import ckpt_layout
-from ckpt.converters.ckpt_layout import nxd_partition_dim
-from ckpt.converters.convert import ConvertOptions, convert
+from ckpt.converters.convert import ConvertOptions, RunOptions, convert
+from ckpt.converters.engine import execute
 
 import ckpt
 from ckpt import open_checkpoint
 from ckpt.layouts import LayoutSpec
+from ckpt.layouts.partition import nxd_partition
 from ckpt.layouts.pipeline import pp_ranks_of
 from tests.test_layouts_functional import ATOL, _model, tp_forward
 
@@ -32,7 +32,7 @@ def shards_from_manifest(path: Path, spec: LayoutSpec) -> dict[tuple[int, int], 
     out: dict[tuple[int, int], dict[str, torch.Tensor]] = {rank: {} for rank in spec.ranks}
     for name in r.names("parameter") + r.names("buffer"):
         t = r.read(name)
-        dim = nxd_partition_dim(name, spec)
+        dim = (nxd_partition(name) or (None,))[0]
         for pp in pp_ranks_of(name, spec):
             for tp in range(spec.tp):
                 out[(tp, pp)][name] = t if dim is None else t.chunk(spec.tp, dim)[tp]
@@ -46,9 +46,7 @@ def test_tp_forward_from_converted_manifest(
     model = _model(kind, heads, kv)
     cfg = model.config.to_dict()
     ckpt.save(str(tmp_path / "cuda"), step=1, model=model)
-    convert(
-        str(tmp_path / "cuda"), str(tmp_path / "neuron"), ConvertOptions(to="neuron", config=cfg, **flags)
-    )
+    convert(str(tmp_path / "cuda"), str(tmp_path / "neuron"), ConvertOptions.neuron(config=cfg, **flags))
     spec = LayoutSpec.from_hf_config(cfg, **flags)
     shards = shards_from_manifest(tmp_path / "neuron", spec)
     ids = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(1))
@@ -61,21 +59,22 @@ def test_crash_mid_conversion_leaves_nothing_valid(fmt: str, tmp_path: Path, mon
     model = _model("llama", 4, 2)
     ckpt.save(str(tmp_path / "cuda"), step=1, model=model)
     calls = {"n": 0}
-    real = ckpt_layout.Conversion.produce
+    real = execute.assemble
 
-    def crashing(self, out, cache):
+    def crashing(*args, **kw):
         calls["n"] += 1
         if calls["n"] > 5:
             raise RuntimeError("disk on fire")
-        yield from real(self, out, cache)
+        return real(*args, **kw)
 
-    monkeypatch.setattr(ckpt_layout.Conversion, "produce", crashing)
+    monkeypatch.setattr(execute, "assemble", crashing)
     dst = tmp_path / "dst"
     with pytest.raises(RuntimeError, match="disk on fire"):
         convert(
             str(tmp_path / "cuda"),
             str(dst),
-            ConvertOptions(to="cuda", format=fmt, config=model.config.to_dict(), flush_bytes=1),
+            ConvertOptions(to="cuda", format=fmt, config=model.config.to_dict()),
+            RunOptions(flush_bytes=1),
         )
     leftovers = sorted(p.name for p in tmp_path.iterdir())
     assert leftovers == ["cuda"] or (

@@ -19,8 +19,8 @@ from typing import Any
 import pytest
 import torch
 from ckpt.cli.main import cli
-from ckpt.converters.convert import ConvertOptions, convert, folder_export, load_config
-from ckpt.converters.parallel import balance
+from ckpt.converters.convert import ConvertOptions, RunOptions, convert, load_config, make_export
+from ckpt.converters.engine import balance
 from click.testing import CliRunner
 
 from tests.conftest import run_ranks
@@ -34,12 +34,12 @@ SHARD = 100_000  # bytes per HF shard: 7 shards for this model
 FORMATS: dict[str, dict[str, Any]] = {
     "hf": dict(to="cuda", format="hf", max_shard_bytes=SHARD),
     "dcp": dict(to="cuda", format="dcp"),
-    "nxd": dict(to="neuron", format="nxd", tp=2, pp=2, dp=2, qkv_linear=True),
+    "nxd": dict(to="neuron", format="nxd", layout=dict(tp=2, pp=2, dp=2, qkv_linear=True)),
 }
 
 
-def opts(fmt: str, **kw: Any) -> ConvertOptions:
-    return ConvertOptions(config=CONFIG, **FORMATS[fmt], **kw)
+def opts(fmt: str) -> ConvertOptions:
+    return ConvertOptions(config=CONFIG, **FORMATS[fmt])
 
 
 def files(root: Path) -> dict[str, str]:
@@ -116,7 +116,7 @@ def test_balance_is_deterministic_and_disjoint() -> None:
 @pytest.mark.parametrize("fmt", list(FORMATS))
 def test_workers_equal_serial(fmt: str, src: Path, serial: dict[str, Path], tmp_path: Path) -> None:
     dst = tmp_path / "par"
-    convert(str(src), str(dst), opts(fmt, workers=2))
+    convert(str(src), str(dst), opts(fmt), RunOptions(workers=2))
     assert_same(fmt, dst, serial[fmt])
     if fmt == "hf":
         assert len(list(dst.glob("model-*-of-00007.safetensors"))) == 7
@@ -152,14 +152,14 @@ def test_commit_refuses_a_missing_unit(fmt: str, src: Path, tmp_path: Path) -> N
 
     o = opts(fmt)
     source = open_source(str(src), o)
-    export = folder_export(plan_conversion(source, o), o)
-    dst = tmp_path / "dst"
-    tmp = export.begin(dst)
+    export = make_export(plan_conversion(source, o), o, RunOptions())
+    dst = str(tmp_path / "dst")
+    staging = export.begin(dst)
     shares = balance(export.weights, 2)
-    receipt = export.write(tmp, shares[0], worker=0)
+    receipt = export.write(staging, shares[0], worker=0)
     with pytest.raises(CkptError, match="missing"):
-        export.commit(tmp, dst, [receipt])
-    export.abort(tmp)
+        export.commit(staging, dst, [receipt])
+    export.abort(staging)
     assert list(tmp_path.iterdir()) == []
 
 
@@ -202,7 +202,7 @@ def test_worker_failure_leaves_nothing(fmt: str, broken_src: Path, tmp_path: Pat
     before = _snapshot(broken_src)
     dst = tmp_path / "dst"
     with pytest.raises(Exception) as e:  # noqa: B017 - the worker's own error travels back
-        convert(str(broken_src), str(dst), opts(fmt, workers=2))
+        convert(str(broken_src), str(dst), opts(fmt), RunOptions(workers=2))
     assert "safetensors" in str(e.value).lower() or "incomplete" in str(e.value).lower(), e.value
     assert list(tmp_path.iterdir()) == []  # no DST, no hidden temp folder
     assert _snapshot(broken_src) == before

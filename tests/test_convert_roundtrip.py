@@ -13,7 +13,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from ckpt.converters.ckpt_layout import nxd_partition_dim
 from ckpt.converters.convert import ConvertOptions, convert
 from hypothesis import HealthCheck, assume, event, given, settings
 from hypothesis import strategies as st
@@ -21,6 +20,7 @@ from hypothesis import strategies as st
 from ckpt import open_checkpoint, treecodec
 from ckpt.errors import LayoutError
 from ckpt.layouts import LayoutSpec, bit_equal, full_state_to_nxd
+from ckpt.layouts.partition import nxd_partition
 from ckpt.layouts.pipeline import pp_ranks_of
 from ckpt.writer import StreamingWriter
 
@@ -202,7 +202,7 @@ def roundtrip(cfg: dict, spec: LayoutSpec, flags: dict, dtype: torch.dtype, bias
     with tempfile.TemporaryDirectory() as d:
         root = Path(d)
         tensors = write_cuda_checkpoint(root / "cuda", cfg, dtype, bias, seed)
-        convert(str(root / "cuda"), str(root / "neuron"), ConvertOptions(to="neuron", **flags))
+        convert(str(root / "cuda"), str(root / "neuron"), ConvertOptions.neuron(**flags))
         neuron = open_checkpoint(str(root / "neuron"))
         m = neuron.manifest
         assert m.layout.kind == "nxd" and m.backend == "neuron" and m.layout.tp == spec.tp
@@ -212,7 +212,7 @@ def roundtrip(cfg: dict, spec: LayoutSpec, flags: dict, dtype: torch.dtype, bias
         shards = full_state_to_nxd(model, spec)
         for name in neuron.names("parameter"):
             pp = pp_ranks_of(name, spec)[0]
-            dim = nxd_partition_dim(name, spec)
+            dim = (nxd_partition(name) or (None,))[0]
             locals_ = [shards[(t, pp)][name] for t in range(spec.tp)]
             expect = locals_[0] if dim is None else torch.cat(locals_, dim)
             assert bit_equal(neuron.read(name), expect), name

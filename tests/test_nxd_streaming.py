@@ -21,11 +21,12 @@ from typing import Any
 import pytest
 import torch
 from ckpt.converters import nxd
-from ckpt.converters.ckpt_layout import Conversion, ManifestSource, TensorCache, plan_to_neuron
+from ckpt.converters.ckpt import ManifestSource
 from ckpt.converters.convert import ConvertOptions, convert, load_config
+from ckpt.converters.engine import Conversion, plan_to_neuron, produce, run_serial
+from ckpt.converters.nxd.export import NxdExport
 from ckpt.converters.nxd.reader import NxdTag, NxdTagMeta
 from ckpt.converters.nxd.writer import TagWriter
-from ckpt.converters.nxd_tag import write_nxd
 
 from ckpt import treecodec
 from ckpt.layouts import LayoutSpec, ModelDims, bit_equal
@@ -51,35 +52,43 @@ def _assert_same_files(a: Path, b: Path) -> None:
 # ------------------------------------------------------------------------------------------ in-memory reference
 
 
+def write_nxd(conv: Conversion, dst: Path, *, xser: bool = False) -> Path:
+    """``ckpt convert --format nxd``'s streaming path, one process."""
+    run_serial(NxdExport(conv, xser=xser), str(dst))
+    return dst
+
+
 def reference_write_nxd(conv: Conversion, dst: Path, *, xser: bool = False) -> Path:
-    """The in-memory algorithm ``write_nxd`` had before streaming: tensor-major over the plan, the whole tag in
-    memory, then ``write_tag`` (views copied, as the streaming writer does, so a rank file holds its rows only)."""
+    """The in-memory algorithm: tensor-major over the plan, the whole tag in memory, then ``write_tag`` (views
+    copied, as the streaming writer does, so a rank file holds its rows only)."""
     from ckpt.converters.nxd.discovery import TagStatus
 
-    spec = conv.spec
-    assert spec is not None
-    cache = TensorCache(conv.view.read, capacity=3)
+    flags = conv.flags
+    assert flags is not None
     models: dict[tuple[int, int, int], dict[str, torch.Tensor]] = {}
     optims: dict[tuple[int, int, int], dict[str, Any]] = {}
     for out in conv.tensors:
-        info = out.info
-        for part, ranks in zip(out.parts, out.ranks, strict=True):
-            data = dict(conv.produce(type(out)(info, (part,), None, ()), cache))[part[0]]
-            if data.untyped_storage().nbytes() != data.numel() * data.element_size():
-                data = data.clone()
-            for tp, pp in ranks:
+        d = out.desc
+        for part in out.parts:
+            data = produce(conv, part)
+            if (
+                not data.is_contiguous()
+                or data.untyped_storage().nbytes() != data.numel() * data.element_size()
+            ):
+                data = data.contiguous().clone()
+            for tp, pp in part.ranks:
                 key = (tp, pp, 0)
-                if info.role != "optimizer_state":
-                    models.setdefault(key, {})[info.name] = data
+                if d.role != "optimizer_state":
+                    models.setdefault(key, {})[d.name] = data
                     continue
                 o = optims.setdefault(
                     key, {"state": {}, "param_groups": [], "master_weights": None, "extra": {}}
                 )
-                if info.key == "master_weight":
+                if d.key == "master_weight":
                     o["master_weights"] = o["master_weights"] or {}
-                    o["master_weights"][info.param] = data
+                    o["master_weights"][d.param] = data
                 else:
-                    o["state"].setdefault(info.param, {})[info.key] = data
+                    o["state"].setdefault(d.param, {})[d.key] = data
     opt = conv.trees.optimizer
     if opt is not None:
         for key, o in optims.items():
@@ -94,10 +103,12 @@ def reference_write_nxd(conv: Conversion, dst: Path, *, xser: bool = False) -> P
                 }
                 for g in opt.get("param_groups", [])
             ]
-            o["state"] = {n: o["state"][n] for n in models[key] if n in o["state"]}
+            order = [n for g in o["param_groups"] for n in g["params"]]
+            o["state"] = {n: o["state"][n] for n in order if n in o["state"]}
+    dp = flags.dp if conv.zero1 else 1
     meta = NxdTagMeta(
-        path=dst, name=dst.name, step=conv.trees.step, status=TagStatus.COMPLETE, tp_size=spec.tp,
-        pp_size=spec.pp, dp_size=spec.dp, ep_size=1, xser=xser, zero1=spec.dp > 1, legacy=False,
+        path=dst, name=dst.name, step=conv.trees.step, status=TagStatus.COMPLETE, tp_size=flags.tp,
+        pp_size=flags.pp, dp_size=dp, ep_size=1, xser=xser, zero1=conv.zero1, legacy=False,
     )  # fmt: skip
     tag = NxdTag(
         meta=meta,
@@ -106,7 +117,7 @@ def reference_write_nxd(conv: Conversion, dst: Path, *, xser: bool = False) -> P
         scheduler=treecodec.decode(conv.trees.scheduler) if conv.trees.scheduler is not None else None,
         user_content=treecodec.decode(conv.trees.user) if conv.trees.user is not None else None,
     )
-    return nxd.write_tag(tag, dst.parent, dst.name, xser=xser, dp_size=spec.dp, zero1=spec.dp > 1)
+    return nxd.write_tag(tag, dst.parent, dst.name, xser=xser, dp_size=dp, zero1=conv.zero1)
 
 
 # ------------------------------------------------------------------------------------------ byte identity
@@ -141,7 +152,7 @@ def test_write_nxd_same_bytes_as_in_memory(
     cuda_train: Path, config: dict, tmp_path: Path, flags: dict, xser: bool
 ) -> None:
     spec = LayoutSpec.from_hf_config(config, **flags)
-    conv = plan_to_neuron(ManifestSource(str(cuda_train)), spec, config=config)
+    conv = plan_to_neuron(ManifestSource(str(cuda_train)), spec.flags(), config=config)
     got = write_nxd(conv, tmp_path / "stream" / "step_3", xser=xser)
     want = reference_write_nxd(conv, tmp_path / "memory" / "step_3", xser=xser)
     _assert_same_files(got, want)
@@ -150,7 +161,7 @@ def test_write_nxd_same_bytes_as_in_memory(
 def test_write_nxd_model_files_equal_nxd_own_files(cuda_train: Path, config: dict, tmp_path: Path) -> None:
     """Same layout as the NxD training fixture: the model rank files are NxD's own bytes (no view storage)."""
     spec = LayoutSpec.from_hf_config(config, tp=2, dp=2, qkv_linear=True)
-    conv = plan_to_neuron(ManifestSource(str(cuda_train)), spec, config=config)
+    conv = plan_to_neuron(ManifestSource(str(cuda_train)), spec.flags(), config=config)
     got = write_nxd(conv, tmp_path / "step_3")
     orig = FIX / "nxd_train_tp2_dp2_zero1_plain" / "step_3" / "model"
     for f in sorted(orig.iterdir()):
@@ -232,23 +243,23 @@ from pathlib import Path
 mode, src, dst, pp = sys.argv[1], sys.argv[2], Path(sys.argv[3]), int(sys.argv[4])
 sys.path.insert(0, sys.argv[5])
 from ckpt.converters import nxd
-from ckpt.converters.ckpt_layout import ManifestSource, plan_to_neuron
-from ckpt.converters.nxd_tag import write_nxd
-from ckpt.layouts import LayoutSpec
+from ckpt.converters.ckpt import ManifestSource
+from ckpt.converters.engine import plan_to_neuron
+from ckpt.layouts.spec import NxdFlags
 from ckpt.reader import CheckpointReader
-from tests.test_nxd_streaming import reference_write_nxd
+from tests.test_nxd_streaming import reference_write_nxd, write_nxd
 
 def status(key):
     return int(re.search(key + r":\s+(\d+) kB", Path("/proc/self/status").read_text()).group(1)) * 1024
 
 if mode.startswith("nxd"):
     src_ = ManifestSource(src)
-    conv = plan_to_neuron(src_, LayoutSpec.from_hf_config(src_.config, tp=1, pp=pp, dp=2), config=src_.config)
+    conv = plan_to_neuron(src_, NxdFlags(tp=1, pp=pp, dp=2), config=src_.config)
     run = (lambda: write_nxd(conv, dst)) if mode == "nxd" else (lambda: reference_write_nxd(conv, dst))
 else:
     reader = CheckpointReader(src)
     if mode == "export":
-        run = lambda: nxd.export_tag(reader, dst.parent, dst.name)
+        run = lambda: nxd.export_tag(src, dst.parent, dst.name)
     else:
         run = lambda: nxd.write_tag(nxd.manifest_to_tag(reader, name=dst.name), dst.parent, dst.name)
 Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM to the current RSS
@@ -309,7 +320,7 @@ def test_peak_memory_is_one_rank_not_the_model(tmp_path: Path, path: str) -> Non
         _write_cuda(tmp_path / f"cuda{pp}", pp)
         srcs[pp] = tmp_path / f"cuda{pp}"
         if path == "export":
-            convert(str(srcs[pp]), str(tmp_path / f"neuron{pp}"), ConvertOptions(to="neuron", pp=pp, dp=2))
+            convert(str(srcs[pp]), str(tmp_path / f"neuron{pp}"), ConvertOptions.neuron(pp=pp, dp=2))
             srcs[pp] = tmp_path / f"neuron{pp}"
     rank = _layer_bytes()
     small = _growth(path, srcs[2], tmp_path / "o2" / "step_3", 2)

@@ -46,9 +46,13 @@ def assemble(plan: TensorPlan, pieces: Iterable[Piece], read: Read) -> torch.Ten
             out.narrow(plan.dim, offset, n).copy_(src)
             offset += n
         if offset != out.shape[plan.dim]:
-            raise LayoutError(f"{plan.name}: pieces fill {offset} of {out.shape[plan.dim]} along dim {plan.dim}")
+            raise LayoutError(
+                f"{plan.name}: pieces fill {offset} of {out.shape[plan.dim]} along dim {plan.dim}"
+            )
     if tuple(out.shape) != plan.meta.shape:
-        raise LayoutError(f"{plan.name}: assembled {list(out.shape)}, the plan expects {list(plan.meta.shape)}")
+        raise LayoutError(
+            f"{plan.name}: assembled {list(out.shape)}, the plan expects {list(plan.meta.shape)}"
+        )
     return out
 
 

@@ -60,7 +60,9 @@ class Export(Protocol):
         """Refuse a used ``dst``; create the staging location and return it."""
         ...
 
-    def write(self, staging: Staging, units: Sequence[int], progress: Progress = None, *, worker: int = 0) -> UnitReceipt:
+    def write(
+        self, staging: Staging, units: Sequence[int], progress: Progress = None, *, worker: int = 0
+    ) -> UnitReceipt:
         """Write ``units`` whole into ``staging`` as worker ``worker``; return the receipt the commit needs."""
         ...
 
@@ -88,7 +90,9 @@ def check_cover(receipts: Sequence[UnitReceipt], n_units: int, where: str) -> li
     missing = sorted(set(range(n_units)) - set(seen))
     extra = sorted(set(seen) - set(range(n_units)))
     if missing or extra:
-        raise CkptError(f"{where}: workers wrote units {sorted(seen)}, the plan has {n_units} (missing {missing})")
+        raise CkptError(
+            f"{where}: workers wrote units {sorted(seen)}, the plan has {n_units} (missing {missing})"
+        )
     return sorted(receipts, key=lambda r: r.worker)
 
 

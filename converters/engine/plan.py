@@ -148,7 +148,9 @@ def _narrow(q: Piece, dim: int, start: int, length: int, where: str) -> Piece:
     if q.dim is None:
         return Piece(q.name, q.rank, dim, start, length)
     if q.dim != dim:
-        raise LayoutError(f"{where}: cannot take a dim-{dim} slice of a dim-{q.dim} piece (unsupported layout)")
+        raise LayoutError(
+            f"{where}: cannot take a dim-{dim} slice of a dim-{q.dim} piece (unsupported layout)"
+        )
     return Piece(q.name, q.rank, dim, q.start + start, length)
 
 
@@ -169,7 +171,9 @@ def _merge_runs(pieces: list[Piece]) -> tuple[Piece, ...]:
     return tuple(out)
 
 
-def compose(target: TensorPlan, full: Mapping[str, TensorPlan], pick: Mapping[str, int] | None = None) -> TensorPlan:
+def compose(
+    target: TensorPlan, full: Mapping[str, TensorPlan], pick: Mapping[str, int] | None = None
+) -> TensorPlan:
     """``target`` (pieces of full tensors) with every piece replaced by the source pieces it is made of.
 
     ``pick[name] = j`` reads full tensor ``name`` from its ``j``-th replica (1-based) instead of its canonical
@@ -185,7 +189,9 @@ def compose(target: TensorPlan, full: Mapping[str, TensorPlan], pick: Mapping[st
             if target.dim is None:  # the whole full tensor is the target (one piece)
                 return dataclasses.replace(target, dim=fp.dim, pieces=chosen, replicas=())
             if fp.dim not in (None, target.dim):
-                raise LayoutError(f"{target.name}: {p.name} is split along dim {fp.dim}, fused along {target.dim}")
+                raise LayoutError(
+                    f"{target.name}: {p.name} is split along dim {fp.dim}, fused along {target.dim}"
+                )
             out.extend(chosen)
         elif fp.dim is None:
             out.append(_narrow(chosen[0], p.dim, p.start, p.length, target.name))
@@ -197,7 +203,9 @@ def compose(target: TensorPlan, full: Mapping[str, TensorPlan], pick: Mapping[st
                     out.append(Piece(q.name, q.rank, q.dim, q.start + lo - pos, hi - lo))
                 pos += q.length
         else:
-            raise LayoutError(f"{target.name}: {p.name} is split along dim {fp.dim}, the target along {p.dim}")
+            raise LayoutError(
+                f"{target.name}: {p.name} is split along dim {fp.dim}, the target along {p.dim}"
+            )
     return dataclasses.replace(target, pieces=_merge_runs(out), replicas=())
 
 
@@ -216,11 +224,17 @@ def compose_all(target: TensorPlan, full: Mapping[str, TensorPlan]) -> TensorPla
 
 def _identity(desc: TensorDesc) -> TensorPlan:
     return TensorPlan(
-        desc.name, None, TensorMeta(desc.shape, dtype_from_name(desc.dtype)), None, (Piece(desc.name, None, None),)
+        desc.name,
+        None,
+        TensorMeta(desc.shape, dtype_from_name(desc.dtype)),
+        None,
+        (Piece(desc.name, None, None),),
     )
 
 
-def full_view(source: Source, config: Mapping[str, Any] | None = None) -> dict[str, tuple[TensorDesc, TensorPlan]]:
+def full_view(
+    source: Source, config: Mapping[str, Any] | None = None
+) -> dict[str, tuple[TensorDesc, TensorPlan]]:
     """Full (HF-named) tensor -> (its description, its plan over source pieces): model tensors, then optimizer
     states (``optim/<full name>/<key>``)."""
     if source.layout == "cuda":
@@ -230,10 +244,15 @@ def full_view(source: Source, config: Mapping[str, Any] | None = None) -> dict[s
     out: dict[str, tuple[TensorDesc, TensorPlan]] = {}
     for t in plan_nxd_to_full(spec, source.rank_metas()).tensors:
         src = model[hf_to_nxd_name(t.name, spec)]
-        out[t.name] = (TensorDesc(t.name, src.role, t.meta.shape, dtype_name(t.meta.dtype)), dedup_replicas(source, t))
+        out[t.name] = (
+            TensorDesc(t.name, src.role, t.meta.shape, dtype_name(t.meta.dtype)),
+            dedup_replicas(source, t),
+        )
     for param, keys in source.optimizer_states().items():
         if param not in model:
-            raise StateMismatchError(f"{source.path}: optimizer state for {param!r}, which is not a parameter")
+            raise StateMismatchError(
+                f"{source.path}: optimizer state for {param!r}, which is not a parameter"
+            )
         for d in keys.values():
             if d.shape != model[param].shape:
                 raise LayoutError(
@@ -334,8 +353,13 @@ def plan_to_neuron(
         local = first.meta.shape
         tensors.append(
             OutTensor(
-                TensorDesc(nxd, model[present[0]].role, _logical(local, dim, spec.tp), dtype_name(first.meta.dtype),
-                           partition=part),  # fmt: skip
+                TensorDesc(
+                    nxd,
+                    model[present[0]].role,
+                    _logical(local, dim, spec.tp),
+                    dtype_name(first.meta.dtype),
+                    partition=part,
+                ),  # fmt: skip
                 _tp_parts(composed, dim, spec.tp, pps, local),
             )
         )
@@ -344,10 +368,14 @@ def plan_to_neuron(
             descs = [ks.get(key) for ks in keys]
             if any(d is None for d in descs):
                 missing = present[[d is None for d in descs].index(True)]
-                raise StateMismatchError(f"{source.path}: {missing} has no optimizer state {key!r}, but {nxd} fuses it")
+                raise StateMismatchError(
+                    f"{source.path}: {missing} has no optimizer state {key!r}, but {nxd} fuses it"
+                )
             dtypes = {d.dtype for d in descs if d is not None}
             if len(dtypes) > 1:
-                raise LayoutError(f"{source.path}: optimizer state {key!r} of {nxd}'s parts has dtypes {sorted(dtypes)}")
+                raise LayoutError(
+                    f"{source.path}: optimizer state {key!r} of {nxd}'s parts has dtypes {sorted(dtypes)}"
+                )
             dt = dtypes.pop()
             name = optim_name(nxd, key)
             renamed = {
@@ -357,23 +385,38 @@ def plan_to_neuron(
             tensors.append(
                 OutTensor(
                     TensorDesc(name, "optimizer_state", _logical(local, dim, spec.tp), dt, nxd, key, part),
-                    _tp_parts({r: compose_all(p, full_plans) for r, p in renamed.items()}, dim, spec.tp, pps, local),
+                    _tp_parts(
+                        {r: compose_all(p, full_plans) for r, p in renamed.items()}, dim, spec.tp, pps, local
+                    ),
                 )
             )
     for param in optim:
         if param not in model:
-            raise StateMismatchError(f"{source.path}: optimizer state for {param!r}, which is not a parameter")
+            raise StateMismatchError(
+                f"{source.path}: optimizer state for {param!r}, which is not a parameter"
+            )
     record = NxdRecord.of(flags, rule_set=rule, config=cfg, pp_ranks=pp_ranks if spec.pp > 1 else None)
     trees = copy.deepcopy(source.trees)
     if source.layout == "neuron":
-        trees.optimizer = rename_optimizer(trees.optimizer, lambda n: list(nxd_to_hf_names(n)), False, source.path)
+        trees.optimizer = rename_optimizer(
+            trees.optimizer, lambda n: list(nxd_to_hf_names(n)), False, source.path
+        )
         trees.extra.pop("nxd", None)
-    trees.optimizer = rename_optimizer(trees.optimizer, lambda h: [hf_to_nxd_name(h, spec)], True, source.path)
+    trees.optimizer = rename_optimizer(
+        trees.optimizer, lambda h: [hf_to_nxd_name(h, spec)], True, source.path
+    )
     move_xla_rng_in(trees)
     trees.extra.pop("config", None)
     trees.extra["nxd"] = record.to_extra()
     return Conversion(
-        source, "neuron", tensors, trees, cfg, flags=flags, record=record, zero1=flags.dp > 1 or _zero1(source, flags)
+        source,
+        "neuron",
+        tensors,
+        trees,
+        cfg,
+        flags=flags,
+        record=record,
+        zero1=flags.dp > 1 or _zero1(source, flags),
     )
 
 
@@ -382,7 +425,9 @@ def _zero1(source: Source, flags: NxdFlags) -> bool:
     return bool(getattr(source, "zero1", False)) and source.flags is not None and source.flags.dp == flags.dp
 
 
-def plan_same_layout(source: Source, flags: NxdFlags, *, config: Mapping[str, Any] | None = None) -> Conversion:
+def plan_same_layout(
+    source: Source, flags: NxdFlags, *, config: Mapping[str, Any] | None = None
+) -> Conversion:
     """Neuron -> Neuron keeping the layout: every rank tensor is copied as it is stored; replicated copies (every
     TP rank's norm, every PP rank's shared tensor) are compared, not trusted."""
     assert source.flags is not None and source.record is not None
@@ -399,7 +444,12 @@ def plan_same_layout(source: Source, flags: NxdFlags, *, config: Mapping[str, An
         def plan_of(ranks: list[Rank], name: str = name, meta: TensorMeta = meta) -> TensorPlan:
             canon, *rest = ranks
             plan = TensorPlan(
-                name, canon, meta, None, (Piece(name, canon, None),), tuple((Piece(name, r, None),) for r in rest)
+                name,
+                canon,
+                meta,
+                None,
+                (Piece(name, canon, None),),
+                tuple((Piece(name, r, None),) for r in rest),
             )
             return dedup_replicas(source, plan)
 

@@ -11,9 +11,10 @@ the same export): planning is deterministic, so they agree on the units without 
 
 from __future__ import annotations
 
-import multiprocessing as mp
-from collections.abc import Callable
-from concurrent.futures import ProcessPoolExecutor, as_completed
+import signal
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ProcessPoolExecutor, as_completed
+from contextlib import contextmanager
 from typing import Any
 
 from ckpt.errors import CkptError
@@ -45,6 +46,47 @@ def _worker(rebuild: Callable[[], Export], staging: Staging, units: list[int], i
             close()
 
 
+def _leave_sigint_to_parent() -> None:
+    """Worker initializer: ignore SIGINT (then take it off the blocked set :func:`submit` started us with)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+
+
+@contextmanager
+def worker_pool(n: int) -> Iterator[ProcessPoolExecutor]:
+    """``n`` spawned worker processes (``--workers``) that leave Ctrl-C to this process.
+
+    A terminal's Ctrl-C goes to every process of the foreground group, and each worker would die printing its own
+    KeyboardInterrupt traceback.  Workers instead ignore SIGINT (see :func:`submit`); when this process is
+    interrupted, or fails, it terminates them rather than waiting for their shares, and the interruption goes on
+    (the caller removes what they wrote).
+    """
+    import multiprocessing as mp
+
+    pool = ProcessPoolExecutor(
+        max_workers=n, mp_context=mp.get_context("spawn"), initializer=_leave_sigint_to_parent
+    )
+    try:
+        yield pool
+    except BaseException:
+        for proc in list(pool._processes.values()):  # no public handle on the workers; stable since 3.2
+            proc.terminate()
+        pool.shutdown(wait=True, cancel_futures=True)
+        raise
+    pool.shutdown(wait=True)
+
+
+def submit(pool: ProcessPoolExecutor, fn: Callable[..., Any], *args: Any) -> Future:
+    """``pool.submit`` with SIGINT blocked meanwhile: a worker the call starts inherits the blocked signal, so it
+    cannot be interrupted before its initializer ignores SIGINT; one that arrives meanwhile reaches this process
+    when the call returns."""
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        return pool.submit(fn, *args)
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
 def run_workers(
     export: Export, dst: str, workers: int, rebuild: Callable[[], Export], progress: Progress = None
 ) -> str:
@@ -54,9 +96,11 @@ def run_workers(
     staging = export.begin(dst)
     try:
         receipts: list[UnitReceipt] = []
-        busy = [i for i in range(workers) if shares[i]]  # more workers than units: the rest have nothing to do
-        with ProcessPoolExecutor(max_workers=max(1, len(busy)), mp_context=mp.get_context("spawn")) as pool:
-            futures = {pool.submit(_worker, rebuild, staging, shares[i], i): i for i in busy}
+        busy = [
+            i for i in range(workers) if shares[i]
+        ]  # more workers than units: the rest have nothing to do
+        with worker_pool(max(1, len(busy))) as pool:
+            futures = {submit(pool, _worker, rebuild, staging, shares[i], i): i for i in busy}
             for fut in as_completed(futures):
                 receipts.append(fut.result())
                 if progress is not None:
@@ -148,4 +192,4 @@ def _write_gather_commit(
     return outcome[0]
 
 
-__all__ = ["run_serial", "run_torchrun", "run_workers"]
+__all__ = ["run_serial", "run_torchrun", "run_workers", "submit", "worker_pool"]

@@ -112,7 +112,9 @@ class Source(ABC):
         for desc in self.tensors.values():
             if desc.role == "optimizer_state":
                 if desc.param is None or desc.key is None:
-                    raise LayoutError(f"{self.path}: optimizer tensor {desc.name!r} does not name its parameter")
+                    raise LayoutError(
+                        f"{self.path}: optimizer tensor {desc.name!r} does not name its parameter"
+                    )
                 out.setdefault(desc.param, {})[desc.key] = desc
         return out
 

@@ -8,16 +8,26 @@ Public API (see docs/nxd.md):
 * ZeRO-1 helpers: :func:`shard_zero1`, :func:`merge_zero1`
 * our manifest: :func:`import_tag` (NxD tag -> Neuron-layout checkpoint, streaming), :func:`export_tag`,
   :func:`manifest_to_tag`, :func:`rank_shards`
+* the conversion engine's format verbs: :func:`detect`, :func:`open_source` (:class:`NxdTagSource`),
+  :func:`export` (:class:`NxdExport`)
 """
 
 from .discovery import TagInfo, TagStatus, latest_tag, list_tags, tag_status
+from .export import NxdExport, export
 from .manifest import export_tag, import_tag, manifest_to_tag, rank_shards
 from .naming import RankKey, parse_step
 from .reader import NxdTag, NxdTagMeta, NxdTagReader, open_tag, read_tag
+from .source import NAME, NxdTagSource, detect, open_source
 from .writer import write_tag
 from .zero1 import merge_zero1, shard_zero1
 
 __all__ = [
+    "NAME",
+    "NxdExport",
+    "NxdTagSource",
+    "detect",
+    "export",
+    "open_source",
     "NxdTag",
     "NxdTagMeta",
     "NxdTagReader",

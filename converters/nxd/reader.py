@@ -168,6 +168,20 @@ class NxdTagReader:
                 return [(k, tuple(int(s) for s in info[r.tid]["shape"])) for k, r in refs.items()]
         return [(k, tuple(v.shape)) for k, v in self.model(rank).items()]
 
+    def model_metas(self, rank: RankKey) -> list[tuple[str, Shape, torch.dtype]]:
+        """(name, shape, dtype) of each tensor of a model shard, in stored order; from ``.info.pt`` for xser files
+        that have it, else from the file (memory-mapped when the reader is)."""
+        p = self._model_path(rank)
+        if self._is_xser_file(p):
+            info = read_info(p)
+            refs = _flat_tensor_dict(load_torch_file(p), p)
+            if info is not None and all(isinstance(r, TensorReference) for r in refs.values()):
+                return [
+                    (k, tuple(int(s) for s in info[r.tid]["shape"]), info[r.tid]["dtype"])
+                    for k, r in refs.items()
+                ]
+        return [(k, tuple(v.shape), v.dtype) for k, v in self.model(rank).items()]
+
     def model(self, rank: RankKey) -> dict[str, torch.Tensor]:
         """The model shard of one rank, as NxD stored it.
 

@@ -7,12 +7,13 @@ weights included), ``scheduler.pt``, ``user_content.pt``, and ``done`` last.  xs
 ``X.pt.tensors/tensor_<tid>.pt`` and ``X.pt.info.pt``.
 
 Streaming: :class:`TagWriter` takes the tag one (tp, pp, ep) rank at a time (model shard + optimizer), so a
-producer that builds ranks one by one (``export_tag``, ``ckpt convert --format nxd``) holds one rank's state, never
-the whole tag; :func:`write_tag` is a loop over it for a tag already in memory.
+producer that builds ranks one by one (``ckpt convert --format nxd``) holds one rank's state, never the whole tag;
+:func:`write_tag` is a loop over it for a tag already in memory.
 
-Atomicity: the tag is built in a hidden temporary folder next to the target (same filesystem) and renamed into
-place; ``done`` is written after the rename and fsynced, so a crash leaves either nothing, a hidden temp folder, or
-an ``unmarked`` tag whose files are all there, never a ``done`` over partial files.
+Atomicity comes from the storage layer's folder transaction (:func:`ckpt.storage.folder.begin_folder`): on disk
+the tag is built in a hidden folder next to the target and renamed into place with ``done`` already in it; on an
+object store the files go under the tag's prefix and ``done`` is written last.  A crash leaves nothing, a hidden
+temp folder, or (object stores) files without ``done``, which NxD does not load: never a ``done`` over partial files.
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ from typing import Any
 import torch
 
 from ckpt.errors import CheckpointExistsError, CkptError
+from ckpt.storage import Storage, open_storage
+from ckpt.storage.folder import FolderTxn, begin_folder
 
 from .naming import RankKey, rank_file_name
 from .reader import NxdTag
@@ -35,94 +38,98 @@ from .xser import save_nxd_file
 from .zero1 import shard_zero1_optimizer, unshard_plain_optimizer
 
 
-def _write_text(path: Path, text: str) -> None:
-    with open(path, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
 class TagWriter:
     """Write an NxD-native tag one (tp, pp, ep) rank at a time, so memory holds one rank's state, not the tag.
 
     NxD stores one ``torch.save`` file per rank (and, with ZeRO-1, one optimizer file per DP rank of it), so a rank's
     model shard plus its optimizer is the smallest unit that can be written; the caller builds each rank, hands it to
-    :meth:`write_rank` and drops it.  The folder protocol is :func:`write_tag`'s (which is a loop over this class):
-    ``checkpoint`` first in a hidden ``.<name>.tmp-XXXX`` next to the target, rank files as they come,
-    ``scheduler.pt`` / ``user_content.pt`` and the rename in :meth:`finish`, ``done`` last.  Any exception inside
-    ``with TagWriter(...)`` (or :meth:`abort`) removes the temp folder: nothing partial is ever at ``<root>/<name>``.
+    :meth:`write_rank` and drops it.  ``checkpoint`` is written first, rank files as they come, ``scheduler.pt`` /
+    ``user_content.pt`` and ``done`` in :meth:`finish`, which publishes the tag.  Any exception inside
+    ``with TagWriter(...)`` (or :meth:`abort`) removes what was written: nothing partial is ever published.
 
     Args:
-        root: the NxD checkpoint directory (created if needed).
-        name: the tag name, e.g. ``step_1000``.
+        dst: the tag's path or URL, e.g. ``ckpts/step_1000`` (its parent is created if needed).
         xser: write the xser form (``use_xser=True``) instead of plain ``torch.save`` files.
         dp_size: the DP size ZeRO-1 optimizers are sharded for.
         zero1: write ZeRO-1 optimizer dicts; otherwise plain torch.optim dicts.
-        ep_size: expert-parallel size (file names carry an ep field iff it is > 1); must be known before the first
-            file is named.
-        overwrite: replace an existing ``<root>/<name>`` (at :meth:`finish`).
-        join: the temp folder (:attr:`tmp`) of another ``TagWriter`` for the same tag, made by a coordinator: this
-            writer only adds rank files to it (parallel writers, one process or torchrun rank each, writing
-            disjoint ranks).  It never creates, renames or removes the folder: :meth:`finish` is refused and
-            :meth:`abort` only stops it; the coordinator's writer publishes or removes the folder.
+        ep_size: expert-parallel size (file names carry an ep field iff it is > 1).
+        overwrite: replace an existing local tag at :meth:`finish` (the old one is kept until the new one is in).
+        join: the :attr:`url` of another ``TagWriter`` for the same tag, made by a coordinator: this writer only adds
+            rank files to it (parallel writers, one process or torchrun rank each, writing disjoint ranks).  It never
+            publishes or removes anything: :meth:`finish` is refused and :meth:`abort` only stops it.
     """
 
     def __init__(
         self,
-        root: str | Path,
-        name: str,
+        dst: str | Path,
         *,
         xser: bool = False,
         dp_size: int = 1,
         zero1: bool = True,
         ep_size: int = 1,
         overwrite: bool = False,
-        join: str | Path | None = None,
+        storage_options: dict[str, Any] | None = None,
+        join: str | None = None,
     ) -> None:
         if dp_size < 1:
             raise CkptError(f"dp_size must be >= 1, got {dp_size}")
-        self.root = Path(root)
-        self.name = name
-        self.final = self.root / name
+        self.dst = str(dst)
         self.xser = xser
         self.dp_size = dp_size
         self.zero1 = zero1
         self.ep_size = ep_size
-        self.overwrite = overwrite
         #: largest number of tensor bytes (distinct storages) one :meth:`write_rank` call was handed: the state a
         #: streaming producer holds at once, reported so callers and tests can check the bound
         self.max_rank_bytes = 0
         self._written: set[RankKey] = set()
-        self.owner = join is None
+        self._txn: FolderTxn | None = None
+        self._replaced: str | None = None
+        self._open = True
         if join is not None:
-            self.tmp = Path(join)
-            if not (self.tmp / "checkpoint").is_file() or not (self.tmp / "model").is_dir():
-                raise CkptError(f"{self.tmp}: not the temp folder of a tag being written")
+            self.storage: Storage = open_storage(join, storage_options)
+            if not self.storage.exists("checkpoint"):
+                raise CkptError(f"{join}: not the staging folder of a tag being written")
             return
-        if self.final.exists() and not overwrite:
-            raise CheckpointExistsError(f"{self.final}: already exists (pass overwrite=True to replace it)")
-        self.root.mkdir(parents=True, exist_ok=True)
-        self.tmp: Path | None = self.root / f".{name}.tmp-{uuid.uuid4().hex[:8]}"
-        self.tmp.mkdir()
+        self._move_aside(overwrite, storage_options)
         try:
-            _write_text(self.tmp / "checkpoint", "1")
-            (self.tmp / "model").mkdir()
+            self._txn = begin_folder(self.dst, storage_options)
+        except BaseException:
+            self._restore_aside()
+            raise
+        self.storage = self._txn.storage
+        try:
+            self.storage.put_bytes("checkpoint", b"1")
         except BaseException:
             self.abort()
             raise
+
+    @property
+    def url(self) -> str:
+        """Where the tag's files are written until :meth:`finish` (what joined writers are given)."""
+        return self.storage.url
+
+    def _move_aside(self, overwrite: bool, storage_options: dict[str, Any] | None) -> None:
+        local = open_storage(self.dst, storage_options).local_path()
+        exists = (
+            local is not None and os.path.lexists(local) and (not os.path.isdir(local) or os.listdir(local))
+        )
+        if not exists:
+            return
+        if not overwrite:
+            raise CheckpointExistsError(f"{self.dst}: already exists (pass overwrite=True to replace it)")
+        assert local is not None
+        self._replaced = os.path.join(
+            os.path.dirname(local), f".{os.path.basename(local)}.replaced-{uuid.uuid4().hex[:8]}"
+        )
+        os.rename(local, self._replaced)
+
+    def _restore_aside(self) -> None:
+        if self._replaced is not None:
+            local = open_storage(self.dst).local_path()
+            assert local is not None
+            if not os.path.lexists(local):
+                os.rename(self._replaced, local)
+            self._replaced = None
 
     def __enter__(self) -> TagWriter:
         return self
@@ -131,10 +138,9 @@ class TagWriter:
         if exc_type is not None:
             self.abort()
 
-    def _dir(self) -> Path:
-        if self.tmp is None:
-            raise CkptError(f"{self.final}: tag writer already finished or aborted")
-        return self.tmp
+    def _check_open(self) -> None:
+        if not self._open:
+            raise CkptError(f"{self.dst}: tag writer already finished or aborted")
 
     def write_rank(
         self,
@@ -148,31 +154,32 @@ class TagWriter:
         :class:`NxdTag` (``state``/``param_groups``/``master_weights``/``extra``), re-sharded here for ZeRO-1 with
         shapes from ``model``.  Once this returns the caller may drop both: nothing is kept.
         """
-        tmp = self._dir()
+        self._check_open()
         if rank in self._written:
-            raise CkptError(f"{self.final}: rank {rank} written twice")
+            raise CkptError(f"{self.dst}: rank {rank} written twice")
         tp, pp, ep = rank
         self.max_rank_bytes = max(self.max_rank_bytes, _state_bytes((model, optimizer)))
         try:
             if model is not None:
                 fname = rank_file_name(0, tp, pp, ep if self.ep_size > 1 else None)
-                save_nxd_file(dict(model), tmp / "model" / fname, self.xser)
+                save_nxd_file(dict(model), self.storage, f"model/{fname}", self.xser)
             if optimizer is not None:
-                (tmp / "optim").mkdir(exist_ok=True)
                 if self.zero1:
                     if self.ep_size > 1:
                         raise CkptError(
-                            f"{self.final}: writing ZeRO-1 optimizers with expert parallelism is not supported"
+                            f"{self.dst}: writing ZeRO-1 optimizers with expert parallelism is not supported"
                         )
-                    where = f"{self.final}/optim tp {tp} pp {pp} ep {ep}"
+                    where = f"{self.dst}/optim tp {tp} pp {pp} ep {ep}"
                     shapes = {k: tuple(v.shape) for k, v in (model or {}).items()}
                     for r, d in enumerate(
                         shard_zero1_optimizer(optimizer, shapes, self.dp_size, where=where)
                     ):
-                        save_nxd_file(d, tmp / "optim" / rank_file_name(r, tp, pp), self.xser)
+                        save_nxd_file(d, self.storage, f"optim/{rank_file_name(r, tp, pp)}", self.xser)
                 else:
                     fname = rank_file_name(0, tp, pp, ep if self.ep_size > 1 else None)
-                    save_nxd_file(unshard_plain_optimizer(optimizer), tmp / "optim" / fname, self.xser)
+                    save_nxd_file(
+                        unshard_plain_optimizer(optimizer), self.storage, f"optim/{fname}", self.xser
+                    )
         except BaseException:
             self.abort()
             raise
@@ -184,40 +191,33 @@ class TagWriter:
         self._written.add(rank)
 
     def finish(self, scheduler: Any = None, user_content: Any = None) -> Path:
-        """Write ``scheduler.pt`` / ``user_content.pt`` (when not None), rename into place, write ``done``."""
-        tmp = self._dir()
-        if not self.owner:
-            raise CkptError(f"{self.final}: a joined tag writer cannot finish; the coordinator's writer does")
+        """Write ``scheduler.pt`` / ``user_content.pt`` (when not None) and publish the tag with ``done``."""
+        self._check_open()
+        if self._txn is None:
+            raise CkptError(f"{self.dst}: a joined tag writer cannot finish; the coordinator's writer does")
         try:
             if scheduler is not None:
-                save_nxd_file(scheduler, tmp / "scheduler.pt", False)
+                save_nxd_file(scheduler, self.storage, "scheduler.pt", False)
             if user_content is not None:
-                save_nxd_file(user_content, tmp / "user_content.pt", False)
-            _fsync_dir(tmp)
-            if self.final.exists():
-                if not self.overwrite:  # appeared while we were writing
-                    raise CheckpointExistsError(
-                        f"{self.final}: already exists (pass overwrite=True to replace it)"
-                    )
-                shutil.rmtree(self.final)
-            os.replace(tmp, self.final)
+                save_nxd_file(user_content, self.storage, "user_content.pt", False)
+            self._txn.commit({"done": b"1"})
         except BaseException:
             self.abort()
             raise
-        self.tmp = None
-        _fsync_dir(self.root)
-        _write_text(self.final / "done", "1")
-        _fsync_dir(self.final)
-        return self.final
+        self._open = False
+        if self._replaced is not None:
+            shutil.rmtree(self._replaced, ignore_errors=True)
+            self._replaced = None
+        return Path(self.dst)
 
     def abort(self) -> None:
-        """Remove the temp folder (idempotent); the target is untouched.  A joined writer only stops: the folder
-        belongs to the coordinator, which removes it once every writer is done (removing it under the other
-        writers would turn one failure into confusing errors everywhere)."""
-        if self.tmp is not None:
-            if self.owner:
-                shutil.rmtree(self.tmp, ignore_errors=True)
-            self.tmp = None
+        """Remove what was written (idempotent); an overwritten tag is put back.  A joined writer only stops: the
+        folder belongs to the coordinator, which removes it once every writer is done."""
+        if self._open:
+            self._open = False
+            if self._txn is not None:
+                self._txn.abort()
+                self._restore_aside()
 
 
 def _state_bytes(obj: Any) -> int:
@@ -271,7 +271,9 @@ def write_tag(
         raise CkptError(
             f"{Path(root) / name}: writing ZeRO-1 optimizers with expert parallelism is not supported"
         )
-    with TagWriter(root, name, xser=xser, dp_size=dp, zero1=zero, ep_size=ep_size, overwrite=overwrite) as w:
+    with TagWriter(
+        Path(root) / name, xser=xser, dp_size=dp, zero1=zero, ep_size=ep_size, overwrite=overwrite
+    ) as w:
         for rank in sorted(set(tag.per_rank_model) | set(tag.per_rank_optimizer)):
             w.write_rank(rank, tag.per_rank_model.get(rank), tag.per_rank_optimizer.get(rank))
         return w.finish(tag.scheduler, tag.user_content)

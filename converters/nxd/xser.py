@@ -15,6 +15,8 @@ from __future__ import annotations
 import os
 import pickle
 import re
+import shutil
+import tempfile
 import types
 from collections.abc import Callable
 from pathlib import Path
@@ -24,6 +26,7 @@ import torch
 
 from ckpt.errors import CorruptionError
 from ckpt.safe_unpickle import XSER_TENSOR_REFERENCE, TensorReference, load_torch_file
+from ckpt.storage import Storage
 
 from .integrity import verify_torch_zip
 
@@ -238,19 +241,36 @@ def compact(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def save_nxd_file(obj: Any, path: str | os.PathLike[str], xser: bool, *, write_info: bool = True) -> None:
-    """Write ``obj`` the way NxD's ``save_checkpoint`` does: ``torch.save`` or xser (ref + tensors/ + info.pt)."""
-    path = Path(path)
+def _save(obj: Any, storage: Storage, rel: str, **kw: Any) -> None:
+    """``torch.save`` of ``obj`` as ``rel``, to a real file of that name.
+
+    ``torch.save`` names the zip records after the file (``<stem>/data.pkl``) when given a path and ``archive/``
+    when given a stream, so the file is always written under its final name (NxD's files, byte for byte): directly
+    inside a local folder transaction, else in a local temp folder and then published whole to the object store.
+    """
+    path = storage.local_path(rel)
+    if path is not None:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        torch.save(obj, path, **kw)
+        return
+    with tempfile.TemporaryDirectory(prefix="ckpt-nxd-") as d:
+        local = os.path.join(d, os.path.basename(rel))
+        torch.save(obj, local, **kw)
+        with open(local, "rb") as src, storage.create(rel) as dst:
+            shutil.copyfileobj(src, dst, 16 << 20)
+
+
+def save_nxd_file(obj: Any, storage: Storage, rel: str, xser: bool, *, write_info: bool = True) -> None:
+    """Write ``obj`` as ``rel`` under ``storage`` the way NxD's ``save_checkpoint`` does: one ``torch.save`` file, or
+    xser (the ref file, ``<rel>.tensors/tensor_<tid>.pt`` per tensor, ``<rel>.info.pt``)."""
     if not xser:
-        torch.save(obj, path)
+        _save(obj, storage, rel)
         return
     ref_obj, tensors = split_tensors(obj)
-    tdir = tensors_dir(path)
-    tdir.mkdir(parents=True, exist_ok=True)
     info: dict[int, dict[str, Any]] = {}
     for tid, t in enumerate(tensors):
-        torch.save(compact(t), tensor_file(path, tid))
+        _save(compact(t), storage, f"{rel}.tensors/tensor_{tid}.pt")
         info[tid] = {"dtype": t.dtype, "shape": t.shape, "expert_model_parallel": False}
-    torch.save(ref_obj, path, pickle_module=_xser_pickle_module)
+    _save(ref_obj, storage, rel, pickle_module=_xser_pickle_module)
     if write_info:
-        torch.save(info, info_path(path))
+        _save(info, storage, f"{rel}.info.pt")

@@ -29,7 +29,6 @@ from typing import Any
 from ckpt.discovery import list_checkpoints
 from ckpt.integrity import verify_checkpoint
 from ckpt.reader import CheckpointReader
-from ckpt.integrity import verify_checkpoint
 from ckpt.storage import open_storage
 from ckpt.storage.s3 import S3Storage
 

@@ -1,0 +1,66 @@
+"""The formats ``ckpt convert`` reads and writes: one table, one module per format with the same verbs.
+
+Each format module (:mod:`.ckpt`, :mod:`.hf`, :mod:`.dcp`, :mod:`.nxd`) provides ``detect(path, storage_options)``,
+``open_source(path, **options) -> Source`` and ``export(conv, **options) -> Export``.  Adding a format is one module
+and one line here.  Modules are imported only when a format is used.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+from ckpt.errors import CkptError, LayoutError
+
+
+@dataclass(frozen=True)
+class Format:
+    name: str
+    module: str
+    #: the target layouts this format can hold
+    holds: tuple[str, ...]
+    #: read from (and written to) object stores, not only local folders
+    remote: bool = False
+
+    def load(self) -> ModuleType:
+        return importlib.import_module(self.module, __package__)
+
+
+#: in detection order (the first whose ``detect`` accepts a folder is its format)
+FORMATS: tuple[Format, ...] = (
+    Format("ckpt", ".ckpt", ("cuda", "neuron"), remote=True),
+    Format("dcp", ".dcp", ("cuda",)),
+    Format("hf", ".hf", ("cuda",)),
+    Format("nxd", ".nxd", ("neuron",)),
+)
+BY_NAME = {f.name: f for f in FORMATS}
+
+
+def get(name: str) -> Format:
+    try:
+        return BY_NAME[name]
+    except KeyError:
+        raise CkptError(f"--format {name!r}: expected one of {', '.join(BY_NAME)}") from None
+
+
+def detect(src: str, storage_options: Mapping[str, Any] | None = None) -> Format:
+    """The format of the checkpoint at ``src`` (one-line error when none fits)."""
+    remote = "://" in src and not src.startswith("file://")
+    if not remote and not Path(src).exists():
+        raise CkptError(f"{src}: no such file or directory")
+    for fmt in FORMATS:
+        if (fmt.remote or not remote) and fmt.load().detect(src, storage_options):
+            return fmt
+    if remote:
+        raise CkptError(f"{src}: no manifest.json; only our format is read from object stores")
+    raise LayoutError(
+        f"{src}: unknown checkpoint layout (expected manifest.json, a DCP .metadata, an HF config.json + "
+        "*.safetensors, or NxD model/ rank files)"
+    )
+
+
+__all__ = ["FORMATS", "Format", "detect", "get"]

@@ -1,0 +1,194 @@
+"""NxD-native output: a planned Neuron-layout conversion written as an NxD tag, one (tp, pp) rank at a time.
+
+NxD stores one ``torch.save`` file per rank (and one optimizer file per DP rank of it with ZeRO-1), so a rank's model
+shard plus its optimizer is the smallest unit one writer can own, and ranks are independent: they are the units of
+:class:`NxdExport`.  Each rank is produced from the plan alone (:func:`build_rank`), so a rank's files are the same
+bytes whoever writes it.  The coordinator's :class:`~.writer.TagWriter` opens the tag (``checkpoint`` marker),
+workers add their ranks with writers that *join* it, and the coordinator writes ``scheduler.pt`` /
+``user_content.pt`` and publishes it with ``done``.  Memory: one rank's state (and its ZeRO-1 shards while they are
+saved), whatever the model size.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from ckpt import treecodec
+from ckpt.errors import CkptError, LayoutError
+
+from ..engine import Conversion, Rank, Staging, UnitReceipt, check_cover, produce
+from ..engine.export import Progress
+from .naming import rank_file_name
+from .source import MASTER_KEY
+from .writer import TagWriter
+
+
+def _owned(t: torch.Tensor) -> torch.Tensor:
+    """``t``, or a copy when it is a view into a bigger storage (a slice of a source rank tensor).
+
+    ``torch.save`` writes a view's whole storage: kept as is, rank ``r``'s file would carry every TP rank's rows of
+    a dim-0-split tensor, and the rank being built would pin the whole source tensors, breaking the one-rank bound.
+    """
+    if not t.is_contiguous() or t.untyped_storage().nbytes() != t.numel() * t.element_size():
+        return t.contiguous().clone()
+    return t
+
+
+def rank_parts(conv: Conversion) -> dict[Rank, list[tuple[int, int]]]:
+    """``{(tp, pp): [(tensor index, part index), ...]}``: what each target rank holds, in plan order.
+
+    The plan is tensor-major (one logical tensor, its TP boxes, the ranks of each); NxD's files are rank-major, so
+    the plan is inverted once (indices only, no data) to build one rank at a time.
+    """
+    out: dict[Rank, list[tuple[int, int]]] = {}
+    for i, t in enumerate(conv.tensors):
+        for j, part in enumerate(t.parts):
+            for rank in part.ranks:
+                out.setdefault(rank, []).append((i, j))
+    return out
+
+
+def build_rank(
+    conv: Conversion, parts: list[tuple[int, int]], *, verify: bool = True
+) -> tuple[dict[str, torch.Tensor], dict[str, Any] | None]:
+    """Model shard and named optimizer (``NxdTag`` form) of one target rank, produced from the plan.
+
+    Optimizer ``state`` is in param-group order (NxD's pid order); ``param_groups`` keep the rank's parameters;
+    scalar state (Adam's ``step``) and the NxD optimizer's extra keys come from the trees.
+    """
+    model: dict[str, torch.Tensor] = {}
+    states: dict[str, dict[str, torch.Tensor]] = {}
+    master: dict[str, torch.Tensor] = {}
+    for i, j in parts:
+        out = conv.tensors[i]
+        d = out.desc
+        data = _owned(produce(conv, out.parts[j], verify=verify))
+        if d.role == "optimizer_state":
+            assert d.param is not None and d.key is not None
+            if d.key == MASTER_KEY:
+                master[d.param] = data
+            else:
+                states.setdefault(d.param, {})[d.key] = data
+        else:
+            model[d.name] = data
+    opt = conv.trees.optimizer
+    if opt is None:
+        if states or master:
+            raise CkptError(
+                f"{conv.source.path}: optimizer-state tensors but no optimizer tree to write them with"
+            )
+        return model, None
+    names = set(model)
+    groups = [
+        {
+            **{k: treecodec.decode(v) for k, v in g.items() if k != "params"},
+            "params": [p for p in g["params"] if p in names],
+        }
+        for g in opt.get("param_groups", [])
+    ]
+    for p, per in opt.get("state", {}).items():
+        if p in names:
+            states.setdefault(p, {}).update({k: treecodec.decode(v) for k, v in per.items()})
+    order = [n for g in groups for n in g["params"]]
+    extra = conv.record.optimizer_extra if conv.record is not None else None
+    return model, {
+        "state": {n: states[n] for n in order if n in states},
+        "param_groups": groups,
+        "master_weights": {n: master[n] for n in order if n in master} or None,
+        "extra": dict(treecodec.decode(extra)) if extra is not None else {},
+    }
+
+
+class NxdExport:
+    """An NxD tag as an :class:`~converters.engine.Export`: one unit = one (tp, pp) rank."""
+
+    def __init__(
+        self,
+        conv: Conversion,
+        *,
+        xser: bool | None = None,
+        zero1: bool | None = None,
+        storage_options: dict[str, Any] | None = None,
+        verify: bool = True,
+    ) -> None:
+        if conv.to != "neuron" or conv.flags is None:
+            raise LayoutError("--format nxd holds the Neuron layout; use --to neuron")
+        self.conv = conv
+        source = (conv.record.source or {}) if conv.record is not None else {}
+        self.xser = bool(source.get("xser", False)) if xser is None else xser
+        self.zero1 = conv.zero1 if zero1 is None else zero1
+        self.dp_size = conv.flags.dp if self.zero1 else 1
+        self.storage_options = storage_options
+        self.verify = verify
+        by_rank = rank_parts(conv)
+        self.ranks = sorted(by_rank)
+        self.parts = [by_rank[r] for r in self.ranks]
+
+        def nbytes(i: int, j: int) -> int:
+            return conv.tensors[i].parts[j].nbytes
+
+        #: bytes each rank writes (replicated tensors on every rank holding them): what the workers balance
+        self.weights = [sum(nbytes(i, j) for i, j in parts) for parts in self.parts]
+        # progress counts a replicated part on its first rank only, so the ranks add up to ``conv.nbytes``
+        self._logical = [
+            sum(nbytes(i, j) for i, j in parts if conv.tensors[i].parts[j].ranks[0] == self.ranks[u])
+            for u, parts in enumerate(self.parts)
+        ]
+        self._writer: TagWriter | None = None
+
+    def _tag_writer(self, dst: str, join: str | None = None) -> TagWriter:
+        return TagWriter(
+            dst, xser=self.xser, dp_size=self.dp_size, zero1=self.zero1, storage_options=self.storage_options,
+            join=join,
+        )  # fmt: skip
+
+    def begin(self, dst: str) -> Staging:
+        self._writer = self._tag_writer(dst)
+        return Staging(self._writer.url, "")
+
+    def write(
+        self, staging: Staging, units: Sequence[int], progress: Progress = None, *, worker: int = 0
+    ) -> UnitReceipt:
+        """Build and write ranks ``units`` one at a time into the coordinator's tag."""
+        w = self._tag_writer(staging.url, join=staging.url)
+        try:
+            for u in units:
+                tp, pp = self.ranks[u]
+                model, optim = build_rank(self.conv, self.parts[u], verify=self.verify)
+                w.write_rank((tp, pp, 0), model, optim)
+                del model, optim
+                if progress is not None:
+                    progress(self._logical[u])
+        finally:
+            w.abort()  # a joined writer only stops; the tag is the coordinator's
+        return UnitReceipt(worker, tuple(units), [self.ranks[u] for u in units])
+
+    def commit(self, staging: Staging, dst: str, receipts: list[UnitReceipt]) -> str:
+        """Check every rank's model file is there, then ``scheduler.pt`` / ``user_content.pt`` and ``done``."""
+        check_cover(receipts, len(self.ranks), dst)
+        if self._writer is None or self._writer.url != staging.url:
+            raise CkptError(f"{dst}: commit by a writer that did not begin this tag")
+        for tp, pp in self.ranks:
+            if not self._writer.storage.exists(f"model/{rank_file_name(0, tp, pp, None)}"):
+                raise CkptError(f"{dst}: rank tp {tp} pp {pp} was not written")
+        trees = self.conv.trees
+        self._writer.finish(
+            treecodec.decode(trees.scheduler) if trees.scheduler is not None else None,
+            treecodec.decode(trees.user) if trees.user is not None else None,
+        )
+        return dst
+
+    def abort(self, staging: Staging) -> None:
+        if self._writer is not None:
+            self._writer.abort()
+
+
+def export(conv: Conversion, *, xser: bool | None = None, zero1: bool | None = None,
+           storage_options: dict[str, Any] | None = None, verify: bool = True, **_: Any) -> NxdExport:  # fmt: skip
+    return NxdExport(conv, xser=xser, zero1=zero1, storage_options=storage_options, verify=verify)
+
+
+__all__ = ["NxdExport", "build_rank", "export", "rank_parts"]

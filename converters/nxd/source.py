@@ -1,0 +1,347 @@
+"""An NxD tag (training checkpoint, NxD converter output, legacy layout) as a Neuron-layout conversion source.
+
+Pieces are read from the rank files as NxD stored them (:class:`~.reader.NxdTagReader`, plain files memory-mapped,
+ZeRO-1 optimizer shards merged over DP and keyed by name): one (tp, pp) rank's local tensor, sliced.  The tag is
+described as our manifest would describe it (docs/format.md, "Neuron (NxD) layout"): logical tensors with the
+``partition`` of the rule set, PP ranks from the files, and ``extra.nxd`` recording what the files do not say.
+
+Parallel flags the files cannot record come from the caller or are detected: ``qkv_linear`` / ``fuse_qkv`` from the
+tensor names; ``kv_size_multiplier`` from the K/V shapes and ``virtual_pp`` from the layer placement, both only with
+the model config; ``hw`` only from the caller.  Before anything is planned, every rank file is checked to hold the
+same tensors as its TP peers, and the tag's status: an incomplete tag is refused, and a training tag whose save
+never wrote ``done`` (a crashed async save) only with ``allow_unmarked``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from collections import OrderedDict
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ckpt import treecodec
+from ckpt.dtypes import dtype_name
+from ckpt.errors import CkptError, CorruptionError, LayoutError
+from ckpt.layouts import Piece
+from ckpt.layouts.partition import partition_entry
+from ckpt.layouts.pipeline import layer_index, layers_of_pp_rank
+from ckpt.layouts.record import NxdRecord
+from ckpt.layouts.rules import DEFAULT_RULE_SET
+from ckpt.manifest import TensorDesc
+from ckpt.state import optim_name
+
+from ..engine import Source, Trees, slice_of
+from .discovery import TagStatus, tag_status
+from .naming import RankKey
+from .reader import open_tag
+
+NAME = "nxd"
+MASTER_KEY = "master_weight"
+ZERO1_TYPE = "neuronx_distributed.optimizer.zero_redundancy_optimizer.NeuronZero1Optimizer"
+PLAIN_TYPE = "torch.optim.Optimizer"
+#: flags a caller may give for a tag (the files record none of them)
+SOURCE_FLAGS = ("hw", "kv_size_multiplier", "virtual_pp", "qkv_linear", "fuse_qkv")
+
+
+def detect(path: str, storage_options: Mapping[str, Any] | None = None) -> bool:
+    p = Path(path)
+    if "://" in path or not p.is_dir():
+        return False
+    try:
+        from .files import scan_tag
+
+        files = scan_tag(p)
+    except CkptError:
+        return False
+    return bool(files.model or files.legacy)
+
+
+def check_usable(tag_dir: str | Path, allow_unmarked: bool) -> TagStatus:
+    """Refuse an incomplete tag, and a training tag without ``done`` unless ``allow_unmarked`` (with a warning:
+    NxD's own auto-resume skips it).  Marker-less NxD converter output is accepted as it is."""
+    info = tag_status(tag_dir)
+    if info.problems:
+        raise CorruptionError(f"{info.path}: {info.status.value} tag: {info.problems[0]}")
+    if info.status is TagStatus.UNMARKED and (Path(info.path) / "checkpoint").is_file():
+        if not allow_unmarked:
+            raise CkptError(
+                f"{info.path}: tag has no 'done' marker (a save that crashed before marking it); "
+                "pass allow_unmarked=True (--allow-unmarked) to use it"
+            )
+        warnings.warn(
+            f"{info.path}: using an unmarked tag (every file present, no 'done'); NxD's auto-resume would skip it",
+            stacklevel=3,
+        )
+    return info.status
+
+
+def _kv_multiplier(
+    names: Sequence[str], shapes: Mapping[str, tuple[int, ...]], config: Mapping[str, Any], tp: int
+) -> int:
+    """KV copies per head, from the stored K (or fused QKV) rows: ``kv rows * tp / head_dim / kv_heads``."""
+    heads = int(config["num_attention_heads"])
+    kv_heads = int(config.get("num_key_value_heads") or heads)
+    hd = int(config.get("head_dim") or int(config["hidden_size"]) // heads)
+    k = next((n for n in names if n.endswith("qkv_proj.weight_k")), None)
+    qkv = next((n for n in names if n.endswith("qkv_proj.weight_qkv")), None)
+    if k is not None:
+        kv_local = shapes[k][0]
+    elif qkv is not None:
+        kv_local = (shapes[qkv][0] - heads // tp * hd) // 2
+    else:
+        return 1
+    return max(1, kv_local * tp // hd // kv_heads)
+
+
+def _merge_groups(into: list[dict[str, Any]], groups: Sequence[Mapping[str, Any]], *, where: str) -> None:
+    """Union of the ranks' param groups: same hyper-parameters, parameter names in first-seen order."""
+    if into and len(into) != len(groups):
+        raise CorruptionError(f"{where}: ranks disagree on the number of optimizer param_groups")
+    for gi, g in enumerate(groups):
+        if len(into) <= gi:
+            enc = {k: treecodec.encode(v, f"param_groups[{gi}].{k}") for k, v in g.items() if k != "params"}
+            enc["params"] = []
+            into.append(enc)
+        seen = set(into[gi]["params"])
+        into[gi]["params"].extend(n for n in g["params"] if n not in seen)
+
+
+class NxdTagSource(Source):
+    """An NxD tag as a Neuron-layout source (see the module docstring)."""
+
+    format = NAME
+    layout = "neuron"
+
+    def __init__(
+        self,
+        path: str | Path,
+        *,
+        config: Mapping[str, Any] | None = None,
+        flags: Mapping[str, Any] | None = None,
+        rule_set: str = DEFAULT_RULE_SET,
+        step: int | None = None,
+        param_names: Mapping[RankKey, Sequence[str]] | None = None,
+        allow_unmarked: bool = False,
+        verify: bool = True,
+    ) -> None:
+        given = dict(flags or {})
+        unknown = sorted(set(given) - set(SOURCE_FLAGS))
+        if unknown:
+            raise LayoutError(
+                f"{path}: {unknown[0]!r} cannot be set for an NxD tag (known: {', '.join(SOURCE_FLAGS)})"
+            )
+        self.path = str(path)
+        self.config = dict(config) if config is not None else None
+        status = check_usable(path, allow_unmarked)
+        self.r = open_tag(path, param_names=param_names, verify=verify, mmap=True)
+        meta = self.r.meta
+        if meta.ep_size > 1:
+            raise LayoutError(
+                f"{self.path}: expert parallelism (ep={meta.ep_size}) is not supported by the converter"
+            )
+        self.r.check_complete()
+        tp, pp = meta.tp_size, meta.pp_size
+        per_rank = {(t, p): self.r.model_metas((t, p, 0)) for t in range(tp) for p in range(pp)}
+        for (t, p), metas in per_rank.items():
+            if metas != per_rank[(0, p)]:
+                odd = next(
+                    (m for m, n in zip(metas, per_rank[(0, p)], strict=False) if m != n),
+                    (metas or per_rank[(0, p)])[-1],
+                )
+                raise CorruptionError(
+                    f"{self.path}: rank tp {t} pp {p} holds {odd[0]} {list(odd[1])} {odd[2]}, unlike tp 0 of its "
+                    f"stage ({len(metas)} vs {len(per_rank[(0, p)])} tensors)"
+                )
+        self._pp_of: dict[str, list[int]] = {}
+        local: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
+        for p in range(pp):
+            for name, shape, dt in per_rank[(0, p)]:
+                self._pp_of.setdefault(name, []).append(p)
+                local.setdefault(name, (shape, dt))
+        names = list(local)
+        shapes = {n: s for n, (s, _) in local.items()}
+        detected = {
+            "qkv_linear": any(".qkv_proj.weight_" in n or ".qkv_proj.bias_" in n for n in names),
+            "fuse_qkv": any(
+                n.endswith(("weight_qkv", "bias_qkv")) or n.endswith("qkv_proj.weight") for n in names
+            ),
+            "kv_size_multiplier": _kv_multiplier(names, shapes, self.config, tp) if self.config else 1,
+            "hw": "trn1",
+            "virtual_pp": 1,
+        }
+        detected.update(given)
+        record = NxdRecord(rule_set=rule_set, config=self.config, **detected)
+        if self.config and pp > 1 and "virtual_pp" not in given:
+            record = self._detect_virtual_pp(record, tp, pp, meta.dp_size)
+        self.zero1 = meta.zero1
+        self.tensors = {}
+        for name, (shape, dt) in local.items():
+            part = partition_entry(name, tp, rule_set)
+            full = list(shape)
+            if part is not None:
+                full[int(part["dim"])] *= tp
+            self.tensors[name] = TensorDesc(name, "parameter", tuple(full), dtype_name(dt), partition=part)
+        self._models: OrderedDict[tuple[int, int], dict[str, torch.Tensor]] = OrderedDict()
+        self._optims: OrderedDict[tuple[int, int], dict[str, Any] | None] = OrderedDict()
+        optimizer, opt_extra = self._describe_optimizer(pp)
+        record_kw: dict[str, Any] = {
+            "pp_ranks": dict(self._pp_of) if pp > 1 else None,
+            "source": {
+                "format": "nxd",
+                "tag": meta.name,
+                "status": status.value,
+                "xser": meta.xser,
+                "zero1": meta.zero1,
+                "legacy": meta.legacy,
+            },  # fmt: skip
+            "optimizer_extra": opt_extra or None,
+        }
+        self.record = dataclasses.replace(record, **record_kw)
+        self.flags = self.record.flags(tp=tp, pp=pp, dp=meta.dp_size)
+        user = self.r.user_content()
+        sched = self.r.scheduler()
+        if step is None:
+            step = meta.step
+            if step is None and isinstance(user, dict) and isinstance(user.get("total_steps"), int):
+                step = user["total_steps"]
+        step = int(step or 0)
+        self.trees = Trees(
+            step=step,
+            optimizer=optimizer,
+            scheduler=treecodec.encode(sched, "scheduler.pt") if sched is not None else None,
+            progress={"step": step},
+            user=treecodec.encode(user, "user_content.pt") if user is not None else None,
+            extra={"nxd": self.record.to_extra()},
+            world_size=tp * pp * meta.dp_size,
+        )
+
+    def _detect_virtual_pp(self, record: NxdRecord, tp: int, pp: int, dp: int) -> NxdRecord:
+        """The virtual PP degree whose layer placement matches the files (NxD does not record it)."""
+        assert self.config is not None
+        on = {
+            p: sorted({li for n, ps in self._pp_of.items() if p in ps and (li := layer_index(n)) is not None})
+            for p in range(pp)
+        }
+        for v in range(1, max(1, int(self.config["num_hidden_layers"]) // pp) + 1):
+            candidate = dataclasses.replace(record, virtual_pp=v)
+            try:
+                spec = candidate.spec(tp=tp, pp=pp, dp=dp, where=self.path)
+            except LayoutError:
+                continue
+            if all(list(layers_of_pp_rank(spec, p)) == on[p] for p in range(pp)):
+                return candidate
+        raise LayoutError(
+            f"{self.path}: layer placement over pp ranks matches no virtual PP degree; pass --source-virtual-pp"
+        )
+
+    def _describe_optimizer(self, pp: int) -> tuple[dict[str, Any] | None, Any]:
+        """Optimizer-state tensors (added to ``tensors``), the encoded optimizer tree and NxD's extra keys."""
+        meta = self.r.meta
+        groups: list[dict[str, Any]] = []
+        scalars: dict[str, dict[str, Any]] = {}
+        seen = False
+        extra: Any = None
+        for p in range(pp):
+            opt = self._optim((0, p))
+            if opt is None:
+                continue
+            seen = True
+            _merge_groups(groups, opt["param_groups"], where=self.path)
+            tensors = {
+                (n, key): v
+                for n, per in opt["state"].items()
+                for key, v in per.items()
+                if isinstance(v, torch.Tensor) and v.dim() > 0 and key != "step"
+            }
+            for n, w in (opt.get("master_weights") or {}).items():
+                tensors[(n, MASTER_KEY)] = w
+            for (n, key), v in tensors.items():
+                if n not in self.tensors:
+                    raise CorruptionError(
+                        f"{self.path}: optimizer state for {n!r}, which is not a model tensor"
+                    )
+                param = self.tensors[n]
+                oname = optim_name(n, key)
+                self.tensors.setdefault(
+                    oname,
+                    TensorDesc(
+                        oname, "optimizer_state", param.shape, dtype_name(v.dtype), n, key, param.partition
+                    ),
+                )
+            for n, per in opt["state"].items():
+                for key, v in per.items():
+                    if (n, key) not in tensors:
+                        scalars.setdefault(n, {}).setdefault(
+                            key, treecodec.encode(v, f"optimizer state {n}.{key}")
+                        )
+            if opt.get("extra") and extra is None:
+                extra = treecodec.encode(opt["extra"], "optimizer extra")
+        if not seen:
+            return None, None
+        kind = ZERO1_TYPE if meta.zero1 else PLAIN_TYPE
+        return {"type": kind, "param_groups": groups, "state": scalars}, extra
+
+    def pp_ranks(self, name: str) -> tuple[int, ...]:
+        return tuple(self._pp_of[name])
+
+    def _model(self, rank: tuple[int, int]) -> dict[str, torch.Tensor]:
+        d = self._models.get(rank)
+        if d is None:
+            d = self._models[rank] = self.r.model((*rank, 0))
+            while len(self._models) > self.r.meta.tp_size:
+                self._models.popitem(last=False)
+        else:
+            self._models.move_to_end(rank)
+        return d
+
+    def _optim(self, rank: tuple[int, int]) -> dict[str, Any] | None:
+        if rank not in self._optims:
+            self._optims[rank] = self.r.optimizer((*rank, 0))
+            while len(self._optims) > self.r.meta.tp_size:
+                self._optims.popitem(last=False)
+        else:
+            self._optims.move_to_end(rank)
+        return self._optims[rank]
+
+    def read(self, piece: Piece) -> torch.Tensor:
+        assert piece.rank is not None
+        desc = self.tensors[piece.name]
+        if desc.role == "optimizer_state":
+            opt = self._optim(piece.rank)
+            if opt is None:
+                raise CorruptionError(f"{self.path}: no optimizer for tp {piece.rank[0]} pp {piece.rank[1]}")
+            if desc.key == MASTER_KEY:
+                t = (opt.get("master_weights") or {})[desc.param]
+            else:
+                t = opt["state"][desc.param][desc.key]
+        else:
+            t = self._model(piece.rank)[piece.name]
+        return slice_of(t, piece)
+
+    def close(self) -> None:
+        self._models.clear()
+        self._optims.clear()
+
+
+def open_source(
+    path: str,
+    *,
+    config: Mapping[str, Any] | None = None,
+    source_flags: Mapping[str, Any] | None = None,
+    step: int | None = None,
+    allow_unmarked: bool = False,
+    verify: bool = True,
+    param_names: Mapping[RankKey, Sequence[str]] | None = None,
+    **_: Any,
+) -> NxdTagSource:
+    return NxdTagSource(
+        path, config=config, flags=source_flags, step=step, allow_unmarked=allow_unmarked, verify=verify,
+        param_names=param_names,
+    )  # fmt: skip
+
+
+__all__ = ["NxdTagSource", "check_usable", "detect", "open_source"]

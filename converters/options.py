@@ -1,0 +1,99 @@
+"""What a conversion produces (:class:`ConvertOptions`) and how it runs (:class:`RunOptions`).
+
+Layout flags are not restated here: ``layout`` holds the :class:`~ckpt.layouts.spec.NxdFlags` fields the caller
+asked for (the rest come from the source's own layout, or NxdFlags' defaults), and ``source_flags`` the flags of an
+NxD tag that its files cannot record.  Every unknown flag name is refused when the options are made.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from ckpt.errors import CkptError
+from ckpt.layouts.spec import NxdFlags
+
+DEFAULT_FLUSH_BYTES = 64 << 20
+DEFAULT_SHARD_BYTES = 5 << 30
+FORMATS = ("ckpt", "hf", "dcp", "nxd")
+
+
+@dataclass(frozen=True)
+class ConvertOptions:
+    """What to produce.
+
+    ``to``: the target layout; ``format``: the output format (``ckpt`` holds either layout, ``hf``/``dcp`` the CUDA
+    layout, ``nxd`` the Neuron layout); ``from_``: the layout SRC must have (checked); ``layout``: target NxdFlags
+    fields (``{"tp": 8, "qkv_linear": True}``), default: the source's own Neuron layout, else NxdFlags' defaults;
+    ``source_flags``: ``hw`` / ``kv_size_multiplier`` / ``virtual_pp`` (/ ``qkv_linear`` / ``fuse_qkv``) of an NxD tag
+    source; ``config``: the HF ``config.json`` dict; ``step``: the step to record; ``max_shard_bytes``: HF shard size;
+    ``xser`` / ``zero1``: NxD output forms (default: the source's); ``codec``: our format's data codec.
+    """
+
+    to: Literal["cuda", "neuron"]
+    format: str = "ckpt"
+    from_: Literal["cuda", "neuron"] | None = None
+    layout: Mapping[str, Any] = field(default_factory=dict)
+    source_flags: Mapping[str, Any] = field(default_factory=dict)
+    config: dict[str, Any] | None = None
+    step: int | None = None
+    max_shard_bytes: int = DEFAULT_SHARD_BYTES
+    xser: bool | None = None
+    zero1: bool | None = None
+    codec: str = "raw"
+
+    def __post_init__(self) -> None:
+        if self.to not in ("cuda", "neuron"):
+            raise CkptError(f"--to {self.to!r} must be cuda or neuron")
+        if self.format not in FORMATS:
+            raise CkptError(f"--format {self.format!r} must be one of {', '.join(FORMATS)}")
+        unknown = sorted(set(self.layout) - set(NxdFlags.names()))
+        if unknown:
+            raise CkptError(f"unknown layout flag {unknown[0]!r}; known: {', '.join(NxdFlags.names())}")
+
+    @classmethod
+    def neuron(cls, **kw: Any) -> ConvertOptions:
+        """``to="neuron"`` with the layout flags given as keywords: ``ConvertOptions.neuron(tp=8, pp=2)``."""
+        flags = {k: kw.pop(k) for k in list(kw) if k in NxdFlags.names()}
+        return cls(to="neuron", layout=flags, **kw)
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    """How to run a conversion: ``workers`` local processes (torchrun ranks are found from the environment),
+    the streaming writer's ``flush_bytes``, fsspec ``storage_options`` for object stores, ``verify`` (checksums,
+    NxD zip CRCs and replica comparisons on read), ``allow_unmarked`` (use an NxD training tag without ``done``)."""
+
+    workers: int = 1
+    flush_bytes: int = DEFAULT_FLUSH_BYTES
+    storage_options: dict[str, Any] | None = field(default=None, hash=False)
+    verify: bool = True
+    allow_unmarked: bool = False
+
+    def __post_init__(self) -> None:
+        if self.workers < 1:
+            raise CkptError(f"--workers {self.workers} must be >= 1")
+
+
+def load_config(path: str | None) -> dict[str, Any] | None:
+    """An HF ``config.json`` as a dict (one-line error when unreadable)."""
+    if path is None:
+        return None
+    p = Path(path)
+    if p.is_dir():
+        p = p / "config.json"
+    try:
+        value = json.loads(p.read_text())
+    except FileNotFoundError:
+        raise CkptError(f"--config {path}: no such file") from None
+    except (ValueError, UnicodeDecodeError) as e:
+        raise CkptError(f"--config {path}: not valid JSON ({e})") from None
+    if not isinstance(value, dict):
+        raise CkptError(f"--config {path}: expected a JSON object, got {type(value).__name__}")
+    return value
+
+
+__all__ = ["ConvertOptions", "DEFAULT_FLUSH_BYTES", "FORMATS", "RunOptions", "load_config"]
