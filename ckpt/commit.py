@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import datetime
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,6 +24,38 @@ class Receipt:
     shards: list[tuple[str, tuple[int, ...], tuple[int, ...], str, int, int, str, str]] = field(
         default_factory=list
     )
+
+
+def data_file_name(rank: int, attempt: str, seq: int | None = None) -> str:
+    """The name of a data file (docs/format.md): ``r<rank>-<attempt>[-<seq>].safetensors``; the attempt id makes a
+    failed attempt's files findable and two attempts' files distinct."""
+    tail = "" if seq is None else f"-{seq:05d}"
+    return f"r{rank:05d}-{attempt}{tail}.safetensors"
+
+
+def write_data_file(
+    storage: Storage,
+    receipt: Receipt,
+    fname: str,
+    chunks: Sequence[tuple[str, Box, Any]],
+    codec: str,
+    metadata: dict[str, str] | None = None,
+) -> int:
+    """Write ``(tensor name, box, host tensor)`` chunks as data file ``fname`` (published whole) and record it and
+    every chunk in ``receipt``; returns the file size.  Chunk keys are ``<name>@<offsets>``."""
+    from .shardfile import Chunk, write_shard_file
+
+    keys = [f"{name}@{','.join(map(str, box.offsets))}" for name, box, _ in chunks]
+    with storage.create(fname) as f:
+        written, size = write_shard_file(
+            f, [Chunk(k, t, codec) for k, (_, _, t) in zip(keys, chunks, strict=True)], metadata
+        )
+    receipt.files.append((fname, size))
+    receipt.shards.extend(
+        (name, box.offsets, box.lengths, fname, w.offset, w.nbytes, codec, w.checksum)
+        for (name, box, _), w in zip(chunks, written, strict=True)
+    )
+    return size
 
 
 def build_manifest(

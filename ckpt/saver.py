@@ -30,13 +30,12 @@ import torch
 from . import rng as rng_mod
 from . import tokenizer as tokenizer_mod
 from . import treecodec
-from .commit import Receipt, build_manifest, publish
+from .commit import Receipt, build_manifest, data_file_name, publish, write_data_file
 from .distributed import Collective
 from .dtypes import dtype_name
 from .errors import AsyncSaveError, CheckpointExistsError, CkptError
 from .manifest import MANIFEST_NAME, Box, Layout, Manifest, TensorDesc
 from .planning import DEFAULT_CHUNK_BYTES, Piece, assign_writers, chunk_boxes, digest, local_box
-from .shardfile import Chunk, write_shard_file
 from .staging import HostStager
 from .state import NamedTensor, model_tensors, optimizer_capture, state_dict_of
 from .storage import Storage, open_storage
@@ -287,18 +286,13 @@ class Checkpointer:
         report: dict[str, Any] = {"ok": True, "rank": rank, "trees": job.rank_trees, "receipt": receipt}
         try:
             if job.chunks:
-                fname = f"r{rank:05d}-{job.attempt}.safetensors"
-                keys = [f"{name}@{','.join(map(str, box.offsets))}" for name, box, _ in job.chunks]
-                with job.storage.create(fname) as f:
-                    written, size = write_shard_file(
-                        f,
-                        [Chunk(k, t, job.codec) for k, (_, _, t) in zip(keys, job.chunks, strict=True)],
-                        {"step": str(job.step), "rank": str(rank)},
-                    )
-                receipt.files.append((fname, size))
-                receipt.shards.extend(
-                    (name, box.offsets, box.lengths, fname, w.offset, w.nbytes, job.codec, w.checksum)
-                    for (name, box, _), w in zip(job.chunks, written, strict=True)
+                write_data_file(
+                    job.storage,
+                    receipt,
+                    data_file_name(rank, job.attempt),
+                    job.chunks,
+                    job.codec,
+                    {"step": str(job.step), "rank": str(rank)},
                 )
         except Exception as e:  # noqa: BLE001 - reported to rank 0 so that it does not commit
             report = {"ok": False, "rank": rank, "error": f"rank {rank}: {type(e).__name__}: {e}"}

@@ -17,12 +17,11 @@ from typing import Any
 
 import torch
 
-from .commit import Receipt, build_manifest, publish
+from .commit import Receipt, build_manifest, data_file_name, publish, write_data_file
 from .dtypes import dtype_name
 from .errors import CheckpointExistsError, CkptError
 from .manifest import MANIFEST_NAME, Box, Layout, Manifest, TensorDesc
 from .planning import DEFAULT_CHUNK_BYTES, chunk_boxes
-from .shardfile import Chunk, write_shard_file
 from .storage import Storage, open_storage
 
 DEFAULT_FLUSH_BYTES = 512 << 20
@@ -105,7 +104,7 @@ class StreamingWriter:
         self._drain()
         if not self._pending:
             return
-        fname = f"r{self.rank:05d}-{self.attempt}-{self._seq:05d}.safetensors"
+        fname = data_file_name(self.rank, self.attempt, self._seq)
         self._seq += 1
         batch, self._pending, self._pending_bytes = self._pending, [], 0
         if self._pool is None:
@@ -124,17 +123,7 @@ class StreamingWriter:
             self._pool = None
 
     def _write(self, fname: str, batch: list[tuple[str, Box, torch.Tensor]]) -> None:
-        keys = [f"{n}@{','.join(map(str, b.offsets))}" for n, b, _ in batch]
-        with self.storage.create(fname) as f:
-            written, size = write_shard_file(
-                f, [Chunk(k, t, self.codec) for k, (_, _, t) in zip(keys, batch, strict=True)]
-            )
-        self.receipt.files.append((fname, size))
-        self.receipt.shards.extend(
-            (n, b.offsets, b.lengths, fname, w.offset, w.nbytes, self.codec, w.checksum)
-            for (n, b, _), w in zip(batch, written, strict=True)
-        )
-        self.bytes_written += size
+        self.bytes_written += write_data_file(self.storage, self.receipt, fname, batch, self.codec)
 
     def finish(self) -> Receipt:
         """Flush, wait for the writes and return this writer's receipt (for a multi-process commit)."""

@@ -25,13 +25,14 @@ _KEYS = ("rule_set", *_FLAG_KEYS, "config", "pp_ranks", "source", "optimizer_ext
 class NxdRecord:
     """The typed form of ``extra.nxd``.
 
-    ``config`` is the Hugging Face ``config.json`` dict (None when unknown); ``pp_ranks`` maps each tensor to the PP
+    ``rule_set`` names the rules that partitioned tensors without NxD's runtime attributes (None: such tensors were
+    treated as replicated); ``config`` is the Hugging Face ``config.json`` dict (None when unknown); ``pp_ranks`` maps each tensor to the PP
     ranks holding it (written when pp > 1, so a tag can be rebuilt without a config); ``source`` describes an
     imported NxD tag (``format``, ``tag``, ``status``, ``xser``, ``zero1``, ``legacy``); ``optimizer_extra`` keeps
     (encoded) top-level keys of NxD optimizer dicts that ckpt does not interpret, so an export writes them back.
     """
 
-    rule_set: str = DEFAULT_RULE_SET
+    rule_set: str | None = DEFAULT_RULE_SET
     kv_size_multiplier: int = 1
     hw: str = "trn1"
     fuse_qkv: bool = False
@@ -47,7 +48,7 @@ class NxdRecord:
         cls,
         flags: NxdFlags,
         *,
-        rule_set: str = DEFAULT_RULE_SET,
+        rule_set: str | None = DEFAULT_RULE_SET,
         config: Mapping[str, Any] | None = None,
         **rest: Any,
     ) -> NxdRecord:
@@ -97,10 +98,13 @@ class NxdRecord:
                 raise ManifestError(f"{where}: extra.nxd.{k} is {v!r}, expected true or false")
         rule_set = value.get("rule_set", DEFAULT_RULE_SET)
         hw = value.get("hw", "trn1")
-        if not isinstance(rule_set, str) or not isinstance(hw, str):
-            raise ManifestError(f"{where}: extra.nxd.rule_set and extra.nxd.hw must be strings")
+        if not (rule_set is None or isinstance(rule_set, str)) or not isinstance(hw, str):
+            raise ManifestError(
+                f"{where}: extra.nxd.rule_set must be a string or null, extra.nxd.hw a string"
+            )
         try:
-            get_rule_set(rule_set)
+            if rule_set is not None:
+                get_rule_set(rule_set)
         except LayoutError as e:
             raise ManifestError(f"{where}: extra.nxd: {e}") from None
         config = value.get("config")

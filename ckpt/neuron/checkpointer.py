@@ -23,6 +23,7 @@ import torch
 
 from ckpt.dtypes import dtype_from_name
 from ckpt.errors import StateMismatchError
+from ckpt.layouts.record import NxdRecord
 from ckpt.loader import Restorer, RestoreResult
 from ckpt.loader import restore as core_restore
 from ckpt.manager import CheckpointManager
@@ -48,7 +49,7 @@ def _hf_config(model: Any) -> dict[str, Any] | None:
     from ckpt import treecodec
 
     try:
-        return treecodec.encode(to_dict(), "config")
+        return treecodec.decode(treecodec.encode(to_dict(), "config"))
     except Exception:  # noqa: BLE001 - a config we cannot encode is recorded as unknown, not a failed save
         return None
 
@@ -138,16 +139,15 @@ class NeuronCheckpointer(Checkpointer):
         fuse = self.fuse_qkv
         if fuse is None:
             fuse = any(_FUSED_QKV.search(n) and not re.search(r"_(q|k|v)$", n) for n in names)
-        out: dict[str, Any] = {
-            "rule_set": self.rule_set,
+        record = NxdRecord(
+            rule_set=self.rule_set,
             **self.flags,
-            "fuse_qkv": bool(fuse),
-            "qkv_linear": bool(qkv_linear),
-            "config": self.config if self.config is not None else _hf_config(model),
-        }
-        if self.parallel.pp_size > 1:
-            out["pp_ranks"] = self._gather_pp_ranks(tuple(names))
-        return out
+            fuse_qkv=bool(fuse),
+            qkv_linear=bool(qkv_linear),
+            config=self.config if self.config is not None else _hf_config(model),
+            pp_ranks=self._gather_pp_ranks(tuple(names)) if self.parallel.pp_size > 1 else None,
+        )
+        return record.to_extra()
 
     def _gather_pp_ranks(self, names: tuple[str, ...]) -> dict[str, list[int]]:
         if names != self._pp_key or self._pp_ranks is None:

@@ -3,6 +3,7 @@
 * :mod:`.source`: the :class:`Source` protocol every input format implements;
 * :mod:`.trees`: the non-tensor state (:class:`Trees`) and its renaming between layouts;
 * :mod:`.plan`: frozen plans (:class:`Conversion`) from a source to a CUDA or Neuron target;
+* :mod:`.compose`: plan algebra (renaming, composing a target plan with the full view, replica de-duplication);
 * :mod:`.execute`: making each target part from its pieces (replicas compared);
 * :mod:`.export`: the :class:`Export` protocol every output format implements (units + commit);
 * :mod:`.run`: running an export in one process, N worker processes or torchrun ranks.
