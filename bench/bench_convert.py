@@ -69,10 +69,9 @@ def _child(code: str) -> tuple[float, int]:
 
 
 def convert_child(src: Path, dst: Path, workers: int) -> tuple[float, int]:
-    opts = dict(FLAGS, to="neuron", workers=workers)
     code = (
-        "from ckpt.converters.convert import ConvertOptions, convert\n"
-        f"convert({str(src)!r}, {str(dst)!r}, ConvertOptions(**{opts!r}))\n"
+        "from ckpt.converters.convert import ConvertOptions, RunOptions, convert\n"
+        f"convert({str(src)!r}, {str(dst)!r}, ConvertOptions.neuron(**{dict(FLAGS)!r}), RunOptions(workers={workers}))\n"
     )
     wall, rss = _child(code)
     if workers > 1:  # the workers are grandchildren: take the largest worker's peak

@@ -41,6 +41,10 @@ def open_source(src: str, opts: ConvertOptions, run: RunOptions | None = None) -
     """Open ``src`` in whatever format it is in, and check it has the layout ``--from`` says."""
     run = run or RunOptions()
     fmt = formats.detect(src, run.storage_options)
+    if opts.param_names is not None and fmt.name != "nxd":
+        raise LayoutError(
+            f"param_names: {src} is a {fmt.name} checkpoint; optimizer pid names are for NxD tags only"
+        )
     if opts.source_flags and fmt.name != "nxd":
         flag = next(iter(opts.source_flags))
         raise LayoutError(
@@ -55,6 +59,7 @@ def open_source(src: str, opts: ConvertOptions, run: RunOptions | None = None) -
         storage_options=run.storage_options,
         verify=run.verify,
         allow_unmarked=run.allow_unmarked,
+        param_names=opts.param_names,
     )
     if opts.from_ is not None and opts.from_ != source.layout:
         source.close()

@@ -8,7 +8,7 @@ NxD tag that its files cannot record.  Every unknown flag name is refused when t
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -44,6 +44,9 @@ class ConvertOptions:
     xser: bool | None = None
     zero1: bool | None = None
     codec: str = "raw"
+    #: NxD tag source: the parameter name of each optimizer pid per (tp, pp, ep) rank, for optimizers built with a
+    #: param grouping other than one group or NxD's weight-decay split (see docs/nxd.md)
+    param_names: Mapping[tuple[int, int, int], Sequence[str]] | None = field(default=None, hash=False)
 
     def __post_init__(self) -> None:
         if self.to not in ("cuda", "neuron"):

@@ -42,6 +42,7 @@ def import_tag(
     hw: str | None = None,
     virtual_pp: int | None = None,
     config: Mapping[str, Any] | None = None,
+    param_names: Mapping[RankKey, Sequence[str]] | None = None,
     codec: str = "raw",
     flush_bytes: int = DEFAULT_FLUSH_BYTES,
     storage_options: dict[str, Any] | None = None,
@@ -51,7 +52,8 @@ def import_tag(
 
     ``step`` defaults to the number in the tag name (else ``user_content["total_steps"]``); ``hw`` /
     ``kv_size_multiplier`` / ``virtual_pp`` describe the tag where its files cannot (recorded in ``extra.nxd``);
-    ``config`` (the HF ``config.json`` dict) is recorded for later conversions to other layouts.  ``verify`` (default
+    ``config`` (the HF ``config.json`` dict) is recorded for later conversions to other layouts; ``param_names``
+    names the optimizer pids of a run with another param grouping (docs/nxd.md).  ``verify`` (default
     on) checks every NxD file's zip CRC32s and that replicated copies agree.
     """
     given = {"kv_size_multiplier": kv_size_multiplier, "hw": hw, "virtual_pp": virtual_pp}
@@ -61,6 +63,7 @@ def import_tag(
         config=dict(config) if config is not None else None,
         step=step,
         codec=codec,
+        param_names=param_names,
     )
     run = RunOptions(
         flush_bytes=flush_bytes, storage_options=storage_options, verify=verify, allow_unmarked=allow_unmarked
