@@ -91,7 +91,7 @@ def test_background_failure_commits_nothing_and_raises_at_wait(
         saver.wait()
     assert not (tmp_path / "c" / MANIFEST_NAME).exists()
     assert saver.wait() is None  # raised once
-    with pytest.raises(ckpt.ManifestError, match="not a committed checkpoint"):
+    with pytest.raises(ckpt.ManifestError, match="no such checkpoint|not a committed checkpoint"):
         ckpt.open_checkpoint(str(tmp_path / "c"))
     # the same step can be saved again once the problem is gone
     monkeypatch.undo()
