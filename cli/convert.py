@@ -77,7 +77,7 @@ def layout_options(fn: Callable[..., Any]) -> Callable[..., Any]:
 @click.option(
     "--format",
     "fmt",
-    type=click.Choice(["ckpt", "dcp", "hf", "nxd"]),
+    type=click.Choice(["ckpt", "dcp", "hf", "hf-trainer", "nxd"]),
     default="ckpt",
     show_default=True,
     help="Format of DST.",

@@ -112,3 +112,67 @@ def test_trainer_checkpoint_facts_are_read_without_unpickling_code(crashed: Path
     f = TrainerCheckpointFacts(crashed)(10, None)
     assert f is not None and f.step == 10 and f.scheduler_last_epoch == 10 and f.missing == ()
     assert set(f.optimizer_steps.values()) == {10} and f.scheduler_last_lr > 0
+
+
+# ------------------------------------------------------------------------------------ --format hf-trainer
+def convert(*args: object) -> None:
+    res = CliRunner().invoke(cli, ["convert", *map(str, args)])
+    assert res.exit_code == 0, res.output
+
+
+def test_trainium_layout_checkpoint_converts_to_a_folder_trainer_resumes_exactly(
+    crashed: Path, straight: Path, tmp_path: Path
+) -> None:
+    """checkpoint-10 -> our format -> the Neuron layout (TP=2, fused qkv / gate-up, as the Trainium saver
+    writes it) -> a Trainer checkpoint folder: the Trainer resumes from it and its next losses are the
+    uninterrupted run's, bit for bit."""
+    ck, trn, back = tmp_path / "ck", tmp_path / "trn", tmp_path / "checkpoint-10"
+    convert(crashed / "checkpoint-10", ck, "--to", "cuda", "--format", "ckpt")
+    convert(ck, trn, "--to", "neuron", "--tp", "2", "--format", "ckpt")
+    convert(trn, back, "--to", "cuda", "--format", "hf-trainer")
+    import torch
+
+    a = torch.load(crashed / "checkpoint-10" / "optimizer.pt")
+    b = torch.load(back / "optimizer.pt")
+    assert [g["params"] for g in a["param_groups"]] == [g["params"] for g in b["param_groups"]]
+    assert all(torch.equal(a["state"][i][k], b["state"][i][k]) for i in a["state"] for k in a["state"][i])
+    out = tmp_path / "out"
+    shutil.copytree(crashed, out)
+    assert train(out, "--resume", back) == 0
+    want = losses(straight)
+    got = {s: v for s, v in losses(out).items() if s > 10}
+    assert got == {s: want[s] for s in range(11, STEPS + 1)}
+
+
+def test_trainer_checkpoint_with_foreign_grouping_is_refused(crashed: Path, tmp_path: Path) -> None:
+    import torch
+
+    src = tmp_path / "checkpoint-10"
+    shutil.copytree(crashed / "checkpoint-10", src)
+    opt = torch.load(src / "optimizer.pt")
+    g0, g1 = opt["param_groups"]
+    g0["params"], g1["params"] = g0["params"][:-1], [g0["params"][-1], *g1["params"]]
+    torch.save(opt, src / "optimizer.pt")
+    res = CliRunner().invoke(
+        cli, ["convert", str(src), str(tmp_path / "dst"), "--to", "cuda", "--format", "ckpt"]
+    )
+    assert res.exit_code == 2 and "optimizer.pt: param_groups of [15, 6] parameters" in res.output
+    assert "16 with weight decay + 5 without" in res.output and not (tmp_path / "dst").exists()
+
+
+class _Evil:
+    def __reduce__(self):
+        return (os.system, ("echo pwned > /dev/null",))
+
+
+def test_hostile_scheduler_pickle_is_refused_not_run(crashed: Path, tmp_path: Path) -> None:
+    import torch
+
+    src = tmp_path / "checkpoint-10"
+    shutil.copytree(crashed / "checkpoint-10", src)
+    torch.save({"last_epoch": 10, "x": _Evil()}, src / "scheduler.pt")
+    res = CliRunner().invoke(
+        cli, ["convert", str(src), str(tmp_path / "dst"), "--to", "cuda", "--format", "ckpt"]
+    )
+    assert res.exit_code == 2 and "scheduler.pt" in res.output and "posix.system" in res.output
+    assert not (tmp_path / "dst").exists()
