@@ -184,3 +184,10 @@ def test_loss_jump_hidden_by_the_early_drop_is_found_with_local_noise() -> None:
         loss.status is Status.FAIL and loss.cause is Cause.OPTIMIZER_LOST and loss.basis is Basis.TRAJECTORY
     )
     assert loss.numbers["median_z"] > 4
+
+
+def test_warmup_into_a_constant_lr_is_not_a_frozen_scheduler() -> None:
+    """``constant_with_warmup`` checkpointed at the end of its warmup: rising, then constant, legitimately."""
+    pre = [(s, 1e-3 * min(s, 10) / 10) for s in range(1, 11)]
+    post = [(s, 1e-3) for s in range(11, 30)]
+    assert scan(pre, post, 10, "float64").cause is None

@@ -8,7 +8,8 @@ When they do not join, the trajectory itself names the cause:
   steps (k = N: the warmup restarted; k = 1: off by one, behind);
 - both sides have the same slope but the gap is several slopes wide: shifted ahead by k steps (k = 1: the
   scheduler rebuilt with ``last_epoch=N`` steps once in its constructor);
-- the post-resume LR stays constant where the schedule was moving: the scheduler is not stepping;
+- the post-resume LR stays constant where the schedule was falling steadily: the scheduler is not stepping (a
+  rising LR that stops is ``constant_with_warmup``, and a fall that flattens is a floor: neither counts);
 - otherwise a jump far outside the run's own step-to-step changes: a different schedule.
 
 The junction is not only N -> N+1: when the optimizer is restored but the scheduler is not, the first update
@@ -68,6 +69,22 @@ def _max_change(points: list[tuple[int, float]]) -> float:
     )
 
 
+def _decaying(pre: list[tuple[int, float]], precision: str) -> bool:
+    """The LR fell at each of the last 3 logged steps, and not ever more slowly towards a floor: a schedule
+    that must keep moving.  A rising LR may legitimately stop (``constant_with_warmup``), so it never counts."""
+    pts = pre[-4:]
+    if len(pts) < 4:
+        return False
+    pairs = list(zip(pts, pts[1:], strict=False))
+    drops = [a - b for (_, a), (_, b) in pairs]
+    if any(
+        d <= tolerance(max(abs(a), abs(b)), precision)
+        for d, ((_, a), (_, b)) in zip(drops, pairs, strict=True)
+    ):
+        return False
+    return drops[-1] >= 0.5 * drops[0]
+
+
 def find_repeat(
     pre: list[tuple[int, float]], post: list[tuple[int, float]], precision: str
 ) -> tuple[int, int] | None:
@@ -122,8 +139,7 @@ def judge(
     joins = lo - slack <= gap <= hi + slack
 
     # A scheduler that stopped stepping: constant after the resume, moving before it.
-    moving = [v for _, v in pre[-4:]]
-    was_moving = len(moving) >= 3 and not all(_same(moving[0], x, precision) for x in moving[1:])
+    was_moving = _decaying(pre, precision)
     head = [v for _, v in post[:REPEAT_STEPS]]
     frozen = len(head) >= 3 and all(_same(head[0], x, precision) for x in head[1:])
     # An exact repeat of an earlier stretch is decisive even where the junction looks smooth (a restarted
