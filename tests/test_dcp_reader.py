@@ -128,3 +128,9 @@ def test_reader_metadata_lists_stored_boxes_and_prefix(saved: Path) -> None:
     assert "model.inp.weight" in md and "optim/inp.weight/exp_avg" in md and "inp.weight" not in md
     assert md["model.inp.weight"].size == torch.Size([10, 6])
     assert Reader.validate_checkpoint_id(saved / "single") and not Reader.validate_checkpoint_id(saved)
+
+
+def test_reader_is_reachable_as_ckpt_dcp() -> None:
+    import ckpt as c
+
+    assert c.dcp.Reader.__name__ == "Reader"
