@@ -170,7 +170,11 @@ def _local(p: str) -> Path | None:
 
 
 def check_paths(src: str, dst: str) -> None:
-    """SRC is never written: DST may be neither SRC nor inside it."""
+    """SRC is never written: DST may be neither SRC nor inside it; neither is a mangled URL (``s3:/b/x``)."""
+    from ckpt.storage import refuse_mangled_url
+
+    refuse_mangled_url(src)
+    refuse_mangled_url(dst)
     a, b = _local(src), _local(dst)
     if a is None or b is None:
         if src.rstrip("/") == dst.rstrip("/") or dst.startswith(src.rstrip("/") + "/"):

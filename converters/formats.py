@@ -49,6 +49,9 @@ def get(name: str) -> Format:
 
 def detect(src: str, storage_options: Mapping[str, Any] | None = None) -> Format:
     """The format of the checkpoint at ``src`` (one-line error when none fits)."""
+    from ckpt.storage import refuse_mangled_url
+
+    refuse_mangled_url(src)
     remote = "://" in src and not src.startswith("file://")
     if not remote and not Path(src).exists():
         raise CkptError(f"{src}: no such file or directory")
