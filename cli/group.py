@@ -3,6 +3,7 @@
 A :class:`~ckpt.errors.CkptError` becomes one stderr line ``ckpt: error: <message>`` and the error's exit code
 (2 bad input, 1 a problem found in a checkpoint); Ctrl-C becomes one line ``ckpt: interrupted`` and exit code 130
 (128 + SIGINT, what a shell reports for it); anything else is a bug and keeps its traceback.  Commands just raise.
+A library warning becomes one stderr line ``ckpt: warning: <message>`` (not Python's two lines naming our source).
 ``main()`` and click's test runner both go through the group, so they behave the same.
 """
 
@@ -19,6 +20,7 @@ from ckpt.errors import CkptError
 
 #: every user error is exactly one stderr line with this prefix, so that scripts can match one spelling
 ERROR_PREFIX = "ckpt: error: "
+WARNING_PREFIX = "ckpt: warning: "
 INTERRUPTED = "ckpt: interrupted"
 INTERRUPTED_EXIT = 130
 
@@ -26,6 +28,10 @@ INTERRUPTED_EXIT = 130
 def error_line(exc: BaseException) -> str:
     """The one line a user sees for ``exc``."""
     return f"{ERROR_PREFIX}{exc}"
+
+
+def _show_warning(message: Warning | str, category: type[Warning], *args: Any, **kwargs: Any) -> None:
+    click.echo(f"{WARNING_PREFIX}{message}", err=True)
 
 
 @contextmanager
@@ -51,5 +57,8 @@ class CkptGroup(click.Group):
             return super().make_context(*args, **kwargs)
 
     def invoke(self, ctx: click.Context) -> Any:
-        with reported():  # the command's own option parsing, imports and work
+        import warnings
+
+        with reported(), warnings.catch_warnings():  # the command's own option parsing, imports and work
+            warnings.showwarning = _show_warning
             return super().invoke(ctx)
