@@ -19,7 +19,7 @@ from .errors import CkptError, CorruptionError, ManifestError, StateMismatchErro
 from .loader import RestoreResult, restore
 from .manifest import MANIFEST_NAME
 from .reader import CheckpointReader
-from .saver import Checkpointer, SaveResult
+from .saver import Checkpointer, SaveResult, check_step
 from .storage import open_storage
 
 # a checkpoint that is damaged or incomplete: restore_latest falls back to an older one
@@ -73,6 +73,7 @@ class CheckpointManager:
     # ------------------------------------------------------------------------------------------------ saving
     def save(self, step: int, **state: Any) -> Future:
         """Save ``state`` (model=, optimizer=, scheduler=, ...) as step ``step``; see Checkpointer.save."""
+        check_step(step)
         fut = self.checkpointer.save(self.path_for(step), step=step, on_commit=self._after_commit, **state)
         if fut.done() and fut.exception() is None:
             self._emit_save(fut.result())

@@ -2,7 +2,8 @@
 
 A :class:`~ckpt.errors.CkptError` becomes one stderr line ``ckpt: error: <message>`` and the error's exit code
 (2 bad input, 1 a problem found in a checkpoint); Ctrl-C becomes one line ``ckpt: interrupted`` and exit code 130
-(128 + SIGINT, what a shell reports for it); anything else is a bug and keeps its traceback.  Commands just raise.
+(128 + SIGINT, what a shell reports for it); an ``OSError`` the environment raised (disk full, permission denied)
+one line and exit 2; anything else is a bug and keeps its traceback.  Commands just raise.
 A library warning becomes one stderr line ``ckpt: warning: <message>`` (not Python's two lines naming our source).
 ``main()`` and click's test runner both go through the group, so they behave the same.
 """
@@ -42,6 +43,17 @@ def reported() -> Iterator[None]:
     except CkptError as exc:
         click.echo(error_line(exc), err=True)
         raise click.exceptions.Exit(exc.exit_code) from None
+    except BrokenPipeError:
+        # ``ckpt ls | head``: the reader left; say nothing more (and let nothing flush into the closed pipe)
+        import os
+
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        raise click.exceptions.Exit(141) from None
+    except OSError as exc:
+        # the environment refused (disk full, permission, a path that is a file): not a bug, one line
+        where = f"{exc.filename}: " if exc.filename else ""
+        click.echo(f"{ERROR_PREFIX}{where}{exc.strerror or exc}", err=True)
+        raise click.exceptions.Exit(2) from None
     except KeyboardInterrupt:
         if sys.stderr.isatty():
             click.echo(err=True)  # past the "^C" the terminal echoed

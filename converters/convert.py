@@ -184,6 +184,20 @@ def check_paths(src: str, dst: str) -> None:
         raise CkptError("SRC and DST are the same path; SRC is never written")
     if a in b.parents:
         raise CkptError(f"DST {dst} is inside SRC {src}; SRC is never written, choose a DST outside it")
+    check_writable_dst(dst, b)
+
+
+def check_writable_dst(dst: str, path: Path) -> None:
+    """A local DST must be a folder-to-be: not an existing file, under a writable folder (checked before any work)."""
+    if path.exists() and not path.is_dir():
+        raise CkptError(f"DST {dst} is an existing file; DST is a folder to create, choose another path")
+    parent = path
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        raise CkptError(f"DST {dst}: {parent} is a file, not a folder; choose a DST under a folder")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise CkptError(f"DST {dst}: {parent} is not writable by this user; choose a writable location")
 
 
 def _rebuild(src: str, opts: ConvertOptions, run: RunOptions) -> Export:

@@ -80,3 +80,104 @@ def test_agreeing_sources_give_no_warning_and_a_bare_tag_falls_back_to_its_name(
     (bare / "user_content.pt").unlink()
     (bare / "scheduler.pt").unlink()
     assert tag_step(scan_tag(bare)) == 12
+
+
+# ------------------------------------------------------------------------------------------------ 4: bad input
+
+
+@pytest.fixture(scope="module")
+def hf_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A real HF model folder (the fixture's config.json + model.safetensors)."""
+    import shutil
+
+    d = tmp_path_factory.mktemp("hf") / "model"
+    d.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy(FIX / name, d / name)
+    return d
+
+
+def _broken_hf(hf_folder: Path, tmp_path: Path, how: str) -> Path:
+    import shutil
+
+    d = tmp_path / f"hf_{how}"
+    shutil.copytree(hf_folder, d)
+    if how == "truncated":
+        data = (d / "model.safetensors").read_bytes()
+        (d / "model.safetensors").write_bytes(data[:-100])
+    else:
+        (d / "config.json").write_text("{not json")
+    return d
+
+
+@pytest.mark.parametrize(
+    "how, dry_run, needles",
+    [
+        ("truncated", False, ("model.safetensors", "truncated", "fetch the file again")),
+        ("truncated", True, ("model.safetensors", "truncated")),
+        ("bad_config", False, ("config.json", "not valid JSON")),
+    ],
+)
+def test_a_damaged_hf_folder_is_one_line(
+    hf_folder: Path, tmp_path: Path, how: str, dry_run: bool, needles: tuple[str, ...]
+) -> None:
+    src = _broken_hf(hf_folder, tmp_path, how)
+    before = tree(src)
+    dst = tmp_path / "out"
+    r = ckpt_cli("convert", src, dst, "--to", "cuda", *(["--dry-run"] if dry_run else []))
+    assert_one_error(r, *needles, code=1)  # a damaged SRC: exit 1, as for every found damage
+    assert tree(dst) == {} and tree(src) == before
+
+
+def test_bad_config_and_dst_are_one_line(hf_folder: Path, tmp_path: Path) -> None:
+    import json
+
+    no_heads = json.loads((FIX / "config.json").read_text())
+    del no_heads["num_attention_heads"]
+    (tmp_path / "no_heads.json").write_text(json.dumps(no_heads))
+    (tmp_path / "empty_dir").mkdir()
+    (tmp_path / "a_file").write_text("mine")
+    cases = [
+        (["--to", "cuda", "--config", tmp_path / "empty_dir"], tmp_path / "o1", ("empty_dir", "directory")),
+        (["--to", "neuron", "--tp", "2", "--config", tmp_path / "no_heads.json"], tmp_path / "o2",
+         ("num_attention_heads", "--config")),
+        (["--to", "cuda"], tmp_path / "a_file", ("a_file", "existing file")),
+        (["--to", "cuda"], tmp_path / "a_file" / "sub", ("a_file", "not a folder")),
+    ]  # fmt: skip
+    for args, dst, needles in cases:
+        r = ckpt_cli("convert", hf_folder, dst, *args)
+        assert_one_error(r, *needles)
+    assert sorted(tree(tmp_path)) == ["a_file", "no_heads.json"]
+    assert (tmp_path / "a_file").read_text() == "mine"
+
+
+@pytest.mark.skipif(not hasattr(__import__("os"), "geteuid") or __import__("os").geteuid() == 0,
+                    reason="root may write anywhere")  # fmt: skip
+def test_unwritable_dst_is_one_line(hf_folder: Path, tmp_path: Path) -> None:
+    ro = tmp_path / "ro"
+    ro.mkdir(mode=0o555)
+    assert_one_error(ckpt_cli("convert", hf_folder, ro / "out", "--to", "cuda"), "not writable")
+    assert tree(ro) == {}
+
+
+def test_ls_of_a_scheme_without_its_package_and_demo_kill_at(tmp_path: Path) -> None:
+    import importlib.util
+
+    if importlib.util.find_spec("gcsfs") is None:
+        assert_one_error(ckpt_cli("ls", "gs://bucket/run"), "gcsfs", "pip install")
+    r = ckpt_cli("demo", "--kill-at", "3", "--dir", tmp_path / "demo")
+    assert_one_error(r, "--kill-at 3")
+    assert tree(tmp_path) == {}
+
+
+def test_save_refuses_a_module_as_optimizer_and_a_negative_step(tmp_path: Path) -> None:
+    import torch
+
+    model = torch.nn.Linear(4, 3)
+    mgr = ckpt.CheckpointManager(str(tmp_path / "run"), async_save=False)
+    with pytest.raises(ckpt.StateMismatchError, match="not an optimizer"):
+        mgr.save(1, model=model, optimizer=model)
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ckpt.CkptError, match="non-negative integer"):
+            mgr.save(bad, model=model)  # type: ignore[arg-type]
+    assert tree(tmp_path) == {}
