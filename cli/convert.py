@@ -137,6 +137,7 @@ def convert(
     from ckpt.converters.convert import describe, open_source, plan_conversion
     from ckpt.converters.options import ConvertOptions, RunOptions, load_config
 
+    refuse_idle_flags(fmt, xser=xser)
     layout = {k: v for k, v in flags.items() if not k.startswith("source_") and v is not None}
     source_flags = {
         k[len("source_") :]: v for k, v in flags.items() if k.startswith("source_") and v is not None
@@ -175,6 +176,25 @@ def convert(
         out.print(f"  step: {d['step']}, workers: {workers}")
         return
     _run(run_convert, src, dst, opts, run)
+
+
+#: options that mean something for one output format only: (option name, flag, the format)
+_FORMAT_ONLY = (("codec", "--codec", "ckpt"), ("max_shard_size", "--max-shard-size", "hf"))
+
+
+def refuse_idle_flags(fmt: str, *, xser: bool | None) -> None:
+    """Refuse an option given on the command line that does nothing for ``--format fmt`` (never ignore it)."""
+    ctx = click.get_current_context()
+    given = [
+        (flag, only)
+        for name, flag, only in _FORMAT_ONLY
+        if ctx.get_parameter_source(name) is click.core.ParameterSource.COMMANDLINE and fmt != only
+    ]
+    if xser is not None and fmt != "nxd":
+        given.insert(0, ("--xser/--no-xser", "nxd"))
+    if given:
+        flag, only = given[0]
+        raise CkptError(f"{flag} is for --format {only} and does nothing with --format {fmt}; drop it")
 
 
 _UNITS = {

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -72,11 +73,39 @@ def open_source(src: str, opts: ConvertOptions, run: RunOptions | None = None) -
     return source
 
 
+#: the flags a CUDA checkpoint converted from NxD recorded (``extra.converted_from.nxd``) and a way back reuses;
+#: the sizes (tp, pp, dp) are the caller's choice, and ``virtual_pp`` only means something with the old ``pp``
+_ROUND_TRIP_FLAGS = ("qkv_linear", "fuse_qkv", "kv_size_multiplier", "hw")
+
+
+def recorded_flags(source: Source) -> dict[str, Any]:
+    """The Neuron naming flags a CUDA-layout source recorded when it was converted from NxD (else empty)."""
+    came = source.trees.extra.get("converted_from") if isinstance(source.trees.extra, dict) else None
+    nxd = came.get("nxd") if isinstance(came, dict) and came.get("layout") == "neuron" else None
+    if not isinstance(nxd, dict):
+        return {}
+    return {k: nxd[k] for k in _ROUND_TRIP_FLAGS if k in nxd}
+
+
 def target_flags(source: Source, opts: ConvertOptions) -> NxdFlags:
-    """The Neuron layout asked for: the flags given, the rest from the source's own Neuron layout (or defaults)."""
-    base = source.flags if source.layout == "neuron" and source.flags is not None else NxdFlags()
+    """The Neuron layout asked for: the flags given, the rest from the source's own Neuron layout, else from the
+    layout a CUDA source was converted from (so a round trip keeps ``qkv_proj.weight_q|k|v`` names), else defaults.
+    """
+    if source.layout == "neuron" and source.flags is not None:
+        base = dataclasses.asdict(source.flags)
+    else:
+        base = dataclasses.asdict(NxdFlags())
+        recorded = {k: v for k, v in recorded_flags(source).items() if k not in opts.layout and base[k] != v}
+        if recorded:
+            base.update(recorded)
+            shown = ", ".join(f"{k}={v}" for k, v in recorded.items())
+            warnings.warn(
+                f"{source.path}: keeping the Neuron layout it was converted from ({shown}, "
+                "extra.converted_from.nxd); pass the flags (e.g. --no-qkv-linear) to choose another",
+                stacklevel=2,
+            )
     try:
-        return NxdFlags(**{**dataclasses.asdict(base), **opts.layout})
+        return NxdFlags(**{**base, **opts.layout})
     except TypeError as e:
         raise LayoutError(f"layout flags: {e}") from None
 

@@ -181,3 +181,41 @@ def test_save_refuses_a_module_as_optimizer_and_a_negative_step(tmp_path: Path) 
         with pytest.raises(ckpt.CkptError, match="non-negative integer"):
             mgr.save(bad, model=model)  # type: ignore[arg-type]
     assert tree(tmp_path) == {}
+
+
+# ------------------------------------------------------------------------------------------------ 6: round trips
+
+
+def test_a_round_trip_keeps_the_recorded_neuron_layout(tmp_path: Path) -> None:
+    """NxD (qkv_proj.weight_q/k/v) -> CUDA -> NxD writes qkv_proj.weight_q/k/v again, saying so in one warning;
+    an explicit --no-qkv-linear still chooses q_proj/k_proj/v_proj."""
+    import torch
+
+    cuda, back, plain = tmp_path / "cuda", tmp_path / "back", tmp_path / "plain"
+    assert ckpt_cli("convert", TAG, cuda, "--to", "cuda", "--config", CONFIG).returncode == 0
+    r = ckpt_cli("convert", cuda, back, "--to", "neuron", "--format", "nxd", "--tp", "2")
+    assert r.returncode == 0, r.stderr
+    (warning,) = r.stderr.splitlines()
+    assert warning.startswith("ckpt: warning: ") and "qkv_linear=True" in warning
+    names = list(torch.load(back / "model" / "dp_rank_00_tp_rank_00_pp_rank_00.pt", weights_only=True))
+    assert "model.layers.0.self_attn.qkv_proj.weight_q" in names
+    r = ckpt_cli("convert", cuda, plain, "--to", "neuron", "--format", "nxd", "--tp", "2", "--no-qkv-linear")
+    assert r.returncode == 0 and r.stderr == "", r.stderr
+    names = list(torch.load(plain / "model" / "dp_rank_00_tp_rank_00_pp_rank_00.pt", weights_only=True))
+    assert "model.layers.0.self_attn.q_proj.weight" in names
+
+
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (["--to", "cuda", "--xser"], "--xser/--no-xser is for --format nxd"),
+        (["--to", "cuda", "--format", "hf", "--codec", "zstd"], "--codec is for --format ckpt"),
+        (["--to", "cuda", "--max-shard-size", "1MB"], "--max-shard-size is for --format hf"),
+        (["--to", "cuda", "--tp", "4"], "does nothing with --to cuda"),
+    ],
+)
+def test_flags_that_would_do_nothing_are_refused(
+    hf_folder: Path, tmp_path: Path, args: list, needle: str
+) -> None:
+    assert_one_error(ckpt_cli("convert", hf_folder, tmp_path / "out", *args, "--config", CONFIG), needle)
+    assert tree(tmp_path) == {}
