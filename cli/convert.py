@@ -171,6 +171,8 @@ def convert(
             f"  tensors: {d['tensors']} ({', '.join(f'{k} {v}' for k, v in sorted(d['by_role'].items()))})"
         )
         out.print(f"  bytes: {human_bytes(d['bytes'])} ({d['bytes']})")
+        if d["not_written"]:
+            out.print(f"  not written: {', '.join(d['not_written'])}", markup=False)
         out.print(f"  largest tensor: {human_bytes(d['largest_tensor'])}")
         out.print(f"  peak memory estimate: {human_bytes(d['peak_memory_estimate'])} per worker")
         out.print(f"  step: {d['step']}, workers: {workers}")
@@ -242,8 +244,8 @@ def _run(run_convert, src: str, dst: str, opts, run) -> None:  # noqa: ANN001 - 
     ) as bar:
         task = bar.add_task("convert", total=None)
 
-        def on_plan(conv) -> None:  # noqa: ANN001
-            bar.update(task, total=conv.nbytes)
+        def on_plan(nbytes: int) -> None:
+            bar.update(task, total=nbytes)
 
         result = run_convert(src, dst, opts, run, progress=lambda n: bar.advance(task, n), on_plan=on_plan)
     out.print(

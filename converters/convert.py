@@ -70,7 +70,21 @@ def open_source(src: str, opts: ConvertOptions, run: RunOptions | None = None) -
     if opts.step is not None:
         source.trees.step = opts.step
         source.trees.progress["step"] = opts.step
+    elif fmt.name in _NO_STEP_FORMATS:
+        result = (
+            "the NxD tag will record none (its step is then read from its name)"
+            if opts.format == "nxd"
+            else f"the output records step {source.trees.step}"
+        )
+        warnings.warn(
+            f"{src}: a {_NO_STEP_FORMATS[fmt.name]} records no training step; {result} (pass --step N to set it)",
+            stacklevel=2,
+        )
     return source
+
+
+#: source formats whose folders carry no step (the output's step is ``--step`` or 0)
+_NO_STEP_FORMATS = {"hf": "Hugging Face folder", "dcp": "DCP folder"}
 
 
 #: the flags a CUDA checkpoint converted from NxD recorded (``extra.converted_from.nxd``) and a way back reuses;
@@ -155,16 +169,19 @@ def make_export(conv: Conversion, opts: ConvertOptions, run: RunOptions) -> Expo
 def describe(conv: Conversion, opts: ConvertOptions, run: RunOptions | None = None) -> dict[str, Any]:
     """The dry-run report: what would be written and the estimated peak memory of one worker."""
     run = run or RunOptions()
+    export = make_export(conv, opts, run)  # plans only; nothing is written before begin()
+    written = written_tensors(conv, export)
     roles: dict[str, int] = {}
-    for t in conv.tensors:
+    for t in written:
         roles[t.desc.role] = roles.get(t.desc.role, 0) + 1
     return {
         "source": {"path": conv.source.path, "format": conv.source.format, "layout": conv.source.layout},
         "target": {"layout": conv.to, "format": opts.format, "spec": _flags_text(conv.flags)},
-        "tensors": len(conv.tensors),
+        "tensors": len(written),
         "by_role": roles,
-        "bytes": conv.nbytes,
-        "largest_tensor": max((t.desc.nbytes for t in conv.tensors), default=0),
+        "bytes": sum(t.desc.nbytes for t in written),
+        "not_written": list(getattr(export, "not_written", ())),
+        "largest_tensor": max((t.desc.nbytes for t in written), default=0),
         "peak_memory_estimate": conv.peak_bytes_estimate(2 * run.flush_bytes if opts.format == "ckpt" else 0),
         "step": conv.trees.step,
         "workers": run.workers,
@@ -179,10 +196,21 @@ def _flags_text(flags: NxdFlags | None) -> str | None:
 
 @dataclass(frozen=True)
 class ConvertResult:
+    """What was written: ``tensors`` / ``bytes`` count what DST holds (a format may hold less than the plan,
+    e.g. an HF folder holds no optimizer state); ``not_written`` lists what was left out, ``why`` says why."""
+
     dst: str
     tensors: int
     bytes: int
     format: str
+    not_written: tuple[str, ...] = ()
+    why: str | None = None
+
+
+def written_tensors(conv: Conversion, export: Export) -> list[Any]:
+    """The planned tensors ``export`` writes (all of them unless the format keeps a subset: ``export.kept``)."""
+    kept = getattr(export, "kept", None)
+    return list(conv.tensors) if kept is None else [t for t in conv.tensors if t.desc.name in set(kept)]
 
 
 def _dist_env() -> tuple[int, int]:
@@ -244,9 +272,14 @@ def convert(
     run: RunOptions | None = None,
     *,
     progress: Callable[[int], None] | None = None,
-    on_plan: Callable[[Conversion], None] | None = None,
+    on_plan: Callable[[int], None] | None = None,
 ) -> ConvertResult:
-    """Convert ``src`` into ``dst`` as ``opts`` says.  Checks first, writes second, commits last."""
+    """Convert ``src`` into ``dst`` as ``opts`` says.  Checks first, writes second, commits last.
+
+    ``on_plan(nbytes)`` is called once planned, with the bytes of tensor data that will be written (a progress
+    bar's total).  What the target format cannot hold is named in a warning and in the result, never dropped
+    silently.
+    """
     run = run or RunOptions()
     check_paths(src, dst)
     rank, world = _dist_env()
@@ -254,8 +287,19 @@ def convert(
     try:
         conv = plan_conversion(source, opts)
         export = make_export(conv, opts, run)
+        written = written_tensors(conv, export)
+        left = tuple(getattr(export, "not_written", ()))
+        why = getattr(formats.get(opts.format).load(), "NOT_WRITTEN_WHY", None)
+        if left and rank == 0:
+            warnings.warn(f"not written to {dst}: {', '.join(left)} ({why})", stacklevel=2)
+        if opts.format == "nxd" and opts.step is not None and conv.trees.user is None and rank == 0:
+            warnings.warn(
+                f"--step {opts.step}: an NxD tag keeps its step only in user_content.pt, which SRC has no content "
+                f"for; name DST step_{opts.step} so that the step is read from its name",
+                stacklevel=2,
+            )
         if on_plan is not None:
-            on_plan(conv)
+            on_plan(sum(t.desc.nbytes for t in written))
         if world > 1:
             run_torchrun(export, dst, rank, world, progress)
         elif run.workers > 1:
@@ -264,7 +308,9 @@ def convert(
             run_serial(export, dst, progress)
     finally:
         source.close()
-    return ConvertResult(dst, len(conv.tensors), conv.nbytes, opts.format)
+    return ConvertResult(
+        dst, len(written), sum(t.desc.nbytes for t in written), opts.format, left, why if left else None
+    )
 
 
 __all__ = [

@@ -202,6 +202,31 @@ def check_export(conv: Conversion) -> None:
         raise LayoutError("Hugging Face export needs the model config; pass --config config.json")
 
 
+#: why an HF folder leaves state out (said with the list of what was left out)
+NOT_WRITTEN_WHY = "a Hugging Face folder holds model weights and config.json only"
+
+
+def not_written(conv: Conversion, kept: Mapping[str, Any]) -> list[str]:
+    """What of ``conv`` an HF folder does not hold, as phrases (empty when nothing is left out)."""
+    left: dict[str, int] = {}
+    for t in conv.tensors:
+        if t.desc.name not in kept:
+            left[t.desc.role] = left.get(t.desc.role, 0) + 1
+    out = [f"{n} {role.replace('_', '-')} tensor{'s' if n != 1 else ''}" for role, n in sorted(left.items())]
+    trees = conv.trees
+    for what, value in (
+        ("optimizer param groups", trees.optimizer if not left else None),
+        ("scheduler state", trees.scheduler),
+        ("GradScaler state", trees.scaler),
+        ("RNG state", trees.rng),
+        ("data-loader state", trees.data),
+        ("user metadata", trees.user),
+    ):
+        if value:
+            out.append(what)
+    return out
+
+
 def shard_file_name(k: int, n: int) -> str:
     """HF's name for shard ``k`` (0-based) of ``n``."""
     return f"model-{k + 1:05d}-of-{n:05d}.safetensors"
@@ -223,6 +248,9 @@ class HFExport:
         self.storage_options = storage_options
         self.verify = verify
         self.outs = {t.desc.name: t for t in conv.tensors if t.desc.role in MODEL_ROLES}
+        #: the planned tensors this format writes, and what it leaves out (said in the summary, never silently)
+        self.kept = tuple(self.outs)
+        self.not_written = not_written(conv, self.outs)
         self.shards = shard_plan([t.desc for t in self.outs.values()], max_shard_bytes)
         self.names = [shard_file_name(k, len(self.shards)) for k in range(len(self.shards))]
         self.weights = [sum(d.nbytes for d in shard) for shard in self.shards]

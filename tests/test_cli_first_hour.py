@@ -219,3 +219,36 @@ def test_flags_that_would_do_nothing_are_refused(
 ) -> None:
     assert_one_error(ckpt_cli("convert", hf_folder, tmp_path / "out", *args, "--config", CONFIG), needle)
     assert tree(tmp_path) == {}
+
+
+# ------------------------------------------------------------------------------------------------ 7: summaries
+
+
+def test_nxd_to_hf_says_what_it_wrote_and_what_it_left_out(tmp_path: Path) -> None:
+    import json
+
+    dst = tmp_path / "hf"
+    r = ckpt_cli("convert", TAG, dst, "--to", "cuda", "--format", "hf", "--config", CONFIG)
+    assert r.returncode == 0, r.stderr
+    index = json.loads((dst / "model.safetensors.index.json").read_text())
+    held = len(index["weight_map"])
+    assert f"converted {held} tensors" in r.stdout
+    (warning,) = r.stderr.splitlines()
+    assert warning.startswith("ckpt: warning: not written to")
+    assert "78 optimizer-state tensors" in warning and "scheduler state" in warning
+    assert "Hugging Face folder holds model weights" in warning
+    plan = ckpt_cli("convert", TAG, tmp_path / "x", "--to", "cuda", "--format", "hf", "--config", CONFIG,
+                    "--dry-run")  # fmt: skip
+    assert f"tensors: {held} (parameter {held})" in plan.stdout
+    assert "not written: 78 optimizer-state tensors" in plan.stdout
+    assert not (tmp_path / "x").exists()
+
+
+def test_a_source_without_a_step_says_so(hf_folder: Path, tmp_path: Path) -> None:
+    r = ckpt_cli("convert", hf_folder, tmp_path / "nxd", "--to", "neuron", "--format", "nxd", "--tp", "2")
+    assert r.returncode == 0, r.stderr
+    (warning,) = r.stderr.splitlines()
+    assert "records no training step" in warning and "--step" in warning
+    r = ckpt_cli("convert", hf_folder, tmp_path / "ck", "--to", "cuda", "--step", "7")
+    assert r.returncode == 0 and r.stderr == "", r.stderr
+    assert ckpt.open_checkpoint(str(tmp_path / "ck")).manifest.step == 7
