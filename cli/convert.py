@@ -116,6 +116,7 @@ def layout_options(fn: Callable[..., Any]) -> Callable[..., Any]:
 @click.option(
     "--dry-run", is_flag=True, help="Print the plan (tensors, bytes, peak memory) and write nothing."
 )
+@click.option("--json", "as_json", is_flag=True, help="Print the result (or the --dry-run plan) as JSON.")
 def convert(
     src: str,
     dst: str,
@@ -130,6 +131,7 @@ def convert(
     workers: int,
     max_shard_size: str,
     dry_run: bool,
+    as_json: bool,
     **flags: Any,
 ) -> None:
     """Convert checkpoint SRC into DST (SRC is never written; DST is committed atomically)."""
@@ -161,6 +163,11 @@ def convert(
             d = describe(plan_conversion(source, opts), opts, run)
         finally:
             source.close()
+        if as_json:
+            import json
+
+            click.echo(json.dumps({"dry_run": True, "dst": dst, **d}, indent=2))
+            return
         out.print(
             f"plan: {d['source']['format']} ({d['source']['layout']}) {src} -> {fmt} ({to}) {dst}",
             markup=False,
@@ -177,7 +184,7 @@ def convert(
         out.print(f"  peak memory estimate: {human_bytes(d['peak_memory_estimate'])} per worker")
         out.print(f"  step: {d['step']}, workers: {workers}")
         return
-    _run(run_convert, src, dst, opts, run)
+    _run(run_convert, src, dst, opts, run, as_json)
 
 
 #: options that mean something for one output format only: (option name, flag, the format)
@@ -222,7 +229,7 @@ def parse_size(text: str, flag: str) -> int:
     return int(float(m.group(1)) * _UNITS[unit])
 
 
-def _run(run_convert, src: str, dst: str, opts, run) -> None:  # noqa: ANN001 - internal
+def _run(run_convert, src: str, dst: str, opts, run, as_json: bool) -> None:  # noqa: ANN001 - internal
     from rich.progress import (
         BarColumn,
         DownloadColumn,
@@ -248,6 +255,12 @@ def _run(run_convert, src: str, dst: str, opts, run) -> None:  # noqa: ANN001 - 
             bar.update(task, total=nbytes)
 
         result = run_convert(src, dst, opts, run, progress=lambda n: bar.advance(task, n), on_plan=on_plan)
+    if as_json:
+        import dataclasses
+        import json
+
+        click.echo(json.dumps(dataclasses.asdict(result), indent=2))
+        return
     out.print(
         f"converted {result.tensors} tensors ({human_bytes(result.bytes)}) -> {result.dst} [{result.format}]",
         markup=False,  # "[hf]" is text, not a style

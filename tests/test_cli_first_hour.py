@@ -252,3 +252,130 @@ def test_a_source_without_a_step_says_so(hf_folder: Path, tmp_path: Path) -> Non
     r = ckpt_cli("convert", hf_folder, tmp_path / "ck", "--to", "cuda", "--step", "7")
     assert r.returncode == 0 and r.stderr == "", r.stderr
     assert ckpt.open_checkpoint(str(tmp_path / "ck")).manifest.step == 7
+
+
+# ------------------------------------------------------------------------------------------------ 8: output
+
+BOX = set("┃│━─┏┓┗┛┡┩└┘╇┼")
+
+
+@pytest.fixture(scope="module")
+def ckpt_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A run directory: ``checkpoints/step_00000010`` and ``step_00000020`` (model + Adam state)."""
+    import torch
+
+    run = tmp_path_factory.mktemp("run")
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.Linear(4, 2))
+    opt = torch.optim.Adam(m.parameters())
+    m(torch.randn(2, 8)).sum().backward()
+    opt.step()
+    mgr = ckpt.CheckpointManager(str(run / "checkpoints"), async_save=False)
+    for step in (10, 20):
+        mgr.save(step, model=m, optimizer=opt)
+    return run
+
+
+@pytest.fixture(scope="module")
+def sim_runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    from tests.test_resume_sim import simulate
+
+    return (
+        simulate(tmp_path_factory.mktemp("sim") / "a", "correct"),
+        simulate(tmp_path_factory.mktemp("sim") / "b", "correct"),
+    )
+
+
+def _plain_output(text: str) -> None:
+    assert text.strip(), "no output"
+    assert not BOX & set(text), text[:2000]
+    trailing = [ln for ln in text.splitlines() if ln != ln.rstrip()]
+    assert not trailing, trailing[:3]
+
+
+def test_piped_output_is_plain_text_with_whole_names(ckpt_root: Path, sim_runs: tuple[Path, Path]) -> None:
+    cks = ckpt_root / "checkpoints"
+    a, b = sim_runs
+    for args, whole in [
+        (("ls", cks), "committed"),
+        (("inspect", cks / "step_00000020"), "optim/1.bias/exp_avg_sq"),
+        (("verify-resume", a), "CONTINUOUS at 1 boundary\n"),
+        (("report", a), ": 2 sessions"),
+        (("compare", a, b), "what"),
+    ]:
+        r = ckpt_cli(*args)
+        assert r.returncode == 0, (args, r.stderr[-2000:])
+        _plain_output(r.stdout)
+        assert whole in r.stdout, (args, r.stdout[:2000])
+    assert "boundaries" not in ckpt_cli("verify-resume", a).stdout
+
+
+def test_terminal_tables_fit_and_wrap_names_at_dots() -> None:
+    import io
+
+    from ckpt.cli.table import Col, plain_lines, print_table
+    from rich.console import Console
+
+    names = [f"model.layers.{i}.self_attn.qkv_proj.weight_q" for i in range(3)]
+    rows = [[n, "optimizer_state (exp_avg_sq)", "[4096, 4096]", "BF16", "32.0 MiB"] for n in names]
+    cols = [
+        Col("tensor", name=True),
+        Col("role", fold=True),
+        Col("shape"),
+        Col("dtype"),
+        Col("size", "right"),
+    ]
+    buf = io.StringIO()
+    print_table(Console(file=buf, force_terminal=True, width=80, color_system=None), cols, rows)
+    lines = buf.getvalue().splitlines()
+    assert max(len(ln) for ln in lines) <= 80, lines
+    first_col = ["".join(ln.split("│")[1].split()) for ln in lines if ln.startswith("│")]
+    assert "".join(first_col) == "".join(names)  # every name whole, in order, only split ...
+    for piece in first_col:
+        assert piece.endswith(".") or any(n.endswith(piece) for n in names), piece  # ... after a dot
+    piped = plain_lines(cols, rows)
+    assert piped[0].split() == ["tensor", "role", "shape", "dtype", "size"] and names[0] in piped[1]
+
+
+def test_json_everywhere_and_ls_damage(ckpt_root: Path, tmp_path: Path) -> None:
+    import json
+    import shutil
+
+    cks = ckpt_root / "checkpoints"
+    listed = json.loads(ckpt_cli("ls", cks, "--json").stdout)
+    assert listed[0]["layout"]["world_size"] == 1 and listed[0]["status"] == "committed"
+    v = ckpt_cli("verify", cks / "step_00000010", "--json")
+    assert v.returncode == 0 and json.loads(v.stdout)["ok"] is True
+    c = ckpt_cli("convert", cks / "step_00000010", tmp_path / "out", "--to", "cuda", "--json")
+    assert c.returncode == 0 and json.loads(c.stdout)["tensors"] == 12, c.stdout  # 4 params + 8 Adam moments
+    # a deleted data file: "damaged" without --check-files, exit 1
+    copy = tmp_path / "root"
+    shutil.copytree(cks, copy)
+    step = copy / "step_00000020"
+    next(step.glob("*.safetensors")).unlink()
+    r = ckpt_cli("ls", copy)
+    assert r.returncode == 1 and "damaged" in r.stdout and "missing" in r.stdout, r.stdout
+    rows = json.loads(ckpt_cli("ls", copy, "--json").stdout)
+    assert [x["status"] for x in rows] == ["committed", "damaged"]
+
+
+# ------------------------------------------------------------------------------------------------ 9: levels
+
+
+def test_pointing_at_the_wrong_level_says_what_to_run(
+    ckpt_root: Path, hf_folder: Path, tmp_path: Path
+) -> None:
+    cks = ckpt_root / "checkpoints"
+    assert_one_error(ckpt_cli("ls", cks / "step_00000010"), "is a checkpoint", "ckpt inspect")
+    assert_one_error(ckpt_cli("ls", ckpt_root), "checkpoints/", f"ckpt ls {ckpt_root}/checkpoints")
+    assert_one_error(ckpt_cli("inspect", cks), "holds 2 checkpoints", f"ckpt inspect {cks}/step_00000020")
+    assert_one_error(ckpt_cli("verify", ckpt_root), "run directory", "ckpt ls")
+    r = ckpt_cli("inspect", cks / "step_00000010" / "manifest.json")
+    assert r.returncode == 0 and "step 10" in r.stdout, r.stderr
+    for cmd in ("inspect", "verify"):
+        r = ckpt_cli(cmd, hf_folder)
+        assert r.returncode == 0 and "Hugging Face" in r.stdout, r.stderr
+    assert_one_error(ckpt_cli("convert", TAG.parent, tmp_path / "o", "--to", "cuda"), "NxD tag", str(TAG))
+    assert_one_error(ckpt_cli("convert", cks, tmp_path / "o", "--to", "cuda"), "step_00000020")
+    assert_one_error(ckpt_cli("convert", hf_folder, hf_folder / "out", "--to", "cuda"), "inside SRC")
+    assert tree(tmp_path) == {} and "out" not in tree(hf_folder)
