@@ -379,3 +379,29 @@ def test_pointing_at_the_wrong_level_says_what_to_run(
     assert_one_error(ckpt_cli("convert", cks, tmp_path / "o", "--to", "cuda"), "step_00000020")
     assert_one_error(ckpt_cli("convert", hf_folder, hf_folder / "out", "--to", "cuda"), "inside SRC")
     assert tree(tmp_path) == {} and "out" not in tree(hf_folder)
+
+
+# ------------------------------------------------------------------------------------------------ 10: small
+
+
+def test_s3_without_credentials_says_what_to_set(tmp_path: Path) -> None:
+    pytest.importorskip("s3fs")
+    import os
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
+    env.update(AWS_EC2_METADATA_DISABLED="true", AWS_CONFIG_FILE=str(tmp_path / "none"),
+               AWS_SHARED_CREDENTIALS_FILE=str(tmp_path / "none"), PJRT_DEVICE="CPU")  # fmt: skip
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "ckpt", "ls", "s3://some-bucket/run"], capture_output=True,
+                       text=True, env=env, timeout=120)  # fmt: skip
+    assert_one_error(r, "NoCredentialsError", "AWS_ACCESS_KEY_ID", "storage_options")
+
+
+def test_convert_help_has_examples_and_the_docs_speak_to_users() -> None:
+    r = ckpt_cli("convert", "--help")
+    assert r.returncode == 0 and "Examples:" in r.stdout and "ckpt convert run/step_1000" in r.stdout
+    from tests.cli_helpers import ROOT
+
+    assert "The lead" not in (ROOT / "docs" / "convert.md").read_text()
