@@ -35,14 +35,14 @@ def ls(root: str, check_files: bool, as_json: bool) -> None:
     from ckpt.storage import open_storage
 
     from .table import Col, print_table
-    from .where import explain_empty_root
+    from .where import explain_empty_root, might_be_nxd
 
     storage = open_storage(root)
     if not storage.is_dir():
         raise CkptError(f"{root}: no such directory")
     infos = list_checkpoints(storage, check_files=check_files)
     # only a root without a single manifest can be NxD's (whose reader needs torch: imported just for that case)
-    if all(i.status == "uncommitted" for i in infos):
+    if all(i.status == "uncommitted" for i in infos) and might_be_nxd(storage):
         from ckpt.converters.nxd import summary as nxd_summary
 
         if nxd_summary.is_nxd_dir(root):

@@ -16,10 +16,24 @@ STEP_DIR = re.compile(r"^step_\d+$")
 
 
 def _steps(storage: Any) -> list[str]:
+    """Our checkpoints directly under ``storage``: ``step_<N>`` folders holding a manifest."""
     try:
-        return sorted(n for n in storage.listdir() if STEP_DIR.match(n))
-    except (OSError, Exception):  # noqa: BLE001 - a listing that fails says nothing about the level
+        return sorted(
+            n for n in storage.listdir() if STEP_DIR.match(n) and storage.exists(f"{n}/{MANIFEST_NAME}")
+        )
+    except Exception:  # noqa: BLE001 - a listing that fails says nothing about the level
         return []
+
+
+def might_be_nxd(storage: Any) -> bool:
+    """Cheap (listings only, no torch): could this local folder be an NxD tag or a folder of tags?"""
+    if not storage.local:
+        return False
+    try:
+        names = storage.listdir()
+        return "model" in names or any(storage.is_dir(f"{n}/model") for n in names)
+    except Exception:  # noqa: BLE001
+        return False
 
 
 def _kind(storage: Any) -> str | None:
@@ -101,7 +115,10 @@ def resolve_checkpoint(path: str, command: str) -> tuple[str, str]:
     kind = _kind(storage)
     if kind is not None:
         return path, kind
-    if storage.local:
+    why = explain_not_a_checkpoint(path, storage, command)
+    if why is not None:
+        raise CkptError(why)
+    if might_be_nxd(storage):
         from ckpt.converters.nxd import summary as nxd_summary  # torch: only for a folder that is not ours
 
         if nxd_summary.is_nxd_dir(path):
@@ -114,7 +131,4 @@ def resolve_checkpoint(path: str, command: str) -> tuple[str, str]:
                     f"{path} holds {len(names)} NxD tag{'s' if len(names) != 1 else ''} ({', '.join(names[:4])}), not one; run: ckpt {command} "
                     f"{path}/{names[-1]} (or ckpt ls {path})"
                 )
-    why = explain_not_a_checkpoint(path, storage, command)
-    if why is not None:
-        raise CkptError(why)
     return path, "checkpoint"
