@@ -325,3 +325,27 @@ def test_retention_never_deletes_a_checkpoint_it_cannot_read(root: Root) -> None
     mgr.save(2, model=state(2)).result()
     assert root.steps_on_storage() == [step_dir(1), step_dir(2)]
     assert st.exists(MANIFEST_NAME)
+
+
+# ------------------------------------------------------------------------------------------------ two gloo ranks
+
+
+def _mismatch_on_rank_1(rank: int, world: int, root: str) -> str:
+    """Both ranks save step 1; on restore only rank 1's model has another shape. Returns what each rank saw."""
+    torch.manual_seed(0)
+    mgr = ckpt.CheckpointManager(root, async_save=False)
+    mgr.save(1, model={"w": torch.ones(4, 3)})
+    live = {"w": torch.zeros(4, 3) if rank == 0 else torch.zeros(5, 3)}
+    try:
+        mgr.restore_latest(model=live)
+    except ckpt.StateMismatchError as e:
+        return f"mismatch: {e}"
+    return "restored"
+
+
+def test_a_mismatch_on_one_rank_raises_on_every_rank(tmp_path: Path) -> None:
+    """One rank's objects do not fit: every rank raises together (none falls back, none waits for the others)."""
+    from conftest import run_ranks
+
+    seen = run_ranks(_mismatch_on_rank_1, 2, str(tmp_path / "run"))
+    assert all(s.startswith("mismatch:") and "'w'" in s and "step 1" in s for s in seen), seen
