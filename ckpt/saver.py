@@ -82,6 +82,18 @@ def detect_backend(tensors: list[torch.Tensor]) -> str:
     return "cpu"
 
 
+def check_step(step: Any) -> int:
+    """A step is a non-negative integer (it names the folder ``step_%08d`` and orders checkpoints)."""
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        try:
+            ok = not isinstance(step, bool) and step.__index__() >= 0
+        except (AttributeError, TypeError):
+            ok = False
+        if not ok:
+            raise CkptError(f"step={step!r}: expected a non-negative integer")
+    return int(step)
+
+
 class Checkpointer:
     """Saves checkpoints from a training loop. Construct on every rank (it creates the checkpoint process group).
 
@@ -139,6 +151,7 @@ class Checkpointer:
         ``on_commit`` runs on rank 0 after the manifest is written (retention uses it); its errors only warn.
         ``extra`` becomes the manifest's ``extra`` (JSON; backend/converter facts such as ``extra.nxd``).
         """
+        check_step(step)
         self.wait()
         started = time.perf_counter()
         storage = open_storage(path, self.storage_options)

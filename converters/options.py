@@ -88,10 +88,16 @@ def load_config(path: str | None) -> dict[str, Any] | None:
     p = Path(path)
     if p.is_dir():
         p = p / "config.json"
+        if not p.is_file():
+            raise CkptError(
+                f"--config {path}: a directory without config.json; pass the model's config.json (or its folder)"
+            )
     try:
         value = json.loads(p.read_text())
     except FileNotFoundError:
         raise CkptError(f"--config {path}: no such file") from None
+    except OSError as e:
+        raise CkptError(f"--config {path}: cannot read ({e.strerror})") from None
     except (ValueError, UnicodeDecodeError) as e:
         raise CkptError(f"--config {path}: not valid JSON ({e})") from None
     if not isinstance(value, dict):
