@@ -1,14 +1,16 @@
 """Resuming on another number of ranks: the data position continues exactly, RNG streams follow the rule.
 
-Real gloo ranks: one spawned job saves on 4 ranks (and one on 2) with every supported loader at once
-(StatefulDataLoader over a DistributedSampler, a plain DataLoader through ``ckpt.data.track``, and a Hugging Face
-``datasets.Dataset`` under a StatefulDataLoader), then keeps iterating to record the uninterrupted run; restores on
-2, 1 and 4 ranks (and through ``ckpt convert --to neuron --dp 2`` and back) must give the same global batches
-(as multisets across ranks) when the global batch is unchanged, and the exact next samples when it changes.
+Real gloo ranks, three spawned jobs in all: 2 ranks save; 4 ranks save and restore the 2-rank checkpoint; 2 ranks
+restore the 4-rank checkpoints (directly, with another global batch, and through ``ckpt convert --to neuron --dp 2``
+and back).  4 -> 1 runs in the test process.  Every supported loader is saved at once: a StatefulDataLoader over a
+DistributedSampler, a plain DataLoader through ``ckpt.data.track``, and a Hugging Face ``datasets.Dataset`` under a
+StatefulDataLoader; loaders ckpt cannot re-split (a RandomSampler, an HF IterableDataset split with
+``split_dataset_by_node``) are refused, and a user adapter registered with ``ckpt.data.register`` re-splits its own.
 """
 
 from __future__ import annotations
 
+import json
 import random
 from collections import Counter
 from pathlib import Path
@@ -17,14 +19,20 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from ckpt.cli.main import cli
+from click.testing import CliRunner
 from conftest import run_ranks
 
 import ckpt
-from ckpt.data import track
+import ckpt.data
+from ckpt.data import DataPosition, RankPosition, track
+from ckpt.errors import StateMismatchError
 
 pytestmark = pytest.mark.timeout(300)
 
-N = 70  # not a multiple of 4: DistributedSampler pads the epoch's list
+ROOT = Path(__file__).resolve().parent.parent
+CONFIG = ROOT / "fixtures" / "nxd" / "llama_gqa_h64" / "config.json"
+N = 70  # not a multiple of 4: DistributedSampler pads the epoch's list to 72
 GLOBAL_BATCH = 8
 SAVE_AT = 3  # global steps consumed before the save
 AFTER = 4  # global steps compared after it
@@ -32,20 +40,75 @@ KINDS = ("stateful", "plain", "hf")
 SEED = 11
 
 
+# ------------------------------------------------------------------------------------------------ loaders
+
+
+def _dataset(kind: str) -> Any:
+    if kind == "hf":
+        import datasets
+
+        return datasets.Dataset.from_dict({"idx": list(range(N))}).with_format("torch")
+    return list(range(N))
+
+
 def _loader(kind: str, rank: int, world: int, per_rank: int) -> Any:
     from torch.utils.data import DataLoader, DistributedSampler
     from torchdata.stateful_dataloader import StatefulDataLoader
 
-    if kind == "hf":
+    if kind == "random":  # a per-rank RandomSampler: no global order ckpt could re-split
+        g = torch.Generator().manual_seed(rank)
+        return StatefulDataLoader(list(range(N)), batch_size=per_rank, shuffle=True, generator=g)
+    if kind == "hf_iterable":
         import datasets
+        from datasets.distributed import split_dataset_by_node
 
-        ds: Any = datasets.Dataset.from_dict({"idx": list(range(N))}).with_format("torch")
-    else:
-        ds = list(range(N))
+        full = datasets.Dataset.from_dict({"idx": list(range(N))}).to_iterable_dataset(num_shards=4)
+        return StatefulDataLoader(split_dataset_by_node(full, rank, world), batch_size=per_rank)
+    if kind == "custom":
+        return Strided(rank, world, per_rank)
+    ds = _dataset(kind)
     sampler = DistributedSampler(ds, num_replicas=world, rank=rank, shuffle=True, seed=SEED)
     if kind == "plain":
         return track(DataLoader(ds, batch_size=per_rank, sampler=sampler))
     return StatefulDataLoader(ds, batch_size=per_rank, sampler=sampler)
+
+
+class Strided:
+    """A user's loader: rank r of W reads r, r+W, r+2W, ... from ``start``, ``batch`` samples per step."""
+
+    def __init__(self, rank: int, world: int, batch: int) -> None:
+        self.rank, self.world, self.batch, self.start, self.taken = rank, world, batch, 0, 0
+
+    def __iter__(self) -> Any:
+        while True:
+            ids = [self.start + self.rank + (self.taken + j) * self.world for j in range(self.batch)]
+            if ids[-1] >= N:
+                return
+            self.taken += self.batch
+            yield ids
+
+    def state_dict(self) -> dict[str, int]:
+        return {"start": self.start, "taken": self.taken}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.start, self.taken = state["start"], state["taken"]
+
+
+class StridedAdapter:
+    """The documented hook: position (per rank, at a save) and reposition (at a restore on any DP size)."""
+
+    name = "strided"
+
+    def matches(self, loader: Any) -> bool:
+        return isinstance(loader, Strided)
+
+    def position(self, loader: Strided) -> RankPosition:
+        return RankPosition(
+            self.name, 0, loader.start, loader.taken, loader.batch, {"kind": "strided", "n": N}
+        )
+
+    def reposition(self, loader: Strided, position: DataPosition, rank: int, world: int, where: str) -> None:
+        loader.start, loader.taken = position.samples, 0
 
 
 def _ids(batch: Any) -> list[int]:
@@ -54,50 +117,108 @@ def _ids(batch: Any) -> list[int]:
     return [int(x) for x in batch]
 
 
-def _model() -> dict[str, torch.Tensor]:
+def _tiny() -> dict[str, torch.Tensor]:
     return {"w": torch.arange(6, dtype=torch.float32).reshape(2, 3)}
 
 
-def save_job(rank: int, world: int, root: str) -> dict[str, Any]:
+def llama_state(zeros: bool = False) -> dict[str, torch.Tensor]:
+    """A Llama state dict (HF names) of the fixture config, so that ``ckpt convert`` can re-lay it out."""
+    cfg = json.loads(CONFIG.read_text())
+    h, v, i, hd = cfg["hidden_size"], cfg["vocab_size"], cfg["intermediate_size"], cfg["head_dim"]
+    q, kv = cfg["num_attention_heads"] * hd, cfg["num_key_value_heads"] * hd
+    shapes: dict[str, tuple[int, ...]] = {
+        "model.embed_tokens.weight": (v, h),
+        "model.norm.weight": (h,),
+        "lm_head.weight": (v, h),
+    }
+    for layer in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{layer}."
+        shapes.update(
+            {
+                p + "self_attn.q_proj.weight": (q, h),
+                p + "self_attn.k_proj.weight": (kv, h),
+                p + "self_attn.v_proj.weight": (kv, h),
+                p + "self_attn.o_proj.weight": (h, q),
+                p + "mlp.gate_proj.weight": (i, h),
+                p + "mlp.up_proj.weight": (i, h),
+                p + "mlp.down_proj.weight": (h, i),
+                p + "input_layernorm.weight": (h,),
+                p + "post_attention_layernorm.weight": (h,),
+            }
+        )
+    g = torch.Generator().manual_seed(0)
+    return {n: torch.zeros(s) if zeros else torch.randn(s, generator=g) for n, s in shapes.items()}
+
+
+def _model_for(path: str) -> dict[str, torch.Tensor]:
+    """Zero tensors named and shaped like the checkpoint's model tensors (a fresh model to restore into)."""
+    m = ckpt.open_checkpoint(path).manifest
+    return {n: torch.zeros(t.shape) for n, t in m.tensors.items() if t.role == "parameter"}
+
+
+# ------------------------------------------------------------------------------------------------ rank jobs
+
+
+def _save_all(rank: int, world: int, root: str) -> dict[str, Any]:
     """Iterate SAVE_AT steps, save every loader's position, then AFTER more steps (the uninterrupted run)."""
-    random.seed(5)  # identical on every rank: a shared stream
-    torch.manual_seed(100 + rank)  # per rank
+    ckpt.data.register(StridedAdapter())
+    random.seed(5)  # identical on every rank: a shared stream, carried to any DP size
+    torch.manual_seed(100 + rank)  # per rank: re-derived on another DP size
     np.random.seed(200 + rank)
     per_rank = GLOBAL_BATCH // world
     out: dict[str, Any] = {}
-    loaders = {k: _loader(k, rank, world, per_rank) for k in KINDS}
-    iters = {k: iter(v) for k, v in loaders.items()}
-    for k in KINDS:
-        for _ in range(SAVE_AT):
-            next(iters[k])
-    for k in KINDS:
+    for k in (*KINDS, "random", "hf_iterable", "custom"):
+        loader = _loader(k, rank, world, per_rank)
+        it = iter(loader)
+        before = [_ids(next(it)) for _ in range(SAVE_AT)]
+        model = llama_state() if k == "stateful" else _tiny()
         ckpt.save(
             f"{root}/{k}",
             step=SAVE_AT,
-            model=_model(),
-            dataloader=loaders[k],
+            model=model,
+            dataloader=loader,
             progress={"samples": SAVE_AT * GLOBAL_BATCH},
             rng_seed=1234,
         )
-        out[k] = [_ids(next(iters[k])) for _ in range(AFTER)]
+        if k == "stateful":
+            out["rng_after_save"] = [random.random(), float(np.random.rand()), float(torch.rand(()))]
+        out[k] = {"before": before, "after": [_ids(next(it)) for _ in range(AFTER)]}
     return out
 
 
-def restore_job(rank: int, world: int, root: str, per_rank: int, steps: int) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k in KINDS:
-        loader = _loader(k, rank, world, per_rank)
-        res = ckpt.restore(f"{root}/{k}", model=_model(), dataloader=loader)
-        it = iter(loader)
-        out[k] = {
-            "batches": [_ids(next(it)) for _ in range(steps)],
-            "mode": res.data.mode,
-            "carried": res.rng_carried,
-            "derived": res.rng_derived,
-            "python": random.random(),
-            "torch": float(torch.rand(())),
-        }
-    return out
+def save_job(rank: int, world: int, root: str) -> dict[str, Any]:
+    return _save_all(rank, world, root)
+
+
+def _restore(path: str, kind: str, rank: int, world: int, per_rank: int, steps: int | None) -> dict[str, Any]:
+    loader = _loader(kind, rank, world, per_rank)
+    try:
+        res = ckpt.restore(path, model=_model_for(path), dataloader=loader)
+    except StateMismatchError as e:
+        return {"refused": str(e)}
+    rng = [random.random(), float(np.random.rand()), float(torch.rand(()))]
+    it = iter(loader)
+    batches = [_ids(b) for b in it] if steps is None else [_ids(next(it)) for _ in range(steps)]
+    return {
+        "batches": batches,
+        "mode": res.data.mode,
+        "carried": res.rng_carried,
+        "derived": res.rng_derived,
+        "rng": rng,
+    }
+
+
+def restore_job(rank: int, world: int, jobs: list[tuple[str, str, str, int, int | None]]) -> dict[str, Any]:
+    """Each job: (label, checkpoint path, loader kind, per-rank batch, steps or None for the rest of the epoch)."""
+    ckpt.data.register(StridedAdapter())
+    return {label: _restore(path, kind, rank, world, b, steps) for label, path, kind, b, steps in jobs}
+
+
+def save_and_restore_job(rank: int, world: int, root: str, jobs: list[Any]) -> dict[str, Any]:
+    return {"saved": _save_all(rank, world, root), "restored": restore_job(rank, world, jobs)}
+
+
+# ------------------------------------------------------------------------------------------------ the runs
 
 
 def global_batches(per_rank: list[list[list[int]]]) -> list[Counter]:
@@ -106,37 +227,133 @@ def global_batches(per_rank: list[list[list[int]]]) -> list[Counter]:
 
 
 @pytest.fixture(scope="module")
-def saved4(tmp_path_factory) -> tuple[Path, list[dict[str, Any]]]:
-    root = tmp_path_factory.mktemp("dp4")
-    return root, run_ranks(save_job, 4, str(root))
+def runs(tmp_path_factory) -> dict[str, Any]:
+    base = tmp_path_factory.mktemp("topology")
+    dp2, dp4 = str(base / "dp2"), str(base / "dp4")
+    saved2 = run_ranks(save_job, 2, dp2)
+    from_2 = [(k, f"{dp2}/{k}", k, GLOBAL_BATCH // 4, AFTER) for k in (*KINDS, "custom")]
+    four = run_ranks(save_and_restore_job, 4, dp4, from_2)
+    trn, back = str(base / "trn"), str(base / "back")
+    for args in (
+        ["convert", f"{dp4}/stateful", trn, "--to", "neuron", "--dp", "2", "--config", str(CONFIG)],
+        ["convert", trn, back, "--to", "cuda"],
+    ):
+        r = CliRunner().invoke(cli, args)
+        assert r.exit_code == 0, r.output
+    half = GLOBAL_BATCH // 2
+    jobs = [(k, f"{dp4}/{k}", k, half, AFTER) for k in (*KINDS, "random", "hf_iterable", "custom")]
+    jobs += [(f"{k}/small", f"{dp4}/{k}", k, half // 2, None) for k in KINDS]  # global batch 8 -> 4
+    jobs += [("trn", trn, "stateful", half, AFTER), ("back", back, "stateful", half, AFTER)]
+    jobs += [("same", f"{dp2}/stateful", "stateful", half, AFTER)]
+    two = run_ranks(restore_job, 2, jobs)
+    ckpt.data.register(StridedAdapter())
+    try:
+        one = {k: _restore(f"{dp4}/{k}", k, 0, 1, GLOBAL_BATCH, AFTER) for k in (*KINDS, "custom")}
+    finally:
+        ckpt.data.unregister("strided")
+    return {
+        "saved2": saved2,
+        "saved4": [r["saved"] for r in four],
+        "2to4": [r["restored"] for r in four],
+        "4to2": two,
+        "4to1": [one],
+        "paths": {"dp4": dp4, "trn": trn, "back": back},
+    }
 
 
-@pytest.fixture(scope="module")
-def saved2(tmp_path_factory) -> tuple[Path, list[dict[str, Any]]]:
-    root = tmp_path_factory.mktemp("dp2")
-    return root, run_ranks(save_job, 2, str(root))
+def _after(saved: list[dict[str, Any]], kind: str) -> list[Counter]:
+    return global_batches([r[kind]["after"] for r in saved])
 
 
-def _reference(saved: list[dict[str, Any]], kind: str) -> list[Counter]:
-    return global_batches([r[kind] for r in saved])
+def _got(restored: list[dict[str, Any]], label: str) -> list[Counter]:
+    for r in restored:
+        assert "refused" not in r[label], r[label]["refused"]
+    return global_batches([r[label]["batches"] for r in restored])
 
 
-@pytest.mark.parametrize("world", [2, 1])
-def test_4_to_fewer_ranks_same_global_batch(saved4, world: int) -> None:
-    root, ref = saved4
-    out = run_ranks(restore_job, world, str(root), GLOBAL_BATCH // world, AFTER)
-    for k in KINDS:
-        got = global_batches([r[k]["batches"] for r in out])
-        assert got == _reference(ref, k), f"{k}: 4 -> {world} ranks"
-        assert {r[k]["mode"] for r in out} == {"re-split"}
+# ------------------------------------------------------------------------------------------------ the tests
 
 
-def test_2_to_4_ranks_same_global_batch(saved2) -> None:
-    root, ref = saved2
-    out = run_ranks(restore_job, 4, str(root), GLOBAL_BATCH // 4, AFTER)
-    for k in KINDS:
-        assert global_batches([r[k]["batches"] for r in out]) == _reference(ref, k), k
-        assert [r[k]["derived"] for r in out] == [["numpy", "torch"]] * 4
-        assert [r[k]["carried"] for r in out] == [["python"]] * 4
-        # re-derived per rank: the four ranks' torch streams differ, the shared python stream is one
-        assert len({r[k]["torch"] for r in out}) == 4 and len({r[k]["python"] for r in out}) == 1
+@pytest.mark.parametrize("kind", (*KINDS, "custom"))
+@pytest.mark.parametrize("move", ["4to2", "4to1", "2to4"])
+def test_same_global_batch_continues_the_uninterrupted_run(runs, move: str, kind: str) -> None:
+    saved = runs["saved2"] if move == "2to4" else runs["saved4"]
+    got = _got(runs[move], kind)
+    assert got == _after(saved, kind), f"{kind}: {move}"
+    assert {r[kind]["mode"] for r in runs[move]} == {"re-split"}
+
+
+def test_through_convert_to_neuron_dp2_and_back(runs) -> None:
+    want = _after(runs["saved4"], "stateful")
+    for label in ("trn", "back"):
+        assert _got(runs["4to2"], label) == want, label
+    m = ckpt.open_checkpoint(runs["paths"]["trn"]).manifest
+    assert (m.layout.dp, m.data_position["dp"], m.rng_base["dp"]) == (2, 4, 4)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_changed_global_batch_exact_next_sample_no_repeat_or_skip(runs, kind: str) -> None:
+    """Global batch 8 on 4 ranks -> 4 on 2 ranks: two new steps hold one old step's samples, and the rest of the
+    epoch is exactly what the 4-rank epoch had left (its 72-item padded list minus the 24 consumed)."""
+    got = _got(runs["4to2"], f"{kind}/small")
+    want = _after(runs["saved4"], kind)
+    for j in range(AFTER):
+        assert got[2 * j] + got[2 * j + 1] == want[j], f"{kind}: old step {j}"
+    consumed = sum(global_batches([r[kind]["before"] for r in runs["saved4"]]), Counter())
+    epoch = Counter(range(N)) + Counter(_padding(4))
+    assert consumed + sum(got, Counter()) == epoch
+
+
+def _padding(world: int) -> list[int]:
+    from ckpt.data.sampler import global_order
+
+    order = global_order(
+        {"dataset_len": N, "seed": SEED, "shuffle": True, "drop_last": False, "num_replicas": world}, 0
+    )
+    return order[N:]
+
+
+def test_rng_carried_on_same_dp_size_rule_on_another(runs) -> None:
+    same = runs["4to2"]
+    for rank, r in enumerate(same):
+        assert r["same"]["mode"] == "positioned"
+        assert r["same"]["carried"] == ["python", "numpy", "torch"] and r["same"]["derived"] == []
+        assert r["same"]["rng"] == runs["saved2"][rank]["rng_after_save"]
+    for move in ("4to2", "2to4", "4to1"):
+        for r in runs[move]:
+            assert (r["stateful"]["carried"], r["stateful"]["derived"]) == (["python"], ["numpy", "torch"])
+        # the shared python stream is one state everywhere; re-derived torch streams differ per rank
+        assert len({r["stateful"]["rng"][0] for r in runs[move]}) == 1
+        assert len({r["stateful"]["rng"][2] for r in runs[move]}) == len(runs[move])
+
+
+@pytest.mark.parametrize(
+    ("kind", "needle"), [("random", "RandomSampler"), ("hf_iterable", "split_dataset_by_node")]
+)
+def test_loaders_ckpt_cannot_resplit_are_refused(runs, kind: str, needle: str) -> None:
+    for r in runs["4to2"]:
+        msg = r[kind]["refused"]
+        assert "saved by 4 ranks, restoring on 2" in msg and needle in msg and "ckpt.data.register" in msg
+
+
+def test_manifest_records_the_global_position(runs) -> None:
+    m = ckpt.open_checkpoint(f"{runs['paths']['dp4']}/stateful").manifest
+    pos = m.data_position
+    assert pos["adapter"] == "distributed_sampler" and pos["dp"] == 4 and pos["epoch"] == 0
+    assert pos["samples"] == SAVE_AT * GLOBAL_BATCH and pos["per_rank"] == [SAVE_AT * 2] * 4
+    assert pos["global_batch"] == GLOBAL_BATCH and pos["samples_total"] == SAVE_AT * GLOBAL_BATCH
+    assert pos["order"] == {
+        "kind": "distributed_sampler",
+        "dataset_len": N,
+        "seed": SEED,
+        "shuffle": True,
+        "drop_last": False,
+        "num_replicas": 4,
+    }
+    assert m.rng_base == {
+        "rule": "carry-or-derive/1",
+        "seed": 1234,
+        "source": "caller",
+        "dp": 4,
+        "shared": ["python"],
+    }
