@@ -170,7 +170,11 @@ def _save_all(rank: int, world: int, root: str) -> dict[str, Any]:
     for k in (*KINDS, "random", "hf_iterable", "custom"):
         loader = _loader(k, rank, world, per_rank)
         it = iter(loader)
-        before = [_ids(next(it)) for _ in range(SAVE_AT)]
+        # the stateful run logs a ledger with global sample digests (into two run dirs, one per way of resuming)
+        ledgers = (
+            [_ledger(f"{root}/run_{v}", rank, world) for v in ("same", "small")] if k == "stateful" else []
+        )
+        before = [_step(ledgers, s, _ids(next(it))) for s in range(1, SAVE_AT + 1)]
         model = llama_state() if k == "stateful" else _tiny()
         ckpt.save(
             f"{root}/{k}",
@@ -180,25 +184,57 @@ def _save_all(rank: int, world: int, root: str) -> dict[str, Any]:
             progress={"samples": SAVE_AT * GLOBAL_BATCH},
             rng_seed=1234,
         )
+        for ledger in ledgers:
+            ledger.save(SAVE_AT, f"{root}/{k}")
         if k == "stateful":
             out["rng_after_save"] = [random.random(), float(np.random.rand()), float(torch.rand(()))]
-        out[k] = {"before": before, "after": [_ids(next(it)) for _ in range(AFTER)]}
+        after = [_step(ledgers, s, _ids(next(it))) for s in range(SAVE_AT + 1, SAVE_AT + AFTER + 1)]
+        for ledger in ledgers:
+            ledger.close(clean=False)  # the "crash": the resumed job continues these ledgers
+        out[k] = {"before": before, "after": after}
     return out
+
+
+def _ledger(run_dir: str, rank: int, world: int) -> Any:
+    from ckpt.resume.ledger import LedgerWriter
+
+    return LedgerWriter(run_dir, world_size=world, enabled=rank == 0)
+
+
+def _step(
+    ledgers: list[Any], step: int, ids: list[int], samples_before: int = 0, batch: int = GLOBAL_BATCH
+) -> list[int]:
+    """Log one step (collective: every rank's ids go into the global digest) and return this rank's ids."""
+    if ledgers:
+        digest = ckpt.data.global_digest(ids)
+        samples = samples_before + (step - (SAVE_AT if samples_before else 0)) * batch
+        for ledger in ledgers:
+            ledger.step(step, 1.0 / step, 1e-3, samples=samples, data_digest=digest)
+    return ids
 
 
 def save_job(rank: int, world: int, root: str) -> dict[str, Any]:
     return _save_all(rank, world, root)
 
 
-def _restore(path: str, kind: str, rank: int, world: int, per_rank: int, steps: int | None) -> dict[str, Any]:
+def _restore(
+    path: str, kind: str, per_rank: int, steps: int | None, run: str | None = None, *, rank: int, world: int
+) -> dict[str, Any]:
     loader = _loader(kind, rank, world, per_rank)
     try:
         res = ckpt.restore(path, model=_model_for(path), dataloader=loader)
     except StateMismatchError as e:
         return {"refused": str(e)}
     rng = [random.random(), float(np.random.rand()), float(torch.rand(()))]
+    ledgers = [_ledger(run, rank, world)] if run else []
+    for ledger in ledgers:
+        ledger.restore(res.step, path, 0.1)
     it = iter(loader)
     batches = [_ids(b) for b in it] if steps is None else [_ids(next(it)) for _ in range(steps)]
+    for i, ids in enumerate(batches):
+        _step(ledgers, res.step + 1 + i, ids, SAVE_AT * GLOBAL_BATCH, per_rank * world)
+    for ledger in ledgers:
+        ledger.close()
     return {
         "batches": batches,
         "mode": res.data.mode,
@@ -208,10 +244,11 @@ def _restore(path: str, kind: str, rank: int, world: int, per_rank: int, steps: 
     }
 
 
-def restore_job(rank: int, world: int, jobs: list[tuple[str, str, str, int, int | None]]) -> dict[str, Any]:
-    """Each job: (label, checkpoint path, loader kind, per-rank batch, steps or None for the rest of the epoch)."""
+def restore_job(rank: int, world: int, jobs: list[tuple[Any, ...]]) -> dict[str, Any]:
+    """Each job: (label, checkpoint path, loader kind, per-rank batch, steps or None for the rest of the epoch,
+    and optionally a run dir whose ledger the resumed steps continue)."""
     ckpt.data.register(StridedAdapter())
-    return {label: _restore(path, kind, rank, world, b, steps) for label, path, kind, b, steps in jobs}
+    return {job[0]: _restore(*job[1:], rank=rank, world=world) for job in jobs}
 
 
 def save_and_restore_job(rank: int, world: int, root: str, jobs: list[Any]) -> dict[str, Any]:
@@ -241,14 +278,18 @@ def runs(tmp_path_factory) -> dict[str, Any]:
         r = CliRunner().invoke(cli, args)
         assert r.exit_code == 0, r.output
     half = GLOBAL_BATCH // 2
-    jobs = [(k, f"{dp4}/{k}", k, half, AFTER) for k in (*KINDS, "random", "hf_iterable", "custom")]
+    jobs: list[tuple[Any, ...]] = [
+        (k, f"{dp4}/{k}", k, half, AFTER) for k in (*KINDS, "random", "hf_iterable", "custom")
+    ]
+    jobs[0] = (*jobs[0], f"{dp4}/run_same")
     jobs += [(f"{k}/small", f"{dp4}/{k}", k, half // 2, None) for k in KINDS]  # global batch 8 -> 4
+    jobs[-3] = (*jobs[-3], f"{dp4}/run_small")
     jobs += [("trn", trn, "stateful", half, AFTER), ("back", back, "stateful", half, AFTER)]
     jobs += [("same", f"{dp2}/stateful", "stateful", half, AFTER)]
     two = run_ranks(restore_job, 2, jobs)
     ckpt.data.register(StridedAdapter())
     try:
-        one = {k: _restore(f"{dp4}/{k}", k, 0, 1, GLOBAL_BATCH, AFTER) for k in (*KINDS, "custom")}
+        one = {k: _restore(f"{dp4}/{k}", k, GLOBAL_BATCH, AFTER, rank=0, world=1) for k in (*KINDS, "custom")}
     finally:
         ckpt.data.unregister("strided")
     return {
@@ -357,3 +398,19 @@ def test_manifest_records_the_global_position(runs) -> None:
         "dp": 4,
         "shared": ["python"],
     }
+
+
+@pytest.mark.parametrize("variant", ["same", "small"])
+def test_verify_resume_checks_data_across_the_dp_change(runs, variant: str) -> None:
+    """The ledgers of the 4-rank run and of its 2-rank resume (global batch 8, or 4): ``ckpt verify-resume`` compares
+    the global sample digests (windows of equal sample counts when the batch changed) and names the RNG rule."""
+    dp4 = runs["paths"]["dp4"]
+    r = CliRunner().invoke(cli, ["verify-resume", f"{dp4}/run_{variant}", "--checkpoints", dp4, "--json"])
+    doc = json.loads(r.output)
+    checks = {c["check"]: c for c in doc["boundaries"][0]["checks"]}
+    assert checks["data"]["status"] == "pass", checks["data"]
+    assert "DP 4 -> 2" in checks["data"]["summary"] and checks["data"]["numbers"]["resumed_at"] == 24
+    assert (
+        checks["rng"]["numbers"]["carried"] == "python"
+        and checks["rng"]["numbers"]["derived"] == "numpy, torch"
+    )
