@@ -7,7 +7,6 @@ here would initialise a device just to save a checkpoint.
 
 from __future__ import annotations
 
-import hashlib
 import random
 import sys
 from typing import Any
@@ -16,6 +15,7 @@ import numpy as np
 import torch
 
 from . import treecodec
+from .rng_rule import META_KEYS, base_record, derive_seed, stream_keys
 
 
 def capture() -> dict[str, Any]:
@@ -74,67 +74,7 @@ def _tuplify(value: Any) -> Any:
 
 
 # ---------------------------------------------------------------------------------------------- across a DP change
-#
-# The rule (docs/guide.md, "Changing the number of ranks"): on the DP size the checkpoint was saved with, every
-# rank gets its own streams back (carried).  On another DP size per-rank streams cannot map one to one, so each
-# stream is either
-#   * carried: it was identical on every saving rank (a shared stream, e.g. seeded once for data shuffling or
-#     dropout masks kept in sync), so every new rank gets that one state; or
-#   * re-derived: it differed per rank; rank r's stream is seeded with derive_seed(base seed, step, r, stream), so
-#     the streams differ per rank, never repeat an earlier step's, and are the same whenever the same checkpoint
-#     is restored on the same DP size.
-# The base seed is the caller's ``rng_seed=`` at save, or else one derived from rank 0's saved record.
-
-RULE = "carry-or-derive/1"
-_META_KEYS = ("xla_nxd_tracker_seeds",)
-
-
-def _stream_keys(record: dict[str, Any]) -> list[str]:
-    return [k for k in record if k not in _META_KEYS]
-
-
-def shared_streams(records: dict[str, Any]) -> list[str]:
-    """Streams whose saved state is identical on every rank (carried to any DP size)."""
-    import json
-
-    if not records:
-        return []
-    recs = list(records.values())
-    first = recs[0]
-    return [
-        k
-        for k in _stream_keys(first)
-        if all(
-            k in r and json.dumps(r[k], sort_keys=True) == json.dumps(first[k], sort_keys=True) for r in recs
-        )
-    ]
-
-
-def base_record(records: dict[str, Any], seed: int | None) -> dict[str, Any] | None:
-    """The manifest's ``rng_base``: the rule, the base seed and where it came from, the DP size, shared streams."""
-    import json
-
-    if not records:
-        return None
-    if seed is None:
-        first = records[min(records, key=int)]
-        digest = hashlib.blake2b(json.dumps(first, sort_keys=True).encode(), digest_size=8).digest()
-        base, source = int.from_bytes(digest, "little") & ((1 << 63) - 1), "checkpoint"
-    else:
-        base, source = int(seed), "caller"
-    return {
-        "rule": RULE,
-        "seed": base,
-        "source": source,
-        "dp": len(records),
-        "shared": shared_streams(records),
-    }
-
-
-def derive_seed(base: int, step: int, rank: int, stream: str) -> int:
-    """A 63-bit seed for ``stream`` of ``rank`` after restoring ``step`` (stable across Python versions)."""
-    raw = f"{base}:{step}:{rank}:{stream}".encode()
-    return int.from_bytes(hashlib.blake2b(raw, digest_size=8).digest(), "little") & ((1 << 63) - 1)
+# The rule and its pure parts live in ckpt.rng_rule; this applies it to the live generators.
 
 
 def _seed_stream(stream: str, seed: int) -> bool:
@@ -172,11 +112,11 @@ def restore_across(
     shared = set(base.get("shared", []))
     first = records[min(records, key=int)]
     carried = restore(
-        {k: v for k, v in first.items() if k in shared or (k in _META_KEYS and "xla_nxd_tracker" in shared)}
+        {k: v for k, v in first.items() if k in shared or (k in META_KEYS and "xla_nxd_tracker" in shared)}
     )
     derived = [
         k
-        for k in _stream_keys(first)
+        for k in stream_keys(first)
         if k not in shared and _seed_stream(k, derive_seed(int(base["seed"]), step, rank, k))
     ]
     return carried, derived

@@ -29,8 +29,8 @@ import torch
 
 from . import data as data_mod
 from . import rng as rng_mod
+from . import rng_rule, treecodec
 from . import tokenizer as tokenizer_mod
-from . import treecodec
 from .commit import Receipt, build_manifest, data_file_name, publish, write_data_file
 from .distributed import Collective
 from .dtypes import dtype_name
@@ -351,7 +351,7 @@ class Checkpointer:
                 [r["trees"].get("data_position") for r in by_rank], trees.get("progress", {})
             )
         rng_records = {str(r["rank"]): r["trees"]["rng"] for r in by_rank if "rng" in r["trees"]}
-        trees["rng_base"] = rng_mod.base_record(rng_records, job.rng_seed)
+        trees["rng_base"] = rng_rule.base_record(rng_records, job.rng_seed)
         return build_manifest(
             step=job.step,
             backend=job.backend,

@@ -169,3 +169,18 @@ def merge(ranks: list[RankPosition | None], progress: dict[str, JSON]) -> DataPo
         samples_total=counter("samples"),
         tokens=counter("tokens"),
     )
+
+
+def describe(doc: dict[str, JSON]) -> str:
+    """One line for ``ckpt inspect``: where the job stood and whether another DP size can continue it."""
+    p = DataPosition.from_json(doc)
+    batch = f", global batch {p.global_batch}" if p.global_batch else ""
+    total = f", {p.samples_total} samples in all" if p.samples_total is not None else ""
+    how = (
+        "continues on any DP size"
+        if p.prefix
+        else f"ranks stood at different counts {list(p.per_rank)}: continues on {p.dp} ranks only"
+    )
+    return (
+        f"epoch {p.epoch}, next global sample {p.samples} ({p.adapter}, {p.dp} DP ranks{batch}{total}); {how}"
+    )
