@@ -24,7 +24,8 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 import ckpt
 from ckpt import rng as rng_mod
 from ckpt import treecodec
-from ckpt.data import DataPosition, combine_digests, sample_digest, track
+from ckpt.data import DataPosition, RankPosition, combine_digests, sample_digest, track
+from ckpt.data.position import merge
 from ckpt.data.sampler import Resume, ResumedDistributedSampler, global_order, rank_share, reposition
 from ckpt.errors import ManifestError, StateMismatchError
 from ckpt.manifest import Manifest, seal
@@ -288,3 +289,18 @@ def test_verify_resume_skips_per_rank_digests_across_a_dp_change(tmp_path: Path)
     )
     data = v.verdicts[0].check("data")
     assert data.status is Status.SKIP and "ckpt.data.global_digest" in data.summary
+
+
+def test_tp_peers_reading_one_replica_count_once() -> None:
+    """4 processes, TP 2 x DP 2: processes 0,1 read replica 0 and 2,3 replica 1; the job is 2 DP ranks."""
+    order = _spec(40, 2, True, False, 1)
+
+    def pos(replica: int, consumed: int = 8) -> RankPosition:
+        return RankPosition("distributed_sampler", 0, 0, consumed, 4, order, replica, 2)
+
+    merged = merge([pos(0), pos(0), pos(1), pos(1)], {"samples": 16})
+    assert merged is not None
+    assert (merged.dp, merged.samples, merged.per_rank, merged.prefix) == (2, 16, (8, 8), True)
+    assert merged.global_batch == 8 and merged.samples_total == 16
+    torn = merge([pos(0), pos(0, 4), pos(1), pos(1)], {})
+    assert torn is not None and torn.adapter == "mixed" and not torn.prefix

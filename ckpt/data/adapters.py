@@ -24,6 +24,7 @@ class DataAdapter(Protocol):
     ``name`` is recorded as ``data_position.adapter``; a restore uses the adapter of that name.  ``position``
     runs on every rank at each save (cheap: no collective); ``reposition`` on every rank at a restore, with the
     merged global position, this rank and the new world size; it raises ``StateMismatchError`` when it cannot.
+    An adapter may also define ``dp(loader) -> int``, the live DP size when it is not the number of processes.
     """
 
     name: str
@@ -95,12 +96,26 @@ class DistributedSamplerAdapter:
         epoch_len = ds.rank_epoch_len(sampler)
         size = batch_size_of(loader)
         consumed = epoch_len if finished else min(skip + batches * (size or 1), epoch_len)
-        return RankPosition(self.name, int(sampler.epoch), start, consumed, size, ds.order_spec(sampler))
+        return RankPosition(
+            self.name,
+            int(sampler.epoch),
+            start,
+            consumed,
+            size,
+            ds.order_spec(sampler),
+            int(sampler.rank),
+            int(sampler.num_replicas),
+        )
+
+    def dp(self, loader: Any) -> int:
+        """The live DP size: the sampler's ``num_replicas`` (with TP/PP it is not the number of processes)."""
+        return int(sampler_of(loader).num_replicas)
 
     def reposition(self, loader: Any, position: DataPosition, rank: int, world: int, where: str) -> None:
         sampler = sampler_of(loader)
         order = position.order or {}
-        ds.check_compatible(sampler, order, rank, world, where)
+        ds.check_compatible(sampler, order, where)
+        rank, world = int(sampler.rank), int(sampler.num_replicas)
         if position.prefix:
             resume = ds.Resume(order, position.epoch, position.samples, 0)
         elif world == position.dp:

@@ -25,6 +25,9 @@ class RankPosition:
     ``base`` is the global index the rank's current iteration started from (0, or the position a re-split
     resume started at); the rank consumed ``consumed`` samples of that iteration; ``order`` describes the
     global order (kind-specific, e.g. a DistributedSampler's seed, shuffle, dataset length, drop_last).
+    ``replica``/``replicas`` are the rank's data-parallel index and the DP size as the loader sees them (a
+    DistributedSampler's ``rank``/``num_replicas``): with tensor or pipeline parallelism several processes read
+    the same replica's data and count once.  None: every process is its own replica.
     """
 
     adapter: str
@@ -33,6 +36,8 @@ class RankPosition:
     consumed: int
     batch_size: int | None
     order: dict[str, JSON] | None
+    replica: int | None = None
+    replicas: int | None = None
 
     def to_json(self) -> dict[str, JSON]:
         return {
@@ -42,12 +47,21 @@ class RankPosition:
             "consumed": self.consumed,
             "batch_size": self.batch_size,
             "order": self.order,
+            "replica": self.replica,
+            "replicas": self.replicas,
         }
 
     @staticmethod
     def from_json(doc: dict[str, JSON]) -> RankPosition:
         return RankPosition(
-            doc["adapter"], doc["epoch"], doc["base"], doc["consumed"], doc["batch_size"], doc["order"]
+            doc["adapter"],
+            doc["epoch"],
+            doc["base"],
+            doc["consumed"],
+            doc["batch_size"],
+            doc["order"],
+            doc.get("replica"),
+            doc.get("replicas"),
         )
 
 
@@ -134,24 +148,36 @@ class DataPosition:
 
 
 def merge(ranks: list[RankPosition | None], progress: dict[str, JSON]) -> DataPosition | None:
-    """Rank 0's merge of every rank's position (in rank order) into the global one.
+    """Rank 0's merge of every process's position (in rank order) into the global one.
 
     None when no rank reported a position (a loader no adapter knows: its per-rank state is still saved).  The
-    ranks must agree on adapter, epoch, base and order: they iterate one global order in lockstep.  Where they do
-    not, the position is recorded as not re-splittable rather than guessed (``prefix`` false, ``adapter``
-    ``"mixed"``), and restoring on another DP size refuses.
+    ranks must agree on adapter, epoch, base and order: they iterate one global order in lockstep.  Processes
+    that read the same replica (TP/PP peers) must agree and count once.  Where any of this fails, the position
+    is recorded as not re-splittable rather than guessed (``prefix`` false, ``adapter`` ``"mixed"`` when they
+    disagree), and restoring on another DP size refuses.
     """
     if not ranks or all(r is None for r in ranks):
         return None
     present = [r for r in ranks if r is not None]
     first = present[0]
     consistent = len(present) == len(ranks) and all(
-        (r.adapter, r.epoch, r.base, r.order) == (first.adapter, first.epoch, first.base, first.order)
+        (r.adapter, r.epoch, r.base, r.order, r.replicas)
+        == (first.adapter, first.epoch, first.base, first.order, first.replicas)
         for r in present
     )
-    per_rank = tuple(r.consumed if r is not None else 0 for r in ranks)
-    sizes = [r.batch_size for r in present]
-    global_batch = sum(sizes) if len(present) == len(ranks) and all(s is not None for s in sizes) else None  # type: ignore[misc]
+    replicas: list[RankPosition | None] = list(ranks)
+    if consistent and first.replicas is not None and all(r.replica is not None for r in present):
+        by_replica: dict[int, RankPosition] = {}
+        for r in present:
+            seen = by_replica.setdefault(r.replica, r)  # type: ignore[arg-type]
+            consistent = consistent and (seen.consumed, seen.batch_size) == (r.consumed, r.batch_size)
+        consistent = consistent and sorted(by_replica) == list(range(first.replicas))
+        if consistent:
+            replicas = [by_replica[i] for i in range(first.replicas)]
+    per_rank = tuple(r.consumed if r is not None else 0 for r in replicas)
+    sizes = [r.batch_size for r in replicas if r is not None]
+    complete = len(sizes) == len(replicas) and all(s is not None for s in sizes)
+    global_batch = sum(s for s in sizes if s is not None) if complete else None
 
     def counter(key: str) -> int | None:
         v = progress.get(key)
@@ -159,7 +185,7 @@ def merge(ranks: list[RankPosition | None], progress: dict[str, JSON]) -> DataPo
 
     return DataPosition(
         adapter=first.adapter if consistent else "mixed",
-        dp=len(ranks),
+        dp=len(replicas),
         epoch=first.epoch,
         samples=first.base + sum(per_rank),
         per_rank=per_rank,

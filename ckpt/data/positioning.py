@@ -48,8 +48,9 @@ def restore(
     adapter = adapter_for(loader)
     if pos is not None and adapter is not None and adapter.name == pos.adapter:
         adapter.reposition(loader, pos, rank, world, where)
-        mode = "positioned" if world == saved_dp else "re-split"
-        return DataRestore(mode, saved_dp, world, pos.samples, pos.epoch)
+        live_dp = adapter.dp(loader) if hasattr(adapter, "dp") else world
+        mode = "positioned" if live_dp == saved_dp else "re-split"
+        return DataRestore(mode, saved_dp, live_dp, pos.samples, pos.epoch)
     if world != saved_dp:
         if pos is not None and adapter is not None:
             why = f"its position was saved by the {pos.adapter!r} adapter, the live loader matches {adapter.name!r}"

@@ -129,7 +129,7 @@ def rank_epoch_len(sampler: Any) -> int:
     return len(sampler) + (r.skip if r is not None else 0)
 
 
-def check_compatible(sampler: Any, order: dict[str, Any], rank: int, world: int, where: str) -> None:
+def check_compatible(sampler: Any, order: dict[str, Any], where: str) -> None:
     """Refuse a live sampler that would not continue the saved order (other data, seed, or rank layout)."""
     if not is_plain_distributed_sampler(sampler):
         raise StateMismatchError(
@@ -138,11 +138,6 @@ def check_compatible(sampler: Any, order: dict[str, Any], rank: int, world: int,
         )
     if order.get("kind") != KIND:
         raise StateMismatchError(f"{where}: saved data order is {order.get('kind')!r}, expected {KIND!r}")
-    if sampler.num_replicas != world or sampler.rank != rank:
-        raise StateMismatchError(
-            f"{where}: the DistributedSampler was built with num_replicas={sampler.num_replicas}, "
-            f"rank={sampler.rank}; this process is rank {rank} of {world}"
-        )
     live = {"dataset_len": len(sampler.dataset), "seed": int(sampler.seed), "shuffle": bool(sampler.shuffle)}
     for key, value in live.items():
         if order.get(key) != value:
