@@ -36,7 +36,7 @@ N = 70  # not a multiple of 4: DistributedSampler pads the epoch's list to 72
 GLOBAL_BATCH = 8
 SAVE_AT = 3  # global steps consumed before the save
 AFTER = 4  # global steps compared after it
-KINDS = ("stateful", "plain", "hf")
+KINDS = ("stateful", "plain", "hf", "hf_split")
 SEED = 11
 
 
@@ -66,6 +66,10 @@ def _loader(kind: str, rank: int, world: int, per_rank: int) -> Any:
         return StatefulDataLoader(split_dataset_by_node(full, rank, world), batch_size=per_rank)
     if kind == "custom":
         return Strided(rank, world, per_rank)
+    if kind == "hf_split":  # ckpt's re-splittable split_dataset_by_node of a map-style HF dataset
+        return StatefulDataLoader(
+            ckpt.data.split_dataset_by_node(_dataset("hf"), rank, world), batch_size=per_rank
+        )
     ds = _dataset(kind)
     sampler = DistributedSampler(ds, num_replicas=world, rank=rank, shuffle=True, seed=SEED)
     if kind == "plain":
@@ -259,8 +263,9 @@ def save_and_restore_job(rank: int, world: int, root: str, jobs: list[Any]) -> d
 
 
 def global_batches(per_rank: list[list[list[int]]]) -> list[Counter]:
-    """Step-wise multisets of the samples all ranks consumed."""
-    return [Counter(i for rank in per_rank for i in rank[s]) for s in range(len(per_rank[0]))]
+    """Step-wise multisets of the samples all ranks consumed (a rank out of samples adds nothing)."""
+    steps = max(len(r) for r in per_rank)
+    return [Counter(i for rank in per_rank if s < len(rank) for i in rank[s]) for s in range(steps)]
 
 
 @pytest.fixture(scope="module")
@@ -335,13 +340,14 @@ def test_through_convert_to_neuron_dp2_and_back(runs) -> None:
 @pytest.mark.parametrize("kind", KINDS)
 def test_changed_global_batch_exact_next_sample_no_repeat_or_skip(runs, kind: str) -> None:
     """Global batch 8 on 4 ranks -> 4 on 2 ranks: two new steps hold one old step's samples, and the rest of the
-    epoch is exactly what the 4-rank epoch had left (its 72-item padded list minus the 24 consumed)."""
+    epoch is exactly what the 4-rank epoch had left (DistributedSampler: its 72-item padded list minus the 24
+    consumed; the HF split: the 70 rows minus the 24 consumed)."""
     got = _got(runs["4to2"], f"{kind}/small")
     want = _after(runs["saved4"], kind)
     for j in range(AFTER):
         assert got[2 * j] + got[2 * j + 1] == want[j], f"{kind}: old step {j}"
     consumed = sum(global_batches([r[kind]["before"] for r in runs["saved4"]]), Counter())
-    epoch = Counter(range(N)) + Counter(_padding(4))
+    epoch = Counter(range(N)) + Counter(_padding(4) if kind != "hf_split" else [])
     assert consumed + sum(got, Counter()) == epoch
 
 

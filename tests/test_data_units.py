@@ -304,3 +304,19 @@ def test_tp_peers_reading_one_replica_count_once() -> None:
     assert merged.global_batch == 8 and merged.samples_total == 16
     torn = merge([pos(0), pos(0, 4), pos(1), pos(1)], {})
     assert torn is not None and torn.adapter == "mixed" and not torn.prefix
+
+
+@pytest.mark.parametrize(("n", "world"), [(70, 4), (9, 2), (5, 5), (6, 4)])
+def test_ckpt_split_has_the_rows_of_datasets_split(n: int, world: int) -> None:
+    import datasets
+    from datasets.distributed import split_dataset_by_node as hf_split
+
+    from ckpt.data.hf_split import rank_rows
+
+    full = datasets.Dataset.from_dict({"idx": list(range(n))})
+    order = {"kind": "hf_split", "dataset_len": n, "num_replicas": world, "batch_size": 2}
+    for r in range(world):
+        want = [row["idx"] for row in hf_split(full, r, world)]
+        mine = ckpt.data.split_dataset_by_node(full, r, world)
+        assert [mine[i]["idx"] for i in range(len(mine))] == want
+        assert rank_rows(order, 0, r, world, 2) == want  # the step-major order dealt back on the same layout

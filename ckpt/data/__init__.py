@@ -29,6 +29,8 @@ _EXPORTS = {
     "merge_json": "positioning",
     "position_of": "positioning",
     "restore": "positioning",
+    "SplitDataset": "hf_split",
+    "split_dataset_by_node": "hf_split",
     "TrackedLoader": "tracked",
     "track": "tracked",
 }

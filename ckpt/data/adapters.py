@@ -11,7 +11,10 @@ from __future__ import annotations
 
 from typing import Any, Protocol, runtime_checkable
 
+from torch.utils.data import SequentialSampler
+
 from ..errors import StateMismatchError
+from . import hf_split as hs
 from . import sampler as ds
 from .position import DataPosition, RankPosition
 from .tracked import TrackedLoader
@@ -133,7 +136,68 @@ class DistributedSamplerAdapter:
             loader.batches, loader.finished = 0, False
 
 
-_ADAPTERS: list[DataAdapter] = [DistributedSamplerAdapter()]
+class HfSplitAdapter:
+    """A StatefulDataLoader or tracked DataLoader reading a :class:`ckpt.data.hf_split.SplitDataset` in order."""
+
+    name = hs.KIND
+
+    def matches(self, loader: Any) -> bool:
+        inner = loader.loader if isinstance(loader, TrackedLoader) else loader
+        return (
+            (isinstance(loader, TrackedLoader) or _is_stateful_dataloader(loader))
+            and isinstance(getattr(inner, "dataset", None), hs.SplitDataset)
+            and type(sampler_of(loader)) is SequentialSampler
+        )
+
+    def _dataset(self, loader: Any) -> hs.SplitDataset:
+        inner = loader.loader if isinstance(loader, TrackedLoader) else loader
+        return inner.dataset
+
+    def position(self, loader: Any) -> RankPosition | None:
+        ds_ = self._dataset(loader)
+        batches, finished = (
+            (loader.batches, loader.finished)
+            if isinstance(loader, TrackedLoader)
+            else stateful_batches(loader.state_dict())
+        )
+        start, skip = ds_.epoch_base()
+        size = batch_size_of(loader) or 1
+        epoch_len = skip + len(ds_)
+        consumed = epoch_len if finished else min(skip + batches * size, epoch_len)
+        return RankPosition(
+            self.name, ds_.epoch, start, consumed, size, ds_.order_spec(size), ds_.rank, ds_.world_size
+        )
+
+    def dp(self, loader: Any) -> int:
+        return self._dataset(loader).world_size
+
+    def reposition(self, loader: Any, position: DataPosition, rank: int, world: int, where: str) -> None:
+        ds_ = self._dataset(loader)
+        order = position.order or {}
+        if order.get("kind") != hs.KIND:
+            raise StateMismatchError(
+                f"{where}: saved data order is {order.get('kind')!r}, expected {hs.KIND!r}"
+            )
+        size = batch_size_of(loader) or 1
+        if position.prefix:
+            resume = hs.Resume(order, position.epoch, position.samples, 0, size)
+        elif ds_.world_size == position.dp:
+            base = position.samples - sum(position.per_rank)
+            resume = hs.Resume(order, position.epoch, base, position.per_rank[ds_.rank], size)
+        else:
+            raise StateMismatchError(
+                f"{where}: the {position.dp} saving ranks had consumed different numbers of samples "
+                f"{list(position.per_rank)}: cannot re-split over {ds_.world_size} ranks"
+            )
+        try:
+            ds_.reposition(resume)
+        except StateMismatchError as e:
+            raise StateMismatchError(f"{where}: {e}") from None
+        if isinstance(loader, TrackedLoader):
+            loader.batches, loader.finished = 0, False
+
+
+_ADAPTERS: list[DataAdapter] = [DistributedSamplerAdapter(), HfSplitAdapter()]
 
 
 def register(adapter: DataAdapter) -> None:
@@ -161,6 +225,8 @@ def describe(loader: Any) -> str:
         parts.append(f"sampler {type(sampler).__name__}")
     if dataset is not None and getattr(dataset, "_distributed", None) is not None:
         parts.append("a datasets.IterableDataset split with split_dataset_by_node")
+    elif dataset is not None and type(dataset).__module__.startswith("datasets"):
+        parts.append(f"a datasets.{type(dataset).__name__} (split it with ckpt.data.split_dataset_by_node)")
     elif dataset is not None:
         parts.append(f"dataset {type(dataset).__name__}")
     return ", ".join(parts)
