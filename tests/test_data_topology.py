@@ -122,7 +122,21 @@ def _ids(batch: Any) -> list[int]:
 
 
 def _tiny() -> dict[str, torch.Tensor]:
-    return {"w": torch.arange(6, dtype=torch.float32).reshape(2, 3)}
+    return {"w": torch.arange(4, dtype=torch.float64) / 10}
+
+
+def _train(model: dict[str, torch.Tensor], ids: list[int], global_batch: int) -> float:
+    """One SGD step of a linear model on the global batch (data-parallel: gradients summed over ranks); the loss."""
+    import torch.distributed as dist
+
+    i = torch.tensor(ids, dtype=torch.float64)
+    x = torch.sin(i[:, None] * torch.arange(1, 5, dtype=torch.float64) * 0.1)
+    err = x @ model["w"] - torch.cos(i * 0.3)
+    sums = torch.cat([(err**2).sum()[None], 2 * err @ x])
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(sums)
+    model["w"] -= 0.1 * sums[1:] / global_batch
+    return float(sums[0] / global_batch)
 
 
 def llama_state(zeros: bool = False) -> dict[str, torch.Tensor]:
@@ -155,9 +169,15 @@ def llama_state(zeros: bool = False) -> dict[str, torch.Tensor]:
 
 
 def _model_for(path: str) -> dict[str, torch.Tensor]:
-    """Zero tensors named and shaped like the checkpoint's model tensors (a fresh model to restore into)."""
+    """Zero tensors named, shaped and typed like the checkpoint's model tensors (a fresh model to restore into)."""
+    from ckpt.dtypes import dtype_from_name
+
     m = ckpt.open_checkpoint(path).manifest
-    return {n: torch.zeros(t.shape) for n, t in m.tensors.items() if t.role == "parameter"}
+    return {
+        n: torch.zeros(t.shape, dtype=dtype_from_name(t.dtype))
+        for n, t in m.tensors.items()
+        if t.role == "parameter"
+    }
 
 
 # ------------------------------------------------------------------------------------------------ rank jobs
@@ -178,8 +198,10 @@ def _save_all(rank: int, world: int, root: str) -> dict[str, Any]:
         ledgers = (
             [_ledger(f"{root}/run_{v}", rank, world) for v in ("same", "small")] if k == "stateful" else []
         )
-        before = [_step(ledgers, s, _ids(next(it))) for s in range(1, SAVE_AT + 1)]
         model = llama_state() if k == "stateful" else _tiny()
+        trained = None if k == "stateful" else model  # the llama weights only travel through convert
+        losses: list[float] = []
+        before = [_consume(trained, losses, ledgers, s, _ids(next(it))) for s in range(1, SAVE_AT + 1)]
         ckpt.save(
             f"{root}/{k}",
             step=SAVE_AT,
@@ -192,11 +214,22 @@ def _save_all(rank: int, world: int, root: str) -> dict[str, Any]:
             ledger.save(SAVE_AT, f"{root}/{k}")
         if k == "stateful":
             out["rng_after_save"] = [random.random(), float(np.random.rand()), float(torch.rand(()))]
-        after = [_step(ledgers, s, _ids(next(it))) for s in range(SAVE_AT + 1, SAVE_AT + AFTER + 1)]
+        losses.clear()
+        after = [
+            _consume(trained, losses, ledgers, s, _ids(next(it)))
+            for s in range(SAVE_AT + 1, SAVE_AT + AFTER + 1)
+        ]
         for ledger in ledgers:
             ledger.close(clean=False)  # the "crash": the resumed job continues these ledgers
-        out[k] = {"before": before, "after": after}
+        out[k] = {"before": before, "after": after, "losses": list(losses)}
     return out
+
+
+def _consume(model: Any, losses: list[float], ledgers: list[Any], step: int, ids: list[int]) -> list[int]:
+    """One step of the uninterrupted run: train (when a model is given), log, return this rank's ids."""
+    if model is not None:
+        losses.append(_train(model, ids, GLOBAL_BATCH))
+    return _step(ledgers, step, ids)
 
 
 def _ledger(run_dir: str, rank: int, world: int) -> Any:
@@ -225,8 +258,9 @@ def _restore(
     path: str, kind: str, per_rank: int, steps: int | None, run: str | None = None, *, rank: int, world: int
 ) -> dict[str, Any]:
     loader = _loader(kind, rank, world, per_rank)
+    model = _model_for(path)
     try:
-        res = ckpt.restore(path, model=_model_for(path), dataloader=loader)
+        res = ckpt.restore(path, model=model, dataloader=loader)
     except StateMismatchError as e:
         return {"refused": str(e)}
     rng = [random.random(), float(np.random.rand()), float(torch.rand(()))]
@@ -239,8 +273,11 @@ def _restore(
         _step(ledgers, res.step + 1 + i, ids, SAVE_AT * GLOBAL_BATCH, per_rank * world)
     for ledger in ledgers:
         ledger.close()
+    train = steps is not None and "w" in model  # lockstep steps only: collectives
+    losses = [_train(model, ids, per_rank * world) for ids in batches] if train else []
     return {
         "batches": batches,
+        "losses": losses,
         "mode": res.data.mode,
         "carried": res.rng_carried,
         "derived": res.rng_derived,
@@ -327,6 +364,18 @@ def test_same_global_batch_continues_the_uninterrupted_run(runs, move: str, kind
     got = _got(runs[move], kind)
     assert got == _after(saved, kind), f"{kind}: {move}"
     assert {r[kind]["mode"] for r in runs[move]} == {"re-split"}
+
+
+@pytest.mark.parametrize("move", ["4to2", "4to1", "2to4"])
+def test_losses_continue_within_the_reduction_order(runs, move: str) -> None:
+    """A linear model trained data-parallel (gradients summed over the ranks): after the resume on another DP size
+    its losses are the uninterrupted run's up to the order of summation."""
+    saved = runs["saved2"] if move == "2to4" else runs["saved4"]
+    for k in (*[k for k in KINDS if k != "stateful"], "custom"):
+        want = saved[0][k]["losses"]
+        for r in runs[move]:
+            assert r[k]["losses"] == pytest.approx(want, rel=1e-12, abs=1e-15), f"{k}: {move}"
+            assert len(r[k]["losses"]) == AFTER
 
 
 def test_through_convert_to_neuron_dp2_and_back(runs) -> None:
