@@ -210,6 +210,14 @@ def _save_all(rank: int, world: int, root: str) -> dict[str, Any]:
             progress={"samples": SAVE_AT * GLOBAL_BATCH},
             rng_seed=1234,
         )
+        if (
+            k == "plain"
+        ):  # the same state as a CheckpointManager's step folder (issue 17's report: restore_latest)
+            from ckpt.discovery import step_dir
+
+            ckpt.save(
+                f"{root}/mgr/{step_dir(SAVE_AT)}", step=SAVE_AT, model=model, dataloader=loader, rng_seed=1234
+            )
         for ledger in ledgers:
             ledger.save(SAVE_AT, f"{root}/{k}")
         if k == "stateful":
@@ -285,11 +293,21 @@ def _restore(
     }
 
 
-def restore_job(rank: int, world: int, jobs: list[tuple[Any, ...]]) -> dict[str, Any]:
+def restore_job(
+    rank: int, world: int, jobs: list[tuple[Any, ...]], manager: str | None = None
+) -> dict[str, Any]:
     """Each job: (label, checkpoint path, loader kind, per-rank batch, steps or None for the rest of the epoch,
-    and optionally a run dir whose ledger the resumed steps continue)."""
+    and optionally a run dir whose ledger the resumed steps continue).  ``manager``: a CheckpointManager root
+    whose latest checkpoint ``restore_latest`` continues with a plain (tracked) DataLoader."""
     ckpt.data.register(StridedAdapter())
-    return {job[0]: _restore(*job[1:], rank=rank, world=world) for job in jobs}
+    out = {job[0]: _restore(*job[1:], rank=rank, world=world) for job in jobs}
+    if manager is not None:
+        loader = _loader("plain", rank, world, GLOBAL_BATCH // world)
+        with ckpt.CheckpointManager(manager, async_save=False) as mgr:
+            step = mgr.restore_latest(model=_tiny(), dataloader=loader)
+        it = iter(loader)
+        out["manager"] = {"step": step, "batches": [_ids(next(it)) for _ in range(AFTER)]}
+    return out
 
 
 def save_and_restore_job(rank: int, world: int, root: str, jobs: list[Any]) -> dict[str, Any]:
@@ -328,7 +346,7 @@ def runs(tmp_path_factory) -> dict[str, Any]:
     jobs[-3] = (*jobs[-3], f"{dp4}/run_small")
     jobs += [("trn", trn, "stateful", half, AFTER), ("back", back, "stateful", half, AFTER)]
     jobs += [("same", f"{dp2}/stateful", "stateful", half, AFTER)]
-    two = run_ranks(restore_job, 2, jobs)
+    two = run_ranks(restore_job, 2, jobs, f"{dp4}/mgr")
     ckpt.data.register(StridedAdapter())
     try:
         one = {k: _restore(f"{dp4}/{k}", k, GLOBAL_BATCH, AFTER, rank=0, world=1) for k in (*KINDS, "custom")}
@@ -376,6 +394,12 @@ def test_losses_continue_within_the_reduction_order(runs, move: str) -> None:
         for r in runs[move]:
             assert r[k]["losses"] == pytest.approx(want, rel=1e-12, abs=1e-15), f"{k}: {move}"
             assert len(r[k]["losses"]) == AFTER
+
+
+def test_manager_restore_latest_continues_on_another_dp_size(runs) -> None:
+    """The report behind this feature: saved on 4 ranks, ``restore_latest`` on 2 restarted from step 0."""
+    assert [r["manager"]["step"] for r in runs["4to2"]] == [SAVE_AT, SAVE_AT]
+    assert global_batches([r["manager"]["batches"] for r in runs["4to2"]]) == _after(runs["saved4"], "plain")
 
 
 def test_through_convert_to_neuron_dp2_and_back(runs) -> None:
