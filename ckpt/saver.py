@@ -27,13 +27,14 @@ from typing import Any
 
 import torch
 
+from . import data as data_mod
 from . import rng as rng_mod
+from . import rng_rule, treecodec
 from . import tokenizer as tokenizer_mod
-from . import treecodec
 from .commit import Receipt, build_manifest, data_file_name, publish, write_data_file
 from .distributed import Collective
 from .dtypes import dtype_name
-from .errors import AsyncSaveError, CheckpointExistsError, CkptError
+from .errors import AsyncSaveError, CheckpointExistsError, CkptError, StateMismatchError
 from .manifest import MANIFEST_NAME, Box, Layout, Manifest, TensorDesc
 from .planning import DEFAULT_CHUNK_BYTES, Piece, assign_writers, chunk_boxes, digest, local_box
 from .staging import HostStager
@@ -71,6 +72,7 @@ class _Job:
     started: float
     blocking_s: float
     on_commit: Callable[[SaveResult], None] | None = None
+    rng_seed: int | None = None
 
 
 def detect_backend(tensors: list[torch.Tensor]) -> str:
@@ -138,6 +140,7 @@ class Checkpointer:
         dataloader: Any = None,
         tokenizer: Any = None,
         rng: bool = True,
+        rng_seed: int | None = None,
         progress: dict[str, Any] | None = None,
         metadata: Any = None,
         layout: Layout | None = None,
@@ -150,6 +153,9 @@ class Checkpointer:
         Synchronous saves are complete (and raise) before returning; the future is already resolved.
         ``on_commit`` runs on rank 0 after the manifest is written (retention uses it); its errors only warn.
         ``extra`` becomes the manifest's ``extra`` (JSON; backend/converter facts such as ``extra.nxd``).
+        ``dataloader``: each rank's ``state_dict`` plus, for loaders a data adapter knows (ckpt.data), the global
+        data position that a restore on another DP size continues.  ``rng_seed``: the base seed from which a
+        restore on another DP size re-derives per-rank RNG streams (default: derived from rank 0's RNG state).
         """
         check_step(step)
         self.wait()
@@ -176,7 +182,8 @@ class Checkpointer:
         if rng:
             rank_trees["rng"] = rng_mod.capture()
         if dataloader is not None:
-            rank_trees["data"] = treecodec.encode(state_dict_of(dataloader, "dataloader"), "dataloader")
+            rank_trees["data"] = treecodec.encode(_loader_state(dataloader), "dataloader")
+            rank_trees["data_position"] = data_mod.position_of(dataloader)
 
         pieces, local = self._describe(named)
         rank0 = (
@@ -225,6 +232,7 @@ class Checkpointer:
             started=started,
             blocking_s=0.0,
             on_commit=on_commit,
+            rng_seed=rng_seed,
         )
         fut: Future = Future()
         job.blocking_s = time.perf_counter() - started
@@ -349,15 +357,35 @@ class Checkpointer:
             for p in pieces:
                 metas.setdefault(p.name, p.desc)
         receipts = [r["receipt"] for r in reports]
+        trees = dict(job.trees)
+        by_rank = sorted(reports, key=lambda r: r["rank"])
+        if any("data" in r["trees"] for r in by_rank):
+            trees["data_position"] = data_mod.merge_json(
+                [r["trees"].get("data_position") for r in by_rank], trees.get("progress", {})
+            )
+        rng_records = {str(r["rank"]): r["trees"]["rng"] for r in by_rank if "rng" in r["trees"]}
+        trees["rng_base"] = rng_rule.base_record(rng_records, job.rng_seed)
         return build_manifest(
             step=job.step,
             backend=job.backend,
             layout=job.layout,
             metas=metas.values(),
             receipts=receipts,
-            trees=job.trees,
+            trees=trees,
             rank_trees={r["receipt"].rank: r["trees"] for r in reports},
         )
+
+
+def _loader_state(loader: Any) -> Any:
+    """A loader's ``state_dict``; a plain DataLoader has none, and the fix is one call (ckpt.data.track)."""
+    from torch.utils.data import DataLoader
+
+    if isinstance(loader, DataLoader) and not hasattr(loader, "state_dict"):
+        raise StateMismatchError(
+            "dataloader= is a plain torch DataLoader, which keeps no position: wrap it with "
+            "ckpt.data.track(loader) and iterate the wrapper, or use torchdata's StatefulDataLoader"
+        )
+    return state_dict_of(loader, "dataloader")
 
 
 def default_layout(named: list[NamedTensor], world: int) -> Layout:
