@@ -165,13 +165,21 @@ class Checkpointer:
         if dataloader is not None:
             rank_trees["data"] = treecodec.encode(state_dict_of(dataloader, "dataloader"), "dataloader")
 
-        pieces, local = self._describe(named)
+        refused: CkptError | None = None
+        try:
+            self.check_state(named)
+            pieces, local = self._describe(named)
+        except CkptError as e:
+            if not self.coll.active:
+                raise
+            refused, pieces, local = e, [], {}
         rank0 = (
             {"attempt": uuid.uuid4().hex[:8], "exists": storage.exists(MANIFEST_NAME)}
-            if self.coll.rank == 0
+            if self.coll.rank == 0 and refused is None
             else None
         )
-        gathered = self.coll.all_gather((digest(pieces), rank0))
+        gathered = self.coll.all_gather((digest(pieces), rank0, None if refused is None else str(refused)))
+        _agree(refused, [g[2] for g in gathered])
         info = gathered[0][1]
         if info["exists"] and not overwrite:
             raise CheckpointExistsError(
@@ -246,6 +254,10 @@ class Checkpointer:
             self.wait()
         finally:
             self.stager.release()
+
+    def check_state(self, named: list[NamedTensor]) -> None:
+        """Refuse state this checkpointer cannot describe without guessing (an extension point; raises CkptError).
+        Called on every rank before anything is exchanged; a refusal on any rank fails the save on every rank."""
 
     def capture_optimizer(self, optimizer: Any, model: Any) -> tuple[list[NamedTensor], dict[str, Any]]:
         """Named tensors and JSON tree of ``optimizer``.  An extension point: optimizers whose ``state_dict`` is
@@ -345,6 +357,15 @@ class Checkpointer:
             trees=job.trees,
             rank_trees={r["receipt"].rank: r["trees"] for r in reports},
         )
+
+
+def _agree(mine: CkptError | None, errors: list[str | None]) -> None:
+    """Every rank raises when any rank refused: its own error, else the first refusing rank's."""
+    if mine is not None:
+        raise mine
+    for rank, err in enumerate(errors):
+        if err is not None:
+            raise CkptError(f"rank {rank} refused the save, nothing written: {err}")
 
 
 def default_layout(named: list[NamedTensor], world: int) -> Layout:

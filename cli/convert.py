@@ -86,6 +86,14 @@ def layout_options(fn: Callable[..., Any]) -> Callable[..., Any]:
 @click.option(
     "--config", "config_path", type=str, default=None, help="Hugging Face config.json of the model."
 )
+@click.option(
+    "--replicated",
+    "replicated",
+    multiple=True,
+    metavar="GLOB",
+    help="Neuron layouts: tensors the layout rules do not know (fnmatch glob over the whole name) that are "
+    "replicated on every TP rank; repeatable. Any other unknown tensor is refused.",
+)
 @click.option("--step", type=int, default=None, help="Step to record (default: the source's).")
 @click.option(
     "--xser/--no-xser", default=None, help="--format nxd: write torch_xla's xser form (default: SRC's)."
@@ -130,6 +138,7 @@ def convert(
     workers: int,
     max_shard_size: str,
     dry_run: bool,
+    replicated: tuple[str, ...],
     **flags: Any,
 ) -> None:
     """Convert checkpoint SRC into DST (SRC is never written; DST is committed atomically)."""
@@ -152,6 +161,7 @@ def convert(
         max_shard_bytes=parse_size(max_shard_size, "--max-shard-size"),
         xser=xser,
         codec=codec,
+        replicated=replicated,
     )
     run = RunOptions(workers=workers, allow_unmarked=allow_unmarked)
     if dry_run:

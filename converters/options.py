@@ -30,7 +30,10 @@ class ConvertOptions:
     fields (``{"tp": 8, "qkv_linear": True}``), default: the source's own Neuron layout, else NxdFlags' defaults;
     ``source_flags``: ``hw`` / ``kv_size_multiplier`` / ``virtual_pp`` (/ ``qkv_linear`` / ``fuse_qkv``) of an NxD tag
     source; ``config``: the HF ``config.json`` dict; ``step``: the step to record; ``max_shard_bytes``: HF shard size;
-    ``xser`` / ``zero1``: NxD output forms (default: the source's); ``codec``: our format's data codec.
+    ``xser`` / ``zero1``: NxD output forms (default: the source's); ``codec``: our format's data codec;
+    ``replicated``: globs (``fnmatch``, whole tensor names) of tensors the layout rule set does not know that are
+    replicated on every TP rank (``--replicated``); any other unknown tensor of a Neuron layout is refused, and the
+    copies of a declared one are compared wherever several are read.
     """
 
     to: Literal["cuda", "neuron"]
@@ -47,8 +50,12 @@ class ConvertOptions:
     #: NxD tag source: the parameter name of each optimizer pid per (tp, pp, ep) rank, for optimizers built with a
     #: param grouping other than one group or NxD's weight-decay split (see docs/nxd.md)
     param_names: Mapping[tuple[int, int, int], Sequence[str]] | None = field(default=None, hash=False)
+    replicated: Sequence[str] = ()
 
     def __post_init__(self) -> None:
+        if isinstance(self.replicated, str):
+            raise CkptError(f"replicated={self.replicated!r}: expected a list of globs, not one string")
+        object.__setattr__(self, "replicated", tuple(self.replicated))
         if self.to not in ("cuda", "neuron"):
             raise CkptError(f"--to {self.to!r} must be cuda or neuron")
         if self.format not in FORMATS:

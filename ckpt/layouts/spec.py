@@ -12,6 +12,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
 from ckpt.errors import LayoutError
+from ckpt.layouts.rules import DEFAULT_RULE_SET, Rule, rules_with
 
 Hardware = Literal["trn1", "trn2"]
 
@@ -127,9 +128,16 @@ class NxdFlags:
 
 @dataclass(frozen=True)
 class LayoutSpec(NxdFlags):
-    """An NxD parallel layout of one model: :class:`NxdFlags` plus the model's dimensions (keyword ``model``)."""
+    """An NxD parallel layout of one model: :class:`NxdFlags` plus the model's dimensions (keyword ``model``).
+
+    ``rule_set`` names the rules that split tensors over TP ranks; ``replicated`` are the user's globs for tensors
+    the rule set does not know that are replicated on every rank (``--replicated``); any other unknown name is
+    refused when a plan is made.
+    """
 
     model: ModelDims = field(kw_only=True)
+    rule_set: str = field(default=DEFAULT_RULE_SET, kw_only=True)
+    replicated: tuple[str, ...] = field(default=(), kw_only=True)
 
     def __post_init__(self) -> None:
         validate(self)
@@ -140,8 +148,25 @@ class LayoutSpec(NxdFlags):
         return cls(model=ModelDims.from_hf_config(config), **flags)
 
     @classmethod
-    def of(cls, model: ModelDims, flags: NxdFlags) -> LayoutSpec:
-        return cls(model=model, **{n: getattr(flags, n) for n in NxdFlags.names()})
+    def of(
+        cls,
+        model: ModelDims,
+        flags: NxdFlags,
+        *,
+        rule_set: str | None = None,
+        replicated: tuple[str, ...] | list[str] = (),
+    ) -> LayoutSpec:
+        return cls(
+            model=model,
+            rule_set=rule_set or DEFAULT_RULE_SET,
+            replicated=tuple(replicated),
+            **{n: getattr(flags, n) for n in NxdFlags.names()},
+        )
+
+    @property
+    def rules(self) -> tuple[Rule, ...]:
+        """The rule set's rules, then the declared replicated globs."""
+        return rules_with(self.rule_set, self.replicated)
 
     @property
     def num_stages(self) -> int:
