@@ -36,6 +36,7 @@ from .dtypes import dtype_name
 from .errors import AsyncSaveError, CheckpointExistsError, CkptError
 from .manifest import MANIFEST_NAME, Box, Layout, Manifest, TensorDesc
 from .planning import DEFAULT_CHUNK_BYTES, Piece, assign_writers, chunk_boxes, digest, local_box
+from .replicas import check_replicas
 from .staging import HostStager
 from .state import NamedTensor, model_tensors, optimizer_capture, state_dict_of
 from .storage import Storage, open_storage
@@ -87,6 +88,11 @@ class Checkpointer:
 
     ``async_save=True`` returns from :meth:`save` once tensors are staged in host memory; one save is in flight
     at a time; ``close()`` waits for it.
+
+    Replicated state (a box of a tensor that several ranks hold: DDP replicas, TP-replicated norms) is written by one
+    rank only, so its copies are compared first (:func:`ckpt.replicas.check_replicas`, xxh3 digests all-gathered):
+    on the first save of this checkpointer, and on every save when ``verify_replicas=True`` here or in
+    :meth:`save`.  A copy that differs refuses the save on every rank (``ReplicaMismatchError``), nothing written.
     """
 
     def __init__(
@@ -99,8 +105,11 @@ class Checkpointer:
         storage_options: dict[str, Any] | None = None,
         layout_hook: LayoutHook | None = None,
         stager: Any = None,
+        verify_replicas: bool = False,
     ) -> None:
         self.async_save = async_save
+        self.verify_replicas = verify_replicas
+        self._replicas_checked = False
         self.coll = Collective(process_group)
         self.chunk_bytes = chunk_bytes
         self.codec = codec
@@ -132,12 +141,15 @@ class Checkpointer:
         extra: dict[str, Any] | None = None,
         overwrite: bool = False,
         on_commit: Callable[[SaveResult], None] | None = None,
+        verify_replicas: bool | None = None,
     ) -> Future:
         """Save one checkpoint to ``path`` (its own directory/prefix). Returns a future of :class:`SaveResult`.
 
         Synchronous saves are complete (and raise) before returning; the future is already resolved.
         ``on_commit`` runs on rank 0 after the manifest is written (retention uses it); its errors only warn.
         ``extra`` becomes the manifest's ``extra`` (JSON; backend/converter facts such as ``extra.nxd``).
+        ``verify_replicas``: compare replicated copies across ranks in this save (default: on the first save of this
+        checkpointer, or always if it was made with ``verify_replicas=True``).
         """
         self.wait()
         started = time.perf_counter()
@@ -190,6 +202,10 @@ class Checkpointer:
             self._per_rank = self.coll.all_gather(pieces)
             self._plan = assign_writers(self._per_rank)
             self._plan_key = key
+        check = verify_replicas if verify_replicas is not None else self.verify_replicas
+        if (check or not self._replicas_checked) and self.coll.world_size > 1:
+            check_replicas(self.coll, self._per_rank, local)
+            self._replicas_checked = True
         if info["exists"] and self.coll.rank == 0:
             storage.delete(MANIFEST_NAME)
         assert self._plan is not None

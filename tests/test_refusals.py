@@ -173,3 +173,26 @@ def test_existing_fixtures_unchanged_by_explicit_rules(tmp_path: Path) -> None:
     """Every fixture still converts (explicit replicated rules cover norms); RunOptions untouched."""
     for tag in ("nxd_from_full_tp2_pp2", "nxd_from_full_tp2_qkvlinear"):
         convert(str(ROOT / tag), str(tmp_path / tag), ConvertOptions(to="cuda", config=CONFIG), RunOptions())
+
+
+# --------------------------------------------------------------------------------- 2. replicas compared
+
+
+def _diverge_norm(state: dict, tp: int, pp: int) -> None:
+    """TP rank 1's copy of one replicated norm drifts by one ulp (a desynchronised run)."""
+    name = "model.layers.0.input_layernorm.weight"
+    if tp == 1 and name in state:
+        state[name] = torch.nextafter(state[name], torch.full_like(state[name], 2.0))
+
+
+@pytest.mark.parametrize("verify", [True, False])
+def test_diverged_replicated_norm_refused_by_convert_and_import(tmp_path: Path, verify: bool) -> None:
+    tag = _tamper(PP_TAG, tmp_path / "tag", _diverge_norm)
+    run = RunOptions(verify=verify)
+    for to in ("cuda", "neuron"):
+        with pytest.raises(LayoutError, match="input_layernorm.weight: the copy stored on tp 1 pp 0 differs"):
+            convert(str(tag), str(tmp_path / to), ConvertOptions(to=to, config=CONFIG), run)  # type: ignore[arg-type]
+        assert not (tmp_path / to).exists()
+    with pytest.raises(LayoutError, match="the copy stored on tp 1 pp 0 differs"):
+        import_tag(tag, str(tmp_path / "imp"), verify=verify)
+    assert not (tmp_path / "imp").exists()

@@ -313,6 +313,7 @@ class NeuronCheckpointManager(CheckpointManager):
             chunk_bytes=core.chunk_bytes,
             codec=core.codec,
             storage_options=core.storage_options,
+            verify_replicas=core.verify_replicas,
             **neuron,
         )
         self.coll = self.checkpointer.coll
