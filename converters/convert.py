@@ -62,6 +62,14 @@ def open_source(src: str, opts: ConvertOptions, run: RunOptions | None = None) -
         param_names=opts.param_names,
         replicated=tuple(opts.replicated),
     )
+    if opts.model_type is not None and source.config is not None:
+        have = source.config.get("model_type")
+        if have is not None and have != opts.model_type:
+            source.close()
+            raise LayoutError(
+                f"--model-type {opts.model_type} contradicts {src}'s config model_type {have!r}"
+            )
+        source.config = {**source.config, "model_type": opts.model_type}
     if opts.replicated and source.record is not None:
         merged = tuple(dict.fromkeys((*source.record.replicated, *opts.replicated)))
         source.record = dataclasses.replace(source.record, replicated=merged)

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from ckpt.errors import CkptError
+from ckpt.errors import CkptError, LayoutError
 from ckpt.layouts.spec import NxdFlags
 
 DEFAULT_FLUSH_BYTES = 64 << 20
@@ -51,8 +51,17 @@ class ConvertOptions:
     #: param grouping other than one group or NxD's weight-decay split (see docs/nxd.md)
     param_names: Mapping[tuple[int, int, int], Sequence[str]] | None = field(default=None, hash=False)
     replicated: Sequence[str] = ()
+    #: the HF ``model_type`` of a model whose config.json lacks one (``--model-type``); contradicting it is refused
+    model_type: str | None = None
 
     def __post_init__(self) -> None:
+        if self.model_type is not None and self.config is not None:
+            have = self.config.get("model_type")
+            if have is not None and have != self.model_type:
+                raise LayoutError(
+                    f"--model-type {self.model_type} contradicts config.json model_type {have!r}"
+                )
+            object.__setattr__(self, "config", {**self.config, "model_type": self.model_type})
         if isinstance(self.replicated, str):
             raise CkptError(f"replicated={self.replicated!r}: expected a list of globs, not one string")
         object.__setattr__(self, "replicated", tuple(self.replicated))

@@ -150,25 +150,6 @@ def test_cli_replicated_flag(tmp_path: Path) -> None:
     assert r.exit_code == 0, r.output
 
 
-def test_neuron_saver_refuses_unknown_parameter_without_attributes(tmp_path: Path) -> None:
-    from ckpt.neuron import NeuronCheckpointer
-
-    model = torch.nn.Module()
-    model.add_module("norm", torch.nn.Module())
-    model.norm.register_parameter("weight", torch.nn.Parameter(torch.ones(4)))
-    model.add_module("router", torch.nn.Linear(4, 4, bias=False))
-    saver = NeuronCheckpointer(tp_rank=0, tp_size=2)
-    with pytest.raises(LayoutError, match=r"1 tensor\(s\) match no rule .*: router.weight"):
-        saver.save(str(tmp_path / "a"), step=1, model=model)
-    assert not (tmp_path / "a").exists()
-    saver.close()
-    saver = NeuronCheckpointer(tp_rank=0, tp_size=2, replicated=["router.*"])
-    saver.save(str(tmp_path / "b"), step=1, model=model).result()
-    saver.close()
-    m = open_checkpoint(str(tmp_path / "b")).manifest
-    assert m.tensors["router.weight"].partition is None and m.extra["nxd"]["replicated"] == ["router.*"]
-
-
 def test_existing_fixtures_unchanged_by_explicit_rules(tmp_path: Path) -> None:
     """Every fixture still converts (explicit replicated rules cover norms); RunOptions untouched."""
     for tag in ("nxd_from_full_tp2_pp2", "nxd_from_full_tp2_qkvlinear"):
@@ -196,3 +177,50 @@ def test_diverged_replicated_norm_refused_by_convert_and_import(tmp_path: Path, 
     with pytest.raises(LayoutError, match="the copy stored on tp 1 pp 0 differs"):
         import_tag(tag, str(tmp_path / "imp"), verify=verify)
     assert not (tmp_path / "imp").exists()
+
+
+# --------------------------------------------------------------------------------- 4. layouts not handled
+
+
+def test_tied_embeddings_with_pp_refused() -> None:
+    from ckpt.layouts import LayoutSpec
+
+    cfg = {**CONFIG, "tie_word_embeddings": True}
+    with pytest.raises(LayoutError, match="tie_word_embeddings with --pp 2 is not supported"):
+        LayoutSpec.from_hf_config(cfg, tp=2, pp=2)
+    assert LayoutSpec.from_hf_config(cfg, tp=2, pp=1).model.tie_word_embeddings
+
+
+def test_unsupported_model_type_reaching_nxd_source_is_named(tmp_path: Path) -> None:
+    cfg = {**CONFIG, "model_type": "gpt_neox"}
+    for tag in (PP_TAG, ROOT / "nxd_from_full_tp2_qkvlinear"):
+        with pytest.raises(LayoutError, match="model_type 'gpt_neox' is not covered by rule set nxd-llama"):
+            convert(str(tag), str(tmp_path / "out"), ConvertOptions(to="cuda", config=cfg))
+        with pytest.raises(LayoutError, match="model_type 'gpt_neox' is not covered"):
+            import_tag(tag, str(tmp_path / "imp"), config=cfg)
+        assert not (tmp_path / "out").exists() and not (tmp_path / "imp").exists()
+
+
+def test_config_without_model_type_refused_unless_given(tmp_path: Path) -> None:
+    cfg = {k: v for k, v in CONFIG.items() if k != "model_type"}
+    with pytest.raises(LayoutError, match="config.json has no model_type.*--model-type"):
+        convert(str(PP_TAG), str(tmp_path / "out"), ConvertOptions(to="cuda", config=cfg))
+    assert not (tmp_path / "out").exists()
+    convert(str(PP_TAG), str(tmp_path / "out"), ConvertOptions(to="cuda", config=cfg, model_type="llama"))
+    assert open_checkpoint(str(tmp_path / "out")).manifest.extra["config"]["model_type"] == "llama"
+    with pytest.raises(LayoutError, match="--model-type mistral contradicts"):
+        ConvertOptions(to="cuda", config=CONFIG, model_type="mistral")
+    (tmp_path / "cfg.json").write_text(__import__("json").dumps(cfg))
+    base = [
+        "convert",
+        str(PP_TAG),
+        str(tmp_path / "cli"),
+        "--to",
+        "cuda",
+        "--config",
+        str(tmp_path / "cfg.json"),
+    ]
+    r = CliRunner().invoke(cli, base)
+    assert r.exit_code == 2 and "no model_type" in r.output and not (tmp_path / "cli").exists(), r.output
+    r = CliRunner().invoke(cli, [*base, "--model-type", "llama"])
+    assert r.exit_code == 0, r.output

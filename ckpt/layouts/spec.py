@@ -20,6 +20,17 @@ Hardware = Literal["trn1", "trn2"]
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 
 
+def _model_type(config: Mapping[str, Any]) -> str:
+    """The config's ``model_type``; a config without one is refused (it decides the tensor names and rules)."""
+    mt = config.get("model_type")
+    if not isinstance(mt, str) or not mt:
+        raise LayoutError(
+            "config.json has no model_type, which decides the layout rules; pass --model-type "
+            f"({'|'.join(SUPPORTED_MODEL_TYPES)}) if the model is one of them (library: ConvertOptions(model_type=))"
+        )
+    return mt
+
+
 @dataclass(frozen=True)
 class ModelDims:
     """The few numbers of a decoder-only model that decide every tensor's shape and split."""
@@ -52,7 +63,7 @@ class ModelDims:
                 layers=int(config["num_hidden_layers"]),
                 vocab=int(config["vocab_size"]),
                 intermediate=int(config["intermediate_size"]),
-                model_type=str(config.get("model_type", "llama")),
+                model_type=_model_type(config),
                 tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
             )
         except KeyError as e:
@@ -263,6 +274,11 @@ def validate(spec: LayoutSpec) -> None:
                 f"{spec.kv_slots} == --tp {tp} (NxD trn2 kv groups are adjacent ranks holding one KV head); "
                 f"use --kv-size-multiplier {_suggest_mult(m.kv_heads, tp)}"
             )
+    if m.tie_word_embeddings and spec.pp > 1:
+        raise LayoutError(
+            f"config tie_word_embeddings with --pp {spec.pp} is not supported: NxD then keeps the tied embedding on "
+            "the first and last stages, a layout this converter does not map; use --pp 1 or untie the weights"
+        )
     if m.layers < spec.num_stages:
         raise LayoutError(
             f"--pp {spec.pp} x --virtual-pp {spec.virtual_pp} = {spec.num_stages} stages exceed "

@@ -59,7 +59,8 @@ class NeuronCheckpointer(Checkpointer):
 
     Args:
         parallel: this process's ranks and sizes; default ``ParallelInfo.detect(**parallel_args)`` (NxD's
-            parallel state when importable, explicit ``tp_rank=``/``tp_size=``/... otherwise).
+            parallel state when importable, explicit ``tp_rank=``/``tp_size=``/... otherwise).  The sizes must
+            multiply to the process group's size; several ranks with neither NxD state nor sizes are refused.
         rule_set: layout rules for parameters without NxD TP attributes (``"nxd-llama"``; None: replicated).
         kv_size_multiplier, hw, virtual_pp: NxD flags recorded in ``extra.nxd`` for converters.
         fuse_qkv, qkv_linear: recorded too; None infers them from the parameter names.
@@ -94,8 +95,8 @@ class NeuronCheckpointer(Checkpointer):
         **options: Any,
     ) -> None:
         super().__init__(stager=stager or XlaStager(), **options)
-        self.parallel = parallel or ParallelInfo.detect(
-            tp_rank=tp_rank, tp_size=tp_size, pp_rank=pp_rank, pp_size=pp_size,
+        self.parallel = ParallelInfo.for_world(
+            self.coll.world_size, parallel, tp_rank=tp_rank, tp_size=tp_size, pp_rank=pp_rank, pp_size=pp_size,
             dp_rank=dp_rank, dp_size=dp_size, ep_rank=ep_rank, ep_size=ep_size,
         )  # fmt: skip
         self.rule_set = rule_set

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from ckpt.errors import CkptError
+from ckpt.errors import CkptError, LayoutError
 from ckpt.layouts.names import nxd_to_hf_names
 from ckpt.layouts.partition import Partition, nxd_partition
 from ckpt.layouts.rules import check_known, rules_with
@@ -93,7 +93,14 @@ class NxdLayout:
             found = attribute_partition(param)
         if found is False:
             source = self.rule_set or ""
-            found = nxd_partition(name, self.rule_set, self.replicated) if self.rule_set is not None else None
+            try:
+                found = (
+                    nxd_partition(name, self.rule_set, self.replicated) if self.rule_set is not None else None
+                )
+            except LayoutError:
+                if self.parallel.tp_size > 1:
+                    raise
+                found = None  # TP 1: the tensor is whole on this rank whatever its rule would be
         part = None
         if found:
             dim, stride = found  # type: ignore[misc]

@@ -181,6 +181,8 @@ class NxdTagSource(Source):
             (h for n in names for h in nxd_to_hf_names(n)), rules_with(rule_set, replicated), rule_set
         )
         record = NxdRecord(rule_set=rule_set, config=self.config, replicated=replicated, **detected)
+        if self.config:  # the model the tag holds must be one the rule set covers (model type, dims, flags)
+            record.spec(tp=tp, pp=pp, dp=meta.dp_size, where=self.path)
         if self.config and pp > 1 and "virtual_pp" not in given:
             record = self._detect_virtual_pp(record, tp, pp, meta.dp_size)
         self.zero1 = meta.zero1
