@@ -37,6 +37,7 @@ from .dtypes import dtype_name
 from .errors import AsyncSaveError, CheckpointExistsError, CkptError, StateMismatchError
 from .manifest import MANIFEST_NAME, Box, Layout, Manifest, TensorDesc
 from .planning import DEFAULT_CHUNK_BYTES, Piece, assign_writers, chunk_boxes, digest, local_box
+from .replicas import check_replicas
 from .staging import HostStager
 from .state import NamedTensor, model_tensors, optimizer_capture, state_dict_of
 from .storage import Storage, open_storage
@@ -101,6 +102,11 @@ class Checkpointer:
 
     ``async_save=True`` returns from :meth:`save` once tensors are staged in host memory; one save is in flight
     at a time; ``close()`` waits for it.
+
+    Replicated state (a box of a tensor that several ranks hold: DDP replicas, TP-replicated norms) is written by one
+    rank only, so its copies are compared first (:func:`ckpt.replicas.check_replicas`, xxh3 digests all-gathered):
+    on the first save of this checkpointer, and on every save when ``verify_replicas=True`` here or in
+    :meth:`save`.  A copy that differs refuses the save on every rank (``ReplicaMismatchError``), nothing written.
     """
 
     def __init__(
@@ -113,8 +119,11 @@ class Checkpointer:
         storage_options: dict[str, Any] | None = None,
         layout_hook: LayoutHook | None = None,
         stager: Any = None,
+        verify_replicas: bool = False,
     ) -> None:
         self.async_save = async_save
+        self.verify_replicas = verify_replicas
+        self._replicas_checked = False
         self.coll = Collective(process_group)
         self.chunk_bytes = chunk_bytes
         self.codec = codec
@@ -147,6 +156,7 @@ class Checkpointer:
         extra: dict[str, Any] | None = None,
         overwrite: bool = False,
         on_commit: Callable[[SaveResult], None] | None = None,
+        verify_replicas: bool | None = None,
     ) -> Future:
         """Save one checkpoint to ``path`` (its own directory/prefix). Returns a future of :class:`SaveResult`.
 
@@ -156,6 +166,8 @@ class Checkpointer:
         ``dataloader``: each rank's ``state_dict`` plus, for loaders a data adapter knows (ckpt.data), the global
         data position that a restore on another DP size continues.  ``rng_seed``: the base seed from which a
         restore on another DP size re-derives per-rank RNG streams (default: derived from rank 0's RNG state).
+        ``verify_replicas``: compare replicated copies across ranks in this save (default: on the first save of this
+        checkpointer, or always if it was made with ``verify_replicas=True``).
         """
         check_step(step)
         self.wait()
@@ -185,13 +197,21 @@ class Checkpointer:
             rank_trees["data"] = treecodec.encode(_loader_state(dataloader), "dataloader")
             rank_trees["data_position"] = data_mod.position_of(dataloader)
 
-        pieces, local = self._describe(named)
+        refused: CkptError | None = None
+        try:
+            self.check_state(named)
+            pieces, local = self._describe(named)
+        except CkptError as e:
+            if not self.coll.active:
+                raise
+            refused, pieces, local = e, [], {}
         rank0 = (
             {"attempt": uuid.uuid4().hex[:8], "exists": storage.exists(MANIFEST_NAME)}
-            if self.coll.rank == 0
+            if self.coll.rank == 0 and refused is None
             else None
         )
-        gathered = self.coll.all_gather((digest(pieces), rank0))
+        gathered = self.coll.all_gather((digest(pieces), rank0, None if refused is None else str(refused)))
+        _agree(refused, [g[2] for g in gathered])
         info = gathered[0][1]
         if info["exists"] and not overwrite:
             raise CheckpointExistsError(
@@ -202,6 +222,10 @@ class Checkpointer:
             self._per_rank = self.coll.all_gather(pieces)
             self._plan = assign_writers(self._per_rank)
             self._plan_key = key
+        check = verify_replicas if verify_replicas is not None else self.verify_replicas
+        if (check or not self._replicas_checked) and self.coll.world_size > 1:
+            check_replicas(self.coll, self._per_rank, local)
+            self._replicas_checked = True
         if info["exists"] and self.coll.rank == 0:
             storage.delete(MANIFEST_NAME)
         assert self._plan is not None
@@ -267,6 +291,10 @@ class Checkpointer:
             self.wait()
         finally:
             self.stager.release()
+
+    def check_state(self, named: list[NamedTensor]) -> None:
+        """Refuse state this checkpointer cannot describe without guessing (an extension point; raises CkptError).
+        Called on every rank before anything is exchanged; a refusal on any rank fails the save on every rank."""
 
     def capture_optimizer(self, optimizer: Any, model: Any) -> tuple[list[NamedTensor], dict[str, Any]]:
         """Named tensors and JSON tree of ``optimizer``.  An extension point: optimizers whose ``state_dict`` is
@@ -386,6 +414,15 @@ def _loader_state(loader: Any) -> Any:
             "ckpt.data.track(loader) and iterate the wrapper, or use torchdata's StatefulDataLoader"
         )
     return state_dict_of(loader, "dataloader")
+
+
+def _agree(mine: CkptError | None, errors: list[str | None]) -> None:
+    """Every rank raises when any rank refused: its own error, else the first refusing rank's."""
+    if mine is not None:
+        raise mine
+    for rank, err in enumerate(errors):
+        if err is not None:
+            raise CkptError(f"rank {rank} refused the save, nothing written: {err}")
 
 
 def default_layout(named: list[NamedTensor], world: int) -> Layout:
