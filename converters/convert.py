@@ -32,6 +32,7 @@ from .engine import (
     run_torchrun,
     run_workers,
 )
+from .engine.memory import estimate
 from .options import ConvertOptions, RunOptions, load_config
 
 _LAYOUT_NAMES = {"cuda": "CUDA", "neuron": "Neuron"}
@@ -124,8 +125,10 @@ def make_export(conv: Conversion, opts: ConvertOptions, run: RunOptions) -> Expo
 
 
 def describe(conv: Conversion, opts: ConvertOptions, run: RunOptions | None = None) -> dict[str, Any]:
-    """The dry-run report: what would be written and the estimated peak memory of one worker."""
+    """The dry-run report: what would be written and the estimated peak memory of one worker (anonymous memory on
+    top of the interpreter, from the plan and the export that would run it: :mod:`.engine.memory`)."""
     run = run or RunOptions()
+    mem = estimate(conv, make_export(conv, opts, run))
     roles: dict[str, int] = {}
     for t in conv.tensors:
         roles[t.desc.role] = roles.get(t.desc.role, 0) + 1
@@ -136,7 +139,8 @@ def describe(conv: Conversion, opts: ConvertOptions, run: RunOptions | None = No
         "by_role": roles,
         "bytes": conv.nbytes,
         "largest_tensor": max((t.desc.nbytes for t in conv.tensors), default=0),
-        "peak_memory_estimate": conv.peak_bytes_estimate(2 * run.flush_bytes if opts.format == "ckpt" else 0),
+        "peak_memory_estimate": mem.total,
+        "peak_memory": {"part": mem.part, "source_cache": mem.source, "target": mem.export},
         "step": conv.trees.step,
         "workers": run.workers,
     }

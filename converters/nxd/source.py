@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 import warnings
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -327,6 +327,21 @@ class NxdTagSource(Source):
         if isinstance(t, Deferred):
             t = self._merged(piece.rank, piece.name, t)
         return slice_of(t, piece)
+
+    def read_anon(self, piece: Piece) -> int:
+        """Model tensors and plain optimizer states are views of memory-mapped files (a legacy non-zip file is read
+        whole); a ZeRO-1 state is merged over DP into one new rank-local tensor."""
+        desc = self.tensors[piece.name]
+        if desc.role == "optimizer_state" and self.zero1:
+            return self.stored_bytes(piece)
+        return self.stored_bytes(piece) if self.r.meta.legacy else 0
+
+    def cache_bytes(self, pieces: Iterable[Piece]) -> int:
+        """The two merged ZeRO-1 tensors :meth:`_merged` keeps."""
+        if not self.zero1:
+            return 0
+        merged = (self.stored_bytes(p) for p in pieces if self.tensors[p.name].role == "optimizer_state")
+        return 2 * max(merged, default=0)
 
     def _merged(self, rank: tuple[int, int], name: str, d: Deferred) -> torch.Tensor:
         """A ZeRO-1 tensor merged over DP, kept while the next pieces of it are read (a rank tensor split into
