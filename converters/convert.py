@@ -33,6 +33,7 @@ from .engine import (
     run_torchrun,
     run_workers,
 )
+from .engine.memory import estimate
 from .options import ConvertOptions, RunOptions, load_config
 
 _LAYOUT_NAMES = {"cuda": "CUDA", "neuron": "Neuron"}
@@ -181,10 +182,12 @@ def make_export(conv: Conversion, opts: ConvertOptions, run: RunOptions) -> Expo
 
 
 def describe(conv: Conversion, opts: ConvertOptions, run: RunOptions | None = None) -> dict[str, Any]:
-    """The dry-run report: what would be written and the estimated peak memory of one worker."""
+    """The dry-run report: what would be written and the estimated peak memory of one worker (anonymous memory on
+    top of the interpreter, from the plan and the export that would run it: :mod:`.engine.memory`)."""
     run = run or RunOptions()
     export = make_export(conv, opts, run)  # plans only; nothing is written before begin()
     written = written_tensors(conv, export)
+    mem = estimate(conv, export)
     roles: dict[str, int] = {}
     for t in written:
         roles[t.desc.role] = roles.get(t.desc.role, 0) + 1
@@ -196,7 +199,8 @@ def describe(conv: Conversion, opts: ConvertOptions, run: RunOptions | None = No
         "bytes": sum(t.desc.nbytes for t in written),
         "not_written": list(getattr(export, "not_written", ())),
         "largest_tensor": max((t.desc.nbytes for t in written), default=0),
-        "peak_memory_estimate": conv.peak_bytes_estimate(2 * run.flush_bytes if opts.format == "ckpt" else 0),
+        "peak_memory_estimate": mem.total,
+        "peak_memory": {"part": mem.part, "source_cache": mem.source, "target": mem.export},
         "step": conv.trees.step,
         "workers": run.workers,
     }
