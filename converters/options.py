@@ -18,7 +18,7 @@ from ckpt.layouts.spec import NxdFlags
 
 DEFAULT_FLUSH_BYTES = 64 << 20
 DEFAULT_SHARD_BYTES = 5 << 30
-FORMATS = ("ckpt", "hf", "dcp", "nxd")
+FORMATS = ("ckpt", "hf", "dcp", "nxd", "peft")
 
 
 @dataclass(frozen=True)
@@ -30,7 +30,8 @@ class ConvertOptions:
     fields (``{"tp": 8, "qkv_linear": True}``), default: the source's own Neuron layout, else NxdFlags' defaults;
     ``source_flags``: ``hw`` / ``kv_size_multiplier`` / ``virtual_pp`` (/ ``qkv_linear`` / ``fuse_qkv``) of an NxD tag
     source; ``config``: the HF ``config.json`` dict; ``step``: the step to record; ``max_shard_bytes``: HF shard size;
-    ``xser`` / ``zero1``: NxD output forms (default: the source's); ``codec``: our format's data codec.
+    ``xser`` / ``zero1``: NxD output forms (default: the source's); ``codec``: our format's data codec; ``peft``
+    is the LoRA adapter format (see :mod:`.lora`).
     """
 
     to: Literal["cuda", "neuron"]
@@ -47,6 +48,8 @@ class ConvertOptions:
     #: NxD tag source: the parameter name of each optimizer pid per (tp, pp, ep) rank, for optimizers built with a
     #: param grouping other than one group or NxD's weight-decay split (see docs/nxd.md)
     param_names: Mapping[tuple[int, int, int], Sequence[str]] | None = field(default=None, hash=False)
+    #: a LoRA adapter (PEFT folder or NxD LoRA tag) to merge into SRC, the base HF model (``--merge-lora``)
+    merge_lora: str | None = None
 
     def __post_init__(self) -> None:
         if self.to not in ("cuda", "neuron"):
