@@ -126,6 +126,7 @@ def build_manifest(
         environment=env if env is not None else environment.capture(layout.world_size),
         user=trees.get("user"),
         extra=trees.get("extra", {}),
+        adapter=trees.get("adapter"),
     )
 
 

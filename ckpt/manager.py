@@ -15,7 +15,7 @@ from typing import Any
 
 from .discovery import CheckpointInfo, list_checkpoints, missing_files, step_dir
 from .distributed import Collective
-from .errors import CkptError
+from .errors import BaseMismatchError, CkptError
 from .loader import RestoreResult, restore
 from .manifest import MANIFEST_NAME
 from .reader import CheckpointReader
@@ -167,8 +167,12 @@ class CheckpointManager:
                 reader = CheckpointReader(self.path_for(step), self.storage_options)
                 result = restore(reader, layout_hook=self.layout_hook, **state)
             except CkptError as e:
-                error = str(e)
-            errors = [e for e in self.coll.all_gather(error) if e is not None]
+                error = (str(e), isinstance(e, BaseMismatchError))
+            gathered = [e for e in self.coll.all_gather(error) if e is not None]
+            fatal = [msg for msg, is_fatal in gathered if is_fatal]
+            if fatal:  # every rank raises: older steps share the base, falling back would start from scratch
+                raise BaseMismatchError(fatal[0])
+            errors = [msg for msg, _ in gathered]
             if errors:
                 warnings.warn(
                     f"checkpoint step {step} could not be restored, falling back: {errors[0]}", stacklevel=2

@@ -27,9 +27,9 @@ from typing import Any
 
 import torch
 
+from . import adapters, treecodec
 from . import rng as rng_mod
 from . import tokenizer as tokenizer_mod
-from . import treecodec
 from .commit import Receipt, build_manifest, data_file_name, publish, write_data_file
 from .distributed import Collective
 from .dtypes import dtype_name
@@ -112,6 +112,7 @@ class Checkpointer:
         self._per_rank: list[list[Piece]] | None = None
         self._inflight: Future | None = None
         self._thread: threading.Thread | None = None
+        self._base = adapters.BaseTracker()
 
     # ------------------------------------------------------------------------------------------------ public
     def save(
@@ -132,19 +133,31 @@ class Checkpointer:
         extra: dict[str, Any] | None = None,
         overwrite: bool = False,
         on_commit: Callable[[SaveResult], None] | None = None,
+        adapter_only: bool = False,
+        base_source: str | None = None,
     ) -> Future:
         """Save one checkpoint to ``path`` (its own directory/prefix). Returns a future of :class:`SaveResult`.
 
         Synchronous saves are complete (and raise) before returning; the future is already resolved.
         ``on_commit`` runs on rank 0 after the manifest is written (retention uses it); its errors only warn.
         ``extra`` becomes the manifest's ``extra`` (JSON; backend/converter facts such as ``extra.nxd``).
+        ``adapter_only=True`` (a fine-tune of a frozen base: PEFT, NxD ``LoraModel``) saves the trainable parameters
+        only, with their optimizer state, and records the frozen base by identity in ``manifest.adapter``
+        (:mod:`ckpt.adapters`; ``base_source`` says where the base was loaded from, default: its config's
+        ``_name_or_path``).  Save the base itself once with a plain save when it is not on storage already.
         """
         self.wait()
         started = time.perf_counter()
         storage = open_storage(path, self.storage_options)
         named: list[NamedTensor] = []
         trees: dict[str, Any] = {"progress": {"step": step, **(progress or {})}}
-        if model is not None:
+        ident = None
+        if adapter_only:
+            if model is None:
+                raise CkptError("adapter_only=True needs model= (its trainable parameters are the adapter)")
+            named.extend(model_tensors(adapters.trainable(model)))
+            ident = self._base.identity(model, base_source)
+        elif model is not None:
             named.extend(model_tensors(model))
         if optimizer is not None:
             opt_tensors, trees["optimizer"] = self.capture_optimizer(optimizer, model)
@@ -171,8 +184,10 @@ class Checkpointer:
             if self.coll.rank == 0
             else None
         )
-        gathered = self.coll.all_gather((digest(pieces), rank0))
+        gathered = self.coll.all_gather((digest(pieces), rank0, ident))
         info = gathered[0][1]
+        if adapter_only:
+            trees["adapter"] = adapters.manifest_record([g[2] for g in gathered])
         if info["exists"] and not overwrite:
             raise CheckpointExistsError(
                 f"{storage.display(MANIFEST_NAME)} already exists: step {step} is committed (pass overwrite=True)"

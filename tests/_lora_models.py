@@ -18,7 +18,7 @@ def tiny_config(family: str, dtype: torch.dtype = torch.float32):  # noqa: ANN20
 
     common = dict(
         hidden_size=64, intermediate_size=96, num_attention_heads=8, num_key_value_heads=2, num_hidden_layers=2,
-        vocab_size=96, max_position_embeddings=64, torch_dtype=dtype,
+        vocab_size=96, max_position_embeddings=64, dtype=dtype,
     )  # fmt: skip
     if family == "llama":
         return LlamaConfig(**common)
@@ -32,7 +32,7 @@ def build(family: str, *, seed: int = 0, shared: tuple[str, ...] = ("mlp",), r: 
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    base = AutoModelForCausalLM.from_config(tiny_config(family, dtype), torch_dtype=dtype)
+    base = AutoModelForCausalLM.from_config(tiny_config(family, dtype), dtype=dtype)
     model = get_peft_model(
         base, LoraConfig(r=r, lora_alpha=8, target_modules=TARGETS, lora_dropout=0.0, use_rslora=rslora)
     )
