@@ -86,6 +86,28 @@ def _config_of(model: torch.nn.Module) -> dict[str, Any] | None:
         return None
 
 
+def lora_config(model: Any) -> dict[str, Any] | None:
+    """The adapter's own hyper-parameters, so a converter can write them out: ``{"peft": <adapter_config.json
+    dict>}`` for a PEFT model (its active adapter, as ``save_pretrained`` would write it), ``{"nxd": <LoraConfig
+    fields>}`` for NxD's ``LoraModel``, else None."""
+    peft_cfg = getattr(model, "peft_config", None)
+    if isinstance(peft_cfg, dict) and peft_cfg:
+        name = getattr(model, "active_adapter", None)
+        cfg = peft_cfg.get(name if isinstance(name, str) else next(iter(peft_cfg)))
+        to_dict = getattr(cfg, "to_dict", None)
+        if callable(to_dict):
+            d = {k: sorted(v) if isinstance(v, set) else v for k, v in to_dict().items()}
+            d["inference_mode"] = True  # what PeftModel.save_pretrained writes
+            return {"peft": json.loads(json.dumps(d, default=str))}
+    nxd_cfg = getattr(model, "lora_config", None)
+    if nxd_cfg is not None and hasattr(nxd_cfg, "lora_rank"):
+        import dataclasses
+
+        if dataclasses.is_dataclass(nxd_cfg):
+            return {"nxd": json.loads(json.dumps(dataclasses.asdict(nxd_cfg), default=str))}
+    return None
+
+
 def _source_of(model: torch.nn.Module, config: dict[str, Any] | None) -> str | None:
     if config and config.get("_name_or_path"):
         return str(config["_name_or_path"])
@@ -131,10 +153,12 @@ class BaseTracker:
         return self._identity
 
 
-def manifest_record(per_rank: list[BaseIdentity]) -> dict[str, Any]:
-    """``manifest.adapter``: the base's identity as every rank saw it (rank 0's config and source)."""
+def manifest_record(per_rank: list[BaseIdentity], lora: dict[str, Any] | None = None) -> dict[str, Any]:
+    """``manifest.adapter``: the base's identity as every rank saw it (rank 0's config and source), and the
+    adapter's own config (:func:`lora_config`) when known."""
     first = per_rank[0]
     return {
+        "lora": lora,
         "base": {
             "digest": first.digest,
             "rank_digests": [b.digest for b in per_rank],
@@ -142,7 +166,7 @@ def manifest_record(per_rank: list[BaseIdentity]) -> dict[str, Any]:
             "bytes": sum(b.bytes for b in per_rank),
             "config": first.config,
             "source": first.source,
-        }
+        },
     }
 
 
@@ -175,6 +199,7 @@ __all__ = [
     "base_identity",
     "check_base",
     "frozen",
+    "lora_config",
     "manifest_record",
     "trainable",
 ]

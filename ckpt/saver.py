@@ -187,7 +187,7 @@ class Checkpointer:
         gathered = self.coll.all_gather((digest(pieces), rank0, ident))
         info = gathered[0][1]
         if adapter_only:
-            trees["adapter"] = adapters.manifest_record([g[2] for g in gathered])
+            trees["adapter"] = adapters.manifest_record([g[2] for g in gathered], adapters.lora_config(model))
         if info["exists"] and not overwrite:
             raise CheckpointExistsError(
                 f"{storage.display(MANIFEST_NAME)} already exists: step {step} is committed (pass overwrite=True)"

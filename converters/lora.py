@@ -14,6 +14,7 @@ tolerance of one unit in the last place of W's dtype there.  The base is streame
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -37,9 +38,78 @@ class LoraResult:
     format: str
 
 
-def is_adapter(src: str) -> bool:
-    """True for a PEFT adapter folder or an NxD LoRA tag."""
-    return peft.detect(src) or nxd_lora.is_lora_tag(src)
+def _adapter_manifest(src: str, storage_options: dict[str, Any] | None) -> Any:
+    """The manifest of an adapter-only checkpoint of ours at ``src`` (None for anything else)."""
+    from ckpt.manifest import MANIFEST_NAME, Manifest
+    from ckpt.storage import open_storage
+
+    try:
+        storage = open_storage(src, storage_options)
+        if not storage.exists(MANIFEST_NAME):
+            return None
+        m = Manifest.from_json(storage.read_bytes(MANIFEST_NAME), storage.display(MANIFEST_NAME))
+    except CkptError:
+        return None
+    return m if m.adapter is not None else None
+
+
+def is_adapter(src: str, storage_options: dict[str, Any] | None = None) -> bool:
+    """True for a PEFT adapter folder, an NxD LoRA tag, or an adapter-only checkpoint of ours."""
+    return (
+        peft.detect(src) or nxd_lora.is_lora_tag(src) or _adapter_manifest(src, storage_options) is not None
+    )
+
+
+_PEFT_NAME = re.compile(r"^(?P<mod>.+)\.lora_(?P<ab>[AB])\.(?P<adapter>[^.]+)\.weight$")
+
+
+def read_ckpt_adapter(src: str, run: RunOptions) -> peft.Adapter:
+    """The LoRA adapter of an adapter-only checkpoint saved from a PEFT model (``save(adapter_only=True)``): its
+    trainable tensors (PEFT's ``...lora_A.<adapter>.weight`` names, one adapter) and the recorded PEFT config."""
+    from ckpt.reader import CheckpointReader
+
+    reader = CheckpointReader(src, run.storage_options, run.verify)
+    m = reader.manifest
+    if m.layout.kind == "nxd":
+        raise LayoutError(
+            f"{src}: a Neuron-layout adapter checkpoint; convert adapters saved by NxD training from NxD's own "
+            "LoRA tag (nxd.save_checkpoint with merge_sharded_lora=False)"
+        )
+    lora = (m.adapter or {}).get("lora") or {}
+    cfg = lora.get("peft")
+    if not isinstance(cfg, dict):
+        raise LayoutError(
+            f"{src}: the checkpoint does not record a PEFT LoRA config (adapter.lora.peft), so its scaling is "
+            "unknown; it was not saved from a PeftModel"
+        )
+    peft.check_config(cfg, f"{src} adapter.lora.peft")
+    names: set[str] = set()
+    tensors: dict[str, torch.Tensor] = {}
+    for name, t in m.tensors.items():
+        if t.role != "parameter":
+            continue
+        hf = name.removeprefix(peft.PREFIX)
+        match = _PEFT_NAME.match(hf)
+        if match is None:
+            raise LayoutError(
+                f"{src}: trainable tensor {name} is not a PEFT LoRA matrix (<module>.lora_A.<adapter>.weight)"
+            )
+        names.add(match["adapter"])
+        tensors[f"{match['mod']}.lora_{match['ab']}.weight"] = reader.read(name)
+    if len(names) != 1:
+        raise LayoutError(
+            f"{src}: holds LoRA matrices of {len(names)} adapters {sorted(names)}; expected one"
+        )
+    for n in tensors:
+        parse_hf(n)
+    return peft.Adapter(
+        tensors=tensors,
+        r=int(cfg["r"]),
+        lora_alpha=cfg["lora_alpha"],
+        use_rslora=bool(cfg.get("use_rslora", False)),
+        lora_dropout=float(cfg.get("lora_dropout") or 0.0),
+        peft_config=cfg,
+    )
 
 
 def _need_config(opts: ConvertOptions, why: str) -> dict[str, Any]:
@@ -54,6 +124,10 @@ def read_any(src: str, opts: ConvertOptions, run: RunOptions) -> tuple[peft.Adap
         if opts.source_flags:
             raise LayoutError(f"--source-*: {src} is a PEFT folder; source flags are for NxD tags only")
         return peft.read_adapter(src), None
+    if _adapter_manifest(src, run.storage_options) is not None:
+        if opts.source_flags:
+            raise LayoutError(f"--source-*: {src} is a ckpt checkpoint, which records its own layout")
+        return read_ckpt_adapter(src, run), None
     if nxd_lora.is_lora_tag(src):
         cfg = _need_config(opts, f"reading NxD LoRA tag {src}")
         adapter, spec = nxd_lora.read_lora_tag(
@@ -65,7 +139,7 @@ def read_any(src: str, opts: ConvertOptions, run: RunOptions) -> tuple[peft.Adap
         )
         return adapter, spec.flags()
     raise LayoutError(f"{src}: not a LoRA adapter (expected a PEFT folder with {peft.CONFIG_NAME} + "
-                      f"{peft.WEIGHTS_NAME}, or an NxD tag of LoRA tensors)")  # fmt: skip
+                      f"{peft.WEIGHTS_NAME}, an NxD tag of LoRA tensors or an adapter-only ckpt checkpoint)")  # fmt: skip
 
 
 def convert_adapter(src: str, dst: str, opts: ConvertOptions, run: RunOptions | None = None) -> LoraResult:

@@ -43,8 +43,6 @@ class Adapter:
     use_rslora: bool = False
     lora_dropout: float = 0.0
     peft_config: dict[str, Any] = field(default_factory=dict)
-    #: optimizer moments per adapter tensor (HF names): ``{name: {"exp_avg": t, ...}}``, when the source has them
-    optimizer: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
 
     @property
     def scaling(self) -> float:

@@ -52,6 +52,7 @@ def test_adapter_only_save_holds_adapter_and_optimizer_only(tmp_path) -> None:
     assert base["source"] == "tiny/base" and base["digest"].startswith("xxh3_128:")
     assert base["tensors"] == sum(1 for n in model.state_dict() if n not in lora)
     assert base["config"]["hidden_size"] == 64
+    assert m.adapter["lora"]["peft"]["r"] == 4 and m.adapter["lora"]["peft"]["lora_alpha"] == 8
     full = ckpt.open_checkpoint(str(tmp_path / "full")).manifest
     assert full.adapter is None and "adapter" not in json.loads(
         (tmp_path / "full" / MANIFEST_NAME).read_text()
@@ -120,3 +121,33 @@ def test_lora_run_resumes_bit_identical_from_adapter_only_saves(tmp_path) -> Non
     assert m.adapter is not None and all("lora_" in n for n, t in m.tensors.items() if t.role == "parameter")
     r = CliRunner().invoke(cli, ["verify-resume", str(tmp_path / "split")])
     assert r.exit_code == 0, r.output
+
+
+def test_adapter_checkpoint_converts_to_peft_and_nxd(tmp_path) -> None:
+    """A GPU LoRA run saved with ckpt (adapter-only) -> the PEFT folder PEFT itself would write, and -> an NxD tag."""
+    from peft import PeftModel, get_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    from tests._lora_models import logits, save
+
+    model = build("qwen2", shared=("mlp", "qkv"), seed=8)
+    base, _ = save(model, tmp_path / "hf")
+    ckpt.save(str(tmp_path / "c"), step=5, model=model, adapter_only=True)
+    r = CliRunner().invoke(
+        cli, ["convert", str(tmp_path / "c"), str(tmp_path / "peft"), "--to", "cuda", "--format", "peft"]
+    )
+    assert r.exit_code == 0, r.output
+    want = get_peft_model_state_dict(model)
+    got = load_file(str(tmp_path / "peft" / "adapter_model.safetensors"))
+    assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want)
+    cfg = json.loads((tmp_path / "peft" / "adapter_config.json").read_text())
+    assert cfg["r"] == 4 and cfg["lora_alpha"] == 8 and cfg["peft_type"] == "LORA"
+    assert set(cfg["target_modules"]) == set(model.peft_config["default"].target_modules)
+    from transformers import AutoModelForCausalLM
+
+    loaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), tmp_path / "peft")
+    assert torch.equal(logits(loaded), logits(model))
+    r = CliRunner().invoke(cli, ["convert", str(tmp_path / "c"), str(tmp_path / "tag"), "--to", "neuron", "--format",
+                                 "nxd", "--tp", "2", "--qkv-linear", "--config", str(base / "config.json")])  # fmt: skip
+    assert r.exit_code == 0, r.output
+    assert (tmp_path / "tag" / "done").is_file()
