@@ -18,6 +18,7 @@ from ckpt.manifest import MANIFEST_NAME
 from ckpt.resume.continuity import check_continuation
 from tests._lora_models import build
 from tests._lora_train import train_lora
+from tests.conftest import run_ranks
 
 pytest.importorskip("peft")
 
@@ -151,3 +152,22 @@ def test_adapter_checkpoint_converts_to_peft_and_nxd(tmp_path) -> None:
                                  "nxd", "--tp", "2", "--qkv-linear", "--config", str(base / "config.json")])  # fmt: skip
     assert r.exit_code == 0, r.output
     assert (tmp_path / "tag" / "done").is_file()
+
+
+def test_neuron_checkpointer_adapter_only_two_tp_ranks(tmp_path) -> None:
+    """NxD LoRA parameters on 2 gloo TP ranks: split matrices by NxD's attributes, whole ones by the explicit LoRA
+    rules; each rank's base shard has its own digest, and a different shard on one rank is refused there."""
+    from tests._lora_neuron import save_and_restore
+
+    res = run_ranks(save_and_restore, 2, str(tmp_path))
+    assert all(r["same"] and r["opt"] for r in res)
+    assert res[0]["refused"] is None and "nxd/base" in res[1]["refused"] and "rank 1" in res[1]["refused"]
+    m = ckpt.open_checkpoint(str(tmp_path / "a")).manifest
+    assert set(m.tensors) >= {"model.layers.0.self_attn.qkv_proj.lora_A.weight"}
+    assert not any("base_layer" in n for n in m.tensors)
+    t = m.tensors
+    assert t["model.layers.0.self_attn.qkv_proj.lora_B.weight_q"].shape == (8, 2)
+    assert t["model.layers.0.self_attn.o_proj.lora_A.weight"].shape == (2, 8)
+    assert t["model.layers.0.self_attn.qkv_proj.lora_A.weight"].partition is None
+    digests = m.adapter["base"]["rank_digests"]
+    assert len(digests) == 2 and digests[0] != digests[1]

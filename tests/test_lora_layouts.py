@@ -67,3 +67,22 @@ def test_round_trip_and_shard_sizes(spec, r, seed, bf16) -> None:  # noqa: ANN00
             else:
                 assert t.shape[0 if ab == "A" else 1] == r
             assert nxd_lora_name(hf_lora_names(name)[0], spec) == name
+
+
+def test_whole_lora_matrices_are_explicit_replicated_rules() -> None:
+    """The LoRA matrices NxD keeps whole (no parallel attributes to read at save time) are named by the nxd-llama
+    rule set; the split ones are not (the Neuron saver takes their split from NxD's attributes)."""
+    from ckpt.layouts.partition import nxd_partition
+    from ckpt.layouts.rules import NXD_LLAMA, Kind, rule_for
+
+    for name in ("model.layers.0.self_attn.qkv_proj.lora_A.weight", "model.layers.3.mlp.gate_up_proj.lora_A.weight",
+                 "model.layers.0.self_attn.q_proj.lora_A.weight", "model.layers.1.self_attn.o_proj.lora_B.weight",
+                 "model.layers.1.mlp.down_proj.lora_B.weight"):  # fmt: skip
+        rule = rule_for(name, NXD_LLAMA)
+        assert rule.kind is Kind.REPLICATED and rule.pattern != "", name
+        assert nxd_partition(name) is None
+    for name in (
+        "model.layers.0.self_attn.qkv_proj.lora_B.weight_q",
+        "model.layers.0.self_attn.o_proj.lora_A.weight",
+    ):
+        assert all(not r.matches(name) for r in NXD_LLAMA if r.kind is Kind.REPLICATED and r.pattern), name
