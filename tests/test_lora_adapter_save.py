@@ -171,3 +171,10 @@ def test_neuron_checkpointer_adapter_only_two_tp_ranks(tmp_path) -> None:
     assert t["model.layers.0.self_attn.qkv_proj.lora_A.weight"].partition is None
     digests = m.adapter["base"]["rank_digests"]
     assert len(digests) == 2 and digests[0] != digests[1]
+
+
+def test_inspect_names_the_base(tmp_path) -> None:
+    model = build("llama", seed=1)
+    ckpt.save(str(tmp_path / "a"), step=1, model=model, adapter_only=True, base_source="tiny/base")
+    r = CliRunner().invoke(cli, ["inspect", str(tmp_path / "a")])
+    assert r.exit_code == 0 and "adapter only: base tiny/base xxh3_128:" in r.output.replace("\n", "")
