@@ -27,9 +27,9 @@ from typing import Any
 
 import torch
 
+from . import adapters, rng_rule, treecodec
 from . import data as data_mod
 from . import rng as rng_mod
-from . import rng_rule, treecodec
 from . import tokenizer as tokenizer_mod
 from .commit import Receipt, build_manifest, data_file_name, publish, write_data_file
 from .distributed import Collective
@@ -135,6 +135,7 @@ class Checkpointer:
         self._per_rank: list[list[Piece]] | None = None
         self._inflight: Future | None = None
         self._thread: threading.Thread | None = None
+        self._base = adapters.BaseTracker()
 
     # ------------------------------------------------------------------------------------------------ public
     def save(
@@ -157,6 +158,8 @@ class Checkpointer:
         overwrite: bool = False,
         on_commit: Callable[[SaveResult], None] | None = None,
         verify_replicas: bool | None = None,
+        adapter_only: bool = False,
+        base_source: str | None = None,
     ) -> Future:
         """Save one checkpoint to ``path`` (its own directory/prefix). Returns a future of :class:`SaveResult`.
 
@@ -168,6 +171,10 @@ class Checkpointer:
         restore on another DP size re-derives per-rank RNG streams (default: derived from rank 0's RNG state).
         ``verify_replicas``: compare replicated copies across ranks in this save (default: on the first save of this
         checkpointer, or always if it was made with ``verify_replicas=True``).
+        ``adapter_only=True`` (a fine-tune of a frozen base: PEFT, NxD ``LoraModel``) saves the trainable parameters
+        only, with their optimizer state, and records the frozen base by identity in ``manifest.adapter``
+        (:mod:`ckpt.adapters`; ``base_source`` says where the base was loaded from, default: its config's
+        ``_name_or_path``).  Save the base itself once with a plain save when it is not on storage already.
         """
         check_step(step)
         self.wait()
@@ -175,7 +182,13 @@ class Checkpointer:
         storage = open_storage(path, self.storage_options)
         named: list[NamedTensor] = []
         trees: dict[str, Any] = {"progress": {"step": step, **(progress or {})}}
-        if model is not None:
+        ident = None
+        if adapter_only:
+            if model is None:
+                raise CkptError("adapter_only=True needs model= (its trainable parameters are the adapter)")
+            named.extend(model_tensors(adapters.trainable(model)))
+            ident = self._base.identity(model, base_source)
+        elif model is not None:
             named.extend(model_tensors(model))
         if optimizer is not None:
             opt_tensors, trees["optimizer"] = self.capture_optimizer(optimizer, model)
@@ -210,9 +223,13 @@ class Checkpointer:
             if self.coll.rank == 0 and refused is None
             else None
         )
-        gathered = self.coll.all_gather((digest(pieces), rank0, None if refused is None else str(refused)))
+        gathered = self.coll.all_gather(
+            (digest(pieces), rank0, None if refused is None else str(refused), ident)
+        )
         _agree(refused, [g[2] for g in gathered])
         info = gathered[0][1]
+        if adapter_only:
+            trees["adapter"] = adapters.manifest_record([g[3] for g in gathered], adapters.lora_config(model))
         if info["exists"] and not overwrite:
             raise CheckpointExistsError(
                 f"{storage.display(MANIFEST_NAME)} already exists: step {step} is committed (pass overwrite=True)"

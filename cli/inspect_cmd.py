@@ -111,6 +111,13 @@ def inspect(checkpoint: str, as_json: bool, shards: bool) -> None:
         out.print(
             f"tokenizer: {m.tokenizer.get('name')} sha256 {str(m.tokenizer.get('sha256'))[:16]}", markup=False
         )
+    if m.adapter is not None:
+        base = m.adapter.get("base") or {}
+        out.print(
+            f"adapter only: base {base.get('source') or '(source unknown)'} {base.get('digest')}, "
+            f"{base.get('tensors')} tensors, {human_bytes(base.get('bytes') or 0)} not stored here",
+            markup=False,
+        )
     versions = m.environment.get("versions", {})
     out.print("environment: " + ", ".join(f"{k} {v}" for k, v in versions.items()), markup=False)
 

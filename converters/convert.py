@@ -300,6 +300,13 @@ def convert(
     """
     run = run or RunOptions()
     check_paths(src, dst)
+    from .lora import is_adapter, run_lora
+
+    if opts.merge_lora is not None or opts.format == "peft" or is_adapter(src, run.storage_options):
+        if run.workers > 1 or _dist_env()[1] > 1:
+            raise CkptError("LoRA adapters convert in one process; drop --workers / torchrun")
+        r = run_lora(src, dst, opts, run)
+        return ConvertResult(r.dst, r.tensors, r.bytes, r.format)
     rank, world = _dist_env()
     source = open_source(src, opts, run)
     try:

@@ -36,6 +36,7 @@ FORMATS: tuple[Format, ...] = (
     Format("dcp", ".dcp", ("cuda",)),
     Format("hf", ".hf", ("cuda",)),
     Format("nxd", ".nxd", ("neuron",)),
+    Format("peft", ".peft", ("cuda",)),
 )
 BY_NAME = {f.name: f for f in FORMATS}
 
