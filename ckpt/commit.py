@@ -128,6 +128,7 @@ def build_manifest(
         extra=trees.get("extra", {}),
         data_position=trees.get("data_position"),
         rng_base=trees.get("rng_base"),
+        adapter=trees.get("adapter"),
     )
 
 

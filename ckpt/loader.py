@@ -183,6 +183,7 @@ def restore(
     storage_options: dict[str, Any] | None = None,
     layout_hook: Any = None,
     restorer: Any = None,
+    check_base: bool = True,
 ) -> RestoreResult:
     """Restore everything given, in place, from the checkpoint at ``path``. Call on every rank.
 
@@ -192,13 +193,23 @@ def restore(
     (shared streams carried, per-rank ones re-derived); ``RestoreResult`` says which.  ``strict`` (default)
     refuses missing/unexpected names and a loader that cannot be re-split.  ``restorer`` (a ``Restorer`` subclass or factory taking ``(reader, layout_hook)``) lets a
     backend change how tensors reach their device or how a non-torch.optim optimizer is filled.
+
+    An adapter-only checkpoint (``manifest.adapter``) restores the model's trainable parameters only, after checking
+    (``check_base``) that the frozen base in ``model`` is the one the adapter was trained on.
     """
     reader = path if isinstance(path, CheckpointReader) else CheckpointReader(path, storage_options, verify)
     m = reader.manifest
     r = (restorer or Restorer)(reader, layout_hook)
     missing: list[str] = []
     unexpected: list[str] = []
-    if model is not None:
+    if model is not None and m.adapter is not None:
+        from . import adapters
+
+        if check_base:
+            rank, world = _rank()
+            adapters.check_base(m.adapter, adapters.base_identity(model), rank, world, reader.path)
+        missing, unexpected = r.model(adapters.trainable(model), strict)
+    elif model is not None:
         missing, unexpected = r.model(model, strict)
     if optimizer is not None:
         r.optimizer(optimizer, model)

@@ -161,6 +161,8 @@ class Manifest:
     environment: dict[str, JSON] = field(default_factory=dict)
     user: JSON = None
     extra: dict[str, JSON] = field(default_factory=dict)
+    #: adapter-only checkpoint: ``{"base": {digest, rank_digests, tensors, bytes, config, source}}`` (docs/format.md)
+    adapter: dict[str, JSON] | None = None
     format_version: int = FORMAT_VERSION
     #: the global data position, independent of the DP size (ckpt.data.position.DataPosition); None: not known
     data_position: dict[str, JSON] | None = None
@@ -194,6 +196,8 @@ class Manifest:
             "user": self.user,
             "extra": self.extra,
         }
+        if self.adapter is not None:  # absent from full checkpoints, so their bytes are what v1 always wrote
+            doc["adapter"] = self.adapter
         return seal(doc)
 
     @staticmethod
@@ -366,7 +370,7 @@ def _from_doc(doc: Any, source: str) -> Manifest:
     tensors: dict[str, TensorEntry] = {}
     for name, t in _need(doc, "tensors", dict, source).items():
         tensors[name] = _tensor_from_doc(name, t, files, source)
-    for key in ("optimizer", "tokenizer", "data_position", "rng_base"):
+    for key in ("optimizer", "tokenizer", "data_position", "rng_base", "adapter"):
         if doc.get(key) is not None and not isinstance(doc[key], dict):
             raise ManifestError(f"{source}: field {key!r} must be an object or null")
     for key in ("rng", "progress", "data", "environment", "extra"):
@@ -390,6 +394,7 @@ def _from_doc(doc: Any, source: str) -> Manifest:
         environment=doc.get("environment") or {},
         user=doc.get("user"),
         extra=doc.get("extra") or {},
+        adapter=_adapter_from_doc(doc.get("adapter"), source),
         format_version=version,
         data_position=_data_position(doc.get("data_position"), source),
         rng_base=_rng_base(doc.get("rng_base"), source),
@@ -420,6 +425,19 @@ def _rng_base(value: Any, source: str) -> dict[str, JSON] | None:
     shared = value.get("shared")
     if not isinstance(shared, list) or not all(isinstance(x, str) for x in shared):
         raise ManifestError(f"{where}.shared: expected a list of stream names")
+
+
+def _adapter_from_doc(value: Any, source: str) -> dict[str, Any] | None:
+    if value is None:
+        return None
+    base = value.get("base")
+    if not isinstance(base, dict) or not isinstance(base.get("digest"), str):
+        raise ManifestError(f"{source}: adapter.base must be an object with a string digest")
+    digests = base.get("rank_digests")
+    if digests is not None and (
+        not isinstance(digests, list) or not all(isinstance(d, str) for d in digests)
+    ):
+        raise ManifestError(f"{source}: adapter.base.rank_digests must be a list of strings")
     return value
 
 
