@@ -126,6 +126,8 @@ def test_single_rank_position_schema_inspect_and_positioned_restore(tmp_path: Pa
     path, rest = _saved(tmp_path)
     doc = assert_valid(path)
     assert doc["data_position"]["samples"] == 12 and doc["rng_base"]["source"] == "checkpoint"
+    m = ckpt.open_checkpoint(path).manifest  # both members survive the reader
+    assert (m.data_position, m.rng_base) == (doc["data_position"], doc["rng_base"])
     want = [int(x) for b in rest for x in b]  # the rest of the uninterrupted epoch
     ds = list(range(40))
     fresh = StatefulDataLoader(ds, batch_size=4, sampler=DistributedSampler(ds, 1, 0, shuffle=True, seed=7))
