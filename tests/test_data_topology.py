@@ -305,8 +305,10 @@ def restore_job(
         loader = _loader("plain", rank, world, GLOBAL_BATCH // world)
         with ckpt.CheckpointManager(manager, async_save=False) as mgr:
             step = mgr.restore_latest(model=_tiny(), dataloader=loader)
+            assert mgr.last_restore is not None
+            mode = mgr.last_restore.data.mode
         it = iter(loader)
-        out["manager"] = {"step": step, "batches": [_ids(next(it)) for _ in range(AFTER)]}
+        out["manager"] = {"step": step, "mode": mode, "batches": [_ids(next(it)) for _ in range(AFTER)]}
     return out
 
 
@@ -398,7 +400,7 @@ def test_losses_continue_within_the_reduction_order(runs, move: str) -> None:
 
 def test_manager_restore_latest_continues_on_another_dp_size(runs) -> None:
     """The report behind this feature: saved on 4 ranks, ``restore_latest`` on 2 restarted from step 0."""
-    assert [r["manager"]["step"] for r in runs["4to2"]] == [SAVE_AT, SAVE_AT]
+    assert [(r["manager"]["step"], r["manager"]["mode"]) for r in runs["4to2"]] == [(SAVE_AT, "re-split")] * 2
     assert global_batches([r["manager"]["batches"] for r in runs["4to2"]]) == _after(runs["saved4"], "plain")
 
 
