@@ -14,7 +14,7 @@ reports which streams the restore carried and which it re-derived (ckpt's rule; 
 from __future__ import annotations
 
 from ckpt.data.digest import combine_digests, is_global
-from ckpt.resume.checks.base import Cause, CheckResult, Status
+from ckpt.resume.checks.base import Basis, Cause, CheckResult, Confidence, Status
 from ckpt.resume.checks.context import CheckContext
 from ckpt.resume.model import StepRecord
 
@@ -271,7 +271,7 @@ def check_rng(ctx: CheckContext) -> CheckResult:
     pairs = [(r.step, pre[r.step].rng_digest, r.rng_digest) for r in b.post.steps if r.step in pre]
     pairs = [(s, a, c) for s, a, c in pairs if a and c]
     if not pairs:
-        return CheckResult("rng", Status.SKIP, "no overlapping RNG digests")
+        return _rng_without_overlap(ctx)
     nums: dict[str, int | str | None] = {"compared": len(pairs)}
     bad = [(s, a, c) for s, a, c in pairs if a != c]
     if not bad:
@@ -289,3 +289,24 @@ def check_rng(ctx: CheckContext) -> CheckResult:
         Cause.RNG_NOT_RESTORED,
         nums,
     )
+
+
+def _rng_without_overlap(ctx: CheckContext) -> CheckResult:
+    """No overlap: the first resumed step's RNG state must not be one the run already had (a process that
+    re-seeds and does not restore the RNG starts from the state of its first step again)."""
+    b = ctx.boundary
+    first = b.post.steps[0]
+    if not first.rng_digest:
+        return CheckResult("rng", Status.SKIP, "no overlapping RNG digests")
+    j = _earlier(ctx, "rng_digest", first.rng_digest, first.step)
+    if j is None:
+        return CheckResult(
+            "rng", Status.PASS, f"step {first.step}'s RNG state is new to the run (no overlap to compare)"
+        ).judged(Basis.TRAJECTORY, Confidence.LOW)
+    return CheckResult(
+        "rng",
+        Status.FAIL,
+        f"step {first.step} starts from the RNG state of step {j} (re-seeded, not restored)",
+        Cause.RNG_NOT_RESTORED,
+        {"repeats_step": j},
+    ).judged(Basis.TRAJECTORY, Confidence.HIGH)
