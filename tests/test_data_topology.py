@@ -458,6 +458,18 @@ def test_loaders_ckpt_cannot_resplit_are_refused(runs, kind: str, needle: str) -
         assert "saved by 4 ranks, restoring on 2" in msg and needle in msg and "ckpt.data.register" in msg
 
 
+def test_inspect_reports_the_position_and_the_rng_rule(runs) -> None:
+    out = CliRunner().invoke(cli, ["inspect", f"{runs['paths']['dp4']}/stateful"]).output
+    assert (
+        "data position: epoch 0, next global sample 24 (distributed_sampler, 4 DP ranks, global batch 8"
+        in out
+    )
+    assert "continues on any DP size" in out
+    assert (
+        "carried python (shared by every rank), re-derived numpy, torch from base seed 1234 (caller)" in out
+    )
+
+
 def test_manifest_records_the_global_position(runs) -> None:
     m = ckpt.open_checkpoint(f"{runs['paths']['dp4']}/stateful").manifest
     pos = m.data_position
