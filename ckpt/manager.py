@@ -73,6 +73,8 @@ class CheckpointManager:
         )
         self.coll: Collective = self.checkpointer.coll
         self.last_result: SaveResult | None = None
+        #: the RestoreResult of the last restore / restore_latest on this rank (data position, RNG streams, ...)
+        self.last_restore: RestoreResult | None = None
 
     def path_for(self, step: int) -> str:
         return f"{self.root}/{step_dir(step)}"
@@ -136,6 +138,7 @@ class CheckpointManager:
 
     def _emit_restore(self, result: RestoreResult, seconds: float) -> None:
         # seconds: wall time of the restore including manifest reads, so recovery-cost reports can use it
+        self.last_restore = result
         if self.on_event is not None and self.coll.rank == 0:
             self.on_event("restore", {"step": result.step, "path": result.path, "seconds": seconds})
 
