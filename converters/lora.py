@@ -85,6 +85,7 @@ def read_ckpt_adapter(src: str, run: RunOptions) -> peft.Adapter:
     peft.check_config(cfg, f"{src} adapter.lora.peft")
     names: set[str] = set()
     tensors: dict[str, torch.Tensor] = {}
+    hf_of: dict[str, str] = {}
     for name, t in m.tensors.items():
         if t.role != "parameter":
             continue
@@ -95,7 +96,8 @@ def read_ckpt_adapter(src: str, run: RunOptions) -> peft.Adapter:
                 f"{src}: trainable tensor {name} is not a PEFT LoRA matrix (<module>.lora_A.<adapter>.weight)"
             )
         names.add(match["adapter"])
-        tensors[f"{match['mod']}.lora_{match['ab']}.weight"] = reader.read(name)
+        hf_of[name] = f"{match['mod']}.lora_{match['ab']}.weight"
+        tensors[hf_of[name]] = reader.read(name)
     if len(names) != 1:
         raise LayoutError(
             f"{src}: holds LoRA matrices of {len(names)} adapters {sorted(names)}; expected one"
@@ -103,6 +105,7 @@ def read_ckpt_adapter(src: str, run: RunOptions) -> peft.Adapter:
     for n in tensors:
         parse_hf(n)
     return peft.Adapter(
+        optimizer=_ckpt_optimizer(reader, hf_of, src),
         tensors=tensors,
         r=int(cfg["r"]),
         lora_alpha=cfg["lora_alpha"],
@@ -140,6 +143,32 @@ def read_any(src: str, opts: ConvertOptions, run: RunOptions) -> tuple[peft.Adap
         return adapter, spec.flags()
     raise LayoutError(f"{src}: not a LoRA adapter (expected a PEFT folder with {peft.CONFIG_NAME} + "
                       f"{peft.WEIGHTS_NAME}, an NxD tag of LoRA tensors or an adapter-only ckpt checkpoint)")  # fmt: skip
+
+
+def _ckpt_optimizer(reader: Any, hf_of: dict[str, str], src: str) -> dict[str, Any] | None:
+    """The optimizer state of an adapter checkpoint in :attr:`peft.Adapter.optimizer`'s form (HF adapter names)."""
+    from ckpt import treecodec
+
+    meta = reader.manifest.optimizer
+    if meta is None:
+        return None
+    state: dict[str, dict[str, Any]] = {}
+    for pname, scalars in (meta.get("state") or {}).items():
+        if pname not in hf_of:
+            raise LayoutError(f"{src}: optimizer state of {pname}, which is not an adapter tensor")
+        state.setdefault(hf_of[pname], {}).update({k: treecodec.decode(v) for k, v in scalars.items()})
+    for name, t in reader.manifest.tensors.items():
+        if t.role == "optimizer_state" and t.param is not None and t.key is not None:
+            if t.param not in hf_of:
+                raise LayoutError(
+                    f"{src}: optimizer state {name} of {t.param}, which is not an adapter tensor"
+                )
+            state.setdefault(hf_of[t.param], {})[t.key] = reader.read(name)
+    groups = []
+    for g in meta["param_groups"]:
+        groups.append({**{k: treecodec.decode(v) for k, v in g.items() if k != "params"},
+                       "params": [hf_of[p] for p in g["params"]]})  # fmt: skip
+    return {"state": state, "param_groups": groups}
 
 
 def convert_adapter(src: str, dst: str, opts: ConvertOptions, run: RunOptions | None = None) -> LoraResult:

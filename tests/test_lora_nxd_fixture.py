@@ -86,3 +86,15 @@ def test_nxd_lora_forward_equals_peft(case, peft_model) -> None:  # noqa: ANN001
     with torch.no_grad(), peft_model.disable_adapter():
         q0 = peft_model.base_model.model.model.layers[0].self_attn.q_proj(x)
     assert not torch.allclose(out["rank0.0.q"], q0[..., rows(gqa.q_heads_of_rank(spec, 0))], atol=1e-3)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_optimizer_pid_order_is_nxd_lora_model_order(case) -> None:
+    """ckpt writes NxD LoRA optimizer files with pids in the order NxD's LoraModel lists its trainable parameters."""
+    from ckpt.converters.lora_optim import module_order
+
+    order = json.loads((FIX / case / "spec.json").read_text())["trainable_order"]
+    held = load_file(str(FIX / case / "nxd_lora_state.safetensors"))
+    for rank, names in order.items():
+        mine = sorted((k.split("/", 1)[1] for k in held if k.startswith(f"{rank}/")), key=module_order)
+        assert mine == names and len(names) == 20
