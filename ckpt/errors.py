@@ -32,6 +32,11 @@ class StateMismatchError(CkptError):
     """The object being restored does not fit the checkpoint (missing/unexpected names, shapes)."""
 
 
+class ReplicaMismatchError(StateMismatchError):
+    """Copies of state that must be identical on several ranks (DDP replicas, TP-replicated norms) differ: a
+    desynchronised run.  Nothing was written; saving one copy would silently pick a rank."""
+
+
 class BaseMismatchError(StateMismatchError):
     """An adapter checkpoint is being restored onto a base model other than the one it was trained on.
 
