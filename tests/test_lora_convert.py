@@ -287,3 +287,23 @@ def test_nxd_tag_needs_config_and_reads_layout(case, tmp_path) -> None:  # noqa:
     r = CliRunner().invoke(cli, ["convert", str(tag), str(tmp_path / "x"), "--to", "cuda", "--format", "hf",
                                  "--config", str(tmp_path / "nothing.json")])  # fmt: skip
     assert r.exit_code == 2
+
+
+def test_adapter_missing_a_layer_refused_for_nxd(case, tmp_path) -> None:  # noqa: ANN001
+    """NxD's LoraModel adapts every layer's target modules and refuses missing keys: a PEFT adapter restricted to
+    some layers (layers_to_transform) has no NxD form."""
+    from safetensors.torch import save_file
+
+    _, _, _, adapter, cfg = case
+    part = tmp_path / "part"
+    part.mkdir()
+    t = {k: v for k, v in _tensors(adapter).items() if ".layers.1." not in k}
+    save_file(t, str(part / "adapter_model.safetensors"))
+    (part / "adapter_config.json").write_text((adapter / "adapter_config.json").read_text())
+    with pytest.raises(
+        LayoutError,
+        match=r"model\.layers\.1 has no mlp\.down_proj\.lora_A\.weight while model\.layers\.0 has",
+    ):
+        convert(str(part), str(tmp_path / "t"), ConvertOptions.neuron(format="nxd", config=cfg, tp=2))
+    assert not (tmp_path / "t").exists()
+    convert(str(part), str(tmp_path / "p"), ConvertOptions(to="cuda", format="peft"))  # PEFT holds it

@@ -226,6 +226,25 @@ def nxd_lora_config(
     }
 
 
+def check_every_layer(adapter: Adapter, layers: int) -> None:
+    """NxD's ``LoraModel`` adapts a target module in every layer (its ``target_modules`` are module names), and loads
+    the adapter with missing keys refused: an adapter must cover the same modules in every layer."""
+    per_layer: dict[int, set[str]] = {i: set() for i in range(layers)}
+    for name in adapter.tensors:
+        parts = name.split(".")
+        if len(parts) > 3 and parts[0] == "model" and parts[1] == "layers" and int(parts[2]) in per_layer:
+            per_layer[int(parts[2])].add(".".join(parts[3:]))
+    first = per_layer[0]
+    for i, names in per_layer.items():
+        if names != first:
+            odd = sorted(names ^ first)[0]
+            has, lacks = (i, 0) if odd in names else (0, i)
+            raise LayoutError(
+                f"model.layers.{lacks} has no {odd} while model.layers.{has} has: NxD's LoraModel adapts its target "
+                "modules in every layer and refuses missing keys, so this adapter cannot be loaded by NxD"
+            )
+
+
 def write_lora_tag(
     adapter: Adapter, spec: LayoutSpec, dst: str, storage_options: dict[str, Any] | None = None
 ) -> int:
@@ -235,6 +254,7 @@ def write_lora_tag(
 
     from ..lora_optim import to_nxd
 
+    check_every_layer(adapter, spec.model.layers)
     shards = adapter_to_nxd(adapter.tensors, spec)
     optims = to_nxd(adapter.optimizer, adapter.tensors, spec, shards) if adapter.optimizer else {}
     lora_cfg = nxd_lora_config(adapter, shards)
