@@ -7,8 +7,9 @@ published whole (a temp folder and a rename) or not at all.
 Merging (``--merge-lora ADAPTER``, SRC = the base HF folder): each adapted weight becomes ``W + scaling * (B @ A)``
 computed exactly as PEFT's ``LoraLayer.get_delta_weight`` + ``merge(safe_merge=False)`` do (``B @ A`` in float32
 when B is half precision on the CPU, cast to B's dtype, then ``W += delta`` in place), so the result is bit-identical
-to ``PeftModel.merge_and_unload()`` on the CPU.  On a GPU PEFT's matmul runs on other kernels; compare with a
-tolerance of one unit in the last place of W's dtype there.  The base is streamed one safetensors shard at a time.
+to ``PeftModel.merge_and_unload()`` on the CPU.  On a GPU PEFT multiplies half-precision B @ A in that precision
+(cuBLAS) and fp32 with another summation order, so its merge can differ by one unit in the last place of W's dtype
+(reasoned from PEFT's code, not measured: no GPU was available when this was written).  The base is streamed one safetensors shard at a time.
 """
 
 from __future__ import annotations
