@@ -14,6 +14,7 @@ to ``PeftModel.merge_and_unload()`` on the CPU.  On a GPU PEFT multiplies half-p
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from dataclasses import dataclass
@@ -259,7 +260,7 @@ def merge_lora(base_src: str, dst: str, opts: ConvertOptions, run: RunOptions | 
         )
     base = Path(base_src)
     cfg = json.loads((base / "config.json").read_text())
-    opts = ConvertOptions(**{**opts.__dict__, "config": opts.config or cfg})
+    opts = dataclasses.replace(opts, config=opts.config or cfg)
     adapter, _ = read_any(opts.merge_lora, opts, run)
     index = base / hf.INDEX_NAME
     if index.is_file():
@@ -284,8 +285,6 @@ def merge_lora(base_src: str, dst: str, opts: ConvertOptions, run: RunOptions | 
         raise LayoutError(
             f"--merge-lora: {missing[0]}.weight is not in the base model {base_src} (adapter of another model?)"
         )
-    for m in adapter.modules:
-        parse_hf(f"{m}.lora_A.weight")
     nbytes = 0
     with begin_folder(dst, run.storage_options) as txn:
         for shard in shards:
