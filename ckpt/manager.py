@@ -179,14 +179,13 @@ class CheckpointManager:
                 candidates.append(info.step)
         candidates = self.coll.broadcast(candidates)
         for step in candidates:
-            error: tuple[bool, str] | None = None
+            error: tuple[Any, ...] | None = None  # (is_mismatch, message[, is_base_mismatch])
             try:
                 reader = CheckpointReader(self.path_for(step), self.storage_options)
                 result = restore(reader, layout_hook=self.layout_hook, **state)
             except _DAMAGE as e:
                 error = (False, str(e))
             except CkptError as e:
-                # the caller's objects do not fit (StateMismatchError, LayoutError, ...): not the checkpoint's fault
                 # the caller's objects do not fit (StateMismatchError, BaseMismatchError, LayoutError, ...): not the
                 # checkpoint's fault, and older steps would not fit either
                 error = (True, str(e), isinstance(e, BaseMismatchError))
