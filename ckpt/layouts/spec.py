@@ -67,7 +67,10 @@ class ModelDims:
                 tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
             )
         except KeyError as e:
-            raise LayoutError(f"config.json lacks {e.args[0]!r}, needed to plan the layout") from None
+            raise LayoutError(
+                f"config.json lacks {e.args[0]!r}, needed to plan the layout; pass --config with the model's "
+                "complete Hugging Face config.json"
+            ) from None
         return dims
 
     @property
