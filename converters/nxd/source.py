@@ -254,9 +254,8 @@ class NxdTagSource(Source):
             extra={"nxd": self.record.to_extra()},
             world_size=tp * pp * meta.dp_size,
         )
-        if (
-            self.config
-        ):  # every rank tensor must be what the config and flags imply (metadata only, no data read)
+        # with a config, every rank tensor must be what the config and flags imply (metadata only, no data read)
+        if self.config:
             plan_nxd_to_full(self.spec(), self.rank_metas())
 
     def _detect_virtual_pp(self, record: NxdRecord, tp: int, pp: int, dp: int) -> NxdRecord:
