@@ -196,7 +196,7 @@ def test_separate_gate_up_a_refused(tmp_path) -> None:
 
 def test_unknown_lora_target_refused() -> None:
     spec = LayoutSpec.from_hf_config(
-        {"hidden_size": 64, "num_attention_heads": 8, "num_key_value_heads": 2, "num_hidden_layers": 2,
+        {"model_type": "llama", "hidden_size": 64, "num_attention_heads": 8, "num_key_value_heads": 2, "num_hidden_layers": 2,
          "vocab_size": 96, "intermediate_size": 96}, tp=2)  # fmt: skip
     with pytest.raises(LayoutError, match=r"lm_head: no LoRA layout rule"):
         lora_placements(spec, "lm_head.lora_A.weight", (4, 64))
