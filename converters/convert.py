@@ -158,9 +158,16 @@ def plan_conversion(source: Source, opts: ConvertOptions) -> Conversion:
                 )
             )
         return plan_to_cuda(source, config=opts.config)
-    return plan_to_neuron(
-        source, target_flags(source, opts), config=opts.config, replicated=tuple(opts.replicated)
-    )
+    # warnings about a plan (e.g. "keeping the Neuron layout it was converted from") are shown only once the plan
+    # stands: before a refusal they would be a second line about a conversion that does not happen
+    with warnings.catch_warnings(record=True) as pending:
+        warnings.simplefilter("always")
+        conv = plan_to_neuron(
+            source, target_flags(source, opts), config=opts.config, replicated=tuple(opts.replicated)
+        )
+    for w in pending:
+        warnings.warn(w.message, w.category, stacklevel=2)
+    return conv
 
 
 def make_export(conv: Conversion, opts: ConvertOptions, run: RunOptions) -> Export:
