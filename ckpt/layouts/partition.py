@@ -17,8 +17,9 @@ import re
 from functools import lru_cache
 from typing import Any
 
-from ckpt.layouts.names import nxd_to_hf_names
-from ckpt.layouts.rules import DEFAULT_RULE_SET, Kind, get_rule_set, rule_for
+from ckpt.layouts.families import family_for_rule_set
+from ckpt.layouts.names import EXPERT_STACKED, nxd_to_hf_names
+from ckpt.layouts.rules import DEFAULT_RULE_SET, Kind, rule_for
 
 Partition = dict[str, Any]
 _MHA_FUSED_QKV = re.compile(r"\.self_attn\.qkv_proj\.(weight|bias)$")
@@ -26,8 +27,16 @@ _MHA_FUSED_QKV = re.compile(r"\.self_attn\.qkv_proj\.(weight|bias)$")
 
 @lru_cache(maxsize=8192)
 def nxd_partition(name: str, rule_set: str = DEFAULT_RULE_SET) -> tuple[int, int] | None:
-    """``(partition dim, stride)`` of NxD tensor ``name`` under ``rule_set``; None when it is replicated."""
-    rule = rule_for(nxd_to_hf_names(name)[0], get_rule_set(rule_set))
+    """``(partition dim, stride)`` of NxD tensor ``name`` under ``rule_set``; None when it is replicated.
+
+    NxD's stacked expert tensors are ``ExpertFusedColumnParallelLinear`` (``gate_up_proj`` ``[E/ep, H, 2I/tp]``: dim 2,
+    stride 2) and ``ExpertFusedRowParallelLinear`` (``down_proj`` ``[E/ep, I/tp, H]``: dim 1).
+    """
+    family = family_for_rule_set(rule_set)
+    stacked = EXPERT_STACKED.match(name) if family.experts is not None else None
+    if stacked:
+        return (2, 2) if stacked["proj"] == "gate_up" else (1, 1)
+    rule = rule_for(nxd_to_hf_names(name, family)[0], family.rules)
     if rule.kind is Kind.REPLICATED or rule.partition_dim is None:
         return None
     if _MHA_FUSED_QKV.search(name):

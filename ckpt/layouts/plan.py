@@ -21,7 +21,7 @@ from ckpt.layouts import gqa
 from ckpt.layouts.fused import local_part_sizes, part_offsets
 from ckpt.layouts.names import hf_to_nxd_name, nxd_to_hf_names
 from ckpt.layouts.pipeline import layer_index, pp_ranks_of
-from ckpt.layouts.rules import NXD_LLAMA, Kind, Rule, rule_for
+from ckpt.layouts.rules import Kind, Rule
 from ckpt.layouts.spec import LayoutSpec, ModelDims
 from ckpt.layouts.tp import runs, strided_ranges
 
@@ -155,7 +155,7 @@ def _segments(spec: LayoutSpec, rule: Rule, shape: tuple[int, ...], tp: int) -> 
 def expected_full_shape(hf_name: str, spec: LayoutSpec, shape: tuple[int, ...]) -> tuple[int, ...] | None:
     """Shape the config implies for HF tensor ``hf_name`` (``None``: the config says nothing about it)."""
     m: ModelDims = spec.model
-    kind = rule_for(hf_name).kind
+    kind = spec.family.rule_for(hf_name).kind
     rows = {Kind.ATTN_Q: m.q_rows, Kind.ATTN_KV: m.kv_rows, Kind.GATE_UP: m.intermediate}.get(kind)
     if rows is not None:
         return (rows, m.hidden) if hf_name.endswith(".weight") else (rows,)
@@ -174,9 +174,9 @@ def placements(spec: LayoutSpec, hf_name: str, shape: tuple[int, ...]) -> tuple[
     expected = expected_full_shape(hf_name, spec, shape)
     if expected is not None and shape != expected:
         raise LayoutError(f"{hf_name} has shape {list(shape)} but the config implies {list(expected)}")
-    rule = rule_for(hf_name, NXD_LLAMA)
+    rule = spec.family.rule_for(hf_name)
     nxd_name = hf_to_nxd_name(hf_name, spec)
-    parts = nxd_to_hf_names(nxd_name)
+    parts = nxd_to_hf_names(nxd_name, spec.family)
     base = 0
     if len(parts) > 1:
         base = part_offsets(local_part_sizes(parts, spec))[parts.index(hf_name)]
@@ -209,7 +209,7 @@ def plan_full_to_nxd(spec: LayoutSpec, full_metas: Mapping[str, TensorMeta]) -> 
     order = {r: i for i, r in enumerate(spec.ranks)}
     plans = []
     for (rank, nxd_name), ps in sorted(grouped.items(), key=lambda kv: order[kv[0][0]]):
-        parts = nxd_to_hf_names(nxd_name)
+        parts = nxd_to_hf_names(nxd_name, spec.family)
         missing = [h for h in parts if h not in full_metas]
         if missing:
             raise LayoutError(f"{nxd_name} fuses {', '.join(parts)} but {', '.join(missing)} is missing")
@@ -235,7 +235,7 @@ def plan_full_to_nxd(spec: LayoutSpec, full_metas: Mapping[str, TensorMeta]) -> 
 def full_meta_from_local(spec: LayoutSpec, hf_name: str, local: TensorMeta) -> TensorMeta:
     """Full shape of HF tensor ``hf_name`` given the shape of the NxD tensor it is stored in on one rank."""
     m = spec.model
-    kind = rule_for(hf_name).kind
+    kind = spec.family.rule_for(hf_name).kind
     shape = list(local.shape)
     if kind is Kind.VOCAB:
         shape[0] *= spec.tp
@@ -285,7 +285,7 @@ def plan_nxd_to_full(spec: LayoutSpec, rank_metas: Mapping[Rank, Mapping[str, Te
     full: dict[str, TensorMeta] = {}
     for rank in spec.ranks:
         for nxd_name, meta in rank_metas[rank].items():
-            for hf_name in nxd_to_hf_names(nxd_name):
+            for hf_name in nxd_to_hf_names(nxd_name, spec.family):
                 if hf_name not in full:
                     full[hf_name] = full_meta_from_local(spec, hf_name, meta)
     _check_complete(spec, full)

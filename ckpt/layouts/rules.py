@@ -1,7 +1,8 @@
 """Named rule sets: HF tensor name -> how NxD partitions it.
 
 NxD writes no partition metadata to disk, so the split of every tensor must be known from its name.
-Rules are matched in order against the Hugging Face name; the first match wins; anything unmatched is
+The rule sets themselves are data, one per model family (``ckpt/layouts/families/``); this module says what a rule
+is and how one is chosen.  Rules are matched in order against the Hugging Face name; the first match wins; anything unmatched is
 replicated on every TP rank (norms, RowParallel biases, rotary buffers).  ``partition_dim`` is the dim
 NxD's parallel layer shards (``ColumnParallelLinear``/``ParallelEmbedding``: 0, ``RowParallelLinear``: 1),
 ``stride`` is the ``create_local_weight`` stride of the NxD tensor the HF tensor ends up in.
@@ -39,25 +40,16 @@ class Rule:
         return re.search(self.pattern, name) is not None
 
 
-NXD_LLAMA: tuple[Rule, ...] = (
-    Rule(r"(^|\.)embed_tokens\.weight$", Kind.VOCAB, 0),
-    Rule(r"(^|\.)lm_head\.weight$", Kind.VOCAB, 0),
-    Rule(r"\.self_attn\.q_proj\.(weight|bias)$", Kind.ATTN_Q, 0),
-    Rule(r"\.self_attn\.[kv]_proj\.(weight|bias)$", Kind.ATTN_KV, 0),
-    Rule(r"\.self_attn\.o_proj\.weight$", Kind.ATTN_O, 1),
-    Rule(r"\.mlp\.(gate|up)_proj\.(weight|bias)$", Kind.GATE_UP, 0, stride=2),
-    Rule(r"\.mlp\.down_proj\.weight$", Kind.ROW, 1),
-)
-"""Llama, Mistral and Qwen2 style decoders as NxD's training models and checkpoint converter lay them out."""
-
 DEFAULT_RULE_SET = "nxd-llama"
-RULE_SETS: dict[str, tuple[Rule, ...]] = {DEFAULT_RULE_SET: NXD_LLAMA}
+"""The rule set of Llama, Mistral and Qwen2 (``families/llama.py``); what a saver uses when told nothing else."""
 
 _REPLICATED = Rule(r"", Kind.REPLICATED, None)
 
 
 def get_rule_set(name: str) -> tuple[Rule, ...]:
-    """The rule set called ``name``."""
+    """The rule set called ``name`` (as recorded in a manifest: ``nxd-llama``, ``nxd-qwen3``, ...)."""
+    from ckpt.layouts.families import RULE_SETS  # the families import this module
+
     try:
         return RULE_SETS[name]
     except KeyError:
@@ -66,7 +58,7 @@ def get_rule_set(name: str) -> tuple[Rule, ...]:
         ) from None
 
 
-def rule_for(name: str, rules: tuple[Rule, ...] = NXD_LLAMA) -> Rule:
+def rule_for(name: str, rules: tuple[Rule, ...]) -> Rule:
     """First rule matching HF tensor ``name``; unmatched names are replicated."""
     for rule in rules:
         if rule.matches(name):

@@ -12,11 +12,12 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
 from ckpt.errors import LayoutError
+from ckpt.layouts.families import FAMILIES, Family, get_family, supported
 
 Hardware = Literal["trn1", "trn2"]
 
-#: HF ``model_type`` values whose state-dict names and shapes the ``nxd-llama`` rule set covers.
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+#: HF ``model_type`` values ckpt can lay out: one module each under ``ckpt/layouts/families/``.
+SUPPORTED_MODEL_TYPES = supported()
 
 
 @dataclass(frozen=True)
@@ -32,14 +33,26 @@ class ModelDims:
     intermediate: int
     model_type: str = "llama"
     tie_word_embeddings: bool = False
+    experts: int = 0
+    """Number of MoE experts (0: a dense model); ``intermediate`` is then each expert's MLP width."""
 
     @classmethod
     def from_hf_config(cls, config: Mapping[str, Any]) -> ModelDims:
         """Read dims from a Hugging Face ``config.json`` dict.
 
         ``head_dim`` is taken from the config when present (Mistral-Nemo, Qwen3 style models set it
-        independently of ``hidden_size``); otherwise it is ``hidden_size // num_attention_heads``.
+        independently of ``hidden_size``); otherwise it is ``hidden_size // num_attention_heads``.  An MoE family
+        reads its expert count and expert width from the keys its module names; settings a family cannot lay out
+        are refused here.
         """
+        model_type = str(config.get("model_type", "llama"))
+        family = FAMILIES.get(model_type)
+        experts = family.experts if family is not None else None
+        if family is not None and family.check_config is not None:
+            problem = family.check_config(config)
+            if problem:
+                raise LayoutError(f"config.json ({model_type}): {problem}")
+        inter_key = experts.intermediate_key if experts is not None else "intermediate_size"
         try:
             heads = int(config["num_attention_heads"])
             hidden = int(config["hidden_size"])
@@ -50,9 +63,10 @@ class ModelDims:
                 head_dim=int(config.get("head_dim") or hidden // heads),
                 layers=int(config["num_hidden_layers"]),
                 vocab=int(config["vocab_size"]),
-                intermediate=int(config["intermediate_size"]),
-                model_type=str(config.get("model_type", "llama")),
+                intermediate=int(config[inter_key]),
+                model_type=model_type,
                 tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+                experts=experts.count(config) if experts is not None else 0,
             )
         except KeyError as e:
             raise LayoutError(f"config.json lacks {e.args[0]!r}, needed to plan the layout") from None
@@ -66,29 +80,15 @@ class ModelDims:
     def kv_rows(self) -> int:
         return self.kv_heads * self.head_dim
 
-    def hf_shapes(self, *, qkv_bias: bool = False) -> dict[str, tuple[int, ...]]:
-        """Every tensor of the Hugging Face Llama/Mistral/Qwen2 model with these dims, name -> shape, in
-        ``state_dict`` order (``qkv_bias`` adds Qwen2's q/k/v biases; a tied ``lm_head`` is omitted)."""
-        h, inter = self.hidden, self.intermediate
-        out: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (self.vocab, h)}
-        for i in range(self.layers):
-            p = f"model.layers.{i}"
-            for proj, rows in (("q", self.q_rows), ("k", self.kv_rows), ("v", self.kv_rows)):
-                out[f"{p}.self_attn.{proj}_proj.weight"] = (rows, h)
-                if qkv_bias:
-                    out[f"{p}.self_attn.{proj}_proj.bias"] = (rows,)
-            out |= {
-                f"{p}.self_attn.o_proj.weight": (h, self.q_rows),
-                f"{p}.mlp.gate_proj.weight": (inter, h),
-                f"{p}.mlp.up_proj.weight": (inter, h),
-                f"{p}.mlp.down_proj.weight": (h, inter),
-                f"{p}.input_layernorm.weight": (h,),
-                f"{p}.post_attention_layernorm.weight": (h,),
-            }
-        out["model.norm.weight"] = (h,)
-        if not self.tie_word_embeddings:
-            out["lm_head.weight"] = (self.vocab, h)
-        return out
+    @property
+    def family(self) -> Family:
+        """The model family of ``model_type`` (``LayoutError`` listing the supported ones if there is none)."""
+        return get_family(self.model_type)
+
+    def hf_shapes(self, *, qkv_bias: bool | None = None) -> dict[str, tuple[int, ...]]:
+        """Every tensor of the Hugging Face model with these dims, name -> shape, in ``state_dict`` order
+        (``qkv_bias``: q/k/v biases, default the family's; a tied ``lm_head`` is omitted)."""
+        return self.family.hf_shapes(self, qkv_bias=qkv_bias)
 
 
 @dataclass(frozen=True)
@@ -99,7 +99,9 @@ class NxdFlags:
     ``qkv_linear`` selects NxD's ``GQAQKVColumnParallelLinear`` (names ``qkv_proj.weight_q|k|v``);
     ``fuse_qkv`` stores one ``weight_qkv`` per rank (or, for MHA without ``qkv_linear``, the stride-3
     ``qkv_proj.weight``).  ``hw`` decides how KV copies are laid over ranks (see ``gqa.py``).  ``dp`` only
-    shards ZeRO-1 optimizer state; it never moves a model tensor.
+    shards ZeRO-1 optimizer state; it never moves a model tensor.  ``ep`` (expert parallelism, MoE families
+    only) gives expert-parallel rank ``k`` experts ``[k*E/ep, (k+1)*E/ep)``; every other tensor is the same on
+    every EP rank.
     """
 
     tp: int = 1
@@ -110,6 +112,7 @@ class NxdFlags:
     hw: Hardware = "trn1"
     fuse_qkv: bool = False
     qkv_linear: bool = False
+    ep: int = 1
 
     @classmethod
     def names(cls) -> tuple[str, ...]:
@@ -144,6 +147,11 @@ class LayoutSpec(NxdFlags):
         return cls(model=model, **{n: getattr(flags, n) for n in NxdFlags.names()})
 
     @property
+    def family(self) -> Family:
+        """The model family (validated at construction)."""
+        return self.model.family
+
+    @property
     def num_stages(self) -> int:
         return self.pp * self.virtual_pp
 
@@ -172,6 +180,7 @@ def validate(spec: LayoutSpec) -> None:
         ("--virtual-pp", spec.virtual_pp),
         ("--dp", spec.dp),
         ("--kv-size-multiplier", spec.kv_size_multiplier),
+        ("--ep", spec.ep),
     ):
         _positive(flag, value)
     for name, value in (
@@ -184,10 +193,22 @@ def validate(spec: LayoutSpec) -> None:
         ("intermediate_size", m.intermediate),
     ):
         _positive(f"config {name}", value)
-    if m.model_type not in SUPPORTED_MODEL_TYPES:
+    family = m.family  # refuses an unknown model_type, listing the supported ones
+    if family.experts is None:
+        if spec.ep != 1:
+            raise LayoutError(
+                f"--ep {spec.ep} needs an MoE model; model_type {m.model_type!r} has no experts"
+            )
+    else:
+        _positive(f"config {family.experts.count_key}", m.experts)
+        if m.experts % spec.ep:
+            raise LayoutError(
+                f"--ep {spec.ep} does not divide {family.experts.count_key}={m.experts}; change --ep"
+            )
+    if m.tie_word_embeddings and spec.pp > 1:
         raise LayoutError(
-            f"config model_type {m.model_type!r} is not covered by rule set nxd-llama "
-            f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
+            f"tie_word_embeddings with --pp {spec.pp} is not supported: the tied weight would live on the first "
+            "and the last PP stage, and NxD's copy on the last one is not a layout ckpt can verify; use --pp 1"
         )
     if spec.hw not in ("trn1", "trn2"):
         raise LayoutError(f"--hw {spec.hw!r} must be trn1 or trn2")
@@ -201,7 +222,8 @@ def validate(spec: LayoutSpec) -> None:
             f"--tp {tp} does not divide vocab_size={m.vocab}; pad the vocabulary or change --tp"
         )
     if m.intermediate % tp:
-        raise LayoutError(f"--tp {tp} does not divide intermediate_size={m.intermediate}; change --tp")
+        key = family.experts.intermediate_key if family.experts is not None else "intermediate_size"
+        raise LayoutError(f"--tp {tp} does not divide {key}={m.intermediate}; change --tp")
     if m.heads % tp:
         raise LayoutError(f"--tp {tp} does not divide num_attention_heads={m.heads}; change --tp")
     if not spec.qkv_linear:

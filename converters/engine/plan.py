@@ -225,7 +225,7 @@ def plan_to_neuron(
     full_plans = {n: plan for n, (_, plan) in view.items()}
     model = {n: d for n, (d, _) in view.items() if d.role in MODEL_ROLES}
     metas = {n: TensorMeta(d.shape, dtype_from_name(d.dtype)) for n, d in model.items()}
-    rule = rule_set or (source.record.rule_set if source.record is not None else NxdRecord().rule_set)
+    rule = rule_set or spec.family.rule_set
     by_name: dict[str, dict[Rank, TensorPlan]] = {}
     for t in plan_full_to_nxd(spec, metas).tensors:
         assert t.rank is not None
@@ -238,7 +238,7 @@ def plan_to_neuron(
     tensors: list[OutTensor] = []
     pp_ranks: dict[str, list[int]] = {}
     for nxd, per_rank in by_name.items():
-        parts_hf = nxd_to_hf_names(nxd)
+        parts_hf = nxd_to_hf_names(nxd, spec.family)
         present = [h for h in parts_hf if h in model]
         pps = pp_ranks_of(nxd, spec)
         pp_ranks[nxd] = list(pps)
