@@ -23,7 +23,9 @@ import torch
 
 from ckpt.dtypes import dtype_from_name
 from ckpt.errors import StateMismatchError
+from ckpt.layouts.families import FAMILIES
 from ckpt.layouts.record import NxdRecord
+from ckpt.layouts.rules import DEFAULT_RULE_SET
 from ckpt.loader import Restorer, RestoreResult
 from ckpt.loader import restore as core_restore
 from ckpt.manager import CheckpointManager
@@ -60,7 +62,9 @@ class NeuronCheckpointer(Checkpointer):
     Args:
         parallel: this process's ranks and sizes; default ``ParallelInfo.detect(**parallel_args)`` (NxD's
             parallel state when importable, explicit ``tp_rank=``/``tp_size=``/... otherwise).
-        rule_set: layout rules for parameters without NxD TP attributes (``"nxd-llama"``; None: replicated).
+        rule_set: layout rules for parameters without NxD TP attributes; ``"auto"`` (default): the rule set of the
+            config's ``model_type`` family (``nxd-qwen3`` for Qwen3, ...), ``"nxd-llama"`` without a config or for
+            a model type ckpt has no family for; None: replicated.
         kv_size_multiplier, hw, virtual_pp: NxD flags recorded in ``extra.nxd`` for converters.
         fuse_qkv, qkv_linear: recorded too; None infers them from the parameter names.
         config: the Hugging Face ``config.json`` dict; default ``model.config.to_dict()`` when the model has one.
@@ -71,7 +75,7 @@ class NeuronCheckpointer(Checkpointer):
         self,
         *,
         parallel: ParallelInfo | None = None,
-        rule_set: str | None = "nxd-llama",
+        rule_set: str | None = "auto",
         kv_size_multiplier: int = 1,
         hw: str = "trn1",
         virtual_pp: int = 1,
@@ -109,7 +113,7 @@ class NeuronCheckpointer(Checkpointer):
             return self._fixed_hook
         key = id(model)
         if key not in self._layouts:
-            self._layouts[key] = NxdLayout(model, self.parallel, self.rule_set)
+            self._layouts[key] = NxdLayout(model, self.parallel, self._rule_set(model))
         return self._layouts[key]
 
     def save(self, path: str, *, step: int, model: Any = None, optimizer: Any = None, **kw: Any) -> Future:
@@ -140,7 +144,7 @@ class NeuronCheckpointer(Checkpointer):
         if fuse is None:
             fuse = any(_FUSED_QKV.search(n) and not re.search(r"_(q|k|v)$", n) for n in names)
         record = NxdRecord(
-            rule_set=self.rule_set,
+            rule_set=self._rule_set(model),
             **self.flags,
             fuse_qkv=bool(fuse),
             qkv_linear=bool(qkv_linear),
@@ -148,6 +152,10 @@ class NeuronCheckpointer(Checkpointer):
             pp_ranks=self._gather_pp_ranks(tuple(names)) if self.parallel.pp_size > 1 else None,
         )
         return record.to_extra()
+
+    def _rule_set(self, model: Any) -> str | None:
+        config = self.config if self.config is not None else _hf_config(model)
+        return resolve_rule_set(self.rule_set, config)
 
     def _gather_pp_ranks(self, names: tuple[str, ...]) -> dict[str, list[int]]:
         if names != self._pp_key or self._pp_ranks is None:
@@ -259,16 +267,28 @@ class NeuronRestorer(Restorer):
         return super()._optimizer_tensor(ename, param)
 
 
+def resolve_rule_set(rule_set: str | None, config: dict[str, Any] | None) -> str | None:
+    """``rule_set`` itself, or for ``"auto"`` the rule set of ``config``'s model family (``nxd-llama`` when the config
+    is unknown or names no family ckpt has: what every save used before families existed)."""
+    if rule_set != "auto":
+        return rule_set
+    family = FAMILIES.get(str((config or {}).get("model_type")))
+    return family.rule_set if family is not None else DEFAULT_RULE_SET
+
+
 def restore(
     path: Any,
     *,
     model: Any = None,
     optimizer: Any = None,
     parallel: ParallelInfo | None = None,
-    rule_set: str | None = "nxd-llama",
+    rule_set: str | None = "auto",
+    config: dict[str, Any] | None = None,
     **kw: Any,
 ) -> RestoreResult:
-    """:func:`ckpt.restore` for NxD / torch-xla state (same keywords; ``parallel`` as in NeuronCheckpointer)."""
+    """:func:`ckpt.restore` for NxD / torch-xla state (same keywords; ``parallel``, ``rule_set`` and ``config`` as in
+    NeuronCheckpointer)."""
+    rule_set = resolve_rule_set(rule_set, config if config is not None else _hf_config(model))
     layout = NxdLayout(model, parallel or ParallelInfo.detect(), rule_set) if model is not None else None
     kw.setdefault("layout_hook", layout)
     return core_restore(path, model=model, optimizer=optimizer, restorer=NeuronRestorer, **kw)

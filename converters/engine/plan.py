@@ -25,6 +25,7 @@ from typing import Any
 from ckpt.dtypes import dtype_from_name, dtype_name
 from ckpt.errors import LayoutError, StateMismatchError
 from ckpt.layouts import LayoutSpec, Piece, TensorMeta, TensorPlan, plan_full_to_nxd, plan_nxd_to_full
+from ckpt.layouts.families import FAMILIES
 from ckpt.layouts.names import hf_to_nxd_name, nxd_to_hf_names
 from ckpt.layouts.partition import partition_entry
 from ckpt.layouts.pipeline import pp_ranks_of
@@ -118,6 +119,18 @@ def _piece_bytes(source: Source, p: Piece) -> int:
 # ------------------------------------------------------------------------------------------------ full view
 
 
+def _dense(spec: LayoutSpec, path: str) -> LayoutSpec:
+    """``spec`` when its family is dense; MoE families are refused here (their stacked, transposed expert tensors
+    are laid out by :mod:`ckpt.layouts.experts` in memory, not yet by the streaming engine)."""
+    if spec.family.experts is not None:
+        raise LayoutError(
+            f"{path}: converting the Neuron layout of an MoE model (model_type {spec.model.model_type!r}) is not "
+            "supported by ckpt convert yet; dense families are: "
+            + ", ".join(n for n, f in FAMILIES.items() if f.experts is None)
+        )
+    return spec
+
+
 def _identity(desc: TensorDesc) -> TensorPlan:
     return TensorPlan(
         desc.name,
@@ -135,7 +148,7 @@ def full_view(
     states (``optim/<full name>/<key>``)."""
     if source.layout == "cuda":
         return {n: (d, _identity(d)) for n, d in source.tensors.items()}
-    spec = source.spec(config)
+    spec = _dense(source.spec(config), source.path)
     model = {n: d for n, d in source.tensors.items() if d.role in MODEL_ROLES}
     out: dict[str, tuple[TensorDesc, TensorPlan]] = {}
     for t in plan_nxd_to_full(spec, source.rank_metas()).tensors:
@@ -220,7 +233,7 @@ def plan_to_neuron(
     cfg = dict(config) if config is not None else source.config
     if not cfg:
         raise LayoutError(f"{source.path}: the model config is unknown; pass --config config.json")
-    spec = LayoutSpec.of(ModelDims.from_hf_config(cfg), flags)
+    spec = _dense(LayoutSpec.of(ModelDims.from_hf_config(cfg), flags), source.path)
     view = full_view(source, config)
     full_plans = {n: plan for n, (_, plan) in view.items()}
     model = {n: d for n, (d, _) in view.items() if d.role in MODEL_ROLES}
