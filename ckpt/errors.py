@@ -32,6 +32,11 @@ class StateMismatchError(CkptError):
     """The object being restored does not fit the checkpoint (missing/unexpected names, shapes)."""
 
 
+class ReplicaMismatchError(StateMismatchError):
+    """Copies of state that must be identical on several ranks (DDP replicas, TP-replicated norms) differ: a
+    desynchronised run.  Nothing was written; saving one copy would silently pick a rank."""
+
+
 class CheckpointExistsError(CkptError):
     """A checkpoint for this step is already committed and overwrite was not requested."""
 

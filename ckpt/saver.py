@@ -36,6 +36,7 @@ from .dtypes import dtype_name
 from .errors import AsyncSaveError, CheckpointExistsError, CkptError
 from .manifest import MANIFEST_NAME, Box, Layout, Manifest, TensorDesc
 from .planning import DEFAULT_CHUNK_BYTES, Piece, assign_writers, chunk_boxes, digest, local_box
+from .replicas import check_replicas
 from .staging import HostStager
 from .state import NamedTensor, model_tensors, optimizer_capture, state_dict_of
 from .storage import Storage, open_storage
@@ -87,6 +88,11 @@ class Checkpointer:
 
     ``async_save=True`` returns from :meth:`save` once tensors are staged in host memory; one save is in flight
     at a time; ``close()`` waits for it.
+
+    Replicated state (a box of a tensor that several ranks hold: DDP replicas, TP-replicated norms) is written by one
+    rank only, so its copies are compared first (:func:`ckpt.replicas.check_replicas`, xxh3 digests all-gathered):
+    on the first save of this checkpointer, and on every save when ``verify_replicas=True`` here or in
+    :meth:`save`.  A copy that differs refuses the save on every rank (``ReplicaMismatchError``), nothing written.
     """
 
     def __init__(
@@ -99,8 +105,11 @@ class Checkpointer:
         storage_options: dict[str, Any] | None = None,
         layout_hook: LayoutHook | None = None,
         stager: Any = None,
+        verify_replicas: bool = False,
     ) -> None:
         self.async_save = async_save
+        self.verify_replicas = verify_replicas
+        self._replicas_checked = False
         self.coll = Collective(process_group)
         self.chunk_bytes = chunk_bytes
         self.codec = codec
@@ -132,12 +141,15 @@ class Checkpointer:
         extra: dict[str, Any] | None = None,
         overwrite: bool = False,
         on_commit: Callable[[SaveResult], None] | None = None,
+        verify_replicas: bool | None = None,
     ) -> Future:
         """Save one checkpoint to ``path`` (its own directory/prefix). Returns a future of :class:`SaveResult`.
 
         Synchronous saves are complete (and raise) before returning; the future is already resolved.
         ``on_commit`` runs on rank 0 after the manifest is written (retention uses it); its errors only warn.
         ``extra`` becomes the manifest's ``extra`` (JSON; backend/converter facts such as ``extra.nxd``).
+        ``verify_replicas``: compare replicated copies across ranks in this save (default: on the first save of this
+        checkpointer, or always if it was made with ``verify_replicas=True``).
         """
         self.wait()
         started = time.perf_counter()
@@ -165,13 +177,21 @@ class Checkpointer:
         if dataloader is not None:
             rank_trees["data"] = treecodec.encode(state_dict_of(dataloader, "dataloader"), "dataloader")
 
-        pieces, local = self._describe(named)
+        refused: CkptError | None = None
+        try:
+            self.check_state(named)
+            pieces, local = self._describe(named)
+        except CkptError as e:
+            if not self.coll.active:
+                raise
+            refused, pieces, local = e, [], {}
         rank0 = (
             {"attempt": uuid.uuid4().hex[:8], "exists": storage.exists(MANIFEST_NAME)}
-            if self.coll.rank == 0
+            if self.coll.rank == 0 and refused is None
             else None
         )
-        gathered = self.coll.all_gather((digest(pieces), rank0))
+        gathered = self.coll.all_gather((digest(pieces), rank0, None if refused is None else str(refused)))
+        _agree(refused, [g[2] for g in gathered])
         info = gathered[0][1]
         if info["exists"] and not overwrite:
             raise CheckpointExistsError(
@@ -182,6 +202,10 @@ class Checkpointer:
             self._per_rank = self.coll.all_gather(pieces)
             self._plan = assign_writers(self._per_rank)
             self._plan_key = key
+        check = verify_replicas if verify_replicas is not None else self.verify_replicas
+        if (check or not self._replicas_checked) and self.coll.world_size > 1:
+            check_replicas(self.coll, self._per_rank, local)
+            self._replicas_checked = True
         if info["exists"] and self.coll.rank == 0:
             storage.delete(MANIFEST_NAME)
         assert self._plan is not None
@@ -246,6 +270,10 @@ class Checkpointer:
             self.wait()
         finally:
             self.stager.release()
+
+    def check_state(self, named: list[NamedTensor]) -> None:
+        """Refuse state this checkpointer cannot describe without guessing (an extension point; raises CkptError).
+        Called on every rank before anything is exchanged; a refusal on any rank fails the save on every rank."""
 
     def capture_optimizer(self, optimizer: Any, model: Any) -> tuple[list[NamedTensor], dict[str, Any]]:
         """Named tensors and JSON tree of ``optimizer``.  An extension point: optimizers whose ``state_dict`` is
@@ -345,6 +373,15 @@ class Checkpointer:
             trees=job.trees,
             rank_trees={r["receipt"].rank: r["trees"] for r in reports},
         )
+
+
+def _agree(mine: CkptError | None, errors: list[str | None]) -> None:
+    """Every rank raises when any rank refused: its own error, else the first refusing rank's."""
+    if mine is not None:
+        raise mine
+    for rank, err in enumerate(errors):
+        if err is not None:
+            raise CkptError(f"rank {rank} refused the save, nothing written: {err}")
 
 
 def default_layout(named: list[NamedTensor], world: int) -> Layout:

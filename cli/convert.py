@@ -86,6 +86,21 @@ def layout_options(fn: Callable[..., Any]) -> Callable[..., Any]:
 @click.option(
     "--config", "config_path", type=str, default=None, help="Hugging Face config.json of the model."
 )
+@click.option(
+    "--replicated",
+    "replicated",
+    multiple=True,
+    metavar="GLOB",
+    help="Neuron layouts: tensors the layout rules do not know (fnmatch glob over the whole name) that are "
+    "replicated on every TP rank; repeatable. Any other unknown tensor is refused.",
+)
+@click.option(
+    "--model-type",
+    "model_type",
+    type=str,
+    default=None,
+    help="HF model_type of a model whose config.json lacks one (llama, mistral, qwen2); never guessed.",
+)
 @click.option("--step", type=int, default=None, help="Step to record (default: the source's).")
 @click.option(
     "--xser/--no-xser", default=None, help="--format nxd: write torch_xla's xser form (default: SRC's)."
@@ -130,6 +145,8 @@ def convert(
     workers: int,
     max_shard_size: str,
     dry_run: bool,
+    replicated: tuple[str, ...],
+    model_type: str | None,
     **flags: Any,
 ) -> None:
     """Convert checkpoint SRC into DST (SRC is never written; DST is committed atomically)."""
@@ -152,6 +169,8 @@ def convert(
         max_shard_bytes=parse_size(max_shard_size, "--max-shard-size"),
         xser=xser,
         codec=codec,
+        replicated=replicated,
+        model_type=model_type,
     )
     run = RunOptions(workers=workers, allow_unmarked=allow_unmarked)
     if dry_run:

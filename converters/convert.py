@@ -60,7 +60,19 @@ def open_source(src: str, opts: ConvertOptions, run: RunOptions | None = None) -
         verify=run.verify,
         allow_unmarked=run.allow_unmarked,
         param_names=opts.param_names,
+        replicated=tuple(opts.replicated),
     )
+    if opts.model_type is not None and source.config is not None:
+        have = source.config.get("model_type")
+        if have is not None and have != opts.model_type:
+            source.close()
+            raise LayoutError(
+                f"--model-type {opts.model_type} contradicts {src}'s config model_type {have!r}"
+            )
+        source.config = {**source.config, "model_type": opts.model_type}
+    if opts.replicated and source.record is not None:
+        merged = tuple(dict.fromkeys((*source.record.replicated, *opts.replicated)))
+        source.record = dataclasses.replace(source.record, replicated=merged)
     if opts.from_ is not None and opts.from_ != source.layout:
         source.close()
         raise LayoutError(
@@ -102,7 +114,9 @@ def plan_conversion(source: Source, opts: ConvertOptions) -> Conversion:
                 )
             )
         return plan_to_cuda(source, config=opts.config)
-    return plan_to_neuron(source, target_flags(source, opts), config=opts.config)
+    return plan_to_neuron(
+        source, target_flags(source, opts), config=opts.config, replicated=tuple(opts.replicated)
+    )
 
 
 def make_export(conv: Conversion, opts: ConvertOptions, run: RunOptions) -> Export:

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import torch
 
 from ckpt.errors import LayoutError
-from ckpt.layouts.rules import Kind
+from ckpt.layouts.rules import Kind, rule_for
 from ckpt.layouts.spec import LayoutSpec
 
 
@@ -22,7 +22,7 @@ def local_part_sizes(hf_names: Sequence[str], spec: LayoutSpec) -> tuple[int, ..
     m = spec.model
     sizes = []
     for name in hf_names:
-        kind = spec.family.rule_for(name).kind
+        kind = rule_for(name, spec.rules, spec.rule_set).kind
         if kind is Kind.ATTN_Q:
             sizes.append(m.q_rows // spec.tp)
         elif kind is Kind.ATTN_KV:

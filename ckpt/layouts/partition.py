@@ -19,15 +19,18 @@ from typing import Any
 
 from ckpt.layouts.families import family_for_rule_set
 from ckpt.layouts.names import EXPERT_STACKED, nxd_to_hf_names
-from ckpt.layouts.rules import DEFAULT_RULE_SET, Kind, rule_for
+from ckpt.layouts.rules import DEFAULT_RULE_SET, Kind, rule_for, rules_with
 
 Partition = dict[str, Any]
 _MHA_FUSED_QKV = re.compile(r"\.self_attn\.qkv_proj\.(weight|bias)$")
 
 
 @lru_cache(maxsize=8192)
-def nxd_partition(name: str, rule_set: str = DEFAULT_RULE_SET) -> tuple[int, int] | None:
-    """``(partition dim, stride)`` of NxD tensor ``name`` under ``rule_set``; None when it is replicated.
+def nxd_partition(
+    name: str, rule_set: str = DEFAULT_RULE_SET, replicated: tuple[str, ...] = ()
+) -> tuple[int, int] | None:
+    """``(partition dim, stride)`` of NxD tensor ``name`` under ``rule_set``; None when it is replicated (by a rule
+    of the set or a ``replicated`` glob).  A name neither knows is a ``LayoutError``.
 
     NxD's stacked expert tensors are ``ExpertFusedColumnParallelLinear`` (``gate_up_proj`` ``[E/ep, H, 2I/tp]``: dim 2,
     stride 2) and ``ExpertFusedRowParallelLinear`` (``down_proj`` ``[E/ep, I/tp, H]``: dim 1).
@@ -36,7 +39,7 @@ def nxd_partition(name: str, rule_set: str = DEFAULT_RULE_SET) -> tuple[int, int
     stacked = EXPERT_STACKED.match(name) if family.experts is not None else None
     if stacked:
         return (2, 2) if stacked["proj"] == "gate_up" else (1, 1)
-    rule = rule_for(nxd_to_hf_names(name, family)[0], family.rules)
+    rule = rule_for(nxd_to_hf_names(name, family)[0], rules_with(rule_set, tuple(replicated)), rule_set)
     if rule.kind is Kind.REPLICATED or rule.partition_dim is None:
         return None
     if _MHA_FUSED_QKV.search(name):
@@ -44,9 +47,11 @@ def nxd_partition(name: str, rule_set: str = DEFAULT_RULE_SET) -> tuple[int, int
     return (rule.partition_dim, rule.stride)
 
 
-def partition_entry(name: str, tp: int, rule_set: str = DEFAULT_RULE_SET) -> Partition | None:
+def partition_entry(
+    name: str, tp: int, rule_set: str = DEFAULT_RULE_SET, replicated: tuple[str, ...] = ()
+) -> Partition | None:
     """The manifest ``partition`` of NxD tensor ``name`` split over ``tp`` ranks by ``rule_set`` (None: replicated)."""
-    found = nxd_partition(name, rule_set)
+    found = nxd_partition(name, rule_set, tuple(replicated))
     if found is None:
         return None
     return {"dim": found[0], "stride": found[1], "tp": tp, "source": rule_set}

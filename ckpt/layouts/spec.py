@@ -13,11 +13,23 @@ from typing import Any, Literal
 
 from ckpt.errors import LayoutError
 from ckpt.layouts.families import FAMILIES, Family, get_family, supported
+from ckpt.layouts.rules import Rule, rules_with
 
 Hardware = Literal["trn1", "trn2"]
 
 #: HF ``model_type`` values ckpt can lay out: one module each under ``ckpt/layouts/families/``.
 SUPPORTED_MODEL_TYPES = supported()
+
+
+def _model_type(config: Mapping[str, Any]) -> str:
+    """The config's ``model_type``; a config without one is refused (it decides the tensor names and rules)."""
+    mt = config.get("model_type")
+    if not isinstance(mt, str) or not mt:
+        raise LayoutError(
+            "config.json has no model_type, which decides the layout rules; pass --model-type "
+            f"({'|'.join(SUPPORTED_MODEL_TYPES)}) if the model is one of them (library: ConvertOptions(model_type=))"
+        )
+    return mt
 
 
 @dataclass(frozen=True)
@@ -45,7 +57,7 @@ class ModelDims:
         reads its expert count and expert width from the keys its module names; settings a family cannot lay out
         are refused here.
         """
-        model_type = str(config.get("model_type", "llama"))
+        model_type = _model_type(config)
         family = FAMILIES.get(model_type)
         experts = family.experts if family is not None else None
         if family is not None and family.check_config is not None:
@@ -130,12 +142,22 @@ class NxdFlags:
 
 @dataclass(frozen=True)
 class LayoutSpec(NxdFlags):
-    """An NxD parallel layout of one model: :class:`NxdFlags` plus the model's dimensions (keyword ``model``)."""
+    """An NxD parallel layout of one model: :class:`NxdFlags` plus the model's dimensions (keyword ``model``).
+
+    ``rule_set`` names the rules that split tensors over TP ranks (default: the model family's); ``replicated`` are
+    the user's globs for tensors
+    the rule set does not know that are replicated on every rank (``--replicated``); any other unknown name is
+    refused when a plan is made.
+    """
 
     model: ModelDims = field(kw_only=True)
+    rule_set: str = field(default="", kw_only=True)
+    replicated: tuple[str, ...] = field(default=(), kw_only=True)
 
     def __post_init__(self) -> None:
         validate(self)
+        if not self.rule_set:  # the family's own rules (validate refused an unknown family)
+            object.__setattr__(self, "rule_set", self.model.family.rule_set)
 
     @classmethod
     def from_hf_config(cls, config: Mapping[str, Any], **flags: Any) -> LayoutSpec:
@@ -143,8 +165,25 @@ class LayoutSpec(NxdFlags):
         return cls(model=ModelDims.from_hf_config(config), **flags)
 
     @classmethod
-    def of(cls, model: ModelDims, flags: NxdFlags) -> LayoutSpec:
-        return cls(model=model, **{n: getattr(flags, n) for n in NxdFlags.names()})
+    def of(
+        cls,
+        model: ModelDims,
+        flags: NxdFlags,
+        *,
+        rule_set: str | None = None,
+        replicated: tuple[str, ...] | list[str] = (),
+    ) -> LayoutSpec:
+        return cls(
+            model=model,
+            rule_set=rule_set or "",
+            replicated=tuple(replicated),
+            **{n: getattr(flags, n) for n in NxdFlags.names()},
+        )
+
+    @property
+    def rules(self) -> tuple[Rule, ...]:
+        """The rule set's rules, then the declared replicated globs."""
+        return rules_with(self.rule_set, self.replicated)
 
     @property
     def family(self) -> Family:
@@ -205,11 +244,6 @@ def validate(spec: LayoutSpec) -> None:
             raise LayoutError(
                 f"--ep {spec.ep} does not divide {family.experts.count_key}={m.experts}; change --ep"
             )
-    if m.tie_word_embeddings and spec.pp > 1:
-        raise LayoutError(
-            f"tie_word_embeddings with --pp {spec.pp} is not supported: the tied weight would live on the first "
-            "and the last PP stage, and NxD's copy on the last one is not a layout ckpt can verify; use --pp 1"
-        )
     if spec.hw not in ("trn1", "trn2"):
         raise LayoutError(f"--hw {spec.hw!r} must be trn1 or trn2")
     if m.heads % m.kv_heads:
@@ -260,6 +294,11 @@ def validate(spec: LayoutSpec) -> None:
                 f"{spec.kv_slots} == --tp {tp} (NxD trn2 kv groups are adjacent ranks holding one KV head); "
                 f"use --kv-size-multiplier {_suggest_mult(m.kv_heads, tp)}"
             )
+    if m.tie_word_embeddings and spec.pp > 1:
+        raise LayoutError(
+            f"config tie_word_embeddings with --pp {spec.pp} is not supported: NxD then keeps the tied embedding on "
+            "the first and last stages, a layout this converter does not map; use --pp 1 or untie the weights"
+        )
     if m.layers < spec.num_stages:
         raise LayoutError(
             f"--pp {spec.pp} x --virtual-pp {spec.virtual_pp} = {spec.num_stages} stages exceed "

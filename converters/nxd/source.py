@@ -27,10 +27,12 @@ from ckpt import treecodec
 from ckpt.dtypes import dtype_name
 from ckpt.errors import CkptError, CorruptionError, LayoutError
 from ckpt.layouts import Piece
+from ckpt.layouts.families import family_for_rule_set, rule_set_for_config
+from ckpt.layouts.names import EXPERT_STACKED, nxd_to_hf_names
 from ckpt.layouts.partition import partition_entry
 from ckpt.layouts.pipeline import layer_index, layers_of_pp_rank
 from ckpt.layouts.record import NxdRecord
-from ckpt.layouts.rules import DEFAULT_RULE_SET
+from ckpt.layouts.rules import check_known, rules_with
 from ckpt.manifest import TensorDesc
 from ckpt.state import optim_name
 
@@ -122,11 +124,12 @@ class NxdTagSource(Source):
         *,
         config: Mapping[str, Any] | None = None,
         flags: Mapping[str, Any] | None = None,
-        rule_set: str = DEFAULT_RULE_SET,
+        rule_set: str | None = None,
         step: int | None = None,
         param_names: Mapping[RankKey, Sequence[str]] | None = None,
         allow_unmarked: bool = False,
         verify: bool = True,
+        replicated: Sequence[str] = (),
     ) -> None:
         given = dict(flags or {})
         unknown = sorted(set(given) - set(SOURCE_FLAGS))
@@ -174,13 +177,23 @@ class NxdTagSource(Source):
             "virtual_pp": 1,
         }
         detected.update(given)
-        record = NxdRecord(rule_set=rule_set, config=self.config, **detected)
+        replicated = tuple(replicated)
+        rule_set = rule_set or rule_set_for_config(self.config)  # default: the config's model family
+        family = family_for_rule_set(rule_set)
+        check_known(
+            (h for n in names if not EXPERT_STACKED.match(n) for h in nxd_to_hf_names(n, family)),
+            rules_with(rule_set, replicated),
+            rule_set,
+        )
+        record = NxdRecord(rule_set=rule_set, config=self.config, replicated=replicated, **detected)
+        if self.config:  # the model the tag holds must be one the rule set covers (model type, dims, flags)
+            record.spec(tp=tp, pp=pp, dp=meta.dp_size, where=self.path)
         if self.config and pp > 1 and "virtual_pp" not in given:
             record = self._detect_virtual_pp(record, tp, pp, meta.dp_size)
         self.zero1 = meta.zero1
         self.tensors = {}
         for name, (shape, dt) in local.items():
-            part = partition_entry(name, tp, rule_set)
+            part = partition_entry(name, tp, rule_set, replicated)
             full = list(shape)
             if part is not None:
                 full[int(part["dim"])] *= tp
@@ -336,11 +349,12 @@ def open_source(
     allow_unmarked: bool = False,
     verify: bool = True,
     param_names: Mapping[RankKey, Sequence[str]] | None = None,
+    replicated: Sequence[str] = (),
     **_: Any,
 ) -> NxdTagSource:
     return NxdTagSource(
         path, config=config, flags=source_flags, step=step, allow_unmarked=allow_unmarked, verify=verify,
-        param_names=param_names,
+        param_names=param_names, replicated=replicated,
     )  # fmt: skip
 
 

@@ -6,6 +6,9 @@ Adding a family: write ``families/<model_type>.py`` defining ``FAMILY`` (a :clas
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 from ckpt.errors import LayoutError
 from ckpt.layouts.families import llama, mistral, mixtral, qwen2, qwen3, qwen3_moe
 from ckpt.layouts.families.base import Experts, Family, Rename
@@ -40,6 +43,13 @@ def get_family(model_type: str) -> Family:
         ) from None
 
 
+def rule_set_for_config(config: Mapping[str, Any] | None) -> str:
+    """The rule set of ``config``'s model family; ``nxd-llama`` when there is no config or its ``model_type`` has
+    no family (what every Neuron save and NxD import used before families existed)."""
+    family = FAMILIES.get(str((config or {}).get("model_type")))
+    return family.rule_set if family is not None else "nxd-llama"
+
+
 def family_for_rule_set(rule_set: str) -> Family:
     """The (first) family recorded under ``rule_set``: what a saver that knows only the rule set name lays out
     (families sharing a rule set share their names too)."""
@@ -56,6 +66,7 @@ __all__ = [
     "Family",
     "Rename",
     "family_for_rule_set",
+    "rule_set_for_config",
     "get_family",
     "supported",
 ]

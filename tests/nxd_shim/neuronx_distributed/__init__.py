@@ -3,4 +3,7 @@
 # shim directory comes first only so that the one package __init__ below (modules/moe) is shadowed.
 import os as _os
 
-__path__ = [_os.path.dirname(_os.path.abspath(__file__)), _os.path.join(_os.environ["NXD_SRC"], "neuronx_distributed")]
+__path__ = [
+    _os.path.dirname(_os.path.abspath(__file__)),
+    _os.path.join(_os.environ["NXD_SRC"], "neuronx_distributed"),
+]
