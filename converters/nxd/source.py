@@ -181,7 +181,12 @@ class NxdTagSource(Source):
         rule_set = rule_set or rule_set_for_config(self.config)  # default: the config's model family
         family = family_for_rule_set(rule_set)
         check_known(
-            (h for n in names if not EXPERT_STACKED.match(n) for h in nxd_to_hf_names(n, family)),
+            (
+                h
+                for n in names
+                if family.experts is None or not EXPERT_STACKED.match(n)
+                for h in nxd_to_hf_names(n, family)
+            ),
             rules_with(rule_set, replicated),
             rule_set,
         )
