@@ -232,3 +232,20 @@ def test_unsupported_family_settings_are_refused():
     with pytest.raises(LayoutError, match="--tp 4 does not divide moe_intermediate_size=18"):
         LayoutSpec.from_hf_config(config("qwen3_moe", moe_intermediate_size=18), tp=4)
     json.dumps(config("qwen3"))  # configs stay plain JSON
+
+
+@pytest.mark.parametrize(
+    "model_type, message", [("llama", "--ep 2 needs an MoE model"), ("mixtral", "MoE model")]
+)
+def test_cli_ep_flag_is_checked_and_moe_convert_refused_cleanly(model_type, message, tmp_path):
+    """``ckpt convert --ep``: a dense model is refused, an MoE Neuron layout is refused by the streaming converter
+    (it is laid out in memory by ckpt.layouts.experts and saved by the Neuron saver); exit 2, nothing written."""
+    from ckpt.cli.main import cli
+    from click.testing import CliRunner
+
+    _, _, src = hf_model(config(model_type), tmp_path)
+    dst = tmp_path / "out"
+    r = CliRunner().invoke(cli, ["convert", str(src), str(dst), "--to", "neuron", "--tp", "2", "--ep", "2"])
+    assert r.exit_code == 2, r.output
+    assert "ckpt: error:" in r.output and message in r.output and "\n" not in r.output.strip()
+    assert not dst.exists()

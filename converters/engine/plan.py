@@ -87,7 +87,7 @@ class Conversion:
             f = self.flags
             assert f is not None
             return "neuron", Layout(
-                world_size=f.tp * f.pp * f.dp, tp=f.tp, pp=f.pp, dp=f.dp,
+                world_size=f.tp * f.pp * f.dp, tp=f.tp, pp=f.pp, dp=f.dp, ep=f.ep,
                 zero_stage=1 if self.zero1 else 0, kind="nxd",
             )  # fmt: skip
         return "cuda", Layout(world_size=self.trees.world_size, kind="replicated")
