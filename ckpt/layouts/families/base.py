@@ -41,8 +41,7 @@ DENSE_MLP: tuple[Rule, ...] = (
 """``gate_up_proj`` (``ColumnParallelLinear`` stride 2) and the ``RowParallelLinear`` down_proj."""
 
 NORMS: tuple[Rule, ...] = (
-    Rule(r"\.(input_layernorm|post_attention_layernorm)\.weight$", Kind.REPLICATED, None),
-    Rule(r"^model\.norm\.weight$", Kind.REPLICATED, None),
+    Rule(r"(^|\.)(input_layernorm|post_attention_layernorm|norm)\.weight$", Kind.REPLICATED, None),
     Rule(r"\.self_attn\.o_proj\.bias$", Kind.REPLICATED, None),
     Rule(r"\.mlp\.down_proj\.bias$", Kind.REPLICATED, None),
     Rule(r"(^|\.)rotary_emb\.inv_freq$", Kind.REPLICATED, None),
