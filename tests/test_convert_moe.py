@@ -26,8 +26,8 @@ BASE = {
 }  # fmt: skip
 CONFIGS = {
     "mixtral": {"intermediate_size": 8, "num_local_experts": 4, "num_experts_per_tok": 2},
-    "qwen3_moe": {"intermediate_size": 8, "moe_intermediate_size": 6, "num_experts": 4, "num_experts_per_tok": 2,
-                  "head_dim": 6},
+    "qwen3_moe": {"intermediate_size": 8, "moe_intermediate_size": 8, "num_experts": 4, "num_experts_per_tok": 2,
+                  "head_dim": 8},
 }  # fmt: skip
 
 

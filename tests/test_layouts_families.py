@@ -235,17 +235,23 @@ def test_unsupported_family_settings_are_refused():
 
 
 @pytest.mark.parametrize(
-    "model_type, message", [("llama", "--ep 2 needs an MoE model"), ("mixtral", "MoE model")]
+    "model_type, args, message",
+    [
+        ("llama", [], "--ep 2 needs an MoE model"),
+        ("mixtral", ["--ep", "3"], "--ep 3 does not divide num_local_experts=4"),
+        ("mixtral", ["--format", "nxd"], "--format nxd: writing NxD tags of MoE models"),
+    ],
 )
-def test_cli_ep_flag_is_checked_and_moe_convert_refused_cleanly(model_type, message, tmp_path):
-    """``ckpt convert --ep``: a dense model is refused, an MoE Neuron layout is refused by the streaming converter
-    (it is laid out in memory by ckpt.layouts.experts and saved by the Neuron saver); exit 2, nothing written."""
+def test_cli_ep_flag_is_checked(model_type, args, message, tmp_path):
+    """``ckpt convert --ep``: a dense model, an EP size not dividing the experts and NxD-tag output of an MoE model
+    are refused (exit 2, one line, nothing written); tests/test_convert_moe.py converts MoE models."""
     from ckpt.cli.main import cli
     from click.testing import CliRunner
 
     _, _, src = hf_model(config(model_type), tmp_path)
     dst = tmp_path / "out"
-    r = CliRunner().invoke(cli, ["convert", str(src), str(dst), "--to", "neuron", "--tp", "2", "--ep", "2"])
+    argv = ["convert", str(src), str(dst), "--to", "neuron", "--tp", "2", "--ep", "2", *args]
+    r = CliRunner().invoke(cli, argv)
     assert r.exit_code == 2, r.output
     assert "ckpt: error:" in r.output and message in r.output and "\n" not in r.output.strip()
     assert not dst.exists()

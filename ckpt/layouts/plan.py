@@ -97,6 +97,9 @@ class TensorPlan:
     dim: int | None
     pieces: tuple[Piece, ...]
     replicas: tuple[tuple[Piece, ...], ...] = ()
+    transpose: bool = False
+    """Deliver the assembled ``[rows, cols]`` tensor as ``[1, cols, rows]``: one MoE expert's slot of NxD's stacked
+    expert tensor (``converters/engine/experts.py``); ``meta`` is the assembled (untransposed) tensor's."""
 
     @property
     def sources(self) -> tuple[tuple[Rank | None, str], ...]:
