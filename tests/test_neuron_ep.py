@@ -1,7 +1,8 @@
 """The Neuron saver places expert-parallel shards: 4 gloo ranks as NxD TP=2 x EP=2 (EP carved out of DP=2) holding a
 tiny Mixtral's NxD rank tensors (stacked experts ``[E/ep, H, 2I/tp]``, NxD's ``expert_model_parallel`` marks).  The
 manifest records EP (``layout.ep``, ``partition.ep``), the logical expert tensors hold every expert once, and a
-restore on the same layout gives every rank its exact shard back."""
+restore on the same layout gives every rank its exact shard back, and ``ckpt convert`` turns it into the HF tensors it
+was made from."""
 
 from __future__ import annotations
 
@@ -99,3 +100,13 @@ def test_tp2_ep2_save_records_ep_and_restores_every_shard(tmp_path: Path) -> Non
     router = "model.layers.0.mlp.router.linear_router.weight"
     assert reader.entry(router).partition is None and list(reader.entry(router).shape) == [4, 16]
     json.dumps(nxd)
+    # the saver's EP checkpoint converts (streaming) to the very HF tensors it was made from
+    from ckpt.converters.convert import convert
+    from ckpt.converters.options import ConvertOptions
+
+    convert(f"{root}/step_00000001", f"{root}/back", ConvertOptions(to="cuda", format="hf"))
+    want = load_file(f"{root}/hf/model.safetensors")
+    got = {}
+    for f in sorted(Path(f"{root}/back").glob("*.safetensors")):
+        got |= load_file(str(f))
+    assert got.keys() == want.keys() and all(torch.equal(got[n], t) for n, t in want.items())
