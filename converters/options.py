@@ -18,7 +18,7 @@ from ckpt.layouts.spec import NxdFlags
 
 DEFAULT_FLUSH_BYTES = 64 << 20
 DEFAULT_SHARD_BYTES = 5 << 30
-FORMATS = ("ckpt", "hf", "dcp", "nxd")
+FORMATS = ("ckpt", "hf", "hf-trainer", "dcp", "nxd", "peft")
 
 
 @dataclass(frozen=True)
@@ -34,6 +34,8 @@ class ConvertOptions:
     ``replicated``: globs (``fnmatch``, whole tensor names) of tensors the layout rule set does not know that are
     replicated on every TP rank (``--replicated``); any other unknown tensor of a Neuron layout is refused, and the
     copies of a declared one are compared wherever several are read.
+    ``xser`` / ``zero1``: NxD output forms (default: the source's); ``codec``: our format's data codec; ``peft``
+    is the LoRA adapter format (see :mod:`.lora`).
     """
 
     to: Literal["cuda", "neuron"]
@@ -53,6 +55,8 @@ class ConvertOptions:
     replicated: Sequence[str] = ()
     #: the HF ``model_type`` of a model whose config.json lacks one (``--model-type``); contradicting it is refused
     model_type: str | None = None
+    #: a LoRA adapter (PEFT folder or NxD LoRA tag) to merge into SRC, the base HF model (``--merge-lora``)
+    merge_lora: str | None = None
 
     def __post_init__(self) -> None:
         if self.model_type is not None and self.config is not None:
@@ -104,10 +108,16 @@ def load_config(path: str | None) -> dict[str, Any] | None:
     p = Path(path)
     if p.is_dir():
         p = p / "config.json"
+        if not p.is_file():
+            raise CkptError(
+                f"--config {path}: a directory without config.json; pass the model's config.json (or its folder)"
+            )
     try:
         value = json.loads(p.read_text())
     except FileNotFoundError:
         raise CkptError(f"--config {path}: no such file") from None
+    except OSError as e:
+        raise CkptError(f"--config {path}: cannot read ({e.strerror})") from None
     except (ValueError, UnicodeDecodeError) as e:
         raise CkptError(f"--config {path}: not valid JSON ({e})") from None
     if not isinstance(value, dict):

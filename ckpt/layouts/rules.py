@@ -117,3 +117,10 @@ def check_known(names: Iterable[str], rules: tuple[Rule, ...], rule_set: str | N
     missing = [n for n in dict.fromkeys(names) if find_rule(n, rules) is None]
     if missing:
         raise LayoutError(unmatched_message(missing, rule_set))
+
+
+def __getattr__(name: str) -> tuple[Rule, ...]:
+    """``NXD_LLAMA``: the ``nxd-llama`` rules, kept importable from here (they live in ``families/llama.py``)."""
+    if name == "NXD_LLAMA":
+        return get_rule_set(DEFAULT_RULE_SET)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -81,7 +81,10 @@ class ModelDims:
                 experts=experts.count(config) if experts is not None else 0,
             )
         except KeyError as e:
-            raise LayoutError(f"config.json lacks {e.args[0]!r}, needed to plan the layout") from None
+            raise LayoutError(
+                f"config.json lacks {e.args[0]!r}, needed to plan the layout; pass --config with the model's "
+                "complete Hugging Face config.json"
+            ) from None
         return dims
 
     @property

@@ -92,29 +92,6 @@ class Conversion:
             )  # fmt: skip
         return "cuda", Layout(world_size=self.trees.world_size, kind="replicated")
 
-    def peak_bytes_estimate(self, flush_bytes: int = 0) -> int:
-        """Largest working set of one target part: the part itself plus the pieces read for it, plus the writer's
-        buffers (``flush_bytes``)."""
-        peak = 0
-        for t in self.tensors:
-            for part in t.parts:
-                read = sum(_piece_bytes(self.source, p) for p in part.plan.pieces)
-                peak = max(peak, read + part.nbytes)
-        return peak + flush_bytes
-
-
-def _piece_bytes(source: Source, p: Piece) -> int:
-    desc = source.tensors.get(p.name)
-    if desc is None:
-        return 0
-    shape = list(source.local_shape(desc) if p.rank is not None else desc.shape)
-    if p.dim is not None:
-        shape[p.dim] = p.length
-    n = 1
-    for s in shape:
-        n *= s
-    return n * dtype_from_name(desc.dtype).itemsize
-
 
 # ------------------------------------------------------------------------------------------------ full view
 

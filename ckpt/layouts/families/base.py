@@ -21,6 +21,17 @@ if TYPE_CHECKING:
 
 # ------------------------------------------------------------------------------------------ shared rule pieces
 
+LORA: tuple[Rule, ...] = (
+    Rule(
+        r"\.(self_attn\.(q|k|v|qkv)_proj|mlp\.(gate|up|gate_up)_proj)\.lora_A\.weight$", Kind.REPLICATED, None
+    ),
+    Rule(r"\.(self_attn\.o_proj|mlp\.down_proj)\.lora_B\.weight$", Kind.REPLICATED, None),
+)
+"""LoRA (``neuronx_distributed.modules.lora``, NxD names): the matrices NxD keeps whole on every TP rank, plain
+``nn.Linear`` without NxD's parallel attributes.  The split ones (lora_B of column layers, lora_A of row layers) are
+NxD parallel layers whose runtime attributes give their split; adapters convert via ``ckpt/layouts/lora.py``.  First
+in every family's rules."""
+
 EMBEDDINGS: tuple[Rule, ...] = (
     Rule(r"(^|\.)embed_tokens\.weight$", Kind.VOCAB, 0),
     Rule(r"(^|\.)lm_head\.weight$", Kind.VOCAB, 0),
@@ -179,6 +190,7 @@ class Family:
 
 
 __all__ = [
+    "LORA",
     "ATTENTION",
     "DENSE_MLP",
     "EMBEDDINGS",

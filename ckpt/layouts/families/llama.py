@@ -5,9 +5,9 @@ Rules: vocab-parallel embeddings and lm_head, GQA attention (q/k/v by head, o_pr
 ``attention_bias: true`` adds q/k/v biases (split like their weights) and an o_proj bias (replicated).
 """
 
-from ckpt.layouts.families.base import ATTENTION, DENSE_MLP, EMBEDDINGS, NORMS, Family
+from ckpt.layouts.families.base import ATTENTION, DENSE_MLP, EMBEDDINGS, LORA, NORMS, Family
 
-RULES = EMBEDDINGS + ATTENTION + DENSE_MLP + NORMS
+RULES = LORA + EMBEDDINGS + ATTENTION + DENSE_MLP + NORMS
 
 FAMILY = Family(
     model_type="llama",

@@ -7,11 +7,12 @@ HF (Hub files): ``block_sparse_moe.gate.weight`` ``[E, H]`` and per expert ``j``
 (``base.Experts``).  Attention is Llama's.
 """
 
-from ckpt.layouts.families.base import ATTENTION, EMBEDDINGS, NORMS, Experts, Family, Rename
+from ckpt.layouts.families.base import ATTENTION, EMBEDDINGS, LORA, NORMS, Experts, Family, Rename
 from ckpt.layouts.rules import Kind, Rule
 
 RULES = (
-    EMBEDDINGS
+    LORA
+    + EMBEDDINGS
     + ATTENTION
     + (
         Rule(r"\.block_sparse_moe\.gate\.weight$", Kind.REPLICATED, None),

@@ -10,11 +10,12 @@ HF (Hub files): ``mlp.gate.weight`` ``[E, H]`` and per expert ``j`` ``mlp.expert
 from collections.abc import Mapping
 from typing import Any
 
-from ckpt.layouts.families.base import ATTENTION, EMBEDDINGS, NORMS, QK_NORM, Experts, Family, Rename
+from ckpt.layouts.families.base import ATTENTION, EMBEDDINGS, LORA, NORMS, QK_NORM, Experts, Family, Rename
 from ckpt.layouts.rules import Kind, Rule
 
 RULES = (
-    EMBEDDINGS
+    LORA
+    + EMBEDDINGS
     + ATTENTION
     + QK_NORM
     + (
