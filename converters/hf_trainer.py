@@ -54,14 +54,17 @@ OPTIMIZER_NAME = "optimizer.pt"
 SCHEDULER_NAME = "scheduler.pt"
 RNG_NAME = "rng_state.pth"
 
-#: globals NumPy's RNG state needs in ``rng_state.pth`` (the Trainer's own ``safe_globals`` list)
+_np_core = getattr(np, "_core", None) or np.core  # numpy 2 moved numpy.core to numpy._core
+#: globals NumPy's RNG state needs in ``rng_state.pth`` (the Trainer's own ``safe_globals`` list), under the
+#: module names either NumPy major version pickles them with
 _NUMPY_ALLOWED: dict[tuple[str, str], Any] = {
-    ("numpy._core.multiarray", "_reconstruct"): np._core.multiarray._reconstruct,
-    ("numpy.core.multiarray", "_reconstruct"): np._core.multiarray._reconstruct,
+    ("numpy._core.multiarray", "_reconstruct"): _np_core.multiarray._reconstruct,
+    ("numpy.core.multiarray", "_reconstruct"): _np_core.multiarray._reconstruct,
     ("numpy", "ndarray"): np.ndarray,
     ("numpy", "dtype"): np.dtype,
-    ("numpy.dtypes", "UInt32DType"): np.dtypes.UInt32DType,
 }
+if hasattr(np, "dtypes"):  # numpy >= 1.25 pickles the dtype's class
+    _NUMPY_ALLOWED[("numpy.dtypes", "UInt32DType")] = np.dtypes.UInt32DType
 
 
 def detect(path: str, storage_options: Mapping[str, Any] | None = None) -> bool:

@@ -87,7 +87,13 @@ class CkptCallback(TrainerCallback):
             extra_env={"framework": "transformers.Trainer", **self.extra_env},
         )
         if state.global_step > 0:
-            self.ledger.restore(state.global_step, _checkpoint_dir(args.output_dir, state.global_step))
+            # The Trainer does not tell callbacks which folder it resumed from; ``args.resume_from_checkpoint``
+            # names it when the user set it there, else it is the output dir's checkpoint of that step.
+            given = getattr(args, "resume_from_checkpoint", None)
+            path = given if isinstance(given, str) and os.path.isdir(given) else None
+            self.ledger.restore(
+                state.global_step, path or _checkpoint_dir(args.output_dir, state.global_step)
+            )
 
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self.ledger is not None:

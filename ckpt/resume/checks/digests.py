@@ -79,7 +79,7 @@ def _check_data_across(ctx: CheckContext, change: tuple[int, int]) -> CheckResul
                     f"stood at {start}",
                     Cause.DATA_POSITION_LOST,
                     nums,
-                )
+                ).judged(Basis.CHECKPOINT if at_n is None else Basis.OVERLAP, Confidence.EXACT)
     if not pre:
         return CheckResult(
             "data",
@@ -112,14 +112,14 @@ def _check_data_across(ctx: CheckContext, change: tuple[int, int]) -> CheckResul
                 f"({len(bad)}/{len(common_steps)} steps)",
                 Cause.DATA_POSITION_LOST,
                 nums,
-            )
+            ).judged(Basis.OVERLAP, Confidence.EXACT)
         return CheckResult(
             "data",
             Status.PASS,
             f"{moved}: {len(common_steps)} global batch digests equal to the pre-crash run",
             None,
             nums,
-        )
+        ).judged(Basis.OVERLAP, Confidence.EXACT)
     nums["windows_compared"] = len(common)
     for count in common:
         if post_w[count] != pre_w[count]:
@@ -131,7 +131,7 @@ def _check_data_across(ctx: CheckContext, change: tuple[int, int]) -> CheckResul
                 f"(global digest {post_w[count]} vs {pre_w[count]})",
                 Cause.DATA_POSITION_LOST,
                 nums,
-            )
+            ).judged(Basis.OVERLAP, Confidence.EXACT)
     return CheckResult(
         "data",
         Status.PASS,
@@ -139,7 +139,7 @@ def _check_data_across(ctx: CheckContext, change: tuple[int, int]) -> CheckResul
         f"up to {common[-1]} samples)",
         None,
         nums,
-    )
+    ).judged(Basis.OVERLAP, Confidence.EXACT)
 
 
 def _earlier(ctx: CheckContext, attr: str, digest: str, before: int) -> int | None:
