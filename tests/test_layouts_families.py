@@ -37,17 +37,24 @@ def config(model_type: str, **kw) -> dict:
     return {"model_type": model_type, **BASE, **CONFIGS[model_type], **kw}
 
 
-def hf_model(cfg: dict, tmp_path, seed: int = 0):
-    """A real transformers model saved with ``save_pretrained`` (the Hub's on-disk names); its state and dir."""
-    torch.manual_seed(seed)
-    hf_cfg = transformers.AutoConfig.for_model(**cfg)
-    model = transformers.AutoModelForCausalLM.from_config(hf_cfg).eval()
-    with torch.no_grad():
-        for p in model.parameters():  # norms away from 1 so a misplaced norm shows
-            p.add_(torch.randn_like(p) * 0.05)
-    out = tmp_path / cfg["model_type"]
-    model.save_pretrained(out)
-    return model, load_file(str(out / "model.safetensors")), out
+_MODELS: dict[str, tuple] = {}
+
+
+def hf_model(cfg: dict, tmp_path):
+    """A real transformers model saved with ``save_pretrained`` (the Hub's on-disk names); its state and dir.  Built
+    once per config for the whole module (tests only read it; the first test's ``tmp_path`` holds the files)."""
+    key = json.dumps(cfg, sort_keys=True)
+    if key not in _MODELS:
+        torch.manual_seed(0)
+        hf_cfg = transformers.AutoConfig.for_model(**cfg)
+        model = transformers.AutoModelForCausalLM.from_config(hf_cfg).eval()
+        with torch.no_grad():
+            for p in model.parameters():  # norms away from 1 so a misplaced norm shows
+                p.add_(torch.randn_like(p) * 0.05)
+        out = tmp_path / cfg["model_type"]
+        model.save_pretrained(out)
+        _MODELS[key] = (model, load_file(str(out / "model.safetensors")), out)
+    return _MODELS[key]
 
 
 def test_registry_lists_every_family_and_refuses_unknown_ones():
