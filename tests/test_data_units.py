@@ -453,6 +453,9 @@ def test_datasets_own_iterable_split_and_workers_are_refused() -> None:
         StateMismatchError, match="already split by datasets.distributed.split_dataset_by_node"
     ):
         ckpt.data.split_dataset_by_node(hf_split(_stream(8, 2, None), 0, 2), 0, 2)
-    two_workers = DataLoader(ckpt.data.split_dataset_by_node(_stream(8, 2, None), 0, 1), num_workers=2)
-    with pytest.raises(Exception, match="read with num_workers=0 or 1, not 2"):
-        list(two_workers)
+    worker = DataLoader(ckpt.data.split_dataset_by_node(_stream(8, 2, None), 0, 1), num_workers=1)
+    with pytest.raises(
+        StateMismatchError,
+        match=r"read it in the main process \(num_workers=0\), not in DataLoader workers \(1\)",
+    ):
+        list(worker)

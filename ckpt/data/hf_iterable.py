@@ -108,10 +108,11 @@ class SplitIterable(torch.utils.data.IterableDataset):
 
     def __iter__(self) -> Iterator[Any]:
         info = torch.utils.data.get_worker_info()
-        if info is not None and info.num_workers > 1:
+        if info is not None:
             raise StateMismatchError(
-                f"ckpt.data.split_dataset_by_node (IterableDataset): read with num_workers=0 or 1, not "
-                f"{info.num_workers}: DataLoader workers would each yield the rank's whole stream"
+                "ckpt.data.split_dataset_by_node (IterableDataset): read it in the main process (num_workers=0), "
+                f"not in DataLoader workers ({info.num_workers}): workers would each yield the rank's whole stream, "
+                "and the count of a short last batch would stay in the worker"
             )
         self.exhausted_at = None
         self.dataset.set_epoch(self.epoch)
