@@ -390,43 +390,52 @@ def test_ckpt_iterable_split_yields_datasets_examples_split(n, shards, world, ep
     batch=st.integers(1, 3),
     steps=st.integers(0, 3),
     shuffle=st.sampled_from([None, 7]),
+    epoch=st.integers(0, 1),
+    tracked=st.booleans(),
 )
-def test_iterable_resplit_continues_the_stream_exactly(n, shards, old, new, batch, steps, shuffle) -> None:
-    """Saved on ``old`` ranks after ``steps`` steps of ``batch`` per rank, re-split on ``new`` ranks: the new ranks
-    hold exactly the stream's rest (no example repeated or skipped), and where the global batch is unchanged every
-    later global batch equals the uninterrupted run's as a multiset."""
+def test_iterable_resplit_continues_the_stream_exactly(
+    n, shards, old, new, batch, steps, shuffle, epoch, tracked
+) -> None:
+    """Saved on ``old`` ranks after ``steps`` steps of ``batch`` per rank, re-split on ``new`` ranks: dealt back in
+    rank order the new ranks yield exactly the epoch's stream from the saved index (no example repeated or skipped),
+    and where the global batch is unchanged every later global batch equals the uninterrupted run's as a multiset."""
     from ckpt.data.adapters import HfIterableAdapter
+
+    def loader(rank: int, world: int, size: int) -> Any:
+        split = ckpt.data.split_dataset_by_node(_stream(n, shards, shuffle), rank, world)
+        split.set_epoch(epoch)
+        return (
+            track(DataLoader(split, batch_size=size))
+            if tracked
+            else StatefulDataLoader(split, batch_size=size)
+        )
 
     steps = min(steps, n // (old * batch))  # a save mid-epoch, where every rank has taken the same count
     adapter = HfIterableAdapter()
-    loaders = [
-        StatefulDataLoader(
-            ckpt.data.split_dataset_by_node(_stream(n, shards, shuffle), r, old), batch_size=batch
-        )
-        for r in range(old)
-    ]
+    loaders = [loader(r, old, batch) for r in range(old)]
     iters = [iter(x) for x in loaders]
     before = [[_idx(next(it)) for _ in range(steps)] for it in iters]
     pos = merge([adapter.position(x) for x in loaders], {})
-    assert pos is not None and pos.prefix and pos.samples == steps * batch * old
+    assert pos is not None and pos.prefix and pos.samples == steps * batch * old and pos.epoch == epoch
     after = [[_idx(b) for b in it] for it in iters]  # the uninterrupted run
 
     new_batch = batch * old // new if batch * old % new == 0 else batch
     resumed = []
     for r in range(new):
-        x = StatefulDataLoader(
-            ckpt.data.split_dataset_by_node(_stream(n, shards, shuffle), r, new), batch_size=new_batch
-        )
+        x = loader(r, new, new_batch)
         adapter.reposition(x, DataPosition.from_json(pos.to_json()), r, new, "test")
-        resumed.append(_rank_batches(x, None))
-    full = Counter(range(n))
-    consumed = Counter(i for rank in before for b in rank for i in b)
-    assert consumed + Counter(i for rank in resumed for b in rank for i in b) == full
+        resumed.append([i for b in _rank_batches(x, None) for i in b])
+    full = _stream(n, shards, shuffle)
+    full.set_epoch(epoch)
+    stream = [x["idx"] for x in full]
+    dealt = [resumed[k % new][k // new] for k in range(n - pos.samples)]
+    assert dealt == stream[pos.samples :] and sum(map(len, resumed)) == n - pos.samples
+    assert Counter(i for rank in before for b in rank for i in b) + Counter(dealt) == Counter(range(n))
     if new_batch * new == batch * old:
         steps_after = max(len(r) for r in after)
         want = [Counter(i for r in after if s < len(r) for i in r[s]) for s in range(steps_after)]
-        got = [Counter(i for r in resumed if s < len(r) for i in r[s]) for s in range(steps_after)]
-        assert got == want
+        chunks = [[r[s * new_batch : (s + 1) * new_batch] for s in range(steps_after)] for r in resumed]
+        assert [Counter(i for r in chunks for i in r[s]) for s in range(steps_after)] == want
 
 
 def test_iterable_position_is_refused_for_another_shuffle_seed(tmp_path: Path) -> None:
@@ -435,7 +444,8 @@ def test_iterable_position_is_refused_for_another_shuffle_seed(tmp_path: Path) -
     next(iter(loader))
     path = str(tmp_path / "c")
     ckpt.save(path, step=1, model={"w": torch.ones(1)}, dataloader=loader)
-    assert ckpt.open_checkpoint(path).manifest.data_position["order"]["kind"] == "hf_iterable"
+    doc = assert_valid(path)
+    assert doc["data_position"]["order"]["kind"] == "hf_iterable" and doc["data_position"]["samples"] == 2
     other = StatefulDataLoader(ckpt.data.split_dataset_by_node(_stream(20, 2, 4), 0, 1), batch_size=2)
     with pytest.raises(
         StateMismatchError, match=r"data_position.order.stream is .*shuffle with the same fixed seed"
