@@ -99,7 +99,8 @@ class SplitIterable(torch.utils.data.IterableDataset):
         self._resume: Resume | None = None
 
     def set_epoch(self, epoch: int) -> None:
-        """Set the epoch (also the full dataset's: it reorders shards and shifts shuffle seeds per epoch)."""
+        """Set the epoch; each iteration sets it on the full dataset too (it reorders shards and shifts shuffle
+        seeds per epoch, so the split and datasets' own split see the same stream)."""
         self.epoch = epoch
 
     def _current(self) -> Resume | None:
