@@ -26,6 +26,7 @@ LAYOUT_FLAGS: dict[str, tuple[Any, str]] = {
     "hw": (click.Choice(["trn1", "trn2"]), "KV head order of the hardware generation"),
     "fuse_qkv": (bool, "fused QKV weights"),
     "qkv_linear": (bool, "GQAQKVColumnParallelLinear names (qkv_proj.weight_q|k|v)"),
+    "ep": (int, "expert-parallel size (MoE models: EP rank k holds the k-th contiguous block of experts)"),
 }
 #: what an NxD tag's files cannot say about it
 SOURCE_FLAGS = ("hw", "kv_size_multiplier", "virtual_pp")
@@ -102,7 +103,8 @@ def layout_options(fn: Callable[..., Any]) -> Callable[..., Any]:
     "model_type",
     type=str,
     default=None,
-    help="HF model_type of a model whose config.json lacks one (llama, mistral, qwen2); never guessed.",
+    help="HF model_type of a model whose config.json lacks one (llama, mistral, qwen2, qwen3, mixtral, qwen3_moe); "
+    "never guessed.",
 )
 @click.option("--step", type=int, default=None, help="Step to record (default: the source's).")
 @click.option(

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from ckpt.errors import CkptError, LayoutError
+from ckpt.layouts.names import EXPERT_STACKED
 from ckpt.layouts.spec import NxdFlags
 
 from . import formats
@@ -158,9 +159,20 @@ def plan_conversion(source: Source, opts: ConvertOptions) -> Conversion:
                 )
             )
         return plan_to_cuda(source, config=opts.config)
-    return plan_to_neuron(
-        source, target_flags(source, opts), config=opts.config, replicated=tuple(opts.replicated)
-    )
+    # warnings about a plan (e.g. "keeping the Neuron layout it was converted from") are shown only once the plan
+    # stands: before a refusal they would be a second line about a conversion that does not happen
+    with warnings.catch_warnings(record=True) as pending:
+        warnings.simplefilter("always")
+        conv = plan_to_neuron(
+            source, target_flags(source, opts), config=opts.config, replicated=tuple(opts.replicated)
+        )
+        if fmt.name == "nxd" and any(EXPERT_STACKED.match(t.desc.name) for t in conv.tensors):
+            raise LayoutError(
+                "--format nxd: writing NxD tags of MoE models (per-EP-rank files) is not supported yet; use --format ckpt"
+            )
+    for w in pending:
+        warnings.warn(w.message, w.category, stacklevel=2)
+    return conv
 
 
 def make_export(conv: Conversion, opts: ConvertOptions, run: RunOptions) -> Export:

@@ -3,8 +3,9 @@
 Real gloo ranks, three spawned jobs in all: 2 ranks save; 4 ranks save and restore the 2-rank checkpoint; 2 ranks
 restore the 4-rank checkpoints (directly, with another global batch, and through ``ckpt convert --to neuron --dp 2``
 and back).  4 -> 1 runs in the test process.  Every supported loader is saved at once: a StatefulDataLoader over a
-DistributedSampler, a plain DataLoader through ``ckpt.data.track``, and a Hugging Face ``datasets.Dataset`` under a
-StatefulDataLoader; loaders ckpt cannot re-split (a RandomSampler, an HF IterableDataset split with
+DistributedSampler, a plain DataLoader through ``ckpt.data.track``, a Hugging Face ``datasets.Dataset`` under a
+StatefulDataLoader, and HF map-style and (buffer-shuffled) IterableDatasets split by ``ckpt.data.split_dataset_by_node``;
+loaders ckpt cannot re-split (a RandomSampler, an HF IterableDataset split with datasets' own
 ``split_dataset_by_node``) are refused, and a user adapter registered with ``ckpt.data.register`` re-splits its own.
 """
 
@@ -36,7 +37,7 @@ N = 70  # not a multiple of 4: DistributedSampler pads the epoch's list to 72
 GLOBAL_BATCH = 8
 SAVE_AT = 3  # global steps consumed before the save
 AFTER = 4  # global steps compared after it
-KINDS = ("stateful", "plain", "hf", "hf_split")
+KINDS = ("stateful", "plain", "hf", "hf_split", "hf_stream")
 SEED = 11
 
 
@@ -66,6 +67,14 @@ def _loader(kind: str, rank: int, world: int, per_rank: int) -> Any:
         return StatefulDataLoader(split_dataset_by_node(full, rank, world), batch_size=per_rank)
     if kind == "custom":
         return Strided(rank, world, per_rank)
+    if (
+        kind == "hf_stream"
+    ):  # ckpt's re-splittable split of an HF IterableDataset, buffer-shuffled with a seed
+        import datasets
+
+        full = datasets.Dataset.from_dict({"idx": list(range(N))}).to_iterable_dataset(num_shards=3)
+        stream = full.shuffle(seed=SEED, buffer_size=16)
+        return StatefulDataLoader(ckpt.data.split_dataset_by_node(stream, rank, world), batch_size=per_rank)
     if kind == "hf_split":  # ckpt's re-splittable split_dataset_by_node of a map-style HF dataset
         return StatefulDataLoader(
             ckpt.data.split_dataset_by_node(_dataset("hf"), rank, world), batch_size=per_rank
@@ -345,7 +354,8 @@ def runs(tmp_path_factory) -> dict[str, Any]:
     ]
     jobs[0] = (*jobs[0], f"{dp4}/run_same")
     jobs += [(f"{k}/small", f"{dp4}/{k}", k, half // 2, None) for k in KINDS]  # global batch 8 -> 4
-    jobs[-3] = (*jobs[-3], f"{dp4}/run_small")
+    plain_small = next(i for i, job in enumerate(jobs) if job[0] == "plain/small")
+    jobs[plain_small] = (*jobs[plain_small], f"{dp4}/run_small")
     jobs += [("trn", trn, "stateful", half, AFTER), ("back", back, "stateful", half, AFTER)]
     jobs += [("same", f"{dp2}/stateful", "stateful", half, AFTER)]
     two = run_ranks(restore_job, 2, jobs, f"{dp4}/mgr")
@@ -422,7 +432,7 @@ def test_changed_global_batch_exact_next_sample_no_repeat_or_skip(runs, kind: st
     for j in range(AFTER):
         assert got[2 * j] + got[2 * j + 1] == want[j], f"{kind}: old step {j}"
     consumed = sum(global_batches([r[kind]["before"] for r in runs["saved4"]]), Counter())
-    epoch = Counter(range(N)) + Counter(_padding(4) if kind != "hf_split" else [])
+    epoch = Counter(range(N)) + Counter(_padding(4) if kind not in ("hf_split", "hf_stream") else [])
     assert consumed + sum(got, Counter()) == epoch
 
 
@@ -450,7 +460,11 @@ def test_rng_carried_on_same_dp_size_rule_on_another(runs) -> None:
 
 
 @pytest.mark.parametrize(
-    ("kind", "needle"), [("random", "RandomSampler"), ("hf_iterable", "split_dataset_by_node")]
+    ("kind", "needle"),
+    [
+        ("random", "RandomSampler"),
+        ("hf_iterable", "split the full dataset with ckpt.data.split_dataset_by_node"),
+    ],
 )
 def test_loaders_ckpt_cannot_resplit_are_refused(runs, kind: str, needle: str) -> None:
     for r in runs["4to2"]:

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 import random
+from collections import Counter
+from itertools import islice
 from pathlib import Path
 from typing import Any
 
@@ -335,3 +337,135 @@ def test_position_counts_batches_handed_out_not_prefetched() -> None:
     for _ in it:
         pass
     assert ckpt.data.position_of(loader)["consumed"] == 30
+
+
+# ------------------------------------------------------------------------- HF IterableDataset split by examples
+
+
+def _stream(n: int, shards: int, shuffle: int | None) -> Any:
+    import datasets
+
+    full = datasets.Dataset.from_dict({"idx": list(range(n))}).to_iterable_dataset(num_shards=shards)
+    return full.shuffle(seed=shuffle, buffer_size=5) if shuffle is not None else full
+
+
+def _rank_batches(loader: Any, steps: int | None) -> list[list[int]]:
+    it = iter(loader)
+    return [_idx(b) for b in (it if steps is None else islice(it, steps))]
+
+
+def _idx(batch: Any) -> list[int]:
+    return [int(x) for x in batch["idx"]]
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    n=st.integers(1, 30),
+    shards=st.integers(1, 5),
+    world=st.integers(1, 4),
+    epoch=st.integers(0, 2),
+    shuffle=st.sampled_from([None, 3]),
+)
+def test_ckpt_iterable_split_yields_datasets_examples_split(n, shards, world, epoch, shuffle) -> None:
+    """Rank r of W yields exactly ``datasets.distributed.split_dataset_by_node(..., strategy="examples")``'s
+    examples, in order, for any epoch, with and without a (seeded) buffer shuffle."""
+    from datasets.distributed import split_dataset_by_node as hf_split
+
+    shards = min(shards, n)
+    for r in range(world):
+        theirs = hf_split(_stream(n, shards, shuffle), r, world, strategy="examples")
+        theirs.set_epoch(epoch)
+        mine = ckpt.data.split_dataset_by_node(_stream(n, shards, shuffle), r, world)
+        assert isinstance(mine, ckpt.data.SplitIterable)
+        mine.set_epoch(epoch)
+        assert [x["idx"] for x in mine] == [x["idx"] for x in theirs]
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    n=st.integers(8, 40),
+    shards=st.integers(1, 4),
+    old=st.integers(1, 4),
+    new=st.integers(1, 4),
+    batch=st.integers(1, 3),
+    steps=st.integers(0, 3),
+    shuffle=st.sampled_from([None, 7]),
+    epoch=st.integers(0, 1),
+    tracked=st.booleans(),
+)
+def test_iterable_resplit_continues_the_stream_exactly(
+    n, shards, old, new, batch, steps, shuffle, epoch, tracked
+) -> None:
+    """Saved on ``old`` ranks after ``steps`` steps of ``batch`` per rank, re-split on ``new`` ranks: dealt back in
+    rank order the new ranks yield exactly the epoch's stream from the saved index (no example repeated or skipped),
+    and where the global batch is unchanged every later global batch equals the uninterrupted run's as a multiset."""
+    from ckpt.data.adapters import HfIterableAdapter
+
+    def loader(rank: int, world: int, size: int) -> Any:
+        split = ckpt.data.split_dataset_by_node(_stream(n, shards, shuffle), rank, world)
+        split.set_epoch(epoch)
+        return (
+            track(DataLoader(split, batch_size=size))
+            if tracked
+            else StatefulDataLoader(split, batch_size=size)
+        )
+
+    steps = min(steps, n // (old * batch))  # a save mid-epoch, where every rank has taken the same count
+    adapter = HfIterableAdapter()
+    loaders = [loader(r, old, batch) for r in range(old)]
+    iters = [iter(x) for x in loaders]
+    before = [[_idx(next(it)) for _ in range(steps)] for it in iters]
+    pos = merge([adapter.position(x) for x in loaders], {})
+    assert pos is not None and pos.prefix and pos.samples == steps * batch * old and pos.epoch == epoch
+    after = [[_idx(b) for b in it] for it in iters]  # the uninterrupted run
+
+    new_batch = batch * old // new if batch * old % new == 0 else batch
+    resumed = []
+    for r in range(new):
+        x = loader(r, new, new_batch)
+        adapter.reposition(x, DataPosition.from_json(pos.to_json()), r, new, "test")
+        resumed.append([i for b in _rank_batches(x, None) for i in b])
+    full = _stream(n, shards, shuffle)
+    full.set_epoch(epoch)
+    stream = [x["idx"] for x in full]
+    dealt = [resumed[k % new][k // new] for k in range(n - pos.samples)]
+    assert dealt == stream[pos.samples :] and sum(map(len, resumed)) == n - pos.samples
+    assert Counter(i for rank in before for b in rank for i in b) + Counter(dealt) == Counter(range(n))
+    if new_batch * new == batch * old:
+        steps_after = max(len(r) for r in after)
+        want = [Counter(i for r in after if s < len(r) for i in r[s]) for s in range(steps_after)]
+        chunks = [[r[s * new_batch : (s + 1) * new_batch] for s in range(steps_after)] for r in resumed]
+        assert [Counter(i for r in chunks for i in r[s]) for s in range(steps_after)] == want
+
+
+def test_iterable_position_is_refused_for_another_shuffle_seed(tmp_path: Path) -> None:
+    """seed=None (or another seed) draws another stream: the saved index would point into it, so it is refused."""
+    loader = StatefulDataLoader(ckpt.data.split_dataset_by_node(_stream(20, 2, 3), 0, 1), batch_size=2)
+    next(iter(loader))
+    path = str(tmp_path / "c")
+    ckpt.save(path, step=1, model={"w": torch.ones(1)}, dataloader=loader)
+    doc = assert_valid(path)
+    assert doc["data_position"]["order"]["kind"] == "hf_iterable" and doc["data_position"]["samples"] == 2
+    other = StatefulDataLoader(ckpt.data.split_dataset_by_node(_stream(20, 2, 4), 0, 1), batch_size=2)
+    with pytest.raises(
+        StateMismatchError, match=r"data_position.order.stream is .*shuffle with the same fixed seed"
+    ):
+        ckpt.restore(path, dataloader=other, rng=False)
+    same = StatefulDataLoader(ckpt.data.split_dataset_by_node(_stream(20, 2, 3), 0, 1), batch_size=2)
+    assert ckpt.restore(path, dataloader=same, rng=False).data.mode == "positioned"
+    assert len([b for b in same]) == 9
+
+
+def test_datasets_own_iterable_split_and_workers_are_refused() -> None:
+    from datasets.distributed import split_dataset_by_node as hf_split
+
+    with pytest.raises(
+        StateMismatchError, match="already split by datasets.distributed.split_dataset_by_node"
+    ):
+        ckpt.data.split_dataset_by_node(hf_split(_stream(8, 2, None), 0, 2), 0, 2)
+    worker = DataLoader(ckpt.data.split_dataset_by_node(_stream(8, 2, None), 0, 1), num_workers=1)
+    with pytest.raises(
+        StateMismatchError,
+        match=r"read it in the main process \(num_workers=0\), not in DataLoader workers \(1\)",
+    ):
+        list(worker)

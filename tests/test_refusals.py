@@ -194,9 +194,11 @@ def test_tied_embeddings_with_pp_refused() -> None:
 def test_unsupported_model_type_reaching_nxd_source_is_named(tmp_path: Path) -> None:
     cfg = {**CONFIG, "model_type": "gpt_neox"}
     for tag in (PP_TAG, ROOT / "nxd_from_full_tp2_qkvlinear"):
-        with pytest.raises(LayoutError, match="model_type 'gpt_neox' is not covered by rule set nxd-llama"):
+        with pytest.raises(
+            LayoutError, match=r"model_type 'gpt_neox' is not supported \(supported: llama, mistral"
+        ):
             convert(str(tag), str(tmp_path / "out"), ConvertOptions(to="cuda", config=cfg))
-        with pytest.raises(LayoutError, match="model_type 'gpt_neox' is not covered"):
+        with pytest.raises(LayoutError, match="model_type 'gpt_neox' is not supported"):
             import_tag(tag, str(tmp_path / "imp"), config=cfg)
         assert not (tmp_path / "out").exists() and not (tmp_path / "imp").exists()
 

@@ -31,6 +31,8 @@ _EXPORTS = {
     "restore": "positioning",
     "SplitDataset": "hf_split",
     "split_dataset_by_node": "hf_split",
+    "SplitIterable": "hf_iterable",
+    "split_iterable_by_node": "hf_iterable",
     "TrackedLoader": "tracked",
     "track": "tracked",
 }

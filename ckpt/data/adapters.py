@@ -14,6 +14,7 @@ from typing import Any, Protocol, runtime_checkable
 from torch.utils.data import SequentialSampler
 
 from ..errors import StateMismatchError
+from . import hf_iterable as hi
 from . import hf_split as hs
 from . import sampler as ds
 from .position import DataPosition, RankPosition
@@ -197,7 +198,72 @@ class HfSplitAdapter:
             loader.batches, loader.finished = 0, False
 
 
-_ADAPTERS: list[DataAdapter] = [DistributedSamplerAdapter(), HfSplitAdapter()]
+class HfIterableAdapter:
+    """A StatefulDataLoader or tracked DataLoader over a :class:`ckpt.data.hf_iterable.SplitIterable`.
+
+    A rank that took k examples of its stride stands at global example ``start + k*W`` when every rank took k:
+    the position is that index, continued on W' ranks by striding W' from it (rank r' first takes index + r').
+    """
+
+    name = hi.KIND
+
+    def matches(self, loader: Any) -> bool:
+        inner = loader.loader if isinstance(loader, TrackedLoader) else loader
+        return (isinstance(loader, TrackedLoader) or _is_stateful_dataloader(loader)) and isinstance(
+            getattr(inner, "dataset", None), hi.SplitIterable
+        )
+
+    def _dataset(self, loader: Any) -> hi.SplitIterable:
+        inner = loader.loader if isinstance(loader, TrackedLoader) else loader
+        return inner.dataset
+
+    def position(self, loader: Any) -> RankPosition | None:
+        ds_ = self._dataset(loader)
+        batches, finished = (
+            (loader.batches, loader.finished)
+            if isinstance(loader, TrackedLoader)
+            else stateful_batches(loader.state_dict())
+        )
+        start, skip = ds_.epoch_base()
+        size = batch_size_of(loader) or 1
+        if finished and ds_.exhausted_at is not None:
+            consumed = ds_.exhausted_at  # the stream ran out: the last batch may be short
+        else:
+            consumed = skip + batches * size
+        return RankPosition(
+            self.name, ds_.epoch, start, consumed, size, ds_.order_spec(), ds_.rank, ds_.world_size
+        )
+
+    def dp(self, loader: Any) -> int:
+        return self._dataset(loader).world_size
+
+    def reposition(self, loader: Any, position: DataPosition, rank: int, world: int, where: str) -> None:
+        ds_ = self._dataset(loader)
+        order = position.order or {}
+        if order.get("kind") != hi.KIND:
+            raise StateMismatchError(
+                f"{where}: saved data order is {order.get('kind')!r}, expected {hi.KIND!r}"
+            )
+        if position.prefix:
+            resume = hi.Resume(order, position.epoch, position.samples, 0)
+        elif ds_.world_size == position.dp:
+            base = position.samples - sum(position.per_rank)
+            resume = hi.Resume(order, position.epoch, base, position.per_rank[ds_.rank])
+        else:
+            raise StateMismatchError(
+                f"{where}: the {position.dp} saving ranks had consumed different numbers of examples "
+                f"{list(position.per_rank)}, so the consumed examples are not a prefix of the epoch's stream and "
+                f"cannot be re-split over {ds_.world_size} ranks (save at an optimizer-step boundary)"
+            )
+        try:
+            ds_.reposition(resume)
+        except StateMismatchError as e:
+            raise StateMismatchError(f"{where}: {e}") from None
+        if isinstance(loader, TrackedLoader):
+            loader.batches, loader.finished = 0, False
+
+
+_ADAPTERS: list[DataAdapter] = [DistributedSamplerAdapter(), HfSplitAdapter(), HfIterableAdapter()]
 
 
 def register(adapter: DataAdapter) -> None:
@@ -224,7 +290,10 @@ def describe(loader: Any) -> str:
     if sampler is not None:
         parts.append(f"sampler {type(sampler).__name__}")
     if dataset is not None and getattr(dataset, "_distributed", None) is not None:
-        parts.append("a datasets.IterableDataset split with split_dataset_by_node")
+        parts.append(
+            "a datasets.IterableDataset split with datasets.distributed.split_dataset_by_node (its position lives "
+            "in its own shards; split the full dataset with ckpt.data.split_dataset_by_node instead, which re-splits)"
+        )
     elif dataset is not None and type(dataset).__module__.startswith("datasets"):
         parts.append(f"a datasets.{type(dataset).__name__} (split it with ckpt.data.split_dataset_by_node)")
     elif dataset is not None:

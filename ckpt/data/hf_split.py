@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import StateMismatchError
+from .hf_iterable import SplitIterable, is_hf_iterable, split_iterable_by_node
 
 KIND = "hf_split"
 
@@ -114,13 +115,17 @@ class SplitDataset:
         self.epoch = resume.epoch
 
 
-def split_dataset_by_node(dataset: Any, rank: int, world_size: int) -> SplitDataset:
-    """Like ``datasets.distributed.split_dataset_by_node`` for a map-style dataset (same rows per rank), but
-    re-splittable by ckpt on another DP size.  Use it under a StatefulDataLoader (or ``ckpt.data.track``-ed
-    DataLoader) that reads in order, and call ``set_epoch`` at each epoch."""
+def split_dataset_by_node(dataset: Any, rank: int, world_size: int) -> SplitDataset | SplitIterable:
+    """Like ``datasets.distributed.split_dataset_by_node`` (same rows per rank), but re-splittable by ckpt on
+    another DP size.  A map-style dataset gets its contiguous block (:class:`SplitDataset`); a
+    ``datasets.IterableDataset`` every ``world_size``-th example (the ``"examples"`` strategy,
+    :func:`ckpt.data.hf_iterable.split_iterable_by_node`).  Use it under a StatefulDataLoader (or
+    ``ckpt.data.track``-ed DataLoader) that reads in order, and call ``set_epoch`` at each epoch."""
+    if is_hf_iterable(dataset):
+        return split_iterable_by_node(dataset, rank, world_size)
     if not hasattr(dataset, "__getitem__") or not hasattr(dataset, "__len__"):
         raise StateMismatchError(
-            f"{type(dataset).__name__} is not a map-style dataset: an IterableDataset split by node cannot be "
-            "re-split by ckpt (restore it on the saving DP size, or register an adapter: ckpt.data.register)"
+            f"{type(dataset).__name__} is neither a map-style dataset nor a datasets.IterableDataset: ckpt cannot "
+            "split it (restore it on the saving DP size, or register an adapter: ckpt.data.register)"
         )
     return SplitDataset(dataset, rank, world_size)

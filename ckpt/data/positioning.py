@@ -60,7 +60,7 @@ def restore(
             why = f"the checkpoint has no data_position and no adapter matches the live loader ({describe(loader)})"
         msg = (
             f"{where}: data-loader state was saved by {saved_dp} ranks, restoring on {world}: {why}; "
-            "ckpt re-splits torch's DistributedSampler and ckpt.data.split_dataset_by_node under a StatefulDataLoader "
+            "ckpt re-splits torch's DistributedSampler and ckpt.data.split_dataset_by_node (map-style or IterableDataset) under a StatefulDataLoader "
             "or ckpt.data.track(DataLoader), other loaders need an adapter (ckpt.data.register, docs/guide.md 'Changing the number of ranks')"
         )
         if strict:

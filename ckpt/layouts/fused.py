@@ -13,6 +13,7 @@ from collections.abc import Sequence
 import torch
 
 from ckpt.errors import LayoutError
+from ckpt.layouts.rules import Kind, rule_for
 from ckpt.layouts.spec import LayoutSpec
 
 
@@ -21,11 +22,12 @@ def local_part_sizes(hf_names: Sequence[str], spec: LayoutSpec) -> tuple[int, ..
     m = spec.model
     sizes = []
     for name in hf_names:
-        if ".q_proj." in name:
+        kind = rule_for(name, spec.rules, spec.rule_set).kind
+        if kind is Kind.ATTN_Q:
             sizes.append(m.q_rows // spec.tp)
-        elif ".k_proj." in name or ".v_proj." in name:
+        elif kind is Kind.ATTN_KV:
             sizes.append(spec.kv_slots * m.head_dim // spec.tp)
-        elif ".gate_proj." in name or ".up_proj." in name:
+        elif kind is Kind.GATE_UP:
             sizes.append(m.intermediate // spec.tp)
         else:
             raise LayoutError(f"{name} is not part of a fused NxD tensor")

@@ -17,7 +17,8 @@ import re
 from functools import lru_cache
 from typing import Any
 
-from ckpt.layouts.names import nxd_to_hf_names
+from ckpt.layouts.families import family_for_rule_set
+from ckpt.layouts.names import EXPERT_STACKED, nxd_to_hf_names
 from ckpt.layouts.rules import DEFAULT_RULE_SET, Kind, rule_for, rules_with
 
 Partition = dict[str, Any]
@@ -29,8 +30,16 @@ def nxd_partition(
     name: str, rule_set: str = DEFAULT_RULE_SET, replicated: tuple[str, ...] = ()
 ) -> tuple[int, int] | None:
     """``(partition dim, stride)`` of NxD tensor ``name`` under ``rule_set``; None when it is replicated (by a rule
-    of the set or a ``replicated`` glob).  A name neither knows is a ``LayoutError``."""
-    rule = rule_for(nxd_to_hf_names(name)[0], rules_with(rule_set, tuple(replicated)), rule_set)
+    of the set or a ``replicated`` glob).  A name neither knows is a ``LayoutError``.
+
+    NxD's stacked expert tensors are ``ExpertFusedColumnParallelLinear`` (``gate_up_proj`` ``[E/ep, H, 2I/tp]``: dim 2,
+    stride 2) and ``ExpertFusedRowParallelLinear`` (``down_proj`` ``[E/ep, I/tp, H]``: dim 1).
+    """
+    family = family_for_rule_set(rule_set)
+    stacked = EXPERT_STACKED.match(name) if family.experts is not None else None
+    if stacked:
+        return (2, 2) if stacked["proj"] == "gate_up" else (1, 1)
+    rule = rule_for(nxd_to_hf_names(name, family)[0], rules_with(rule_set, tuple(replicated)), rule_set)
     if rule.kind is Kind.REPLICATED or rule.partition_dim is None:
         return None
     if _MHA_FUSED_QKV.search(name):

@@ -7,8 +7,9 @@ and ``scripts/checkpoint_converter.py``):
   to the *last* stages;
 * stage ``s`` runs on PP rank ``s % pp`` (so with virtual PP a rank holds several non-adjacent blocks);
 * layer names keep their global index (``model.layers.5`` stays ``model.layers.5`` on its rank);
-* ``embed_tokens`` lives on PP rank 0, ``model.norm`` and ``lm_head`` on the last PP rank; any other
-  non-layer tensor (e.g. a ``rotary_emb.inv_freq`` buffer) is kept on every PP rank.
+* ``embed_tokens`` lives on PP rank 0, ``model.norm`` and ``lm_head`` on the last PP rank (the patterns are the
+  family's ``first_stage`` / ``last_stage``); any other non-layer tensor (e.g. a ``rotary_emb.inv_freq`` buffer) is
+  kept on every PP rank.
 """
 
 from __future__ import annotations
@@ -19,8 +20,6 @@ from ckpt.errors import LayoutError
 from ckpt.layouts.spec import LayoutSpec
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
-_FIRST = re.compile(r"(^|\.)(embed_tokens|wte)\.")
-_LAST = re.compile(r"(^|\.)lm_head\.|^model\.norm\.|(^|\.)norm_f\.")
 
 
 def stage_layer_counts(num_layers: int, num_stages: int) -> tuple[int, ...]:
@@ -64,8 +63,9 @@ def pp_ranks_of(name: str, spec: LayoutSpec) -> tuple[int, ...]:
     layer = layer_index(name)
     if layer is not None:
         return (layer_pp_rank(layer, spec),)
-    if _FIRST.search(name):
+    family = spec.family
+    if re.search(family.first_stage, name):
         return (0,)
-    if _LAST.search(name):
+    if re.search(family.last_stage, name):
         return (spec.pp - 1,)
     return tuple(range(spec.pp))

@@ -97,6 +97,9 @@ class TensorPlan:
     dim: int | None
     pieces: tuple[Piece, ...]
     replicas: tuple[tuple[Piece, ...], ...] = ()
+    transpose: bool = False
+    """Deliver the assembled ``[rows, cols]`` tensor as ``[1, cols, rows]``: one MoE expert's slot of NxD's stacked
+    expert tensor (``converters/engine/experts.py``); ``meta`` is the assembled (untransposed) tensor's."""
 
     @property
     def sources(self) -> tuple[tuple[Rank | None, str], ...]:
@@ -176,7 +179,7 @@ def placements(spec: LayoutSpec, hf_name: str, shape: tuple[int, ...]) -> tuple[
         raise LayoutError(f"{hf_name} has shape {list(shape)} but the config implies {list(expected)}")
     rule = rule_for(hf_name, spec.rules, spec.rule_set)
     nxd_name = hf_to_nxd_name(hf_name, spec)
-    parts = nxd_to_hf_names(nxd_name)
+    parts = nxd_to_hf_names(nxd_name, spec.family)
     base = 0
     if len(parts) > 1:
         base = part_offsets(local_part_sizes(parts, spec))[parts.index(hf_name)]
@@ -210,7 +213,7 @@ def plan_full_to_nxd(spec: LayoutSpec, full_metas: Mapping[str, TensorMeta]) -> 
     order = {r: i for i, r in enumerate(spec.ranks)}
     plans = []
     for (rank, nxd_name), ps in sorted(grouped.items(), key=lambda kv: order[kv[0][0]]):
-        parts = nxd_to_hf_names(nxd_name)
+        parts = nxd_to_hf_names(nxd_name, spec.family)
         missing = [h for h in parts if h not in full_metas]
         if missing:
             raise LayoutError(f"{nxd_name} fuses {', '.join(parts)} but {', '.join(missing)} is missing")
@@ -284,14 +287,14 @@ def plan_nxd_to_full(spec: LayoutSpec, rank_metas: Mapping[Rank, Mapping[str, Te
         tp, pp = min(extra_ranks)
         raise LayoutError(f"found tp rank {tp}, pp rank {pp} outside --tp {spec.tp} --pp {spec.pp}")
     check_known(
-        (h for rank in spec.ranks for n in rank_metas[rank] for h in nxd_to_hf_names(n)),
+        (h for rank in spec.ranks for n in rank_metas[rank] for h in nxd_to_hf_names(n, spec.family)),
         spec.rules,
         spec.rule_set,
     )
     full: dict[str, TensorMeta] = {}
     for rank in spec.ranks:
         for nxd_name, meta in rank_metas[rank].items():
-            for hf_name in nxd_to_hf_names(nxd_name):
+            for hf_name in nxd_to_hf_names(nxd_name, spec.family):
                 if hf_name not in full:
                     full[hf_name] = full_meta_from_local(spec, hf_name, meta)
     _check_complete(spec, full)

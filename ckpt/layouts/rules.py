@@ -1,7 +1,8 @@
 """Named rule sets: HF tensor name -> how NxD partitions it.
 
 NxD writes no partition metadata to disk, so the split of every tensor must be known from its name.
-Rules are matched in order against the Hugging Face name; the first match wins.  A rule set names every tensor
+The rule sets themselves are data, one per model family (``ckpt/layouts/families/``); this module says what a rule
+is, how a rule set is looked up by the name manifests record, and how unknown names are refused.  Rules are matched in order against the Hugging Face name; the first match wins.  A rule set names every tensor
 of its model family, the replicated ones too (norms, RowParallel biases, rotary buffers): a name no rule matches
 is *not* assumed replicated, because a TP-sharded tensor the rules do not know would then lose every other rank's
 rows.  Such a name is refused (:func:`check_known`) unless the user declares it replicated (``--replicated GLOB``,
@@ -46,31 +47,8 @@ class Rule:
         return re.search(self.pattern, name) is not None
 
 
-NXD_LLAMA: tuple[Rule, ...] = (
-    # LoRA (neuronx_distributed.modules.lora, NxD names): the matrices NxD keeps whole on every TP rank, plain
-    # nn.Linear without NxD's parallel attributes.  The split ones (lora_B of column layers, lora_A of row layers)
-    # are NxD parallel layers whose runtime attributes give their split; adapters convert via ckpt/layouts/lora.py.
-    Rule(
-        r"\.(self_attn\.(q|k|v|qkv)_proj|mlp\.(gate|up|gate_up)_proj)\.lora_A\.weight$", Kind.REPLICATED, None
-    ),
-    Rule(r"\.(self_attn\.o_proj|mlp\.down_proj)\.lora_B\.weight$", Kind.REPLICATED, None),
-    Rule(r"(^|\.)embed_tokens\.weight$", Kind.VOCAB, 0),
-    Rule(r"(^|\.)lm_head\.weight$", Kind.VOCAB, 0),
-    Rule(r"\.self_attn\.q_proj\.(weight|bias)$", Kind.ATTN_Q, 0),
-    Rule(r"\.self_attn\.[kv]_proj\.(weight|bias)$", Kind.ATTN_KV, 0),
-    Rule(r"\.self_attn\.o_proj\.weight$", Kind.ATTN_O, 1),
-    Rule(r"\.mlp\.(gate|up)_proj\.(weight|bias)$", Kind.GATE_UP, 0, stride=2),
-    Rule(r"\.mlp\.down_proj\.weight$", Kind.ROW, 1),
-    # replicated on every TP rank: RMSNorms, RowParallelLinear biases (added after the all-reduce), rotary buffers
-    Rule(r"(^|\.)(input_layernorm|post_attention_layernorm|norm)\.weight$", Kind.REPLICATED, None),
-    Rule(r"\.self_attn\.o_proj\.bias$", Kind.REPLICATED, None),
-    Rule(r"\.mlp\.down_proj\.bias$", Kind.REPLICATED, None),
-    Rule(r"(^|\.)rotary_emb\.inv_freq$", Kind.REPLICATED, None),
-)
-"""Llama, Mistral and Qwen2 style decoders as NxD's training models and checkpoint converter lay them out."""
-
 DEFAULT_RULE_SET = "nxd-llama"
-RULE_SETS: dict[str, tuple[Rule, ...]] = {DEFAULT_RULE_SET: NXD_LLAMA}
+"""The rule set of Llama, Mistral and Qwen2 (``families/llama.py``); what a saver uses when told nothing else."""
 
 #: how many unmatched names an error lists before "(+N more)"
 _LISTED = 5
@@ -78,6 +56,8 @@ _LISTED = 5
 
 def get_rule_set(name: str) -> tuple[Rule, ...]:
     """The rule set called ``name``."""
+    from ckpt.layouts.families import RULE_SETS  # the families import this module
+
     try:
         return RULE_SETS[name]
     except KeyError:
@@ -105,7 +85,7 @@ def rules_with(rule_set: str | None = DEFAULT_RULE_SET, replicated: tuple[str, .
     return get_rule_set(rule_set or DEFAULT_RULE_SET) + declared_rules(replicated)
 
 
-def find_rule(name: str, rules: tuple[Rule, ...] = NXD_LLAMA) -> Rule | None:
+def find_rule(name: str, rules: tuple[Rule, ...]) -> Rule | None:
     """First rule matching HF tensor ``name``; None when no rule does."""
     for rule in rules:
         if rule.matches(name):
@@ -124,7 +104,7 @@ def unmatched_message(names: Sequence[str], rule_set: str | None = None) -> str:
     )
 
 
-def rule_for(name: str, rules: tuple[Rule, ...] = NXD_LLAMA, rule_set: str | None = None) -> Rule:
+def rule_for(name: str, rules: tuple[Rule, ...], rule_set: str | None = None) -> Rule:
     """First rule matching HF tensor ``name``; an unmatched name is a ``LayoutError`` (never assumed replicated)."""
     rule = find_rule(name, rules)
     if rule is None:
@@ -137,3 +117,10 @@ def check_known(names: Iterable[str], rules: tuple[Rule, ...], rule_set: str | N
     missing = [n for n in dict.fromkeys(names) if find_rule(n, rules) is None]
     if missing:
         raise LayoutError(unmatched_message(missing, rule_set))
+
+
+def __getattr__(name: str) -> tuple[Rule, ...]:
+    """``NXD_LLAMA``: the ``nxd-llama`` rules, kept importable from here (they live in ``families/llama.py``)."""
+    if name == "NXD_LLAMA":
+        return get_rule_set(DEFAULT_RULE_SET)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -12,12 +12,13 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
 from ckpt.errors import LayoutError
-from ckpt.layouts.rules import DEFAULT_RULE_SET, Rule, rules_with
+from ckpt.layouts.families import FAMILIES, Family, get_family, supported
+from ckpt.layouts.rules import Rule, rules_with
 
 Hardware = Literal["trn1", "trn2"]
 
-#: HF ``model_type`` values whose state-dict names and shapes the ``nxd-llama`` rule set covers.
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+#: HF ``model_type`` values ckpt can lay out: one module each under ``ckpt/layouts/families/``.
+SUPPORTED_MODEL_TYPES = supported()
 
 
 def _model_type(config: Mapping[str, Any]) -> str:
@@ -44,14 +45,26 @@ class ModelDims:
     intermediate: int
     model_type: str = "llama"
     tie_word_embeddings: bool = False
+    experts: int = 0
+    """Number of MoE experts (0: a dense model); ``intermediate`` is then each expert's MLP width."""
 
     @classmethod
     def from_hf_config(cls, config: Mapping[str, Any]) -> ModelDims:
         """Read dims from a Hugging Face ``config.json`` dict.
 
         ``head_dim`` is taken from the config when present (Mistral-Nemo, Qwen3 style models set it
-        independently of ``hidden_size``); otherwise it is ``hidden_size // num_attention_heads``.
+        independently of ``hidden_size``); otherwise it is ``hidden_size // num_attention_heads``.  An MoE family
+        reads its expert count and expert width from the keys its module names; settings a family cannot lay out
+        are refused here.
         """
+        model_type = _model_type(config)
+        family = FAMILIES.get(model_type)
+        experts = family.experts if family is not None else None
+        if family is not None and family.check_config is not None:
+            problem = family.check_config(config)
+            if problem:
+                raise LayoutError(f"config.json ({model_type}): {problem}")
+        inter_key = experts.intermediate_key if experts is not None else "intermediate_size"
         try:
             heads = int(config["num_attention_heads"])
             hidden = int(config["hidden_size"])
@@ -62,9 +75,10 @@ class ModelDims:
                 head_dim=int(config.get("head_dim") or hidden // heads),
                 layers=int(config["num_hidden_layers"]),
                 vocab=int(config["vocab_size"]),
-                intermediate=int(config["intermediate_size"]),
-                model_type=_model_type(config),
+                intermediate=int(config[inter_key]),
+                model_type=model_type,
                 tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+                experts=experts.count(config) if experts is not None else 0,
             )
         except KeyError as e:
             raise LayoutError(
@@ -81,29 +95,15 @@ class ModelDims:
     def kv_rows(self) -> int:
         return self.kv_heads * self.head_dim
 
-    def hf_shapes(self, *, qkv_bias: bool = False) -> dict[str, tuple[int, ...]]:
-        """Every tensor of the Hugging Face Llama/Mistral/Qwen2 model with these dims, name -> shape, in
-        ``state_dict`` order (``qkv_bias`` adds Qwen2's q/k/v biases; a tied ``lm_head`` is omitted)."""
-        h, inter = self.hidden, self.intermediate
-        out: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (self.vocab, h)}
-        for i in range(self.layers):
-            p = f"model.layers.{i}"
-            for proj, rows in (("q", self.q_rows), ("k", self.kv_rows), ("v", self.kv_rows)):
-                out[f"{p}.self_attn.{proj}_proj.weight"] = (rows, h)
-                if qkv_bias:
-                    out[f"{p}.self_attn.{proj}_proj.bias"] = (rows,)
-            out |= {
-                f"{p}.self_attn.o_proj.weight": (h, self.q_rows),
-                f"{p}.mlp.gate_proj.weight": (inter, h),
-                f"{p}.mlp.up_proj.weight": (inter, h),
-                f"{p}.mlp.down_proj.weight": (h, inter),
-                f"{p}.input_layernorm.weight": (h,),
-                f"{p}.post_attention_layernorm.weight": (h,),
-            }
-        out["model.norm.weight"] = (h,)
-        if not self.tie_word_embeddings:
-            out["lm_head.weight"] = (self.vocab, h)
-        return out
+    @property
+    def family(self) -> Family:
+        """The model family of ``model_type`` (``LayoutError`` listing the supported ones if there is none)."""
+        return get_family(self.model_type)
+
+    def hf_shapes(self, *, qkv_bias: bool | None = None) -> dict[str, tuple[int, ...]]:
+        """Every tensor of the Hugging Face model with these dims, name -> shape, in ``state_dict`` order
+        (``qkv_bias``: q/k/v biases, default the family's; a tied ``lm_head`` is omitted)."""
+        return self.family.hf_shapes(self, qkv_bias=qkv_bias)
 
 
 @dataclass(frozen=True)
@@ -114,7 +114,9 @@ class NxdFlags:
     ``qkv_linear`` selects NxD's ``GQAQKVColumnParallelLinear`` (names ``qkv_proj.weight_q|k|v``);
     ``fuse_qkv`` stores one ``weight_qkv`` per rank (or, for MHA without ``qkv_linear``, the stride-3
     ``qkv_proj.weight``).  ``hw`` decides how KV copies are laid over ranks (see ``gqa.py``).  ``dp`` only
-    shards ZeRO-1 optimizer state; it never moves a model tensor.
+    shards ZeRO-1 optimizer state; it never moves a model tensor.  ``ep`` (expert parallelism, MoE families
+    only) gives expert-parallel rank ``k`` experts ``[k*E/ep, (k+1)*E/ep)``; every other tensor is the same on
+    every EP rank.
     """
 
     tp: int = 1
@@ -125,6 +127,7 @@ class NxdFlags:
     hw: Hardware = "trn1"
     fuse_qkv: bool = False
     qkv_linear: bool = False
+    ep: int = 1
 
     @classmethod
     def names(cls) -> tuple[str, ...]:
@@ -144,17 +147,20 @@ class NxdFlags:
 class LayoutSpec(NxdFlags):
     """An NxD parallel layout of one model: :class:`NxdFlags` plus the model's dimensions (keyword ``model``).
 
-    ``rule_set`` names the rules that split tensors over TP ranks; ``replicated`` are the user's globs for tensors
+    ``rule_set`` names the rules that split tensors over TP ranks (default: the model family's); ``replicated`` are
+    the user's globs for tensors
     the rule set does not know that are replicated on every rank (``--replicated``); any other unknown name is
     refused when a plan is made.
     """
 
     model: ModelDims = field(kw_only=True)
-    rule_set: str = field(default=DEFAULT_RULE_SET, kw_only=True)
+    rule_set: str = field(default="", kw_only=True)
     replicated: tuple[str, ...] = field(default=(), kw_only=True)
 
     def __post_init__(self) -> None:
         validate(self)
+        if not self.rule_set:  # the family's own rules (validate refused an unknown family)
+            object.__setattr__(self, "rule_set", self.model.family.rule_set)
 
     @classmethod
     def from_hf_config(cls, config: Mapping[str, Any], **flags: Any) -> LayoutSpec:
@@ -172,7 +178,7 @@ class LayoutSpec(NxdFlags):
     ) -> LayoutSpec:
         return cls(
             model=model,
-            rule_set=rule_set or DEFAULT_RULE_SET,
+            rule_set=rule_set or "",
             replicated=tuple(replicated),
             **{n: getattr(flags, n) for n in NxdFlags.names()},
         )
@@ -181,6 +187,11 @@ class LayoutSpec(NxdFlags):
     def rules(self) -> tuple[Rule, ...]:
         """The rule set's rules, then the declared replicated globs."""
         return rules_with(self.rule_set, self.replicated)
+
+    @property
+    def family(self) -> Family:
+        """The model family (validated at construction)."""
+        return self.model.family
 
     @property
     def num_stages(self) -> int:
@@ -211,6 +222,7 @@ def validate(spec: LayoutSpec) -> None:
         ("--virtual-pp", spec.virtual_pp),
         ("--dp", spec.dp),
         ("--kv-size-multiplier", spec.kv_size_multiplier),
+        ("--ep", spec.ep),
     ):
         _positive(flag, value)
     for name, value in (
@@ -223,11 +235,18 @@ def validate(spec: LayoutSpec) -> None:
         ("intermediate_size", m.intermediate),
     ):
         _positive(f"config {name}", value)
-    if m.model_type not in SUPPORTED_MODEL_TYPES:
-        raise LayoutError(
-            f"config model_type {m.model_type!r} is not covered by rule set nxd-llama "
-            f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
-        )
+    family = m.family  # refuses an unknown model_type, listing the supported ones
+    if family.experts is None:
+        if spec.ep != 1:
+            raise LayoutError(
+                f"--ep {spec.ep} needs an MoE model; model_type {m.model_type!r} has no experts"
+            )
+    else:
+        _positive(f"config {family.experts.count_key}", m.experts)
+        if m.experts % spec.ep:
+            raise LayoutError(
+                f"--ep {spec.ep} does not divide {family.experts.count_key}={m.experts}; change --ep"
+            )
     if spec.hw not in ("trn1", "trn2"):
         raise LayoutError(f"--hw {spec.hw!r} must be trn1 or trn2")
     if m.heads % m.kv_heads:
@@ -240,7 +259,8 @@ def validate(spec: LayoutSpec) -> None:
             f"--tp {tp} does not divide vocab_size={m.vocab}; pad the vocabulary or change --tp"
         )
     if m.intermediate % tp:
-        raise LayoutError(f"--tp {tp} does not divide intermediate_size={m.intermediate}; change --tp")
+        key = family.experts.intermediate_key if family.experts is not None else "intermediate_size"
+        raise LayoutError(f"--tp {tp} does not divide {key}={m.intermediate}; change --tp")
     if m.heads % tp:
         raise LayoutError(f"--tp {tp} does not divide num_attention_heads={m.heads}; change --tp")
     if not spec.qkv_linear:

@@ -23,6 +23,7 @@ import torch
 
 from ckpt.dtypes import dtype_from_name
 from ckpt.errors import StateMismatchError
+from ckpt.layouts.families import rule_set_for_config
 from ckpt.layouts.record import NxdRecord
 from ckpt.loader import Restorer, RestoreResult
 from ckpt.loader import restore as core_restore
@@ -61,7 +62,9 @@ class NeuronCheckpointer(Checkpointer):
         parallel: this process's ranks and sizes; default ``ParallelInfo.detect(**parallel_args)`` (NxD's
             parallel state when importable, explicit ``tp_rank=``/``tp_size=``/... otherwise).  The sizes must
             multiply to the process group's size; several ranks with neither NxD state nor sizes are refused.
-        rule_set: layout rules for parameters without NxD TP attributes (``"nxd-llama"``; None: replicated).
+        rule_set: layout rules for parameters without NxD TP attributes; ``"auto"`` (default): the rule set of the
+            config's ``model_type`` family (``nxd-qwen3`` for Qwen3, ...), ``"nxd-llama"`` without a config or for
+            a model type ckpt has no family for; None: replicated.
         kv_size_multiplier, hw, virtual_pp: NxD flags recorded in ``extra.nxd`` for converters.
         fuse_qkv, qkv_linear: recorded too; None infers them from the parameter names.
         config: the Hugging Face ``config.json`` dict; default ``model.config.to_dict()`` when the model has one.
@@ -74,7 +77,7 @@ class NeuronCheckpointer(Checkpointer):
         self,
         *,
         parallel: ParallelInfo | None = None,
-        rule_set: str | None = "nxd-llama",
+        rule_set: str | None = "auto",
         kv_size_multiplier: int = 1,
         hw: str = "trn1",
         virtual_pp: int = 1,
@@ -114,7 +117,7 @@ class NeuronCheckpointer(Checkpointer):
             return self._fixed_hook
         key = id(model)
         if key not in self._layouts:
-            self._layouts[key] = NxdLayout(model, self.parallel, self.rule_set, self.replicated)
+            self._layouts[key] = NxdLayout(model, self.parallel, self._rule_set(model), self.replicated)
         return self._layouts[key]
 
     def save(self, path: str, *, step: int, model: Any = None, optimizer: Any = None, **kw: Any) -> Future:
@@ -145,7 +148,7 @@ class NeuronCheckpointer(Checkpointer):
         if fuse is None:
             fuse = any(_FUSED_QKV.search(n) and not re.search(r"_(q|k|v)$", n) for n in names)
         record = NxdRecord(
-            rule_set=self.rule_set,
+            rule_set=self._rule_set(model),
             **self.flags,
             fuse_qkv=bool(fuse),
             qkv_linear=bool(qkv_linear),
@@ -154,6 +157,10 @@ class NeuronCheckpointer(Checkpointer):
             replicated=self.replicated,
         )
         return record.to_extra()
+
+    def _rule_set(self, model: Any) -> str | None:
+        config = self.config if self.config is not None else _hf_config(model)
+        return resolve_rule_set(self.rule_set, config)
 
     def _gather_pp_ranks(self, names: tuple[str, ...]) -> dict[str, list[int]]:
         if names != self._pp_key or self._pp_ranks is None:
@@ -270,18 +277,26 @@ class NeuronRestorer(Restorer):
         return super()._optimizer_tensor(ename, param)
 
 
+def resolve_rule_set(rule_set: str | None, config: dict[str, Any] | None) -> str | None:
+    """``rule_set`` itself, or for ``"auto"`` the rule set of ``config``'s model family (``nxd-llama`` when the config
+    is unknown or names no family ckpt has: what every save used before families existed)."""
+    return rule_set_for_config(config) if rule_set == "auto" else rule_set
+
+
 def restore(
     path: Any,
     *,
     model: Any = None,
     optimizer: Any = None,
     parallel: ParallelInfo | None = None,
-    rule_set: str | None = "nxd-llama",
+    rule_set: str | None = "auto",
     replicated: tuple[str, ...] | list[str] = (),
+    config: dict[str, Any] | None = None,
     **kw: Any,
 ) -> RestoreResult:
-    """:func:`ckpt.restore` for NxD / torch-xla state (same keywords; ``parallel``, ``replicated`` as in
-    NeuronCheckpointer)."""
+    """:func:`ckpt.restore` for NxD / torch-xla state (same keywords; ``parallel``, ``rule_set``, ``replicated`` and
+    ``config`` as in NeuronCheckpointer)."""
+    rule_set = resolve_rule_set(rule_set, config if config is not None else _hf_config(model))
     layout = (
         NxdLayout(model, parallel or ParallelInfo.detect(), rule_set, replicated)
         if model is not None

@@ -7,7 +7,10 @@ equal boxes; its ``partition`` is ``{"dim", "stride", "tp", "source"}``.  Replic
 The partition of a parameter comes from NxD's own runtime attributes (``tensor_model_parallel``,
 ``partition_dim``, ``partition_stride``, set by its parallel layers) when the parameter has them, because they
 are what NxD actually did; otherwise from a named rule set over NxD parameter names (``nxd-llama``), which is
-what NxD's checkpoint converter assumes.  Optimizer states follow their parameter.  ZeRO-1 shards of optimizer
+what NxD's checkpoint converter assumes.  With expert parallelism (``ep_size > 1``) NxD's stacked expert tensors
+(``mlp.expert_mlps.mlp_op.{gate_up,down}_proj.weight``, or any parameter NxD marks ``expert_model_parallel``) are
+also split on dim 0 over EP ranks: EP rank ``k`` holds box ``k`` of ``ep`` equal boxes, and the partition says so
+with ``"ep": ep_size``.  Optimizer states follow their parameter.  ZeRO-1 shards of optimizer
 states are boxes too: rows ``[start, start + n)`` of the TP-local tensor (padding dropped), registered in
 :attr:`NxdLayout.zero1_rows` by the optimizer capture.
 """
@@ -19,7 +22,8 @@ from typing import Any
 import torch
 
 from ckpt.errors import CkptError, LayoutError
-from ckpt.layouts.names import nxd_to_hf_names
+from ckpt.layouts.families import family_for_rule_set
+from ckpt.layouts.names import EXPERT_STACKED, nxd_to_hf_names
 from ckpt.layouts.partition import Partition, nxd_partition
 from ckpt.layouts.rules import check_known, rules_with
 from ckpt.manifest import Box
@@ -76,9 +80,11 @@ class NxdLayout:
         With TP 1 nothing is split, so nothing can be misplaced and nothing is refused."""
         if self.rule_set is None or self.parallel.tp_size == 1:
             return
+        family = family_for_rule_set(self.rule_set)
         unknown = [n for n in names if n not in self.params or attribute_partition(self.params[n]) is False]
+        unknown = [n for n in unknown if not (family.experts is not None and EXPERT_STACKED.match(n))]
         check_known(
-            (h for n in unknown for h in nxd_to_hf_names(n)), rules_with(self.rule_set, self.replicated),
+            (h for n in unknown for h in nxd_to_hf_names(n, family)), rules_with(self.rule_set, self.replicated),
             self.rule_set,
         )  # fmt: skip
 
@@ -105,8 +111,16 @@ class NxdLayout:
         if found:
             dim, stride = found  # type: ignore[misc]
             part = {"dim": dim, "stride": stride, "tp": self.parallel.tp_size, "source": source}
+            if self.parallel.ep_size > 1 and self._expert_parallel(name, param):
+                part["ep"] = self.parallel.ep_size
         self._cache[name] = part
         return part
+
+    def _expert_parallel(self, name: str, param: torch.Tensor | None) -> bool:
+        """Whether parameter ``name`` is split over EP ranks (NxD's ``expert_model_parallel`` mark, else its name)."""
+        if param is not None and hasattr(param, "expert_model_parallel"):
+            return bool(param.expert_model_parallel)
+        return EXPERT_STACKED.match(name) is not None
 
     def global_box(
         self, name: str, local_shape: tuple[int, ...], box: Box | None = None
@@ -125,6 +139,11 @@ class NxdLayout:
         shape[d] *= self.parallel.tp_size
         offsets = list(box.offsets)
         offsets[d] += self.parallel.tp_rank * local_shape[d]
+        if part.get("ep"):
+            if d == 0:
+                raise CkptError(f"tensor {name!r}: expert parallel on dim 0 and tensor parallel on dim 0 too")
+            shape[0] *= self.parallel.ep_size
+            offsets[0] += self.parallel.ep_rank * local_shape[0]
         return tuple(shape), Box(tuple(offsets), box.lengths), part
 
     def __call__(self, nt: NamedTensor) -> tuple[tuple[int, ...], Box, torch.Tensor, Partition | None] | None:

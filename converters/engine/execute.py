@@ -92,6 +92,8 @@ def produce(conv: Conversion, part: OutPart, *, verify: bool = True) -> torch.Te
     out = assemble(part.plan, part.plan.pieces, read)
     if part.plan.replicas:
         check_replicas(part.plan, out, read)
+    if part.plan.transpose:  # one expert slot of a stacked MoE tensor (converters/engine/experts.py)
+        out = out.transpose(0, 1).unsqueeze(0).contiguous()
     return out
 
 

@@ -34,6 +34,7 @@ from ckpt.manifest import Box, Layout, TensorDesc
 from ckpt.state import optim_name
 
 from .compose import compose_all, dedup_replicas, rename_plan
+from .experts import expert_view, stacked_parts, with_expert_views
 from .source import MODEL_ROLES, LayoutKind, Rank, Source
 from .trees import Trees, move_xla_rng_in, move_xla_rng_out, rename_optimizer
 
@@ -86,13 +87,21 @@ class Conversion:
             f = self.flags
             assert f is not None
             return "neuron", Layout(
-                world_size=f.tp * f.pp * f.dp, tp=f.tp, pp=f.pp, dp=f.dp,
+                world_size=f.tp * f.pp * f.dp, tp=f.tp, pp=f.pp, dp=f.dp, ep=f.ep,
                 zero_stage=1 if self.zero1 else 0, kind="nxd",
             )  # fmt: skip
         return "cuda", Layout(world_size=self.trees.world_size, kind="replicated")
 
 
 # ------------------------------------------------------------------------------------------------ full view
+
+
+def _expert_views(source: Source, config: Mapping[str, Any] | None) -> Source:
+    """A Neuron-layout source of an MoE model seen with per-expert views of its stacked expert tensors
+    (:mod:`.experts`); any other source as it is."""
+    if source.layout != "neuron":
+        return source
+    return with_expert_views(source, source.spec(config))
 
 
 def _identity(desc: TensorDesc) -> TensorPlan:
@@ -112,6 +121,7 @@ def full_view(
     states (``optim/<full name>/<key>``)."""
     if source.layout == "cuda":
         return {n: (d, _identity(d)) for n, d in source.tensors.items()}
+    source = _expert_views(source, config)
     spec = source.spec(config)
     model = {n: d for n, d in source.tensors.items() if d.role in MODEL_ROLES}
     out: dict[str, tuple[TensorDesc, TensorPlan]] = {}
@@ -147,6 +157,7 @@ def full_view(
 def plan_to_cuda(source: Source, *, config: Mapping[str, Any] | None = None) -> Conversion:
     """Plan the CUDA (full, HF-named) form of ``source``."""
     cfg = dict(config) if config is not None else source.config
+    source = _expert_views(source, config)
     view = full_view(source, config)
     tensors = [OutTensor(desc, (OutPart(Box.full(desc.shape), plan),)) for desc, plan in view.values()]
     trees = copy.deepcopy(source.trees)
@@ -177,6 +188,39 @@ def _tp_parts(
     return tuple(parts)
 
 
+def _stacked_tensor(
+    stacked: str,
+    views: Mapping[int, Mapping[Rank, TensorPlan]],
+    spec: LayoutSpec,
+    declared: tuple[str, ...],
+    full_plans: Mapping[str, TensorPlan],
+    model: Mapping[str, TensorDesc],
+    optim: Mapping[str, Any],
+    pp_ranks: dict[str, list[int]],
+) -> OutTensor:
+    """NxD's stacked MoE expert tensor ``stacked`` of a Neuron target, made of the plans of its per-expert views:
+    one part per expert and TP rank (:func:`.experts.stacked_parts`); EP is recorded in its ``partition``."""
+    parts_hf = [h for j in sorted(views) for h in nxd_to_hf_names(f"{stacked}#{j}", spec.family)]
+    with_state = [h for h in parts_hf if optim.get(h)]
+    if with_state:
+        raise LayoutError(
+            f"{with_state[0]} has optimizer state; converting MoE expert optimizer state is not supported yet"
+        )
+    pps = pp_ranks_of(stacked, spec)
+    pp_ranks[stacked] = list(pps)
+    part = partition_entry(stacked, spec.tp, spec.rule_set, declared)
+    assert part is not None
+    if spec.ep > 1:
+        part = {**part, "ep": spec.ep}
+    composed = {
+        j: {rank: compose_all(plan, full_plans) for rank, plan in per.items()} for j, per in views.items()
+    }
+    shape, parts = stacked_parts(composed, int(part["dim"]), spec.tp, pps)
+    first = composed[0][(0, pps[0])]
+    desc = TensorDesc(stacked, model[parts_hf[0]].role, shape, dtype_name(first.meta.dtype), partition=part)
+    return OutTensor(desc, tuple(OutPart(box, plan, ranks) for box, plan, ranks in parts))
+
+
 def _logical(local: tuple[int, ...], dim: int | None, tp: int) -> tuple[int, ...]:
     shape = list(local)
     if dim is not None:
@@ -204,11 +248,15 @@ def plan_to_neuron(
     cfg = dict(config) if config is not None else source.config
     if not cfg:
         raise LayoutError(f"{source.path}: the model config is unknown; pass --config config.json")
-    rule = rule_set or (source.record.rule_set if source.record is not None else NxdRecord().rule_set)
     declared = tuple(
         dict.fromkeys((*(source.record.replicated if source.record is not None else ()), *replicated))
     )
-    spec = LayoutSpec.of(ModelDims.from_hf_config(cfg), flags, rule_set=rule, replicated=declared)
+    recorded = source.record.rule_set if source.record is not None else None
+    spec = LayoutSpec.of(
+        ModelDims.from_hf_config(cfg), flags, rule_set=rule_set or recorded, replicated=declared
+    )
+    source = _expert_views(source, config)
+    rule = spec.rule_set  # the given or recorded one, else the model family's
     view = full_view(source, config)
     full_plans = {n: plan for n, (_, plan) in view.items()}
     model = {n: d for n, (d, _) in view.items() if d.role in MODEL_ROLES}
@@ -224,8 +272,22 @@ def plan_to_neuron(
             optim.setdefault(d.param, {})[d.key] = d
     tensors: list[OutTensor] = []
     pp_ranks: dict[str, list[int]] = {}
+    views: dict[str, dict[int, dict[Rank, TensorPlan]]] = {}  # MoE: stacked name -> expert -> rank -> plan
     for nxd, per_rank in by_name.items():
-        parts_hf = nxd_to_hf_names(nxd)
+        found = expert_view(nxd)
+        if found is not None:
+            views.setdefault(found[0], {})[found[1]] = per_rank
+    for nxd, per_rank in by_name.items():
+        found = expert_view(nxd)
+        if found is not None:
+            if found[1] == 0:  # the stacked tensor, where its first expert would be
+                tensors.append(
+                    _stacked_tensor(
+                        found[0], views[found[0]], spec, declared, full_plans, model, optim, pp_ranks
+                    )
+                )
+            continue
+        parts_hf = nxd_to_hf_names(nxd, spec.family)
         present = [h for h in parts_hf if h in model]
         pps = pp_ranks_of(nxd, spec)
         pp_ranks[nxd] = list(pps)

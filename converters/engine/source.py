@@ -67,7 +67,8 @@ class Source(ABC):
         assert self.flags is not None
         if self.flags.pp == 1:
             return (0,)
-        return pp_ranks_of(nxd_to_hf_names(name)[0], self.spec())
+        spec = self.spec()
+        return pp_ranks_of(nxd_to_hf_names(name, spec.family)[0], spec)
 
     def spec(self, config: Mapping[str, Any] | None = None) -> LayoutSpec:
         """The full layout (flags + model dims) of a Neuron-layout source; needs the model config."""

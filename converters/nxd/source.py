@@ -29,11 +29,12 @@ from ckpt import treecodec
 from ckpt.dtypes import dtype_name
 from ckpt.errors import CkptError, CorruptionError, LayoutError
 from ckpt.layouts import Piece, plan_nxd_to_full
-from ckpt.layouts.names import nxd_to_hf_names
+from ckpt.layouts.families import family_for_rule_set, rule_set_for_config
+from ckpt.layouts.names import EXPERT_STACKED, nxd_to_hf_names
 from ckpt.layouts.partition import partition_entry
 from ckpt.layouts.pipeline import layer_index, layers_of_pp_rank
 from ckpt.layouts.record import NxdRecord
-from ckpt.layouts.rules import DEFAULT_RULE_SET, check_known, rules_with
+from ckpt.layouts.rules import check_known, rules_with
 from ckpt.manifest import TensorDesc
 from ckpt.state import optim_name
 
@@ -150,7 +151,7 @@ class NxdTagSource(Source):
         *,
         config: Mapping[str, Any] | None = None,
         flags: Mapping[str, Any] | None = None,
-        rule_set: str = DEFAULT_RULE_SET,
+        rule_set: str | None = None,
         step: int | None = None,
         param_names: Mapping[RankKey, Sequence[str]] | None = None,
         allow_unmarked: bool = False,
@@ -204,8 +205,22 @@ class NxdTagSource(Source):
         }
         detected.update(given)
         replicated = tuple(replicated)
+        rule_set = rule_set or rule_set_for_config(self.config)  # default: the config's model family
+        family = family_for_rule_set(rule_set)
+        if family.experts is not None:
+            raise LayoutError(
+                f"{self.path}: NxD tags of MoE models (model_type {family.model_type!r}) are not read by the converter "
+                "yet; Neuron saver checkpoints (our manifest) of them are"
+            )
         check_known(
-            (h for n in names for h in nxd_to_hf_names(n)), rules_with(rule_set, replicated), rule_set
+            (
+                h
+                for n in names
+                if family.experts is None or not EXPERT_STACKED.match(n)
+                for h in nxd_to_hf_names(n, family)
+            ),
+            rules_with(rule_set, replicated),
+            rule_set,
         )
         record = NxdRecord(rule_set=rule_set, config=self.config, replicated=replicated, **detected)
         if self.config:  # the model the tag holds must be one the rule set covers (model type, dims, flags)

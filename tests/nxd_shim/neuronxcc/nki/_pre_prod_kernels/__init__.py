@@ -1,0 +1,1 @@
+# SHIM: the Neuron compiler package; see README.md.

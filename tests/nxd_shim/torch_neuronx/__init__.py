@@ -1,0 +1,1 @@
+# SHIM: the Neuron PyTorch plugin is not installable here; see README.md.
