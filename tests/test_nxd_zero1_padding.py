@@ -7,8 +7,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from ckpt.cli.main import cli
 from ckpt.converters import nxd
-from ckpt.converters.convert import ConvertOptions, convert, load_config
+from ckpt.converters.convert import load_config
+from click.testing import CliRunner
 from safetensors.torch import load_file
 
 from ckpt import open_checkpoint, treecodec
@@ -28,6 +30,36 @@ def truth() -> tuple[dict, dict, dict]:
     )
 
 
+@pytest.fixture(scope="module")
+def cuda_ckpt(tmp_path_factory) -> Path:
+    """``ckpt convert`` of the NxD tag to the CUDA layout (the import under test)."""
+    out = tmp_path_factory.mktemp("zero1pad") / "cuda"
+    args = [
+        "convert",
+        str(TAG),
+        str(out),
+        "--from",
+        "neuron",
+        "--to",
+        "cuda",
+        "--config",
+        str(ROOT / "config.json"),
+    ]
+    r = CliRunner().invoke(cli, args)
+    assert r.exit_code == 0, r.output
+    return out
+
+
+@pytest.fixture(scope="module")
+def neuron_ckpt(tmp_path_factory) -> Path:
+    """The NxD tag imported keeping its layout (``nxd.manifest.import_tag``), for the live restores."""
+    from ckpt.converters.nxd.manifest import import_tag
+
+    out = tmp_path_factory.mktemp("zero1pad") / "neuron"
+    import_tag(TAG, str(out), config=load_config(str(ROOT / "config.json")))
+    return out
+
+
 def _raw_optim(tag: Path) -> list[dict]:
     return [
         torch.load(tag / "optim" / f"dp_rank_{d:02d}_tp_rank_00_pp_rank_00.pt", weights_only=False)
@@ -45,11 +77,10 @@ def test_fixture_has_padding() -> None:
         assert sd["base_state"][p]["exp_avg"].shape[0] * DP > rows
 
 
-def test_import_is_ground_truth(truth, tmp_path: Path) -> None:
-    model, optim, cfg = truth
-    dst = tmp_path / "cuda"
-    convert(str(TAG), str(dst), ConvertOptions(to="cuda", from_="neuron", config=cfg))
-    r = open_checkpoint(str(dst))
+def test_import_is_ground_truth(truth, cuda_ckpt: Path) -> None:
+    """Model and optimizer moments equal the full-tensor AdamW run exactly: padding stripped, nothing shifted."""
+    model, optim, _ = truth
+    r = open_checkpoint(str(cuda_ckpt))
     m = r.manifest
     assert set(r.names("parameter")) == set(model)
     for name, t in model.items():
@@ -60,14 +91,24 @@ def test_import_is_ground_truth(truth, tmp_path: Path) -> None:
     assert m.step == 3
 
 
-def test_export_equals_nxd_shards(truth, tmp_path: Path) -> None:
+def test_export_equals_nxd_shards(cuda_ckpt: Path, tmp_path: Path) -> None:
     """cuda -> NxD tag dp=3: every optimizer shard (padding rows included) equals what torch_xla wrote."""
-    _, _, cfg = truth
-    convert(str(TAG), str(tmp_path / "cuda"), ConvertOptions(to="cuda", config=cfg))
     out = tmp_path / "nxd" / "step_3"
-    convert(
-        str(tmp_path / "cuda"), str(out), ConvertOptions.neuron(format="nxd", tp=1, dp=DP, qkv_linear=True)
-    )
+    args = [
+        "convert",
+        str(cuda_ckpt),
+        str(out),
+        "--to",
+        "neuron",
+        "--format",
+        "nxd",
+        "--tp",
+        "1",
+        "--dp",
+        str(DP),
+    ]
+    r = CliRunner().invoke(cli, [*args, "--qkv-linear"])
+    assert r.exit_code == 0, r.output
     orig, new = _raw_optim(TAG), _raw_optim(out)
     for d in range(DP):
         o, n = orig[d], new[d]
@@ -102,20 +143,17 @@ def _module_from(named: dict[str, torch.Tensor], device: torch.device) -> torch.
 
 
 @pytest.mark.parametrize("dp_rank", range(DP))
-def test_restore_into_live_zero1_is_exact(dp_rank: int, truth, tmp_path: Path, monkeypatch) -> None:
+def test_restore_into_live_zero1_is_exact(dp_rank: int, neuron_ckpt: Path, monkeypatch) -> None:
     """NxD tag -> ckpt (import_tag) -> ckpt.neuron.restore into torch_xla's ZeroRedundancyOptimizer on DP rank d of 3:
     the live optimizer's state_dict() equals NxD's file for that rank (padding rows included) and the model equals
     NxD's model file.  Only the rank identity is patched (``xr.global_ordinal``); restore uses no collectives."""
     import torch_xla
     import torch_xla.runtime as xr
-    from ckpt.converters.nxd.manifest import import_tag
     from torch_xla.distributed.zero_redundancy_optimizer import ZeroRedundancyOptimizer
 
     from ckpt.neuron import checkpointer as neuron
     from ckpt.neuron.parallel import ParallelInfo
 
-    _, _, cfg = truth
-    import_tag(TAG, str(tmp_path / "neuron"), config=cfg)
     monkeypatch.setattr(xr, "global_ordinal", lambda: dp_rank)
     monkeypatch.setattr(xr, "global_device_count", lambda: DP)
     nxd_model = torch.load(TAG / "model" / "dp_rank_00_tp_rank_00_pp_rank_00.pt", weights_only=True)
@@ -133,7 +171,7 @@ def test_restore_into_live_zero1_is_exact(dp_rank: int, truth, tmp_path: Path, m
     )
     assert (opt.local_rank, opt.local_world_size) == (dp_rank, DP)
     neuron.restore(
-        str(tmp_path / "neuron"),
+        str(neuron_ckpt),
         model=model,
         optimizer=opt,
         parallel=ParallelInfo(dp_rank=dp_rank, dp_size=DP),
