@@ -190,3 +190,37 @@ def test_restore_into_live_zero1_is_exact(dp_rank: int, neuron_ckpt: Path, monke
             assert got.shape == v.shape and bit_equal(got, v), (p, k)
     g_live, g_want = live["param_groups"][0], want["param_groups"][0]
     assert g_live["params"] == g_want["params"] and g_live["lr"] == g_want["lr"]
+
+
+@pytest.mark.parametrize("dp_rank", range(2))
+def test_restore_onto_other_dp_size(dp_rank: int, neuron_ckpt: Path, monkeypatch) -> None:
+    """The dp=3 tag restored into a dp=2 ZeroRedundancyOptimizer: each rank holds torch_xla's own
+    ``_shard_tensor`` of the full state (full = NxD's dp=3 shards gathered and cut as torch_xla's all-gather does)."""
+    import torch_xla
+    import torch_xla.runtime as xr
+    from torch_xla.distributed.zero_redundancy_optimizer import ZeroRedundancyOptimizer
+
+    from ckpt.neuron import checkpointer as neuron
+    from ckpt.neuron.parallel import ParallelInfo
+
+    monkeypatch.setattr(xr, "global_ordinal", lambda: dp_rank)
+    monkeypatch.setattr(xr, "global_device_count", lambda: 2)
+    nxd_model = torch.load(TAG / "model" / "dp_rank_00_tp_rank_00_pp_rank_00.pt", weights_only=True)
+    model = _module_from(nxd_model, torch_xla.device())
+    opt = ZeroRedundancyOptimizer(
+        [{"params": list(model.parameters())}],
+        torch.optim.AdamW,
+        grad_clipping=False,
+        sharding_groups=[[0, 1]],
+    )
+    neuron.restore(
+        str(neuron_ckpt), model=model, optimizer=opt, parallel=ParallelInfo(dp_rank=dp_rank, dp_size=2)
+    )
+    nxd3 = _raw_optim(TAG)
+    live = opt.state_dict()
+    for p, rows in ((p, s[0]) for p, s in nxd3[0]["shape_info"].items()):
+        for k in ("exp_avg", "exp_avg_sq"):
+            full = torch.cat([d["base_state"][p][k] for d in nxd3])[:rows]
+            want = opt._shard_tensor(full)
+            got = live["base_state"][p][k].detach().cpu()
+            assert got.shape == want.shape and bit_equal(got, want), (p, k)
