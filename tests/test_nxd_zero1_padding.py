@@ -18,6 +18,7 @@ from ckpt.layouts import bit_equal
 
 ROOT = Path(__file__).resolve().parent.parent / "fixtures" / "nxd" / "llama_zero1_pad_dp3"
 TAG = ROOT / "step_3"
+MASTER_TAG = ROOT / "master_weights" / "step_3"  # same run, saved with sharded_master_weights
 DP = 3
 
 
@@ -30,13 +31,13 @@ def truth() -> tuple[dict, dict, dict]:
     )
 
 
-@pytest.fixture(scope="module")
-def cuda_ckpt(tmp_path_factory) -> Path:
-    """``ckpt convert`` of the NxD tag to the CUDA layout (the import under test)."""
+@pytest.fixture(scope="module", params=[TAG, MASTER_TAG], ids=["moments", "master_weights"])
+def cuda_ckpt(request, tmp_path_factory) -> tuple[Path, Path]:
+    """``(NxD tag, ckpt convert of it to the CUDA layout)`` (the import under test)."""
     out = tmp_path_factory.mktemp("zero1pad") / "cuda"
     args = [
         "convert",
-        str(TAG),
+        str(request.param),
         str(out),
         "--from",
         "neuron",
@@ -47,7 +48,7 @@ def cuda_ckpt(tmp_path_factory) -> Path:
     ]
     r = CliRunner().invoke(cli, args)
     assert r.exit_code == 0, r.output
-    return out
+    return request.param, out
 
 
 @pytest.fixture(scope="module")
@@ -77,10 +78,11 @@ def test_fixture_has_padding() -> None:
         assert sd["base_state"][p]["exp_avg"].shape[0] * DP > rows
 
 
-def test_import_is_ground_truth(truth, cuda_ckpt: Path) -> None:
+def test_import_is_ground_truth(truth, cuda_ckpt: tuple[Path, Path]) -> None:
     """Model and optimizer moments equal the full-tensor AdamW run exactly: padding stripped, nothing shifted."""
     model, optim, _ = truth
-    r = open_checkpoint(str(cuda_ckpt))
+    tag, cuda = cuda_ckpt
+    r = open_checkpoint(str(cuda))
     m = r.manifest
     assert set(r.names("parameter")) == set(model)
     for name, t in model.items():
@@ -88,15 +90,20 @@ def test_import_is_ground_truth(truth, cuda_ckpt: Path) -> None:
         for key in ("exp_avg", "exp_avg_sq"):
             assert bit_equal(r.read(f"optim/{name}/{key}"), optim[f"{name}.{key}"]), (name, key)
         assert bit_equal(treecodec.decode(m.optimizer["state"][name]["step"]), optim[f"{name}.step"])
+        if tag == MASTER_TAG:  # fp32 training: the master weights are the weights
+            assert bit_equal(r.read(f"optim/{name}/master_weight"), t), name
+    if tag == TAG:
+        assert not [n for n in r.manifest.tensors if n.endswith("/master_weight")]
     assert m.step == 3
 
 
-def test_export_equals_nxd_shards(cuda_ckpt: Path, tmp_path: Path) -> None:
+def test_export_equals_nxd_shards(cuda_ckpt: tuple[Path, Path], tmp_path: Path) -> None:
     """cuda -> NxD tag dp=3: every optimizer shard (padding rows included) equals what torch_xla wrote."""
+    tag, cuda = cuda_ckpt
     out = tmp_path / "nxd" / "step_3"
     args = [
         "convert",
-        str(cuda_ckpt),
+        str(cuda),
         str(out),
         "--to",
         "neuron",
@@ -109,9 +116,13 @@ def test_export_equals_nxd_shards(cuda_ckpt: Path, tmp_path: Path) -> None:
     ]
     r = CliRunner().invoke(cli, [*args, "--qkv-linear"])
     assert r.exit_code == 0, r.output
-    orig, new = _raw_optim(TAG), _raw_optim(out)
+    orig, new = _raw_optim(tag), _raw_optim(out)
     for d in range(DP):
         o, n = orig[d], new[d]
+        assert set(n) == set(o), d
+        for p, w in o.get("sharded_master_weights", {}).items():
+            got = n["sharded_master_weights"][p]
+            assert got.shape == w.shape and bit_equal(got, w), (d, p, "master")
         assert {p: list(s) for p, s in n["shape_info"].items()} == {
             p: list(s) for p, s in o["shape_info"].items()
         }
@@ -122,7 +133,7 @@ def test_export_equals_nxd_shards(cuda_ckpt: Path, tmp_path: Path) -> None:
                 assert n["base_state"][p][k].shape == v.shape, (d, p, k)
                 assert bit_equal(n["base_state"][p][k], v), (d, p, k)
         assert n["param_groups"] == o["param_groups"]
-    om = torch.load(TAG / "model" / "dp_rank_00_tp_rank_00_pp_rank_00.pt", weights_only=True)
+    om = torch.load(tag / "model" / "dp_rank_00_tp_rank_00_pp_rank_00.pt", weights_only=True)
     nm = torch.load(out / "model" / "dp_rank_00_tp_rank_00_pp_rank_00.pt", weights_only=True)
     assert list(nm) == list(om) and all(bit_equal(nm[k], v) for k, v in om.items())
     assert nxd.read_tag(out).meta.dp_size == DP
