@@ -52,12 +52,14 @@ def cuda_ckpt(request, tmp_path_factory) -> tuple[Path, Path]:
 
 
 @pytest.fixture(scope="module")
-def neuron_ckpt(tmp_path_factory) -> Path:
-    """The NxD tag imported keeping its layout (``nxd.manifest.import_tag``), for the live restores."""
+def neuron_ckpt(tmp_path_factory) -> dict[Path, Path]:
+    """Both NxD tags imported keeping their layout (``nxd.manifest.import_tag``), for the live restores."""
     from ckpt.converters.nxd.manifest import import_tag
 
-    out = tmp_path_factory.mktemp("zero1pad") / "neuron"
-    import_tag(TAG, str(out), config=load_config(str(ROOT / "config.json")))
+    out = {}
+    for tag in (TAG, MASTER_TAG):
+        out[tag] = tmp_path_factory.mktemp("zero1pad") / "neuron"
+        import_tag(tag, str(out[tag]), config=load_config(str(ROOT / "config.json")))
     return out
 
 
@@ -153,11 +155,14 @@ def _module_from(named: dict[str, torch.Tensor], device: torch.device) -> torch.
     return root
 
 
+@pytest.mark.parametrize("master", [False, True], ids=["moments", "master_weights"])
 @pytest.mark.parametrize("dp_rank", range(DP))
-def test_restore_into_live_zero1_is_exact(dp_rank: int, neuron_ckpt: Path, monkeypatch) -> None:
+def test_restore_into_live_zero1_is_exact(dp_rank: int, master: bool, neuron_ckpt, monkeypatch) -> None:
     """NxD tag -> ckpt (import_tag) -> ckpt.neuron.restore into torch_xla's ZeroRedundancyOptimizer on DP rank d of 3:
     the live optimizer's state_dict() equals NxD's file for that rank (padding rows included) and the model equals
-    NxD's model file.  Only the rank identity is patched (``xr.global_ordinal``); restore uses no collectives."""
+    NxD's model file.  Only the rank identity is patched (``xr.global_ordinal``); restore uses no collectives, except
+    the all-gather that torch_xla's ``load_state_dict`` runs after loading master weights into its shards, which
+    cannot run in one process and is skipped (the shards it would gather are compared instead)."""
     import torch_xla
     import torch_xla.runtime as xr
     from torch_xla.distributed.zero_redundancy_optimizer import ZeroRedundancyOptimizer
@@ -165,9 +170,14 @@ def test_restore_into_live_zero1_is_exact(dp_rank: int, neuron_ckpt: Path, monke
     from ckpt.neuron import checkpointer as neuron
     from ckpt.neuron.parallel import ParallelInfo
 
+    tag = MASTER_TAG if master else TAG
     monkeypatch.setattr(xr, "global_ordinal", lambda: dp_rank)
     monkeypatch.setattr(xr, "global_device_count", lambda: DP)
-    nxd_model = torch.load(TAG / "model" / "dp_rank_00_tp_rank_00_pp_rank_00.pt", weights_only=True)
+    if master:
+        monkeypatch.setattr(
+            ZeroRedundancyOptimizer, "allgather_weights_and_update_full_parameter", lambda *a: None
+        )
+    nxd_model = torch.load(tag / "model" / "dp_rank_00_tp_rank_00_pp_rank_00.pt", weights_only=True)
     model = _module_from(nxd_model, torch_xla.device())
     assert [n for n, _ in model.named_parameters()] == list(nxd_model)
     opt = ZeroRedundancyOptimizer(
@@ -175,6 +185,7 @@ def test_restore_into_live_zero1_is_exact(dp_rank: int, neuron_ckpt: Path, monke
         torch.optim.AdamW,
         grad_clipping=False,
         sharding_groups=[list(range(DP))],
+        save_master_weights=master,
         lr=0.001,
         betas=(0.9, 0.95),
         eps=1e-8,
@@ -182,7 +193,7 @@ def test_restore_into_live_zero1_is_exact(dp_rank: int, neuron_ckpt: Path, monke
     )
     assert (opt.local_rank, opt.local_world_size) == (dp_rank, DP)
     neuron.restore(
-        str(neuron_ckpt),
+        str(neuron_ckpt[tag]),
         model=model,
         optimizer=opt,
         parallel=ParallelInfo(dp_rank=dp_rank, dp_size=DP),
@@ -190,7 +201,11 @@ def test_restore_into_live_zero1_is_exact(dp_rank: int, neuron_ckpt: Path, monke
     for n, p in model.named_parameters():
         assert bit_equal(p.detach().cpu(), nxd_model[n]), n
     live = opt.state_dict()
-    want = _raw_optim(TAG)[dp_rank]
+    want = _raw_optim(tag)[dp_rank]
+    assert set(live) == set(want)
+    for p, w in want.get("sharded_master_weights", {}).items():
+        got = live["sharded_master_weights"][p].detach().cpu()
+        assert got.shape == w.shape and bit_equal(got, w), (p, "master")
     assert {p: list(s) for p, s in live["shape_info"].items()} == {
         p: list(s) for p, s in want["shape_info"].items()
     }
@@ -204,7 +219,7 @@ def test_restore_into_live_zero1_is_exact(dp_rank: int, neuron_ckpt: Path, monke
 
 
 @pytest.mark.parametrize("dp_rank", range(2))
-def test_restore_onto_other_dp_size(dp_rank: int, neuron_ckpt: Path, monkeypatch) -> None:
+def test_restore_onto_other_dp_size(dp_rank: int, neuron_ckpt, monkeypatch) -> None:
     """The dp=3 tag restored into a dp=2 ZeroRedundancyOptimizer: each rank holds torch_xla's own
     ``_shard_tensor`` of the full state (full = NxD's dp=3 shards gathered and cut as torch_xla's all-gather does)."""
     import torch_xla
@@ -225,7 +240,7 @@ def test_restore_onto_other_dp_size(dp_rank: int, neuron_ckpt: Path, monkeypatch
         sharding_groups=[[0, 1]],
     )
     neuron.restore(
-        str(neuron_ckpt), model=model, optimizer=opt, parallel=ParallelInfo(dp_rank=dp_rank, dp_size=2)
+        str(neuron_ckpt[TAG]), model=model, optimizer=opt, parallel=ParallelInfo(dp_rank=dp_rank, dp_size=2)
     )
     nxd3 = _raw_optim(TAG)
     live = opt.state_dict()
