@@ -43,6 +43,17 @@ def read_manifest(storage: Storage) -> Manifest:
     return Manifest.from_json(raw, storage.display(MANIFEST_NAME))
 
 
+def overlapping(e: TensorEntry, box: Box) -> list[tuple[Shard, Box]]:
+    """The stored shards of ``e`` that overlap ``box``, each with the overlap: a restoring rank's read plan for
+    one tensor (``read_box_into`` reads exactly these; ``bench/bench_scale.py`` times it without reading)."""
+    out = []
+    for shard in e.shards:
+        inter = shard.box.intersect(box)
+        if inter is not None:
+            out.append((shard, inter))
+    return out
+
+
 class CheckpointReader:
     """Lazy per-tensor access to one checkpoint, for tools and for restores."""
 
@@ -87,10 +98,7 @@ class CheckpointReader:
                 f"tensor {name!r}: destination shape {list(out.shape)} != box {list(box.lengths)}"
             )
         covered = 0
-        for shard in e.shards:
-            inter = shard.box.intersect(box)
-            if inter is None:
-                continue
+        for shard, inter in overlapping(e, box):
             covered += inter.numel
             if inter.numel == 0:
                 continue
