@@ -48,6 +48,7 @@ sys.path.insert(0, os.path.join(HERE, ".."))
 from ckpt import rng as rng_mod  # noqa: E402
 from ckpt.commit import Receipt, build_manifest, data_file_name  # noqa: E402
 from ckpt.manifest import Box, Layout, Manifest, TensorDesc  # noqa: E402
+from ckpt.manifest_v2 import Locator, encode  # noqa: E402
 from ckpt.neuron.parallel import ParallelInfo  # noqa: E402
 from ckpt.neuron.partition import NxdLayout  # noqa: E402
 from ckpt.planning import (  # noqa: E402
@@ -63,6 +64,7 @@ from ckpt.planning import (  # noqa: E402
 )
 from ckpt.reader import overlapping  # noqa: E402
 from ckpt.state import NamedTensor  # noqa: E402
+from ckpt.storage import open_storage  # noqa: E402
 
 HIDDEN = 4096
 SHARD_GROUP = 8  # HSDP shard-group size (one node)
@@ -334,6 +336,55 @@ def after(sim: Sim, repeat: int) -> dict[str, Any]:
     return res
 
 
+def after_commit(sim: Sim, rng_tree: Any) -> dict[str, Any]:
+    """Commit and restore with format v2, writers from the local planning (every rank planned once)."""
+    import tempfile
+
+    mine: dict[int, list[Piece]] = {}
+    for r in range(sim.world):
+        pieces = sim.pieces(r)
+        write, _ = plan_local(pieces, groups(sim, r, pieces))
+        mine[r] = [p for p, w in zip(pieces, write, strict=True) if w]
+    reports = receipts_for(sim, lambda r: mine[r], rng_tree)
+    res: dict[str, Any] = {"commit_in_bytes": sum(len(pickle.dumps(rep)) for rep in reports)}
+
+    def commit() -> tuple[str, dict[str, str]]:
+        m = build_manifest(
+            step=1,
+            backend="cuda",
+            layout=sim.layout(),
+            metas=sim.descs,
+            receipts=[rep["receipt"] for rep in reports],
+            trees={},
+            rank_trees={rep["rank"]: rep["trees"] for rep in reports},
+            env={},
+        )
+        return encode(m, "a1b2c3d4")
+
+    res["commit_s"], (top, indexes) = best(commit, 1)
+    res["manifest_bytes"] = len(top.encode())
+    res["index_bytes_max"] = max(len(t.encode()) for t in indexes.values())
+    res["shards"] = sum(len(rep["receipt"].shards) for rep in reports)
+    with tempfile.TemporaryDirectory(prefix="ckpt-scale-") as d:
+        storage = open_storage(d)
+        for path, text in indexes.items():
+            storage.put_bytes(path, text.encode())
+        raw = top.encode()
+        for label, world2 in (("half", max(1, sim.world // 2)), ("double", sim.world * 2)):
+            want = restore_boxes(sim.kind, world2, sim.descs, world2 // 2)
+
+            def plan_restore(want: list[Piece] = want) -> tuple[int, int]:
+                m = Manifest.from_json(raw)
+                loc = Locator(storage, m, m.v2, "manifest.json")
+                n = 0
+                for p in want:
+                    n += sum(1 for sh in loc.shards(p.name, p.box) if sh.box.intersect(p.box) is not None)
+                return n, len(loc.layout.loaded)
+
+            res[f"restore_{label}_s"], (_, res[f"restore_{label}_indexes"]) = best(plan_restore, 1)
+    return res
+
+
 def extrapolate(points: list[tuple[int, dict[str, Any]]], n: int) -> dict[str, Any]:
     """Each figure on the line through the two largest measured world sizes (the path is linear in N)."""
     (n1, m1), (n2, m2) = points[-2:]
@@ -348,18 +399,25 @@ def extrapolate(points: list[tuple[int, dict[str, Any]]], n: int) -> dict[str, A
 
 
 def run(
-    layouts: list[str], worlds: list[int], counts: list[int], repeat: int, max_pieces: int, modes: list[str]
+    layouts: list[str],
+    worlds: list[int],
+    counts: list[int],
+    repeat: int,
+    max_pieces: int,
+    modes: list[str],
+    max_pieces_after: int,
 ) -> list[dict[str, Any]]:
     rows = []
     ref: dict[tuple[str, int], list[tuple[int, dict[str, Any]]]] = {}
+    ref_after: dict[tuple[str, int], list[tuple[int, dict[str, Any]]]] = {}
     for kind in layouts:
         for t in counts:
             descs = model_descs(t)
             for n in worlds:
                 sim = Sim(kind, n, descs)
                 row: dict[str, Any] = {"layout": kind, "ranks": n, "tensors": t}
+                pieces = n * t
                 if "before" in modes:
-                    pieces = n * t
                     if pieces <= max_pieces or len(ref.get((kind, t), [])) < 2:
                         row["before"] = before(sim, repeat)
                         ref.setdefault((kind, t), []).append((n, row["before"]))
@@ -367,9 +425,99 @@ def run(
                         row["before"] = extrapolate(ref[(kind, t)], n)
                 if "after" in modes:
                     row["after"] = after(sim, repeat)
+                    if pieces <= max_pieces_after or len(ref_after.get((kind, t), [])) < 2:
+                        row["after_commit"] = after_commit(sim, rng_mod.capture())
+                        ref_after.setdefault((kind, t), []).append((n, row["after_commit"]))
+                    else:
+                        row["after_commit"] = extrapolate(ref_after[(kind, t)], n)
                 rows.append(row)
                 print(json.dumps(row), flush=True)
     return rows
+
+
+def plot(paths: list[str], out: str) -> None:
+    """Log-log plot of one T: planning CPU per rank, planning bytes per rank, manifest bytes, restore planning."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for p in paths for r in json.load(open(p))]
+    t = (
+        max(r["tensors"] for r in rows if r["tensors"] == 1000)
+        if any(r["tensors"] == 1000 for r in rows)
+        else 0
+    )
+    rows = [r for r in rows if r["tensors"] == t and "before" in r and "after" in r]
+    panels = [
+        ("planning CPU per rank (s)", lambda r: r["before"]["plan_s"], lambda r: r["after"]["plan_s"]),
+        ("planning bytes per rank", lambda r: r["before"]["plan_bytes"], lambda r: r["after"]["plan_bytes"]),
+        (
+            "manifest bytes (v1 / v2 top)",
+            lambda r: r["before"]["manifest_bytes"],
+            lambda r: r["after_commit"]["manifest_bytes"],
+        ),
+        (
+            "restore N->N/2: metadata + plan, one rank (s)",
+            lambda r: r["before"]["restore_half_s"],
+            lambda r: r["after_commit"]["restore_half_s"],
+        ),
+    ]
+    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4.2))
+    colors = {"fsdp": "C0", "hsdp": "C1", "nxd": "C2", "ddp": "C3"}
+    for ax, (title, old, new) in zip(axes, panels, strict=True):
+        for kind, color in colors.items():
+            rs = sorted((r for r in rows if r["layout"] == kind), key=lambda r: r["ranks"])
+            if not rs:
+                continue
+            xs = [r["ranks"] for r in rs]
+            ax.plot(xs, [max(old(r), 1e-6) for r in rs], "--o", color=color, ms=3, label=f"{kind} before")
+            ax.plot(xs, [max(new(r), 1e-6) for r in rs], "-s", color=color, ms=3, label=f"{kind} after")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("ranks")
+        ax.set_title(title, fontsize=9)
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0].legend(fontsize=7)
+    fig.suptitle(
+        f"bench/bench_scale.py, T = {t} tensors (points past the measured range extrapolated)", fontsize=9
+    )
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+
+
+def table(paths: list[str]) -> str:
+    """The markdown table of docs/performance.md ("Scale")."""
+
+    def fmt_s(v: float) -> str:
+        return f"{v:.3g}" if v < 100 else f"{v:.0f}"
+
+    def fmt_b(v: float) -> str:
+        for unit, div in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+            if v >= div:
+                return f"{v / div:.3g} {unit}"
+        return f"{v:.0f} B"
+
+    lines = [
+        "| layout | ranks | T | plan CPU/rank before | after | plan bytes/rank before | after | manifest before (v1) "
+        "| after (v2 top) | largest index | commit CPU rank 0 before | after | restore N/2 before | after "
+        "| restore 2N before | after | indexes read (N/2, 2N) |",
+        "|---" * 17 + "|",
+    ]
+    for p in paths:
+        for r in json.load(open(p)):
+            b, a, c = r.get("before", {}), r.get("after", {}), r.get("after_commit", {})
+            mb = "~" if b.get("extrapolated") else ""
+            mc = "~" if c.get("extrapolated") else ""
+            lines.append(
+                f"| {r['layout']} | {r['ranks']} | {r['tensors']} | {mb}{fmt_s(b['plan_s'])} | {fmt_s(a['plan_s'])} "
+                f"| {mb}{fmt_b(b['plan_bytes'])} | {fmt_b(a['plan_bytes'])} | {mb}{fmt_b(b['manifest_bytes'])} "
+                f"| {mc}{fmt_b(c['manifest_bytes'])} | {mc}{fmt_b(c['index_bytes_max'])} | {mb}{fmt_s(b['commit_s'])} "
+                f"| {mc}{fmt_s(c['commit_s'])} | {mb}{fmt_s(b['restore_half_s'])} | {mc}{fmt_s(c['restore_half_s'])} "
+                f"| {mb}{fmt_s(b['restore_double_s'])} | {mc}{fmt_s(c['restore_double_s'])} "
+                f"| {mc}{c['restore_half_indexes']:.0f}, {c['restore_double_indexes']:.0f} |"
+            )
+    return "\n".join(lines)
 
 
 def main() -> int:
@@ -380,8 +528,16 @@ def main() -> int:
     p.add_argument("--modes", default="before")
     p.add_argument("--repeat", type=int, default=2)
     p.add_argument("--max-pieces", type=int, default=300_000)
+    p.add_argument("--max-pieces-after", type=int, default=1_100_000)
     p.add_argument("--json", default=os.path.join(HERE, "results", "scale_ranks.json"))
+    p.add_argument(
+        "--plot", nargs="*", help="draw docs/scale.png from these result files (and print the table)"
+    )
     args = p.parse_args()
+    if args.plot:
+        plot(args.plot, os.path.join(HERE, "..", "docs", "scale.png"))
+        print(table(args.plot))
+        return 0
     rows = run(
         args.layouts.split(","),
         [int(x) for x in args.ranks.split(",")],
@@ -389,6 +545,7 @@ def main() -> int:
         args.repeat,
         args.max_pieces,
         args.modes.split(","),
+        args.max_pieces_after,
     )
     os.makedirs(os.path.dirname(args.json), exist_ok=True)
     with open(args.json, "w") as f:

@@ -186,7 +186,11 @@ def restore(
     number of ranks.  ``restorer`` (a ``Restorer`` subclass or factory taking ``(reader, layout_hook)``) lets a
     backend change how tensors reach their device or how a non-torch.optim optimizer is filled.
     """
-    reader = path if isinstance(path, CheckpointReader) else CheckpointReader(path, storage_options, verify)
+    reader = (
+        path
+        if isinstance(path, CheckpointReader)
+        else CheckpointReader(path, storage_options, verify, lazy=True)
+    )
     m = reader.manifest
     r = (restorer or Restorer)(reader, layout_hook)
     missing: list[str] = []
@@ -204,9 +208,10 @@ def restore(
             raise StateMismatchError(f"{reader.path}: checkpoint holds no GradScaler state")
         load_state_into(scaler, treecodec.decode(m.scaler), "scaler")
     rank, world = _rank()
+    rng_tree, data_tree = reader.rank_trees(rank)
     if dataloader is not None:
         saved_world = m.layout.world_size
-        if str(rank) not in m.data:
+        if data_tree is None:
             raise StateMismatchError(f"{reader.path}: checkpoint holds no data-loader state for rank {rank}")
         if saved_world != world:
             msg = (
@@ -216,12 +221,12 @@ def restore(
             if strict:
                 raise StateMismatchError(msg + " (pass strict=False to load rank-wise anyway)")
             warnings.warn(msg, stacklevel=2)
-        load_state_into(dataloader, treecodec.decode(m.data[str(rank)]), "dataloader")
+        load_state_into(dataloader, treecodec.decode(data_tree), "dataloader")
     restored: list[str] = []
     if rng:
-        if str(rank) in m.rng:
-            restored = rng_mod.restore(m.rng[str(rank)])
-        elif m.rng:
+        if rng_tree is not None:
+            restored = rng_mod.restore(rng_tree)
+        elif m.rng or (m.v2 is not None and rank != 0 and reader.rank_trees(0)[0] is not None):
             warnings.warn(
                 f"{reader.path}: no RNG state for rank {rank} (saved by {m.layout.world_size} ranks)",
                 stacklevel=2,

@@ -116,6 +116,7 @@ class Checkpointer:
         storage_options: dict[str, Any] | None = None,
         layout_hook: LayoutHook | None = None,
         stager: Any = None,
+        format_version: int | None = None,
     ) -> None:
         self.async_save = async_save
         self.coll = Collective(process_group)
@@ -124,6 +125,7 @@ class Checkpointer:
         self.storage_options = storage_options
         self.layout_hook = layout_hook
         self.stager = stager or HostStager()
+        self.format_version = format_version  # None: ckpt.commit.DEFAULT_VERSION
         self._plan_key: list[str] | None = None
         self._plan: dict[tuple[str, Box], int] | None = None
         self.last_plan = ""  # "local" or "exact": how the last save agreed on its writers (tests, benches)
@@ -360,7 +362,7 @@ class Checkpointer:
             else:
                 try:
                     manifest = self._manifest(job, reports)
-                    publish(job.storage, manifest)
+                    publish(job.storage, manifest, self.format_version)
                     outcome = {"ok": True, "bytes": manifest.total_bytes}
                 except Exception as e:  # noqa: BLE001
                     outcome = {"ok": False, "error": f"rank 0 commit: {type(e).__name__}: {e}"}

@@ -29,7 +29,8 @@ def inspect(checkpoint: str, as_json: bool, shards: bool) -> None:
             return
     m = CheckpointReader(checkpoint).manifest
     if as_json:
-        doc = json.loads(m.to_json())
+        doc = json.loads(m.to_json())  # the in-memory manifest, every chunk in place (v2: its indexes read)
+        doc["format_version"] = m.format_version
         if not shards:
             for t in doc["tensors"].values():
                 t["shards"] = len(t["shards"])
