@@ -24,6 +24,7 @@ _EXPORTS = {
     "CheckpointInfo": "discovery",
     "list_checkpoints": "discovery",
     "AsyncSaveError": "errors",
+    "BaseMismatchError": "errors",
     "CheckpointExistsError": "errors",
     "CkptError": "errors",
     "CorruptionError": "errors",
@@ -49,6 +50,7 @@ if TYPE_CHECKING:
     from .discovery import CheckpointInfo, list_checkpoints
     from .errors import (
         AsyncSaveError,
+        BaseMismatchError,
         CheckpointExistsError,
         CkptError,
         CorruptionError,
@@ -88,6 +90,7 @@ def save(path: str, *, step: int, **state: Any) -> SaveResult:
 
 __all__ = [
     "AsyncSaveError",
+    "BaseMismatchError",
     "Box",
     "CheckpointExistsError",
     "CheckpointInfo",

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -494,6 +494,14 @@ class Locator:
             out.extend(self.rank_index(r).get(name, ()))
         return out
 
+    def trees(self, kind: str) -> Mapping[str, Any]:
+        """Every rank's ``rng`` or ``data`` tree as a mapping that reads a rank's index only when that rank's
+        tree is looked up (keys: the ranks with an index, when rank 0's index holds that kind of tree)."""
+        first = min(self.layout.indexes, default=None)
+        if first is None or self.rank_trees(first)[0 if kind == "rng" else 1] is None:
+            return {}
+        return _LazyTrees(self, kind)
+
     def rank_trees(self, rank: int) -> tuple[Any, Any]:
         """(rng, data) trees of ``rank`` (None where absent or when the rank has no index)."""
         if rank not in self.layout.indexes:
@@ -501,6 +509,26 @@ class Locator:
         self.rank_index(rank)
         doc = self.layout.loaded[rank]
         return doc.get("rng"), doc.get("data")
+
+
+class _LazyTrees(Mapping[str, Any]):
+    def __init__(self, locator: Locator, kind: str) -> None:
+        self.locator, self.kind = locator, kind
+        self.keys_ = [str(r) for r in sorted(locator.layout.indexes)]
+
+    def __getitem__(self, key: str) -> Any:
+        if not isinstance(key, str) or not key.isdigit() or int(key) not in self.locator.layout.indexes:
+            raise KeyError(key)
+        tree = self.locator.rank_trees(int(key))[0 if self.kind == "rng" else 1]
+        if tree is None:
+            raise KeyError(key)
+        return tree
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.keys_)
+
+    def __len__(self) -> int:
+        return len(self.keys_)
 
 
 def materialize(storage: Any, m: Manifest, layout: Layout2, source: str) -> Manifest:

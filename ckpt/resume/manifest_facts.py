@@ -69,6 +69,11 @@ def facts_from_manifest(manifest: Any) -> CheckpointFacts:
             last_epoch = _as_int(sched["last_epoch"])
     progress = manifest.progress or {}
     samples = _as_int(progress.get("samples")) if "samples" in progress else None
+    base = getattr(manifest, "rng_base", None) or {}
+    position = getattr(manifest, "data_position", None) or {}
+    dp = position.get("dp") or base.get("dp")
+    rng = manifest.rng or {}
+    first = rng[min(rng, key=int)] if rng else None
     return CheckpointFacts(
         step=int(manifest.step),
         optimizer_steps=opt_steps or None,
@@ -76,6 +81,11 @@ def facts_from_manifest(manifest: Any) -> CheckpointFacts:
         samples=samples,
         tokenizer_id=tokenizer_id_of(manifest.tokenizer),
         env=_env(manifest.environment or {}),
+        dp=dp if isinstance(dp, int) else None,
+        rng_shared=tuple(base["shared"]) if isinstance(base.get("shared"), list) else None,
+        rng_streams=tuple(k for k in first if k != "xla_nxd_tracker_seeds")
+        if isinstance(first, dict)
+        else None,
     )
 
 

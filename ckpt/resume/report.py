@@ -13,6 +13,7 @@ from typing import NamedTuple
 
 from ckpt.resume.checks import Status
 from ckpt.resume.verify import BoundaryVerdict, Verification
+from ckpt.resume.words import plural
 
 EXIT_CONTINUOUS = 0
 EXIT_DISCONTINUITY = 1
@@ -71,7 +72,7 @@ def run_line(result: Verification) -> tuple[str, str]:
     """(the run's path, what it is): ``("runs/x/ledger.jsonl", " (jsonl, 2 sessions, ...)")``."""
     run = result.run
     return run.path, (
-        f" ({run.source}, {len(run.sessions)} sessions, {run.num_steps} step records, values {run.precision})"
+        f" ({run.source}, {plural(len(run.sessions), 'session')}, {run.num_steps} step records, values {run.precision})"
     )
 
 
@@ -105,7 +106,7 @@ def verdict_line(result: Verification) -> tuple[str, str]:
         return "DISCONTINUITY", ": " + "; ".join(dict.fromkeys(c.value for c in result.causes))
     warned = [c.value for c in result.causes]
     extra = f" (warnings: {'; '.join(dict.fromkeys(warned))})" if warned else ""
-    return "CONTINUOUS", f" at {len(result.verdicts)} boundaries{extra}"
+    return "CONTINUOUS", f" at {plural(len(result.verdicts), 'boundary', 'boundaries')}{extra}"
 
 
 def render_text(result: Verification) -> str:
