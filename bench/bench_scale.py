@@ -390,7 +390,9 @@ def extrapolate(points: list[tuple[int, dict[str, Any]]], n: int) -> dict[str, A
     (n1, m1), (n2, m2) = points[-2:]
     out: dict[str, Any] = {"extrapolated": True}
     for k, v2 in m2.items():
-        if isinstance(v2, (int, float)) and not isinstance(v2, bool):
+        if k.endswith("_indexes"):  # how many indexes a restoring rank reads depends on the layout, not on N
+            out[k] = v2
+        elif isinstance(v2, (int, float)) and not isinstance(v2, bool):
             out[k] = max(0.0, v2 + (v2 - m1[k]) / (n2 - n1) * (n - n2))
     return out
 

@@ -67,7 +67,13 @@ if TYPE_CHECKING:
     from .saver import Checkpointer, SaveResult
 
 
+_SUBMODULES = ("dcp", "integrations")
+"""Framework adapters, imported on first use (``ckpt.dcp.Reader`` imports torch.distributed.checkpoint)."""
+
+
 def __getattr__(name: str) -> Any:
+    if name in _SUBMODULES:
+        return importlib.import_module(f".{name}", __name__)
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module 'ckpt' has no attribute {name!r}")

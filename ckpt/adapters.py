@@ -7,7 +7,7 @@ Which tensors are "the adapter" is decided by ``requires_grad``: the trainable p
 frozen embedding is not an adapter, and dropping its tensors silently would lose them.
 
 The base is identified by ``manifest.adapter.base`` (docs/format.md, "Adapter checkpoints"): a content digest of
-every non-trainable tensor (names, dtypes, shapes and bytes; xxh3-128, which runs at memory speed), the number of
+every frozen parameter (names, dtypes, shapes and bytes; xxh3-128, which runs at memory speed), the number of
 tensors and bytes it covers, the model's HF config when it has one, and where the base was loaded from.  Each rank
 hashes the tensors it holds; the digests of all ranks are recorded.  The digest is computed once per
 :class:`BaseTracker` and reused while no frozen tensor was modified in place (``Tensor._version``), so later saves
@@ -49,10 +49,12 @@ def _module(model: Any) -> torch.nn.Module:
 
 
 def trainable(model: Any) -> dict[str, torch.Tensor]:
-    """The trainable parameters by ``state_dict`` name, in ``state_dict`` order: what an adapter checkpoint holds."""
-    m = _module(model)
-    live = {id(p) for p in m.parameters() if p.requires_grad}
-    out = {n: t for n, t in m.state_dict(keep_vars=True).items() if id(t) in live}
+    """The trainable parameters by name, in ``named_parameters`` order: what an adapter checkpoint holds.
+
+    ``named_parameters``, not ``state_dict``: NxD's ``LoraModel`` overrides ``state_dict`` (it returns the adapter
+    only, gathered over TP by default, with its config inside) but not ``named_parameters``, whose names are the
+    wrapped model's; for PEFT and plain modules both give the same names."""
+    out = {n: p for n, p in _module(model).named_parameters() if p.requires_grad}
     if not out:
         raise StateMismatchError(
             "adapter_only=True but the model has no trainable parameter (requires_grad=True)"
@@ -61,14 +63,9 @@ def trainable(model: Any) -> dict[str, torch.Tensor]:
 
 
 def frozen(model: Any) -> dict[str, torch.Tensor]:
-    """Every other ``state_dict`` tensor (frozen parameters and persistent buffers): the base."""
-    m = _module(model)
-    live = {id(p) for p in m.parameters() if p.requires_grad}
-    return {
-        n: t
-        for n, t in m.state_dict(keep_vars=True).items()
-        if isinstance(t, torch.Tensor) and id(t) not in live
-    }
+    """The frozen parameters (``requires_grad=False``): the base.  Buffers (rotary tables, ...) are derived from the
+    config, which the identity records separately."""
+    return {n: p for n, p in _module(model).named_parameters() if not p.requires_grad}
 
 
 def _config_of(model: torch.nn.Module) -> dict[str, Any] | None:

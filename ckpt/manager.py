@@ -73,6 +73,8 @@ class CheckpointManager:
         )
         self.coll: Collective = self.checkpointer.coll
         self.last_result: SaveResult | None = None
+        #: the RestoreResult of the last restore / restore_latest on this rank (data position, RNG streams, ...)
+        self.last_restore: RestoreResult | None = None
 
     def path_for(self, step: int) -> str:
         return f"{self.root}/{step_dir(step)}"
@@ -136,6 +138,7 @@ class CheckpointManager:
 
     def _emit_restore(self, result: RestoreResult, seconds: float) -> None:
         # seconds: wall time of the restore including manifest reads, so recovery-cost reports can use it
+        self.last_restore = result
         if self.on_event is not None and self.coll.rank == 0:
             self.on_event("restore", {"step": result.step, "path": result.path, "seconds": seconds})
 
@@ -176,14 +179,13 @@ class CheckpointManager:
                 candidates.append(info.step)
         candidates = self.coll.broadcast(candidates)
         for step in candidates:
-            error: tuple[bool, str] | None = None
+            error: tuple[Any, ...] | None = None  # (is_mismatch, message[, is_base_mismatch])
             try:
                 reader = CheckpointReader(self.path_for(step), self.storage_options)
                 result = restore(reader, layout_hook=self.layout_hook, **state)
             except _DAMAGE as e:
                 error = (False, str(e))
             except CkptError as e:
-                # the caller's objects do not fit (StateMismatchError, LayoutError, ...): not the checkpoint's fault
                 # the caller's objects do not fit (StateMismatchError, BaseMismatchError, LayoutError, ...): not the
                 # checkpoint's fault, and older steps would not fit either
                 error = (True, str(e), isinstance(e, BaseMismatchError))

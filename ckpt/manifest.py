@@ -441,6 +441,7 @@ def _rng_base(value: Any, source: str) -> dict[str, JSON] | None:
     shared = value.get("shared")
     if not isinstance(shared, list) or not all(isinstance(x, str) for x in shared):
         raise ManifestError(f"{where}.shared: expected a list of stream names")
+    return value
 
 
 def _adapter_from_doc(value: Any, source: str) -> dict[str, Any] | None:

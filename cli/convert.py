@@ -80,7 +80,7 @@ def layout_options(fn: Callable[..., Any]) -> Callable[..., Any]:
 @click.option(
     "--format",
     "fmt",
-    type=click.Choice(["ckpt", "dcp", "hf", "nxd", "peft"]),
+    type=click.Choice(["ckpt", "dcp", "hf", "hf-trainer", "nxd", "peft"]),
     default="ckpt",
     show_default=True,
     help="Format of DST.",

@@ -7,12 +7,14 @@ published whole (a temp folder and a rename) or not at all.
 Merging (``--merge-lora ADAPTER``, SRC = the base HF folder): each adapted weight becomes ``W + scaling * (B @ A)``
 computed exactly as PEFT's ``LoraLayer.get_delta_weight`` + ``merge(safe_merge=False)`` do (``B @ A`` in float32
 when B is half precision on the CPU, cast to B's dtype, then ``W += delta`` in place), so the result is bit-identical
-to ``PeftModel.merge_and_unload()`` on the CPU.  On a GPU PEFT's matmul runs on other kernels; compare with a
-tolerance of one unit in the last place of W's dtype there.  The base is streamed one safetensors shard at a time.
+to ``PeftModel.merge_and_unload()`` on the CPU.  On a GPU PEFT multiplies half-precision B @ A in that precision
+(cuBLAS) and fp32 with another summation order, so its merge can differ by one unit in the last place of W's dtype
+(reasoned from PEFT's code, not measured: no GPU was available when this was written).  The base is streamed one safetensors shard at a time.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from dataclasses import dataclass
@@ -85,6 +87,7 @@ def read_ckpt_adapter(src: str, run: RunOptions) -> peft.Adapter:
     peft.check_config(cfg, f"{src} adapter.lora.peft")
     names: set[str] = set()
     tensors: dict[str, torch.Tensor] = {}
+    hf_of: dict[str, str] = {}
     for name, t in m.tensors.items():
         if t.role != "parameter":
             continue
@@ -95,7 +98,8 @@ def read_ckpt_adapter(src: str, run: RunOptions) -> peft.Adapter:
                 f"{src}: trainable tensor {name} is not a PEFT LoRA matrix (<module>.lora_A.<adapter>.weight)"
             )
         names.add(match["adapter"])
-        tensors[f"{match['mod']}.lora_{match['ab']}.weight"] = reader.read(name)
+        hf_of[name] = f"{match['mod']}.lora_{match['ab']}.weight"
+        tensors[hf_of[name]] = reader.read(name)
     if len(names) != 1:
         raise LayoutError(
             f"{src}: holds LoRA matrices of {len(names)} adapters {sorted(names)}; expected one"
@@ -103,6 +107,7 @@ def read_ckpt_adapter(src: str, run: RunOptions) -> peft.Adapter:
     for n in tensors:
         parse_hf(n)
     return peft.Adapter(
+        optimizer=_ckpt_optimizer(reader, hf_of, src),
         tensors=tensors,
         r=int(cfg["r"]),
         lora_alpha=cfg["lora_alpha"],
@@ -140,6 +145,32 @@ def read_any(src: str, opts: ConvertOptions, run: RunOptions) -> tuple[peft.Adap
         return adapter, spec.flags()
     raise LayoutError(f"{src}: not a LoRA adapter (expected a PEFT folder with {peft.CONFIG_NAME} + "
                       f"{peft.WEIGHTS_NAME}, an NxD tag of LoRA tensors or an adapter-only ckpt checkpoint)")  # fmt: skip
+
+
+def _ckpt_optimizer(reader: Any, hf_of: dict[str, str], src: str) -> dict[str, Any] | None:
+    """The optimizer state of an adapter checkpoint in :attr:`peft.Adapter.optimizer`'s form (HF adapter names)."""
+    from ckpt import treecodec
+
+    meta = reader.manifest.optimizer
+    if meta is None:
+        return None
+    state: dict[str, dict[str, Any]] = {}
+    for pname, scalars in (meta.get("state") or {}).items():
+        if pname not in hf_of:
+            raise LayoutError(f"{src}: optimizer state of {pname}, which is not an adapter tensor")
+        state.setdefault(hf_of[pname], {}).update({k: treecodec.decode(v) for k, v in scalars.items()})
+    for name, t in reader.manifest.tensors.items():
+        if t.role == "optimizer_state" and t.param is not None and t.key is not None:
+            if t.param not in hf_of:
+                raise LayoutError(
+                    f"{src}: optimizer state {name} of {t.param}, which is not an adapter tensor"
+                )
+            state.setdefault(hf_of[t.param], {})[t.key] = reader.read(name)
+    groups = []
+    for g in meta["param_groups"]:
+        groups.append({**{k: treecodec.decode(v) for k, v in g.items() if k != "params"},
+                       "params": [hf_of[p] for p in g["params"]]})  # fmt: skip
+    return {"state": state, "param_groups": groups}
 
 
 def convert_adapter(src: str, dst: str, opts: ConvertOptions, run: RunOptions | None = None) -> LoraResult:
@@ -229,7 +260,7 @@ def merge_lora(base_src: str, dst: str, opts: ConvertOptions, run: RunOptions | 
         )
     base = Path(base_src)
     cfg = json.loads((base / "config.json").read_text())
-    opts = ConvertOptions(**{**opts.__dict__, "config": opts.config or cfg})
+    opts = dataclasses.replace(opts, config=opts.config or cfg)
     adapter, _ = read_any(opts.merge_lora, opts, run)
     index = base / hf.INDEX_NAME
     if index.is_file():
@@ -254,8 +285,6 @@ def merge_lora(base_src: str, dst: str, opts: ConvertOptions, run: RunOptions | 
         raise LayoutError(
             f"--merge-lora: {missing[0]}.weight is not in the base model {base_src} (adapter of another model?)"
         )
-    for m in adapter.modules:
-        parse_hf(f"{m}.lora_A.weight")
     nbytes = 0
     with begin_folder(dst, run.storage_options) as txn:
         for shard in shards:

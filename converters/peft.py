@@ -43,6 +43,9 @@ class Adapter:
     use_rslora: bool = False
     lora_dropout: float = 0.0
     peft_config: dict[str, Any] = field(default_factory=dict)
+    #: the adapter's optimizer state, when the source has it: ``{"state": {hf_name: {key: tensor | scalar}},
+    #: "param_groups": [{..., "params": [hf_name, ...]}]}`` (torch.optim's form, keyed by HF adapter names)
+    optimizer: dict[str, Any] | None = None
 
     @property
     def scaling(self) -> float:

@@ -305,8 +305,10 @@ def restore_job(
         loader = _loader("plain", rank, world, GLOBAL_BATCH // world)
         with ckpt.CheckpointManager(manager, async_save=False) as mgr:
             step = mgr.restore_latest(model=_tiny(), dataloader=loader)
+            assert mgr.last_restore is not None
+            mode = mgr.last_restore.data.mode
         it = iter(loader)
-        out["manager"] = {"step": step, "batches": [_ids(next(it)) for _ in range(AFTER)]}
+        out["manager"] = {"step": step, "mode": mode, "batches": [_ids(next(it)) for _ in range(AFTER)]}
     return out
 
 
@@ -398,7 +400,7 @@ def test_losses_continue_within_the_reduction_order(runs, move: str) -> None:
 
 def test_manager_restore_latest_continues_on_another_dp_size(runs) -> None:
     """The report behind this feature: saved on 4 ranks, ``restore_latest`` on 2 restarted from step 0."""
-    assert [r["manager"]["step"] for r in runs["4to2"]] == [SAVE_AT, SAVE_AT]
+    assert [(r["manager"]["step"], r["manager"]["mode"]) for r in runs["4to2"]] == [(SAVE_AT, "re-split")] * 2
     assert global_batches([r["manager"]["batches"] for r in runs["4to2"]]) == _after(runs["saved4"], "plain")
 
 
@@ -454,6 +456,18 @@ def test_loaders_ckpt_cannot_resplit_are_refused(runs, kind: str, needle: str) -
     for r in runs["4to2"]:
         msg = r[kind]["refused"]
         assert "saved by 4 ranks, restoring on 2" in msg and needle in msg and "ckpt.data.register" in msg
+
+
+def test_inspect_reports_the_position_and_the_rng_rule(runs) -> None:
+    out = CliRunner().invoke(cli, ["inspect", f"{runs['paths']['dp4']}/stateful"]).output
+    assert (
+        "data position: epoch 0, next global sample 24 (distributed_sampler, 4 DP ranks, global batch 8"
+        in out
+    )
+    assert "continues on any DP size" in out
+    assert (
+        "carried python (shared by every rank), re-derived numpy, torch from base seed 1234 (caller)" in out
+    )
 
 
 def test_manifest_records_the_global_position(runs) -> None:

@@ -126,6 +126,8 @@ def test_single_rank_position_schema_inspect_and_positioned_restore(tmp_path: Pa
     path, rest = _saved(tmp_path)
     doc = assert_valid(path)
     assert doc["data_position"]["samples"] == 12 and doc["rng_base"]["source"] == "checkpoint"
+    m = ckpt.open_checkpoint(path).manifest  # both members survive the reader
+    assert (m.data_position, m.rng_base) == (doc["data_position"], doc["rng_base"])
     want = [int(x) for b in rest for x in b]  # the rest of the uninterrupted epoch
     ds = list(range(40))
     fresh = StatefulDataLoader(ds, batch_size=4, sampler=DistributedSampler(ds, 1, 0, shuffle=True, seed=7))
@@ -320,3 +322,16 @@ def test_ckpt_split_has_the_rows_of_datasets_split(n: int, world: int) -> None:
         mine = ckpt.data.split_dataset_by_node(full, r, world)
         assert [mine[i]["idx"] for i in range(len(mine))] == want
         assert rank_rows(order, 0, r, world, 2) == want  # the step-major order dealt back on the same layout
+
+
+def test_position_counts_batches_handed_out_not_prefetched() -> None:
+    """With worker processes prefetching, the position is still the batches the loop received."""
+    ds = list(range(30))
+    loader = StatefulDataLoader(ds, batch_size=4, sampler=DistributedSampler(ds, 1, 0), num_workers=2)
+    it = iter(loader)
+    for _ in range(3):
+        next(it)
+    assert ckpt.data.position_of(loader)["consumed"] == 12
+    for _ in it:
+        pass
+    assert ckpt.data.position_of(loader)["consumed"] == 30

@@ -178,3 +178,51 @@ def test_inspect_names_the_base(tmp_path) -> None:
     ckpt.save(str(tmp_path / "a"), step=1, model=model, adapter_only=True, base_source="tiny/base")
     r = CliRunner().invoke(cli, ["inspect", str(tmp_path / "a")])
     assert r.exit_code == 0 and "adapter only: base tiny/base xxh3_128:" in r.output.replace("\n", "")
+
+
+def test_adapter_optimizer_state_through_nxd_tags(tmp_path) -> None:
+    """A PEFT run's adapter-only checkpoint (AdamW moments + step) -> NxD LoRA tag TP2 qkv_linear (optim/ rank files,
+    pids in NxD's LoraModel parameter order) -> NxD tag TP4 -> read back: every moment and step bit-identical."""
+    from ckpt.converters.lora import read_any
+    from ckpt.converters.options import ConvertOptions, RunOptions, load_config
+
+    from ckpt.safe_unpickle import load_torch_file
+    from tests._lora_models import save
+
+    model = build("llama", shared=("mlp", "qkv"), seed=9)
+    params = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    opt = torch.optim.AdamW(params.values(), lr=1e-3)
+    for _ in range(2):
+        for p in params.values():
+            p.grad = torch.randn_like(p)
+        for (
+            layer
+        ) in model.base_model.model.model.layers:  # keep the NxD-shared lora_A identical (as NxD trains it)
+            a = layer.self_attn.q_proj.lora_A["default"].weight
+            for m in (layer.self_attn.k_proj, layer.self_attn.v_proj):
+                m.lora_A["default"].weight.grad = a.grad.clone()
+            layer.mlp.up_proj.lora_A["default"].weight.grad = layer.mlp.gate_proj.lora_A[
+                "default"
+            ].weight.grad.clone()
+        opt.step()
+    base, _ = save(model, tmp_path / "hf")
+    ckpt.save(str(tmp_path / "c"), step=2, model=model, optimizer=opt, adapter_only=True)
+    cfg = load_config(str(base))
+    r = CliRunner().invoke(cli, ["convert", str(tmp_path / "c"), str(tmp_path / "t2"), "--to", "neuron", "--format",
+                                 "nxd", "--tp", "2", "--qkv-linear", "--config", str(base / "config.json")])  # fmt: skip
+    assert r.exit_code == 0, r.output
+    o = load_torch_file(tmp_path / "t2" / "optim" / "dp_rank_00_tp_rank_01_pp_rank_00.pt")
+    assert o["param_groups"][0]["lr"] == 1e-3 and len(o["state"]) == 2 * 10  # 2 layers x 10 NxD LoRA tensors
+    r = CliRunner().invoke(cli, ["convert", str(tmp_path / "t2"), str(tmp_path / "t4"), "--to", "neuron", "--format",
+                                 "nxd", "--tp", "4", "--kv-size-multiplier", "2", "--config", str(base / "config.json")])  # fmt: skip
+    assert r.exit_code == 0, r.output
+    opts = ConvertOptions(to="cuda", format="peft", config=cfg)
+    src, _ = read_any(str(tmp_path / "c"), opts, RunOptions())
+    back, _ = read_any(str(tmp_path / "t4"), opts, RunOptions())
+    assert set(back.optimizer["state"]) == set(src.optimizer["state"]) == set(src.tensors)
+    for name, per in src.optimizer["state"].items():
+        got = back.optimizer["state"][name]
+        assert set(got) == set(per) == {"step", "exp_avg", "exp_avg_sq"}
+        assert all(torch.equal(got[k], per[k]) and got[k].dtype == per[k].dtype for k in per), name
+    assert [g["params"] for g in back.optimizer["param_groups"]] != [] and {
+        n for g in back.optimizer["param_groups"] for n in g["params"]} == set(src.tensors)  # fmt: skip

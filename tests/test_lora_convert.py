@@ -197,7 +197,7 @@ def test_separate_gate_up_a_refused(tmp_path) -> None:
 def test_unknown_lora_target_refused() -> None:
     spec = LayoutSpec.from_hf_config(
         {"hidden_size": 64, "num_attention_heads": 8, "num_key_value_heads": 2, "num_hidden_layers": 2,
-         "vocab_size": 96, "intermediate_size": 96}, tp=2)  # fmt: skip
+         "vocab_size": 96, "intermediate_size": 96, "model_type": "llama"}, tp=2)  # fmt: skip
     with pytest.raises(LayoutError, match=r"lm_head: no LoRA layout rule"):
         lora_placements(spec, "lm_head.lora_A.weight", (4, 64))
     with pytest.raises(LayoutError, match=r"not a LoRA matrix"):
@@ -287,3 +287,64 @@ def test_nxd_tag_needs_config_and_reads_layout(case, tmp_path) -> None:  # noqa:
     r = CliRunner().invoke(cli, ["convert", str(tag), str(tmp_path / "x"), "--to", "cuda", "--format", "hf",
                                  "--config", str(tmp_path / "nothing.json")])  # fmt: skip
     assert r.exit_code == 2
+
+
+def test_adapter_missing_a_layer_refused_for_nxd(case, tmp_path) -> None:  # noqa: ANN001
+    """NxD's LoraModel adapts every layer's target modules and refuses missing keys: a PEFT adapter restricted to
+    some layers (layers_to_transform) has no NxD form."""
+    from safetensors.torch import save_file
+
+    _, _, _, adapter, cfg = case
+    part = tmp_path / "part"
+    part.mkdir()
+    t = {k: v for k, v in _tensors(adapter).items() if ".layers.1." not in k}
+    save_file(t, str(part / "adapter_model.safetensors"))
+    (part / "adapter_config.json").write_text((adapter / "adapter_config.json").read_text())
+    with pytest.raises(
+        LayoutError,
+        match=r"model\.layers\.1 has no mlp\.down_proj\.lora_A\.weight while model\.layers\.0 has",
+    ):
+        convert(str(part), str(tmp_path / "t"), ConvertOptions.neuron(format="nxd", config=cfg, tp=2))
+    assert not (tmp_path / "t").exists()
+    convert(str(part), str(tmp_path / "p"), ConvertOptions(to="cuda", format="peft"))  # PEFT holds it
+
+
+def test_nxd_tag_forms_read_and_refused(case, tmp_path) -> None:  # noqa: ANN001
+    """xser rank files (NxD's use_xser) read like plain ones; NxD's default merge_sharded_lora=True form (every rank
+    the same gathered tensors) is named and refused; --dry-run writes nothing."""
+    import shutil
+
+    from ckpt.converters.nxd.xser import save_nxd_file
+
+    from ckpt.storage import open_storage
+
+    _, _, _, adapter, cfg = case
+    tag = tmp_path / "tag"
+    convert(str(adapter), str(tag), ConvertOptions.neuron(format="nxd", config=cfg, tp=2, qkv_linear=True))
+    xs = tmp_path / "xser"
+    shutil.copytree(tag, xs)
+    st = open_storage(str(xs))
+    for f in sorted((xs / "model").glob("*.pt")):
+        obj = load_torch_file(f)
+        f.unlink()
+        save_nxd_file(obj, st, f"model/{f.name}", True)
+    assert list((xs / "model").glob("*.pt.tensors"))
+    a, _ = read_lora_tag(str(tag), config=cfg)
+    b, _ = read_lora_tag(str(xs), config=cfg)
+    assert a.tensors.keys() == b.tensors.keys() and all(
+        bit_equal(a.tensors[k], b.tensors[k]) for k in a.tensors
+    )
+    gathered = tmp_path / "gathered"
+    convert(
+        str(adapter),
+        str(tmp_path / "tp1"),
+        ConvertOptions.neuron(format="nxd", config=cfg, tp=1, qkv_linear=True),
+    )
+    shutil.copytree(tmp_path / "tp1", gathered)
+    rank0 = gathered / "model" / "dp_rank_00_tp_rank_00_pp_rank_00.pt"
+    shutil.copy(rank0, gathered / "model" / "dp_rank_00_tp_rank_01_pp_rank_00.pt")
+    with pytest.raises(LayoutError, match="merge_sharded_lora=True"):
+        read_lora_tag(str(gathered), config=cfg)
+    r = CliRunner().invoke(cli, ["convert", str(adapter), str(tmp_path / "dry"), "--to", "neuron", "--format", "nxd",
+                                 "--tp", "2", "--config", str(adapter.parent / "base"), "--dry-run"])  # fmt: skip
+    assert r.exit_code == 0 and "plan: adapter" in r.output and not (tmp_path / "dry").exists()

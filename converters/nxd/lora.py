@@ -6,6 +6,9 @@ names (``...qkv_proj.lora_A.weight``, ``...qkv_proj.lora_B.weight_q``, ``...gate
 ``save_lora_config_adapter=True``; otherwise NxD writes the same dict as ``adapter_config.json`` into
 ``lora_save_dir`` (the tag's parent, for ``load_checkpoint``).
 
+The adapter's optimizer state, when the source has it, is written as NxD's plain ``optim/`` rank files and read
+back from them (:mod:`converters.lora_optim`).
+
 What ckpt writes: the rank files with ``lora_config`` inside (so NxD's ``LoraModel.load_checkpoint`` needs no other
 file), ``adapter_config.json`` in the tag too (NxD's fields, plus ``peft_config``: the PEFT config it came from, so
 that a round trip gives the same PEFT folder, and ``ckpt_layout``: the parallel flags), ``checkpoint`` and ``done``.
@@ -157,7 +160,22 @@ def read_lora_tag(
     for key, ok in (("bias", "none"), ("modules_to_save", None)):
         if nxd_cfg.get(key, ok) not in (ok, None, []):
             raise LayoutError(f"{tag}: LoRA config {key}={nxd_cfg[key]!r} is not supported (expected {ok!r})")
+    optimizer = None
+    if files.optim:
+        from ..lora_optim import from_nxd
+
+        if files.dp_size > 1:
+            raise LayoutError(
+                f"{tag}: ZeRO-1 sharded LoRA optimizer files (dp {files.dp_size}) are not supported"
+            )
+        optims = {}
+        for (_dp, key), f in sorted(files.optim.items()):
+            optims[(key[0], key[1])] = load_nxd_file(
+                f, files.xser, verify=verify, context=f"optimizer tp {key[0]}"
+            )
+        optimizer = from_nxd(optims, shards, spec, tensors, str(tag))
     adapter = Adapter(
+        optimizer=optimizer,
         tensors=tensors,
         r=int(nxd_cfg.get("lora_rank", nxd_cfg.get("r", 0))),
         lora_alpha=nxd_cfg["lora_alpha"],
@@ -208,6 +226,25 @@ def nxd_lora_config(
     }
 
 
+def check_every_layer(adapter: Adapter, layers: int) -> None:
+    """NxD's ``LoraModel`` adapts a target module in every layer (its ``target_modules`` are module names), and loads
+    the adapter with missing keys refused: an adapter must cover the same modules in every layer."""
+    per_layer: dict[int, set[str]] = {i: set() for i in range(layers)}
+    for name in adapter.tensors:
+        parts = name.split(".")
+        if len(parts) > 3 and parts[0] == "model" and parts[1] == "layers" and int(parts[2]) in per_layer:
+            per_layer[int(parts[2])].add(".".join(parts[3:]))
+    first = per_layer[0]
+    for i, names in per_layer.items():
+        if names != first:
+            odd = sorted(names ^ first)[0]
+            has, lacks = (i, 0) if odd in names else (0, i)
+            raise LayoutError(
+                f"model.layers.{lacks} has no {odd} while model.layers.{has} has: NxD's LoraModel adapts its target "
+                "modules in every layer and refuses missing keys, so this adapter cannot be loaded by NxD"
+            )
+
+
 def write_lora_tag(
     adapter: Adapter, spec: LayoutSpec, dst: str, storage_options: dict[str, Any] | None = None
 ) -> int:
@@ -215,7 +252,11 @@ def write_lora_tag(
     written; published whole with ``done`` last).  Returns the bytes of tensor data written."""
     from ckpt.storage.folder import begin_folder
 
+    from ..lora_optim import to_nxd
+
+    check_every_layer(adapter, spec.model.layers)
     shards = adapter_to_nxd(adapter.tensors, spec)
+    optims = to_nxd(adapter.optimizer, adapter.tensors, spec, shards) if adapter.optimizer else {}
     lora_cfg = nxd_lora_config(adapter, shards)
     tag_cfg = {
         **lora_cfg,
@@ -230,6 +271,8 @@ def write_lora_tag(
             nbytes += sum(t.numel() * t.element_size() for t in sd.values())
             sd[LORA_CONFIG_KEY] = lora_cfg
             save_nxd_file(sd, txn.storage, f"model/{rank_file_name(0, tp, pp)}", False)
+            if optims:
+                save_nxd_file(optims[(tp, pp)], txn.storage, f"optim/{rank_file_name(0, tp, pp)}", False)
         txn.storage.put_bytes(CONFIG_NAME, (json.dumps(tag_cfg, indent=2, sort_keys=True) + "\n").encode())
         txn.commit({"done": b"1"})
     if not shards:

@@ -14,7 +14,7 @@ reports which streams the restore carried and which it re-derived (ckpt's rule; 
 from __future__ import annotations
 
 from ckpt.data.digest import combine_digests, is_global
-from ckpt.resume.checks.base import Cause, CheckResult, Status
+from ckpt.resume.checks.base import Basis, Cause, CheckResult, Confidence, Status
 from ckpt.resume.checks.context import CheckContext
 from ckpt.resume.model import StepRecord
 
@@ -79,7 +79,7 @@ def _check_data_across(ctx: CheckContext, change: tuple[int, int]) -> CheckResul
                     f"stood at {start}",
                     Cause.DATA_POSITION_LOST,
                     nums,
-                )
+                ).judged(Basis.CHECKPOINT if at_n is None else Basis.OVERLAP, Confidence.EXACT)
     if not pre:
         return CheckResult(
             "data",
@@ -112,14 +112,14 @@ def _check_data_across(ctx: CheckContext, change: tuple[int, int]) -> CheckResul
                 f"({len(bad)}/{len(common_steps)} steps)",
                 Cause.DATA_POSITION_LOST,
                 nums,
-            )
+            ).judged(Basis.OVERLAP, Confidence.EXACT)
         return CheckResult(
             "data",
             Status.PASS,
             f"{moved}: {len(common_steps)} global batch digests equal to the pre-crash run",
             None,
             nums,
-        )
+        ).judged(Basis.OVERLAP, Confidence.EXACT)
     nums["windows_compared"] = len(common)
     for count in common:
         if post_w[count] != pre_w[count]:
@@ -131,7 +131,7 @@ def _check_data_across(ctx: CheckContext, change: tuple[int, int]) -> CheckResul
                 f"(global digest {post_w[count]} vs {pre_w[count]})",
                 Cause.DATA_POSITION_LOST,
                 nums,
-            )
+            ).judged(Basis.OVERLAP, Confidence.EXACT)
     return CheckResult(
         "data",
         Status.PASS,
@@ -139,7 +139,7 @@ def _check_data_across(ctx: CheckContext, change: tuple[int, int]) -> CheckResul
         f"up to {common[-1]} samples)",
         None,
         nums,
-    )
+    ).judged(Basis.OVERLAP, Confidence.EXACT)
 
 
 def _earlier(ctx: CheckContext, attr: str, digest: str, before: int) -> int | None:
@@ -271,7 +271,7 @@ def check_rng(ctx: CheckContext) -> CheckResult:
     pairs = [(r.step, pre[r.step].rng_digest, r.rng_digest) for r in b.post.steps if r.step in pre]
     pairs = [(s, a, c) for s, a, c in pairs if a and c]
     if not pairs:
-        return CheckResult("rng", Status.SKIP, "no overlapping RNG digests")
+        return _rng_without_overlap(ctx)
     nums: dict[str, int | str | None] = {"compared": len(pairs)}
     bad = [(s, a, c) for s, a, c in pairs if a != c]
     if not bad:
@@ -289,3 +289,24 @@ def check_rng(ctx: CheckContext) -> CheckResult:
         Cause.RNG_NOT_RESTORED,
         nums,
     )
+
+
+def _rng_without_overlap(ctx: CheckContext) -> CheckResult:
+    """No overlap: the first resumed step's RNG state must not be one the run already had (a process that
+    re-seeds and does not restore the RNG starts from the state of its first step again)."""
+    b = ctx.boundary
+    first = b.post.steps[0]
+    if not first.rng_digest:
+        return CheckResult("rng", Status.SKIP, "no overlapping RNG digests")
+    j = _earlier(ctx, "rng_digest", first.rng_digest, first.step)
+    if j is None:
+        return CheckResult(
+            "rng", Status.PASS, f"step {first.step}'s RNG state is new to the run (no overlap to compare)"
+        ).judged(Basis.TRAJECTORY, Confidence.LOW)
+    return CheckResult(
+        "rng",
+        Status.FAIL,
+        f"step {first.step} starts from the RNG state of step {j} (re-seeded, not restored)",
+        Cause.RNG_NOT_RESTORED,
+        {"repeats_step": j},
+    ).judged(Basis.TRAJECTORY, Confidence.HIGH)
