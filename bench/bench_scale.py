@@ -473,8 +473,9 @@ def plot(paths: list[str], out: str) -> None:
             if not rs:
                 continue
             xs = [r["ranks"] for r in rs]
-            ax.plot(xs, [max(old(r), 1e-6) for r in rs], "--o", color=color, ms=3, label=f"{kind} before")
-            ax.plot(xs, [max(new(r), 1e-6) for r in rs], "-s", color=color, ms=3, label=f"{kind} after")
+            ax.plot(xs, [old(r) for r in rs], "--o", color=color, ms=3, label=f"{kind} before")
+            pts = [(r["ranks"], new(r)) for r in rs if new(r) is not None]
+            ax.plot([x for x, _ in pts], [y for _, y in pts], "-s", color=color, ms=3, label=f"{kind} after")
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_xlabel("ranks")
@@ -482,7 +483,9 @@ def plot(paths: list[str], out: str) -> None:
         ax.grid(True, which="both", alpha=0.3)
     axes[0].legend(fontsize=7)
     fig.suptitle(
-        f"bench/bench_scale.py, T = {t} tensors (points past the measured range extrapolated)", fontsize=9
+        f"bench/bench_scale.py, T = {t} tensors (before: past 256 ranks extrapolated; after: manifest past 1,024 "
+        "extrapolated, restore at 8,192 = measured N part + measured T part, docs/performance.md)",
+        fontsize=9,
     )
     fig.tight_layout()
     fig.savefig(out, dpi=110)
