@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -180,17 +180,15 @@ def describe_pieces(t: TensorEntry, rank_of: dict[str, int]) -> dict[str, JSON]:
     return explicit
 
 
-def _ranks_of(spec: JSON, n_blocks: int, where: str) -> Callable[[int], int]:
-    """Block index -> rank (-1: empty block) from a ``ranks`` member."""
-    if isinstance(spec, list):
-        if len(spec) != n_blocks or not all(
-            isinstance(r, int) and not isinstance(r, bool) and r >= -1 for r in spec
-        ):
-            raise ManifestError(f"{where}: 'ranks' must list {n_blocks} ranks (-1 for an empty block)")
-        return spec.__getitem__
-    if isinstance(spec, dict) and isinstance(spec.get("start"), int) and isinstance(spec.get("steps"), list):
-        return lambda b: -2  # resolved by Locator with the levels (needs the radices)
-    raise ManifestError(f"{where}: 'ranks' must be a list or an object with 'start' and 'steps'")
+def _check_rank_list(spec: Any, n_blocks: int, where: str) -> tuple[int, ...]:
+    """A ``ranks`` list: one rank per block, -1 for an empty block."""
+    if not isinstance(spec, list) or len(spec) != n_blocks:
+        raise ManifestError(
+            f"{where}: 'ranks' must list {n_blocks} ranks (-1 for an empty block) or be {{start, steps}}"
+        )
+    if not all(isinstance(r, int) and not isinstance(r, bool) and r >= -1 for r in spec):
+        raise ManifestError(f"{where}: 'ranks' must hold integers >= -1")
+    return tuple(spec)
 
 
 @dataclass(frozen=True)
@@ -257,11 +255,15 @@ def parse_pieces(spec: Any, shape: tuple[int, ...], where: str) -> PiecesSpec:
     ranks = spec.get("ranks")
     if isinstance(ranks, dict):
         start, steps = ranks.get("start"), ranks.get("steps")
-        if not (isinstance(start, int) and isinstance(steps, list) and len(steps) == len(levels)):
+        if not (
+            isinstance(start, int)
+            and isinstance(steps, list)
+            and len(steps) == len(levels)
+            and all(isinstance(x, int) and not isinstance(x, bool) for x in steps)
+        ):
             raise ManifestError(f"{where}: pieces.ranks must have 'start' and one step per split level")
         return PiecesSpec(tuple(levels), start=start, steps=tuple(steps))
-    _ranks_of(ranks, n_blocks, where)
-    return PiecesSpec(tuple(levels), ranks=tuple(ranks))
+    return PiecesSpec(tuple(levels), ranks=_check_rank_list(ranks, n_blocks, where))
 
 
 def _box(offs: Any, lens: Any, shape: tuple[int, ...], where: str) -> Box:
@@ -477,6 +479,8 @@ class Locator:
         self._chunks: dict[int, dict[str, list[Shard]]] = {}
 
     def rank_index(self, rank: int) -> dict[str, list[Shard]]:
+        if rank not in self.layout.indexes:
+            raise ManifestError(f"{self.source}: pieces name rank {rank}, which has no index")
         if rank not in self._chunks:
             e = self.layout.indexes[rank]
             doc = load_index(self.storage, e, self.source)

@@ -197,3 +197,12 @@ def test_blocks_overlapping_is_the_brute_force_answer(shape: tuple[int, ...], da
     assert list(blocks_overlapping(shape, levels, want)) == brute
     # the blocks tile the tensor
     assert sum(b.numel for _, b in blocks(shape, levels)) == torch.Size(shape).numel()
+
+
+def test_an_affine_formula_naming_a_rank_without_index_is_refused_when_read(v2: Path) -> None:
+    doc = json.loads((v2 / MANIFEST_NAME).read_text())
+    doc["tensors"]["w"]["pieces"]["ranks"] = {"start": 5, "steps": [1]}
+    (v2 / MANIFEST_NAME).write_text(seal(doc))
+    reader = CheckpointReader(str(v2), lazy=True)
+    with pytest.raises(ManifestError, match=r"pieces name rank 5, which has no index"):
+        reader.read_box_into("w", Box((0, 0), (16, 4)), torch.empty(16, 4))
