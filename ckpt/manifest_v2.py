@@ -201,6 +201,15 @@ class PiecesSpec:
     steps: tuple[int, ...] = ()
     boxes: tuple[tuple[Box, int], ...] = ()
 
+    @property
+    def count(self) -> int:
+        """How many pieces are stored (blocks of an affine split counted whole: empty ones included)."""
+        if self.levels is None:
+            return len(self.boxes)
+        if self.ranks is not None:
+            return sum(1 for r in self.ranks if r >= 0)
+        return math.prod(p for _, p in self.levels)
+
     def rank(self, block: int) -> int:
         if self.ranks is not None:
             return self.ranks[block]

@@ -67,7 +67,7 @@ def make(path: Path, version: int, chunk_bytes: int = 32) -> Manifest:
         layout=Layout(world_size=WORLD, dp=WORLD),
         metas=[m for w in writers for m in w.metas.values()],
         receipts=receipts,
-        trees={},
+        trees={"rng_base": {"rule": "carry-or-derive/1", "seed": 7, "source": "caller", "dp": WORLD, "shared": []}},
         rank_trees={r: {"rng": {"seed": r}, "data": {"batch": 10 + r}} for r in range(WORLD)},
         env={},
     )
@@ -206,3 +206,17 @@ def test_an_affine_formula_naming_a_rank_without_index_is_refused_when_read(v2: 
     reader = CheckpointReader(str(v2), lazy=True)
     with pytest.raises(ManifestError, match=r"pieces name rank 5, which has no index"):
         reader.read_box_into("w", Box((0, 0), (16, 4)), torch.empty(16, 4))
+
+
+def test_inspect_shows_a_v2_checkpoint_without_reading_every_index(v2: Path) -> None:
+    from ckpt.cli.main import cli
+    from click.testing import CliRunner
+
+    for r in (1, 2, 3):  # the table and the rng line need rank 0's index at most
+        p = v2 / f"r{r:05d}-a1b2c3d4.index.json"
+        p.rename(p.with_suffix(".moved"))
+    r = CliRunner().invoke(cli, ["inspect", str(v2)])
+    assert r.exit_code == 0, r.output
+    assert "format v2" in r.output and "4 pieces" in r.output and "2 pieces" in r.output
+    r = CliRunner().invoke(cli, ["inspect", str(v2), "--json"])  # every chunk: reads every index
+    assert r.exit_code == 2 and "r00001-a1b2c3d4.index.json: missing" in r.output
