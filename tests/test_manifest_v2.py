@@ -67,7 +67,15 @@ def make(path: Path, version: int, chunk_bytes: int = 32) -> Manifest:
         layout=Layout(world_size=WORLD, dp=WORLD),
         metas=[m for w in writers for m in w.metas.values()],
         receipts=receipts,
-        trees={"rng_base": {"rule": "carry-or-derive/1", "seed": 7, "source": "caller", "dp": WORLD, "shared": []}},
+        trees={
+            "rng_base": {
+                "rule": "carry-or-derive/1",
+                "seed": 7,
+                "source": "caller",
+                "dp": WORLD,
+                "shared": [],
+            }
+        },
         rank_trees={r: {"rng": {"seed": r}, "data": {"batch": 10 + r}} for r in range(WORLD)},
         env={},
     )
