@@ -1,5 +1,6 @@
 """Local writer planning on 16 real gloo ranks: HSDP (4 x 4 mesh), FSDP (Shard(0) over 16) and DDP (plain tensors)
-saves agree on their writers without exchanging descriptions, and restore exactly; a rank whose state differs
+saves agree on their writers without exchanging descriptions, and restore exactly (the HSDP one written in format
+v2 and restored lazily, each rank reading its own RNG state from its index); a rank whose state differs
 makes the save fall back to the exact exchange, which names the tensor.
 
 One spawned job does all the distributed work (small tensors, so that 16 processes fit a 2-core machine).
@@ -7,6 +8,7 @@ One spawned job does all the distributed work (small tensors, so that 16 process
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -39,8 +41,9 @@ def _job(rank: int, world: int, root: str) -> dict[str, Any]:
         n: distribute_tensor(values(i, s), hsdp, [Replicate(), Shard(0)])
         for i, (n, s) in enumerate(SHAPES.items())
     }
-    c.save(f"{root}/hsdp", step=1, model=state, rng=False).result()
-    out["hsdp"] = c.last_plan
+    v2 = ckpt.Checkpointer(format_version=2)  # the HSDP save in format v2: restored lazily below
+    v2.save(f"{root}/hsdp", step=1, model=state).result()
+    out["hsdp"] = v2.last_plan
     fsdp = init_device_mesh("cpu", (world,))
     state = {n: distribute_tensor(values(i, s), fsdp, [Shard(0)]) for i, (n, s) in enumerate(SHAPES.items())}
     c.save(f"{root}/fsdp", step=1, model=state, rng=False).result()
@@ -51,7 +54,8 @@ def _job(rank: int, world: int, root: str) -> dict[str, Any]:
     out["ddp_bytes"] = res.bytes_written
     # the resharded restore: HSDP 16 -> FSDP 16 (every rank reads other ranks' boxes)
     back = {n: distribute_tensor(torch.zeros(s), fsdp, [Shard(0)]) for n, s in SHAPES.items()}
-    ckpt.restore(f"{root}/hsdp", model=back, rng=False)
+    res = ckpt.restore(f"{root}/hsdp", model=back)
+    out["rng_restored"] = res.rng_restored
     out["restored"] = all(
         torch.equal(back[n].full_tensor(), values(i, s)) for i, (n, s) in enumerate(SHAPES.items())
     )
@@ -74,6 +78,9 @@ def test_sixteen_ranks_plan_locally_and_restore(tmp_path: Path) -> None:
     assert [r["fsdp"] for r in results] == ["local"] * WORLD
     assert [r["ddp"] for r in results] == ["local"] * WORLD
     assert all(r["restored"] for r in results)
+    assert all(r["rng_restored"][:3] == ["python", "numpy", "torch"] for r in results)
+    assert json.loads((tmp_path / "hsdp" / "manifest.json").read_text())["format_version"] == 2
+    assert len(list((tmp_path / "hsdp").glob("*.index.json"))) == WORLD
     for layout in ("hsdp", "fsdp", "ddp"):
         reader = ckpt.open_checkpoint(str(tmp_path / layout))
         for i, (n, s) in enumerate(SHAPES.items()):
