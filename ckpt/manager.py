@@ -15,7 +15,14 @@ from typing import Any
 
 from .discovery import CheckpointInfo, list_checkpoints, missing_files, step_dir
 from .distributed import Collective
-from .errors import CkptError, CorruptionError, ManifestError, StateMismatchError, StorageError
+from .errors import (
+    BaseMismatchError,
+    CkptError,
+    CorruptionError,
+    ManifestError,
+    StateMismatchError,
+    StorageError,
+)
 from .loader import RestoreResult, restore
 from .manifest import MANIFEST_NAME
 from .reader import CheckpointReader
@@ -177,12 +184,16 @@ class CheckpointManager:
                 error = (False, str(e))
             except CkptError as e:
                 # the caller's objects do not fit (StateMismatchError, LayoutError, ...): not the checkpoint's fault
-                error = (True, str(e))
+                # the caller's objects do not fit (StateMismatchError, BaseMismatchError, LayoutError, ...): not the
+                # checkpoint's fault, and older steps would not fit either
+                error = (True, str(e), isinstance(e, BaseMismatchError))
             errors = [e for e in self.coll.all_gather(error) if e is not None]
-            mismatches = [msg for is_mismatch, msg in errors if is_mismatch]
+            mismatches = [(msg, base) for is_mismatch, msg, *base in errors if is_mismatch]
             if mismatches:
-                raise StateMismatchError(
-                    f"{mismatches[0]} (checkpoint step {step} does not fit the objects passed to restore_latest; "
+                msg, base = mismatches[0]
+                cls = BaseMismatchError if base and base[0] else StateMismatchError
+                raise cls(
+                    f"{msg} (checkpoint step {step} does not fit the objects passed to restore_latest; "
                     "older steps were not tried, so training does not silently restart)"
                 )
             if errors:

@@ -37,6 +37,9 @@ Examples:
   ckpt convert hf_model/ out/trn --to neuron --tp 8 --qkv-linear --kv-size-multiplier 2 --hw trn2
   ckpt convert out/trn out/nxd_tag --to neuron --format nxd --dp 4    # NxD-native tag, ZeRO-1 over 4 ranks
   ckpt convert big/ out/ --to cuda --workers 4 --dry-run
+  ckpt convert peft_adapter/ out/lora_tag --to neuron --format nxd --tp 8 --qkv-linear --config base/config.json
+  ckpt convert run/lora_step_500 out/peft --to cuda --format peft --config base/config.json
+  ckpt convert base_hf/ out/merged --to cuda --format hf --merge-lora out/peft
 
 \b
 Layout flags describe the Neuron target; unset ones keep SRC's own Neuron layout. --source-* flags describe an NxD
@@ -77,7 +80,7 @@ def layout_options(fn: Callable[..., Any]) -> Callable[..., Any]:
 @click.option(
     "--format",
     "fmt",
-    type=click.Choice(["ckpt", "dcp", "hf", "nxd"]),
+    type=click.Choice(["ckpt", "dcp", "hf", "hf-trainer", "nxd", "peft"]),
     default="ckpt",
     show_default=True,
     help="Format of DST.",
@@ -86,7 +89,29 @@ def layout_options(fn: Callable[..., Any]) -> Callable[..., Any]:
 @click.option(
     "--config", "config_path", type=str, default=None, help="Hugging Face config.json of the model."
 )
+@click.option(
+    "--replicated",
+    "replicated",
+    multiple=True,
+    metavar="GLOB",
+    help="Neuron layouts: tensors the layout rules do not know (fnmatch glob over the whole name) that are "
+    "replicated on every TP rank; repeatable. Any other unknown tensor is refused.",
+)
+@click.option(
+    "--model-type",
+    "model_type",
+    type=str,
+    default=None,
+    help="HF model_type of a model whose config.json lacks one (llama, mistral, qwen2); never guessed.",
+)
 @click.option("--step", type=int, default=None, help="Step to record (default: the source's).")
+@click.option(
+    "--merge-lora",
+    "merge_lora",
+    type=str,
+    default=None,
+    help="LoRA adapter (PEFT folder or NxD LoRA tag) to merge into SRC, the base HF model (--to cuda --format hf).",
+)
 @click.option(
     "--xser/--no-xser", default=None, help="--format nxd: write torch_xla's xser form (default: SRC's)."
 )
@@ -125,6 +150,7 @@ def convert(
     fmt: str,
     config_path: str | None,
     step: int | None,
+    merge_lora: str | None,
     xser: bool | None,
     codec: str,
     allow_unmarked: bool,
@@ -132,6 +158,8 @@ def convert(
     max_shard_size: str,
     dry_run: bool,
     as_json: bool,
+    replicated: tuple[str, ...],
+    model_type: str | None,
     **flags: Any,
 ) -> None:
     """Convert checkpoint SRC into DST (SRC is never written; DST is committed atomically)."""
@@ -155,8 +183,20 @@ def convert(
         max_shard_bytes=parse_size(max_shard_size, "--max-shard-size"),
         xser=xser,
         codec=codec,
+        replicated=replicated,
+        model_type=model_type,
+        merge_lora=merge_lora,
     )
     run = RunOptions(workers=workers, allow_unmarked=allow_unmarked)
+    from ckpt.converters.lora import is_adapter
+
+    if dry_run and (merge_lora is not None or fmt == "peft" or is_adapter(src)):
+        what = f"merge {merge_lora} into" if merge_lora else "adapter"
+        out.print(
+            f"plan: {what} {src} -> {fmt} ({to}) {dst}; adapters are checked whole when converted",
+            markup=False,
+        )
+        return
     if dry_run:
         source = open_source(src, opts, run)
         try:

@@ -87,12 +87,36 @@ def inspect(checkpoint: str, as_json: bool, shards: bool) -> None:
             )
     out.print(f"progress: {m.progress}", markup=False)
     if m.rng:
-        out.print(f"rng: ranks {', '.join(sorted(m.rng, key=int))}", markup=False)
+        from ckpt.rng_rule import plan_across
+
+        carried, derived = plan_across(m.rng, m.rng_base)
+        seed = (
+            f"base seed {m.rng_base['seed']} ({m.rng_base['source']})"
+            if m.rng_base
+            else "a derived base seed"
+        )
+        out.print(
+            f"rng: ranks {', '.join(sorted(m.rng, key=int))}; on another DP size: carried "
+            f"{', '.join(carried) or 'none'} (shared by every rank), re-derived {', '.join(derived) or 'none'} "
+            f"from {seed} + step + rank",
+            markup=False,
+        )
     if m.data:
         out.print(f"data-loader state: ranks {', '.join(sorted(m.data, key=int))}", markup=False)
+    if m.data_position:
+        from ckpt.data.position import describe
+
+        out.print(f"data position: {describe(m.data_position)}", markup=False)
     if m.tokenizer:
         out.print(
             f"tokenizer: {m.tokenizer.get('name')} sha256 {str(m.tokenizer.get('sha256'))[:16]}", markup=False
+        )
+    if m.adapter is not None:
+        base = m.adapter.get("base") or {}
+        out.print(
+            f"adapter only: base {base.get('source') or '(source unknown)'} {base.get('digest')}, "
+            f"{base.get('tensors')} tensors, {human_bytes(base.get('bytes') or 0)} not stored here",
+            markup=False,
         )
     versions = m.environment.get("versions", {})
     out.print("environment: " + ", ".join(f"{k} {v}" for k, v in versions.items()), markup=False)

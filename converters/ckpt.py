@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import uuid
 from collections import OrderedDict
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -30,7 +30,7 @@ from ckpt.reader import CheckpointReader
 from ckpt.storage import Storage, open_storage
 from ckpt.writer import StreamingWriter
 
-from .engine import Conversion, Source, Staging, Trees, UnitReceipt, check_cover, write_share
+from .engine import Conversion, OutPart, Source, Staging, Trees, UnitReceipt, check_cover, write_share
 from .engine.export import Progress
 
 NAME = "ckpt"
@@ -130,6 +130,21 @@ class ManifestSource(Source):
             self._cache.move_to_end(name)
         return t
 
+    def _column_slice(self, piece: Piece) -> bool:
+        desc = self.tensors[piece.name]
+        box = self._box(piece)
+        return box != Box.full(desc.shape) and any(
+            o or n != s for o, n, s in zip(box.offsets[1:], box.lengths[1:], desc.shape[1:], strict=True)
+        )
+
+    def read_anon(self, piece: Piece) -> int:
+        """A fresh tensor of the piece; a column slice reads (and caches) its whole tensor."""
+        return self.stored_bytes(piece) if self._column_slice(piece) else self.piece_bytes(piece)
+
+    def cache_bytes(self, pieces: Iterable[Piece]) -> int:
+        sliced = [self.stored_bytes(p) for p in pieces if self._column_slice(p)]
+        return self._cache_size * max(sliced, default=0)
+
     def close(self) -> None:
         self._cache.clear()
 
@@ -183,6 +198,12 @@ class ManifestExport:
             raise
         finally:
             writer.close()
+
+    def held_bytes(self, retained: Callable[[OutPart], int]) -> int:
+        """The streaming writer's batches: one being filled and one being written, ``flush_bytes`` each (plus the
+        part that tips one over), of the parts that stay allocated (views of mapped files cost nothing)."""
+        kept = [retained(p) for t in self.conv.tensors for p in t.parts]
+        return min(sum(kept), 2 * (self.flush_bytes + max(kept, default=0)))
 
     def commit(self, staging: Staging, dst: str, receipts: list[UnitReceipt]) -> str:
         receipts = check_cover(receipts, len(self.conv.tensors), dst)

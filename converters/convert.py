@@ -33,6 +33,7 @@ from .engine import (
     run_torchrun,
     run_workers,
 )
+from .engine.memory import estimate
 from .options import ConvertOptions, RunOptions, load_config
 
 _LAYOUT_NAMES = {"cuda": "CUDA", "neuron": "Neuron"}
@@ -61,7 +62,19 @@ def open_source(src: str, opts: ConvertOptions, run: RunOptions | None = None) -
         verify=run.verify,
         allow_unmarked=run.allow_unmarked,
         param_names=opts.param_names,
+        replicated=tuple(opts.replicated),
     )
+    if opts.model_type is not None and source.config is not None:
+        have = source.config.get("model_type")
+        if have is not None and have != opts.model_type:
+            source.close()
+            raise LayoutError(
+                f"--model-type {opts.model_type} contradicts {src}'s config model_type {have!r}"
+            )
+        source.config = {**source.config, "model_type": opts.model_type}
+    if opts.replicated and source.record is not None:
+        merged = tuple(dict.fromkeys((*source.record.replicated, *opts.replicated)))
+        source.record = dataclasses.replace(source.record, replicated=merged)
     if opts.from_ is not None and opts.from_ != source.layout:
         source.close()
         raise LayoutError(
@@ -145,7 +158,9 @@ def plan_conversion(source: Source, opts: ConvertOptions) -> Conversion:
                 )
             )
         return plan_to_cuda(source, config=opts.config)
-    return plan_to_neuron(source, target_flags(source, opts), config=opts.config)
+    return plan_to_neuron(
+        source, target_flags(source, opts), config=opts.config, replicated=tuple(opts.replicated)
+    )
 
 
 def make_export(conv: Conversion, opts: ConvertOptions, run: RunOptions) -> Export:
@@ -167,10 +182,12 @@ def make_export(conv: Conversion, opts: ConvertOptions, run: RunOptions) -> Expo
 
 
 def describe(conv: Conversion, opts: ConvertOptions, run: RunOptions | None = None) -> dict[str, Any]:
-    """The dry-run report: what would be written and the estimated peak memory of one worker."""
+    """The dry-run report: what would be written and the estimated peak memory of one worker (anonymous memory on
+    top of the interpreter, from the plan and the export that would run it: :mod:`.engine.memory`)."""
     run = run or RunOptions()
     export = make_export(conv, opts, run)  # plans only; nothing is written before begin()
     written = written_tensors(conv, export)
+    mem = estimate(conv, export)
     roles: dict[str, int] = {}
     for t in written:
         roles[t.desc.role] = roles.get(t.desc.role, 0) + 1
@@ -182,7 +199,8 @@ def describe(conv: Conversion, opts: ConvertOptions, run: RunOptions | None = No
         "bytes": sum(t.desc.nbytes for t in written),
         "not_written": list(getattr(export, "not_written", ())),
         "largest_tensor": max((t.desc.nbytes for t in written), default=0),
-        "peak_memory_estimate": conv.peak_bytes_estimate(2 * run.flush_bytes if opts.format == "ckpt" else 0),
+        "peak_memory_estimate": mem.total,
+        "peak_memory": {"part": mem.part, "source_cache": mem.source, "target": mem.export},
         "step": conv.trees.step,
         "workers": run.workers,
     }
@@ -282,6 +300,13 @@ def convert(
     """
     run = run or RunOptions()
     check_paths(src, dst)
+    from .lora import is_adapter, run_lora
+
+    if opts.merge_lora is not None or opts.format == "peft" or is_adapter(src, run.storage_options):
+        if run.workers > 1 or _dist_env()[1] > 1:
+            raise CkptError("LoRA adapters convert in one process; drop --workers / torchrun")
+        r = run_lora(src, dst, opts, run)
+        return ConvertResult(r.dst, r.tensors, r.bytes, r.format)
     rank, world = _dist_env()
     source = open_source(src, opts, run)
     try:

@@ -19,12 +19,13 @@ not allow bounding memory: nothing for tensors; a checkpoint that stores a whole
 from __future__ import annotations
 
 import dataclasses
+import gc
 import io
 import pathlib
 import pickle
 import uuid
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +43,7 @@ from ckpt.storage.folder import FolderTxn, begin_folder
 from .engine import (
     MODEL_ROLES,
     Conversion,
+    OutPart,
     Source,
     Staging,
     Trees,
@@ -232,6 +234,13 @@ class DCPSource(Source):
                 self._cache.popitem(last=False)
         return slice_of(t, piece)
 
+    def read_anon(self, piece: Piece) -> int:
+        """The whole tensor, assembled from its chunks, each read as bytes and copied (or unpickled) once more."""
+        return 3 * self.stored_bytes(piece)
+
+    def cache_bytes(self, pieces: Iterable[Piece]) -> int:
+        return 2 * max((self.stored_bytes(p) for p in pieces), default=0)
+
     def close(self) -> None:
         self._cache.clear()
 
@@ -388,9 +397,18 @@ class DcpExport:
                     if tensor.untyped_storage().nbytes() != tensor.numel() * tensor.element_size():
                         tensor = tensor.clone()
                     torch.save(tensor, buf)
+                    del tensor
+                    # torch.save leaves a reference cycle holding the storages it wrote until the cyclic GC runs:
+                    # break it now, or fresh tensors pile up (memory would grow with the model, not one item)
+                    gc.collect(1)
                 entries[item.index] = _StorageInfo(fname, offset, buf.n)
                 offset += buf.n
         return UnitReceipt(worker, tuple(units), entries)
+
+    def held_bytes(self, retained: Callable[[OutPart], int]) -> int:
+        """Nothing: ``torch.save`` streams each item's bytes into the file as it is made (a strided view is
+        copied first, which its part's ``retained`` counts)."""
+        return 0
 
     def commit(self, staging: Staging, dst: str, receipts: list[UnitReceipt]) -> str:
         """Merge the workers' storage entries into the planner's metadata; ``.metadata`` is written last."""

@@ -1,6 +1,6 @@
 """The formats ``ckpt convert`` reads and writes: one table, one module per format with the same verbs.
 
-Each format module (:mod:`.ckpt`, :mod:`.hf`, :mod:`.dcp`, :mod:`.nxd`) provides ``detect(path, storage_options)``,
+Each format module (:mod:`.ckpt`, :mod:`.hf`, :mod:`.hf_trainer`, :mod:`.dcp`, :mod:`.nxd`) provides ``detect(path, storage_options)``,
 ``open_source(path, **options) -> Source`` and ``export(conv, **options) -> Export``.  Adding a format is one module
 and one line here.  Modules are imported only when a format is used.
 """
@@ -34,8 +34,10 @@ class Format:
 FORMATS: tuple[Format, ...] = (
     Format("ckpt", ".ckpt", ("cuda", "neuron"), remote=True),
     Format("dcp", ".dcp", ("cuda",)),
+    Format("hf-trainer", ".hf_trainer", ("cuda",)),
     Format("hf", ".hf", ("cuda",)),
     Format("nxd", ".nxd", ("neuron",)),
+    Format("peft", ".peft", ("cuda",)),
 )
 BY_NAME = {f.name: f for f in FORMATS}
 
@@ -63,7 +65,7 @@ def detect(src: str, storage_options: Mapping[str, Any] | None = None) -> Format
     _refuse_a_root(src)
     raise LayoutError(
         f"{src}: unknown checkpoint layout (expected manifest.json, a DCP .metadata, an HF config.json + "
-        "*.safetensors, or NxD model/ rank files)"
+        "*.safetensors (with trainer_state.json: a Trainer checkpoint), or NxD model/ rank files)"
     )
 
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import os
 import struct
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +34,7 @@ from ckpt.storage.folder import FolderTxn, begin_folder
 from .engine import (
     MODEL_ROLES,
     Conversion,
+    OutPart,
     Source,
     Staging,
     Trees,
@@ -172,6 +173,10 @@ class HFSource(Source):
                 raise
             raise CorruptionError(f"{fpath}: tensor {piece.name!r}: unreadable ({e})") from None
 
+    def read_anon(self, piece: Piece) -> int:
+        """Whole tensors and column slices are views of the memory-mapped file; ``get_slice`` copies its rows."""
+        return self.piece_bytes(piece) if piece.dim == 0 else 0
+
     def close(self) -> None:
         self._handles.clear()
 
@@ -289,6 +294,10 @@ class HFExport:
                         progress(d.nbytes)
             sizes[fname] = size
         return UnitReceipt(worker, tuple(units), sizes)
+
+    def held_bytes(self, retained: Callable[[OutPart], int]) -> int:
+        """Nothing: each tensor is written as soon as it is made (its working set is the part's)."""
+        return 0
 
     def commit(self, staging: Staging, dst: str, receipts: list[UnitReceipt]) -> str:
         """Check every shard is there at its planned size, then publish with the index and ``config.json``."""

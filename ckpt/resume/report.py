@@ -90,13 +90,15 @@ def boundary_title(v: BoundaryVerdict) -> str:
 
 
 def check_rows(v: BoundaryVerdict) -> list[CheckRow]:
-    """One row per check; a failure explained by another check names what it follows from."""
+    """One row per check; a failure explained by another check names what it follows from, and every judged
+    verdict says against what and how sure: ``[trajectory, high]``."""
     rows = []
     for c in v.checks:
         cause = c.cause.value if c.cause else ""
         if c.explained_by:
             cause = f"(follows from: {', '.join(x.value for x in c.explained_by)})"
-        rows.append(CheckRow(c.name, c.status, cause, c.summary))
+        judged = f" [{c.basis.value}, {c.confidence.value}]" if c.basis and c.confidence else ""
+        rows.append(CheckRow(c.name, c.status, cause, c.summary + judged))
     return rows
 
 

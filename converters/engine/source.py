@@ -17,7 +17,7 @@ parameter).  ``flags`` are the source's parallel flags and ``record`` its ``extr
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Hashable, Mapping
+from collections.abc import Hashable, Iterable, Mapping
 from typing import Any, ClassVar, Literal
 
 import torch
@@ -118,8 +118,44 @@ class Source(ABC):
                 out.setdefault(desc.param, {})[desc.key] = desc
         return out
 
+    def piece_bytes(self, piece: Piece) -> int:
+        """Bytes of the data ``piece`` names (a slice of a rank-local tensor for a Neuron layout, else of a whole
+        tensor)."""
+        desc = self.tensors.get(piece.name)
+        if desc is None:
+            return 0
+        shape = list(self.local_shape(desc) if piece.rank is not None else desc.shape)
+        if piece.dim is not None:
+            shape[piece.dim] = piece.length
+        return _numel(shape) * dtype_from_name(desc.dtype).itemsize
+
+    def stored_bytes(self, piece: Piece) -> int:
+        """Bytes of the whole stored tensor ``piece`` is a slice of (rank-local for a Neuron layout)."""
+        desc = self.tensors.get(piece.name)
+        if desc is None:
+            return 0
+        shape = self.local_shape(desc) if piece.rank is not None else desc.shape
+        return _numel(shape) * dtype_from_name(desc.dtype).itemsize
+
+    def read_anon(self, piece: Piece) -> int:
+        """Anonymous memory :meth:`read` allocates for ``piece`` (the dry-run's estimate, :mod:`.memory`): by
+        default a fresh tensor of the piece; a source that hands out views of memory-mapped files says 0."""
+        return self.piece_bytes(piece)
+
+    def cache_bytes(self, pieces: Iterable[Piece]) -> int:
+        """Anonymous memory the source keeps between reads at most (its caches) while ``pieces`` are read, for the
+        dry-run's estimate; none by default."""
+        return 0
+
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release open files."""
+
+
+def _numel(shape: Any) -> int:
+    n = 1
+    for s in shape:
+        n *= int(s)
+    return n
 
 
 def slice_of(t: torch.Tensor, piece: Piece) -> torch.Tensor:

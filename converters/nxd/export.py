@@ -11,7 +11,7 @@ saved), whatever the model size.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -19,7 +19,7 @@ import torch
 from ckpt import treecodec
 from ckpt.errors import CkptError, LayoutError
 
-from ..engine import Conversion, Rank, Staging, UnitReceipt, check_cover, produce
+from ..engine import Conversion, OutPart, Rank, Staging, UnitReceipt, check_cover, produce
 from ..engine.export import Progress
 from .naming import rank_file_name
 from .source import MASTER_KEY
@@ -138,6 +138,24 @@ class NxdExport:
             for u, parts in enumerate(self.parts)
         ]
         self._writer: TagWriter | None = None
+
+    def held_bytes(self, retained: Callable[[OutPart], int]) -> int:
+        """The largest target rank, built whole before its files are written (NxD's file unit): every part a copy
+        unless it is a whole stored tensor of a memory-mapped file (:func:`_owned`), plus its ZeRO-1 shards (padded
+        copies of the rank's optimizer states) while they are saved."""
+        worst = 0
+        for parts in self.parts:
+            total = 0
+            for i, j in parts:
+                part = self.conv.tensors[i].parts[j]
+                kept = retained(part)
+                if kept == 0 and any(p.dim is not None for p in part.plan.pieces):
+                    kept = part.nbytes
+                total += kept
+                if self.zero1 and self.conv.tensors[i].desc.role == "optimizer_state":
+                    total += part.nbytes
+            worst = max(worst, total)
+        return worst
 
     def _tag_writer(self, dst: str, join: str | None = None) -> TagWriter:
         return TagWriter(

@@ -23,7 +23,7 @@ from .discovery import TagStatus, tag_status
 from .files import TagFiles, missing_rank_files, scan_tag
 from .naming import RankKey
 from .step import tag_step
-from .xser import load_checked, load_nxd_file, read_info, tensors_dir
+from .xser import can_mmap, load_checked, load_nxd_file, read_info, tensors_dir
 from .zero1 import (
     is_zero1_dict,
     merge_plain_optimizer,
@@ -128,7 +128,7 @@ class NxdTagReader:
 
     def _peek_zero1(self) -> bool:
         first = self.files.optim[min(self.files.optim)]
-        return is_zero1_dict(load_torch_file(first))
+        return is_zero1_dict(load_torch_file(first, mmap=can_mmap(first)))
 
     @property
     def ranks(self) -> list[RankKey]:
@@ -196,16 +196,18 @@ class NxdTagReader:
             refs = load_torch_file(p)
             tid_name = {r.tid: k for k, r in refs.items() if isinstance(r, TensorReference)}
             info = read_info(p, verify=self._verify)
+            opened: list[dict[str, Any] | None] = []
 
             def missing(ref: TensorReference) -> torch.Tensor:
-                opt = self.optimizer(rank)
-                master = (opt or {}).get("master_weights") or {}
+                if not opened:  # the DP files are opened once, each master weight merged when it is needed
+                    opened.append(self.optimizer(rank, lazy=True))
+                master = (opened[0] or {}).get("master_weights") or {}
                 name = tid_name.get(ref.tid)
                 if name not in master or info is None:
                     raise CorruptionError(
                         f"{p}.tensors/tensor_{ref.tid}.pt: missing and no master weight for {name}"
                     )
-                return master[name].to(info[ref.tid]["dtype"])
+                return master[name].load().to(info[ref.tid]["dtype"])
 
         loaded = load_nxd_file(
             p, xser, mmap=self._mmap, missing=missing, verify=self._verify, context=self._where("model", rank)
@@ -218,13 +220,14 @@ class NxdTagReader:
         if not opt0:
             return None
         explicit = self._param_names.get(rank)
-        d0 = load_torch_file(opt0[0])  # refs only: names and shapes need no tensor data
+        # names and shapes need no tensor data: xser ref files hold none, plain ones are memory-mapped
+        d0 = load_torch_file(opt0[0], mmap=not self.meta.xser and can_mmap(opt0[0]))
         where = str(opt0[0])
         if is_zero1_dict(d0):
             return resolve_param_names(
                 self.model_shapes(rank), d0["param_groups"], d0["shape_info"], where=where, explicit=explicit
             )
-        d0 = load_nxd_file(opt0[0], self.meta.xser)
+        d0 = load_nxd_file(opt0[0], self.meta.xser, mmap=True)
         shapes, n = plain_optimizer_shapes(d0)
         return resolve_param_names(
             self.model_shapes(rank), d0["param_groups"], shapes, where=where, num_params=n, explicit=explicit
@@ -240,8 +243,13 @@ class NxdTagReader:
             )
         return files
 
-    def optimizer(self, rank: RankKey) -> dict[str, Any] | None:
-        """This rank's optimizer state with ZeRO-1 shards merged over DP and pids replaced by names; None if absent."""
+    def optimizer(self, rank: RankKey, *, lazy: bool = False) -> dict[str, Any] | None:
+        """This rank's optimizer state with ZeRO-1 shards merged over DP and pids replaced by names; None if absent.
+
+        ``lazy``: the DP files are memory-mapped (whatever the reader's ``mmap``) and every ZeRO-1 state or master
+        weight is a :class:`~.zero1.Deferred`, merged when loaded, so holding the result costs no tensor memory;
+        plain optimizer tensors are memory-mapped views.  Same structure and values as the eager result.
+        """
         files = self._optim_files(rank)
         if not files:
             return None
@@ -251,7 +259,7 @@ class NxdTagReader:
             load_nxd_file(
                 f,
                 self.meta.xser,
-                mmap=self._mmap,
+                mmap=self._mmap or lazy,
                 verify=self._verify,
                 context=self._where(f"optimizer dp {dp}", rank),
             )
@@ -259,7 +267,7 @@ class NxdTagReader:
         ]
         where = str(files[0])
         if is_zero1_dict(dicts[0]):
-            return merge_zero1_optimizer(dicts, names, where=where)
+            return merge_zero1_optimizer(dicts, names, where=where, lazy=lazy)
         return merge_plain_optimizer(dicts[0], names, where=where)
 
     def scheduler(self) -> dict[str, Any] | None:

@@ -1,7 +1,9 @@
 """An NxD tag (training checkpoint, NxD converter output, legacy layout) as a Neuron-layout conversion source.
 
-Pieces are read from the rank files as NxD stored them (:class:`~.reader.NxdTagReader`, plain files memory-mapped,
-ZeRO-1 optimizer shards merged over DP and keyed by name): one (tp, pp) rank's local tensor, sliced.  The tag is
+Pieces are read from the rank files as NxD stored them (:class:`~.reader.NxdTagReader`): one (tp, pp) rank's local
+tensor, sliced.  Memory streams: every file is memory-mapped (plain rank files whole, xser tensors one file each), so
+an open rank costs page cache, not anonymous memory; a ZeRO-1 optimizer tensor is merged over DP when it is read, one
+tensor at a time (:class:`~.zero1.Deferred`), never a whole rank's optimizer.  The tag is
 described as our manifest would describe it (docs/format.md, "Neuron (NxD) layout"): logical tensors with the
 ``partition`` of the rule set, PP ranks from the files, and ``extra.nxd`` recording what the files do not say.
 
@@ -17,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 import warnings
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -27,10 +29,11 @@ from ckpt import treecodec
 from ckpt.dtypes import dtype_name
 from ckpt.errors import CkptError, CorruptionError, LayoutError
 from ckpt.layouts import Piece
+from ckpt.layouts.names import nxd_to_hf_names
 from ckpt.layouts.partition import partition_entry
 from ckpt.layouts.pipeline import layer_index, layers_of_pp_rank
 from ckpt.layouts.record import NxdRecord
-from ckpt.layouts.rules import DEFAULT_RULE_SET
+from ckpt.layouts.rules import DEFAULT_RULE_SET, check_known, rules_with
 from ckpt.manifest import TensorDesc
 from ckpt.state import optim_name
 
@@ -38,6 +41,7 @@ from ..engine import Source, Trees, slice_of
 from .discovery import TagStatus, tag_status
 from .naming import RankKey
 from .reader import open_tag
+from .zero1 import Deferred
 
 NAME = "nxd"
 MASTER_KEY = "master_weight"
@@ -127,6 +131,7 @@ class NxdTagSource(Source):
         param_names: Mapping[RankKey, Sequence[str]] | None = None,
         allow_unmarked: bool = False,
         verify: bool = True,
+        replicated: Sequence[str] = (),
     ) -> None:
         given = dict(flags or {})
         unknown = sorted(set(given) - set(SOURCE_FLAGS))
@@ -174,19 +179,26 @@ class NxdTagSource(Source):
             "virtual_pp": 1,
         }
         detected.update(given)
-        record = NxdRecord(rule_set=rule_set, config=self.config, **detected)
+        replicated = tuple(replicated)
+        check_known(
+            (h for n in names for h in nxd_to_hf_names(n)), rules_with(rule_set, replicated), rule_set
+        )
+        record = NxdRecord(rule_set=rule_set, config=self.config, replicated=replicated, **detected)
+        if self.config:  # the model the tag holds must be one the rule set covers (model type, dims, flags)
+            record.spec(tp=tp, pp=pp, dp=meta.dp_size, where=self.path)
         if self.config and pp > 1 and "virtual_pp" not in given:
             record = self._detect_virtual_pp(record, tp, pp, meta.dp_size)
         self.zero1 = meta.zero1
         self.tensors = {}
         for name, (shape, dt) in local.items():
-            part = partition_entry(name, tp, rule_set)
+            part = partition_entry(name, tp, rule_set, replicated)
             full = list(shape)
             if part is not None:
                 full[int(part["dim"])] *= tp
             self.tensors[name] = TensorDesc(name, "parameter", tuple(full), dtype_name(dt), partition=part)
         self._models: OrderedDict[tuple[int, int], dict[str, torch.Tensor]] = OrderedDict()
         self._optims: OrderedDict[tuple[int, int], dict[str, Any] | None] = OrderedDict()
+        self._loaded: OrderedDict[tuple[tuple[int, int], str], torch.Tensor] = OrderedDict()
         optimizer, opt_extra = self._describe_optimizer(pp)
         record_kw: dict[str, Any] = {
             "pp_ranks": dict(self._pp_of) if pp > 1 else None,
@@ -255,7 +267,7 @@ class NxdTagSource(Source):
                 (n, key): v
                 for n, per in opt["state"].items()
                 for key, v in per.items()
-                if isinstance(v, torch.Tensor) and v.dim() > 0 and key != "step"
+                if isinstance(v, (torch.Tensor, Deferred)) and v.dim() > 0 and key != "step"
             }
             for n, w in (opt.get("master_weights") or {}).items():
                 tensors[(n, MASTER_KEY)] = w
@@ -300,7 +312,7 @@ class NxdTagSource(Source):
 
     def _optim(self, rank: tuple[int, int]) -> dict[str, Any] | None:
         if rank not in self._optims:
-            self._optims[rank] = self.r.optimizer((*rank, 0))
+            self._optims[rank] = self.r.optimizer((*rank, 0), lazy=True)
             while len(self._optims) > self.r.meta.tp_size:
                 self._optims.popitem(last=False)
         else:
@@ -320,11 +332,40 @@ class NxdTagSource(Source):
                 t = opt["state"][desc.param][desc.key]
         else:
             t = self._model(piece.rank)[piece.name]
+        if isinstance(t, Deferred):
+            t = self._merged(piece.rank, piece.name, t)
         return slice_of(t, piece)
+
+    def read_anon(self, piece: Piece) -> int:
+        """Model tensors and plain optimizer states are views of memory-mapped files (a legacy non-zip file is read
+        whole); a ZeRO-1 state is merged over DP into one new rank-local tensor."""
+        desc = self.tensors[piece.name]
+        if desc.role == "optimizer_state" and self.zero1:
+            return self.stored_bytes(piece)
+        return self.stored_bytes(piece) if self.r.meta.legacy else 0
+
+    def cache_bytes(self, pieces: Iterable[Piece]) -> int:
+        """The two merged ZeRO-1 tensors :meth:`_merged` keeps."""
+        if not self.zero1:
+            return 0
+        merged = (self.stored_bytes(p) for p in pieces if self.tensors[p.name].role == "optimizer_state")
+        return 2 * max(merged, default=0)
+
+    def _merged(self, rank: tuple[int, int], name: str, d: Deferred) -> torch.Tensor:
+        """A ZeRO-1 tensor merged over DP, kept while the next pieces of it are read (a rank tensor split into
+        several target tensors, e.g. ``gate_up_proj``) and dropped two tensors later."""
+        key = (rank, name)
+        t = self._loaded.get(key)
+        if t is None:
+            t = self._loaded[key] = d.load()
+            while len(self._loaded) > 2:
+                self._loaded.popitem(last=False)
+        return t
 
     def close(self) -> None:
         self._models.clear()
         self._optims.clear()
+        self._loaded.clear()
 
 
 def open_source(
@@ -336,11 +377,12 @@ def open_source(
     allow_unmarked: bool = False,
     verify: bool = True,
     param_names: Mapping[RankKey, Sequence[str]] | None = None,
+    replicated: Sequence[str] = (),
     **_: Any,
 ) -> NxdTagSource:
     return NxdTagSource(
         path, config=config, flags=source_flags, step=step, allow_unmarked=allow_unmarked, verify=verify,
-        param_names=param_names,
+        param_names=param_names, replicated=replicated,
     )  # fmt: skip
 
 

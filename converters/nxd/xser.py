@@ -18,6 +18,7 @@ import re
 import shutil
 import tempfile
 import types
+import zipfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -70,16 +71,23 @@ def collect_refs(obj: Any) -> list[TensorReference]:
     return found
 
 
+def can_mmap(path: str | os.PathLike[str]) -> bool:
+    """Whether ``torch.load(mmap=True)`` can read ``path``: zip-format ``torch.save`` files only (legacy pickles are
+    read whole)."""
+    return zipfile.is_zipfile(path)
+
+
 def load_checked(
     path: str | os.PathLike[str], *, verify: bool = True, context: str = "", mmap: bool = False
 ) -> Any:
     """:func:`load_torch_file` after checking the zip members' CRC32s (``verify``; see :mod:`.integrity`).
 
-    Files that are not zips (legacy ``torch.save`` pickles) are loaded without a CRC check.
+    Files that are not zips (legacy ``torch.save`` pickles) are loaded without a CRC check, and read whole even with
+    ``mmap`` (which keeps a zip's tensors in the page cache: no anonymous memory however big the file).
     """
     if verify:
         verify_torch_zip(path, context=context)
-    return load_torch_file(path, mmap=mmap)
+    return load_torch_file(path, mmap=mmap and can_mmap(path))
 
 
 def ref_names(obj: Any) -> dict[int, str]:

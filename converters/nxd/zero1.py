@@ -18,7 +18,7 @@ Facts (torch_xla ``distributed/zero_redundancy_optimizer.py``, NxD ``optimizer/z
 from __future__ import annotations
 
 import copy
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -106,14 +106,69 @@ def resolve_param_names(
     raise StateMismatchError(first_error)
 
 
+class Deferred:
+    """A merged optimizer tensor not read yet: its ``shape`` and ``dtype`` are known from the files' metadata,
+    :meth:`load` reads and merges it.
+
+    Why: a (tp, pp) rank's ZeRO-1 state is spread over every DP file; merging it all when the rank is opened holds
+    the rank's whole optimizer in anonymous memory (the memory-mapped DP files cost none).  Merging one tensor when
+    it is read keeps a converter's memory at a few tensors, whatever the model, TP, PP or DP size.
+    """
+
+    __slots__ = ("shape", "dtype", "_load")
+
+    def __init__(self, shape: Shape, dtype: torch.dtype, load: Callable[[], torch.Tensor]) -> None:
+        self.shape = shape
+        self.dtype = dtype
+        self._load = load
+
+    def dim(self) -> int:
+        return len(self.shape)
+
+    def load(self) -> torch.Tensor:
+        return self._load()
+
+    def __repr__(self) -> str:
+        return f"Deferred({list(self.shape)}, {self.dtype})"
+
+
+def materialize(obj: Any) -> Any:
+    """``obj`` with every :class:`Deferred` loaded (dicts and lists rebuilt, everything else as it is)."""
+    if isinstance(obj, Deferred):
+        return obj.load()
+    if isinstance(obj, dict):
+        return {k: materialize(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [materialize(v) for v in obj]
+    return obj
+
+
+def _deferred_merge(
+    dp_dicts: Sequence[Mapping[str, Any]], table: str, pid: int, key: str | None, shape: Shape, where: str
+) -> Deferred:
+    """The DP shards of ``dp_dicts[*][table][pid][key]`` (``key`` None: ``[table][pid]``), merged when loaded."""
+
+    def shard(d: Mapping[str, Any]) -> Any:
+        v = d[table][pid]
+        return v if key is None else v[key]
+
+    def load() -> torch.Tensor:
+        return merge_zero1([shard(d) for d in dp_dicts], shape, where=where)
+
+    return Deferred(shape, shard(dp_dicts[0]).dtype, load)
+
+
 def merge_zero1_optimizer(
-    dp_dicts: Sequence[Mapping[str, Any]], param_names: Sequence[str], *, where: str
+    dp_dicts: Sequence[Mapping[str, Any]], param_names: Sequence[str], *, where: str, lazy: bool = False
 ) -> dict[str, Any]:
     """Merge the DP shards of one (tp, pp) rank into ``{"state", "param_groups", "master_weights", "extra"}``.
 
     ``state`` is ``{name: {key: full TP-local tensor}}``; ``param_groups`` lists names instead of pids;
     ``master_weights`` is ``{name: fp32 tensor}`` or None (NxD's own ``nxd_convert_zero_checkpoints`` drops these);
     ``extra`` keeps any other top-level keys of DP rank 0 (and the wrapper ``state`` when it is not empty).
+
+    ``lazy``: every merged tensor is a :class:`Deferred` (merged when loaded, from ``dp_dicts`` kept alive: pass
+    memory-mapped files); the structure, names and presence checks are the same as the eager result's.
     """
     d0 = dp_dicts[0]
     if "ep_param_id_offset" in d0:
@@ -134,28 +189,24 @@ def merge_zero1_optimizer(
         merged: dict[str, Any] = {}
         for key, v0 in per_key.items():
             if isinstance(v0, torch.Tensor) and v0.dim() > 0 and key != "step":
-                try:
-                    shards = [d["base_state"][pid][key] for d in dp_dicts]
-                except KeyError:
-                    raise CorruptionError(
-                        f"{where}: pid {pid} ('{name}') {key} missing on some DP rank"
-                    ) from None
-                merged[key] = merge_zero1(
-                    shards, shape_info[pid], where=f"{where}: pid {pid} ('{name}') {key}"
+                if any(key not in d["base_state"][pid] for d in dp_dicts):
+                    raise CorruptionError(f"{where}: pid {pid} ('{name}') {key} missing on some DP rank")
+                merged[key] = _deferred_merge(
+                    dp_dicts, "base_state", pid, key, shape_info[pid], f"{where}: pid {pid} ('{name}') {key}"
                 )
             else:
                 merged[key] = v0
         state[name] = merged
 
-    master: dict[str, torch.Tensor] | None = None
+    master: dict[str, Any] | None = None
     if "sharded_master_weights" in d0:
         master = {}
         for pid, _ in d0["sharded_master_weights"].items():
             name = param_names[pid]
-            shards = [d["sharded_master_weights"][pid] for d in dp_dicts]
-            master[name] = merge_zero1(
-                shards, shape_info[pid], where=f"{where}: master weight pid {pid} ('{name}')"
-            )
+            master[name] = _deferred_merge(
+                dp_dicts, "sharded_master_weights", pid, None, shape_info[pid],
+                f"{where}: master weight pid {pid} ('{name}')",
+            )  # fmt: skip
 
     groups = copy.deepcopy([{k: v for k, v in g.items() if k != "params"} for g in d0["param_groups"]])
     for g, g0 in zip(groups, d0["param_groups"], strict=True):
@@ -163,7 +214,12 @@ def merge_zero1_optimizer(
     extra = {k: v for k, v in d0.items() if k not in _ZERO1_KEYS}
     if d0.get("state"):
         extra["state"] = d0["state"]
-    return {"state": state, "param_groups": groups, "master_weights": master, "extra": extra}
+    out = {"state": state, "param_groups": groups, "master_weights": master, "extra": extra}
+    if lazy:
+        return out
+    out["state"] = materialize(state)
+    out["master_weights"] = materialize(master)
+    return out
 
 
 def shard_zero1_optimizer(

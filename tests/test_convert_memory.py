@@ -1,0 +1,132 @@
+"""Every source x target conversion streams: its peak anonymous memory stays under a third of the model, and the
+dry-run's estimate is within 2x of it.
+
+One generated Llama-shaped fp32 model with AdamW moments (``tests/torture/memory.py``; ~180 MiB, no tensor over
+6.3 MiB) is converted (unmeasured) into every source format: our manifest, HF safetensors, DCP, an NxD tag with
+plain rank files (TP 2, PP 2, ZeRO-1 over DP 2) and the same tag in xser form.  A child process then converts each
+source into every target format (ckpt, HF, DCP, NxD plain and NxD xser at TP 2 PP 8 DP 2), while this process polls
+its ``RssAnon``.  Asserted for each of the 25 pairs:
+
+* peak ``RssAnon`` growth (above the child's own memory right before the conversion: interpreter, torch, imports)
+  < model bytes / 3, where the model is the bytes converted (HF holds no optimizer);
+* the ``--dry-run`` estimate and the measurement are within 2x of each other (plus 8 MiB for allocator noise);
+* the outputs are exact: every target's files (NxD rank files, HF shards, DCP data) are the same bytes whatever the
+  source, and our manifests list the same chunk checksums as the generated model's.
+
+Our writer runs with 8 MiB batches here (the default 64 MiB would be most of this small model); the bench
+(``bench/bench_memory.py``) measures the defaults on models of GiBs.  The child runs with glibc's dynamic mmap
+threshold off so that ``RssAnon`` shows what the conversion holds rather than freed heap the allocator kept.
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+
+import pytest
+from torture.memory import MIB, SOURCES, TARGETS, config, generate_cuda, make_sources, measure
+
+pytestmark = pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="needs Linux /proc")
+
+LAYERS = 8
+FLUSH = 8 * MIB
+SLACK = 8 * MIB
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    root = tmp_path_factory.mktemp("memory")
+    cfg = config(LAYERS)
+    total = generate_cuda(root / "base", cfg)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        srcs = make_sources(root, root / "base", cfg)
+    jobs = []
+    for s in SOURCES:
+        for t in TARGETS:
+            dst = root / f"out_{s}_{t}" / ("step_3" if t.startswith("nxd") else "")
+            jobs.append(
+                {"src": srcs[s], "dst": dst, "target": t, "config": cfg, "src_name": s, "flush_bytes": FLUSH}
+            )
+    peaks = measure(jobs)
+    return {"root": root, "peaks": peaks, "jobs": jobs, "total": total, "config": cfg}
+
+
+def _model_bytes(source: str, converted: dict) -> int:
+    """Bytes of what is converted: the whole state, or only the weights for HF (which holds no optimizer)."""
+    total = converted["total"]
+    return total // 3 if source == "hf" else total
+
+
+def _table(converted: dict) -> str:
+    rows = [
+        f"{p.src:>8} -> {p.target:<8} anon {p.anon / MIB:6.1f} MiB  est {p.estimate / MIB:6.1f} MiB  "
+        f"bound {_model_bytes(p.src, converted) / 3 / MIB:6.1f} MiB  rss {p.rss / MIB:6.1f} MiB"
+        for p in converted["peaks"]
+    ]
+    return "\n".join(rows)
+
+
+def test_every_pair_streams_under_a_third_of_the_model(converted: dict) -> None:
+    peaks = converted["peaks"]
+    assert len(peaks) == len(SOURCES) * len(TARGETS)
+    over = [p for p in peaks if p.anon >= _model_bytes(p.src, converted) / 3]
+    print(_table(converted))
+    assert not over, "over the bound:\n" + _table(converted)
+
+
+def test_dry_run_estimate_within_2x_of_the_measured_peak(converted: dict) -> None:
+    off = [
+        p
+        for p in converted["peaks"]
+        if not (p.anon <= 2 * p.estimate + SLACK and p.estimate <= 2 * p.anon + SLACK)
+    ]
+    assert not off, "estimate off by more than 2x:\n" + _table(converted)
+
+
+def _files(root: Path, pattern: str) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.glob(pattern)) if p.is_file()}
+
+
+@pytest.mark.parametrize(
+    "target,pattern",
+    [
+        ("nxd", "model/*"),
+        ("nxd", "optim/*"),
+        ("nxd_xser", "model/**/*"),
+        ("nxd_xser", "optim/**/*"),
+        ("hf", "*.safetensors"),
+        ("dcp", "*.distcp"),
+    ],
+)
+def test_outputs_are_the_same_bytes_from_every_source(converted: dict, target: str, pattern: str) -> None:
+    root = converted["root"]
+    with_optimizer = pattern.startswith("optim") or target == "dcp"
+    sources = [s for s in SOURCES if not (with_optimizer and s == "hf")]
+    outs = {s: _files(root / f"out_{s}_{target}" / ("step_3" if target.startswith("nxd") else ""), pattern)
+            for s in sources}  # fmt: skip
+    want = outs["ckpt"]
+    assert want, f"no {pattern} in the {target} output"
+    for s, got in outs.items():
+        assert sorted(got) == sorted(want), s
+        differ = [n for n in want if got[n] != want[n]]
+        assert not differ, f"{s} -> {target}: {differ[:3]} differ from ckpt -> {target}"
+
+
+def _chunks(path: Path) -> dict[str, list]:
+    m = json.loads((path / "manifest.json").read_text())
+    return {
+        n: [(s["offsets"], s["lengths"], s["checksum"]) for s in e["shards"]] for n, e in m["tensors"].items()
+    }
+
+
+def test_manifest_outputs_hold_the_generated_model(converted: dict) -> None:
+    root = converted["root"]
+    want = _chunks(root / "base")
+    for s in SOURCES:
+        got = _chunks(root / f"out_{s}_ckpt")
+        names = [n for n in want if s != "hf" or not n.startswith("optim/")]
+        assert sorted(got) == sorted(names), s
+        differ = [n for n in names if got[n] != want[n]]
+        assert not differ, f"{s} -> ckpt: {differ[:3]} differ from the generated model"
