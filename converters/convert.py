@@ -83,21 +83,28 @@ def open_source(src: str, opts: ConvertOptions, run: RunOptions | None = None) -
     if opts.step is not None:
         source.trees.step = opts.step
         source.trees.progress["step"] = opts.step
-    elif fmt.name in _NO_STEP_FORMATS:
-        result = (
-            "the NxD tag will record none (its step is then read from its name)"
-            if opts.format == "nxd"
-            else f"the output records step {source.trees.step}"
-        )
-        warnings.warn(
-            f"{src}: a {_NO_STEP_FORMATS[fmt.name]} records no training step; {result} (pass --step N to set it)",
-            stacklevel=2,
-        )
     return source
 
 
 #: source formats whose folders carry no step (the output's step is ``--step`` or 0)
 _NO_STEP_FORMATS = {"hf": "Hugging Face folder", "dcp": "DCP folder"}
+
+
+def warn_unrecorded_step(conv: Conversion, opts: ConvertOptions) -> None:
+    """Say which step the output gets when SRC records none and ``--step`` was not given (after planning, so a
+    refused request is one error line and nothing else)."""
+    if opts.step is not None or conv.source.format not in _NO_STEP_FORMATS:
+        return
+    result = (
+        "the NxD tag will record none (its step is then read from its name)"
+        if opts.format == "nxd"
+        else f"the output records step {conv.trees.step}"
+    )
+    warnings.warn(
+        f"{conv.source.path}: a {_NO_STEP_FORMATS[conv.source.format]} records no training step; {result} "
+        "(pass --step N to set it)",
+        stacklevel=3,
+    )
 
 
 #: the flags a CUDA checkpoint converted from NxD recorded (``extra.converted_from.nxd``) and a way back reuses;
@@ -187,6 +194,7 @@ def describe(conv: Conversion, opts: ConvertOptions, run: RunOptions | None = No
     run = run or RunOptions()
     export = make_export(conv, opts, run)  # plans only; nothing is written before begin()
     written = written_tensors(conv, export)
+    warn_unrecorded_step(conv, opts)
     mem = estimate(conv, export)
     roles: dict[str, int] = {}
     for t in written:
@@ -313,6 +321,8 @@ def convert(
         conv = plan_conversion(source, opts)
         export = make_export(conv, opts, run)
         written = written_tensors(conv, export)
+        if rank == 0:
+            warn_unrecorded_step(conv, opts)
         left = tuple(getattr(export, "not_written", ()))
         why = getattr(formats.get(opts.format).load(), "NOT_WRITTEN_WHY", None)
         if left and rank == 0:
