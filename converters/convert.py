@@ -121,6 +121,25 @@ def recorded_flags(source: Source) -> dict[str, Any]:
     return {k: nxd[k] for k in _ROUND_TRIP_FLAGS if k in nxd}
 
 
+def kept_round_trip_flags(source: Source, opts: ConvertOptions) -> dict[str, Any]:
+    """The recorded flags a CUDA source's way back keeps (not given by the caller, not NxD's defaults)."""
+    if source.layout == "neuron":
+        return {}
+    base = dataclasses.asdict(NxdFlags())
+    return {k: v for k, v in recorded_flags(source).items() if k not in opts.layout and base[k] != v}
+
+
+def _say_round_trip(source: Source, opts: ConvertOptions) -> None:
+    kept = kept_round_trip_flags(source, opts)
+    if kept:
+        shown = ", ".join(f"{k}={v}" for k, v in kept.items())
+        warnings.warn(
+            f"{source.path}: keeping the Neuron layout it was converted from ({shown}, "
+            "extra.converted_from.nxd); pass the flags (e.g. --no-qkv-linear) to choose another",
+            stacklevel=3,
+        )
+
+
 def target_flags(source: Source, opts: ConvertOptions) -> NxdFlags:
     """The Neuron layout asked for: the flags given, the rest from the source's own Neuron layout, else from the
     layout a CUDA source was converted from (so a round trip keeps ``qkv_proj.weight_q|k|v`` names), else defaults.
@@ -129,15 +148,7 @@ def target_flags(source: Source, opts: ConvertOptions) -> NxdFlags:
         base = dataclasses.asdict(source.flags)
     else:
         base = dataclasses.asdict(NxdFlags())
-        recorded = {k: v for k, v in recorded_flags(source).items() if k not in opts.layout and base[k] != v}
-        if recorded:
-            base.update(recorded)
-            shown = ", ".join(f"{k}={v}" for k, v in recorded.items())
-            warnings.warn(
-                f"{source.path}: keeping the Neuron layout it was converted from ({shown}, "
-                "extra.converted_from.nxd); pass the flags (e.g. --no-qkv-linear) to choose another",
-                stacklevel=2,
-            )
+        base.update(kept_round_trip_flags(source, opts))
     try:
         return NxdFlags(**{**base, **opts.layout})
     except TypeError as e:
@@ -165,9 +176,12 @@ def plan_conversion(source: Source, opts: ConvertOptions) -> Conversion:
                 )
             )
         return plan_to_cuda(source, config=opts.config)
-    return plan_to_neuron(
+    conv = plan_to_neuron(
         source, target_flags(source, opts), config=opts.config, replicated=tuple(opts.replicated)
     )
+    if _dist_env()[0] == 0:
+        _say_round_trip(source, opts)  # after planning: a refused request stays one error line
+    return conv
 
 
 def make_export(conv: Conversion, opts: ConvertOptions, run: RunOptions) -> Export:
