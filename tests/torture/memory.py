@@ -43,10 +43,9 @@ CONFIG: dict[str, Any] = {
     "vocab_size": 4096,
     "tie_word_embeddings": False,
 }
-#: the NxD source's layout (ZeRO-1 over DP 2) and the NxD targets' (a target rank is 1/16 of the model: NxD's file
-#: unit, the one thing the NxD writer holds at once, is a rank)
+#: the NxD source's layout (ZeRO-1 over DP 2) and the NxD targets' (re-sharded over TP, PP and DP)
 SOURCE_NXD = {"tp": 2, "pp": 2, "dp": 2}
-TARGET_NXD = {"tp": 2, "pp": 8, "dp": 2}
+TARGET_NXD = {"tp": 2, "pp": 4, "dp": 2}
 SOURCES = ("ckpt", "hf", "dcp", "nxd", "nxd_xser")
 TARGETS = ("ckpt", "hf", "dcp", "nxd", "nxd_xser")
 
