@@ -141,3 +141,21 @@ def test_manifest_outputs_hold_the_generated_model(converted: dict) -> None:
         assert sorted(got) == sorted(names), s
         differ = [n for n in names if got[n] != want[n]]
         assert not differ, f"{s} -> ckpt: {differ[:3]} differ from the generated model"
+
+
+def test_zero1_shards_in_scratch_memory_equal_the_plain_ones() -> None:
+    """The NxD writer's file-backed shard copies hold exactly what ``zero1.shard`` (pad, chunk, clone) makes."""
+    import torch
+    from ckpt.converters.nxd.scratch import Scratch
+
+    from ckpt.layouts import zero1
+
+    g = torch.Generator().manual_seed(0)
+    with Scratch(min_bytes=0) as s:
+        for rows in (1, 3, 7, 8, 100):
+            for dp in (1, 2, 3, 5):
+                t = torch.randn(rows, 5, generator=g)
+                plain, mapped = zero1.shard_all(t, dp), zero1.shard_all(t, dp, s.empty)
+                assert [x.shape for x in mapped] == [x.shape for x in plain], (rows, dp)
+                assert all(torch.equal(x, y) for x, y in zip(plain, mapped, strict=True)), (rows, dp)
+                assert all(y.untyped_storage().nbytes() == y.numel() * 4 for y in mapped)
