@@ -24,6 +24,7 @@ _EXPORTS = {
     "CheckpointInfo": "discovery",
     "list_checkpoints": "discovery",
     "AsyncSaveError": "errors",
+    "BaseMismatchError": "errors",
     "CheckpointExistsError": "errors",
     "CkptError": "errors",
     "CorruptionError": "errors",
@@ -49,6 +50,7 @@ if TYPE_CHECKING:
     from .discovery import CheckpointInfo, list_checkpoints
     from .errors import (
         AsyncSaveError,
+        BaseMismatchError,
         CheckpointExistsError,
         CkptError,
         CorruptionError,
@@ -65,7 +67,13 @@ if TYPE_CHECKING:
     from .saver import Checkpointer, SaveResult
 
 
+_SUBMODULES = ("dcp", "integrations")
+"""Framework adapters, imported on first use (``ckpt.dcp.Reader`` imports torch.distributed.checkpoint)."""
+
+
 def __getattr__(name: str) -> Any:
+    if name in _SUBMODULES:
+        return importlib.import_module(f".{name}", __name__)
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module 'ckpt' has no attribute {name!r}")
@@ -88,6 +96,7 @@ def save(path: str, *, step: int, **state: Any) -> SaveResult:
 
 __all__ = [
     "AsyncSaveError",
+    "BaseMismatchError",
     "Box",
     "CheckpointExistsError",
     "CheckpointInfo",

@@ -126,6 +126,9 @@ def build_manifest(
         environment=env if env is not None else environment.capture(layout.world_size),
         user=trees.get("user"),
         extra=trees.get("extra", {}),
+        data_position=trees.get("data_position"),
+        rng_base=trees.get("rng_base"),
+        adapter=trees.get("adapter"),
     )
 
 

@@ -49,6 +49,12 @@ def missing_files(storage: Storage, manifest: Manifest) -> list[str]:
     return bad
 
 
+def absent_files(storage: Storage, manifest: Manifest) -> list[str]:
+    """Files the manifest lists that the folder does not hold (one listing; sizes not checked)."""
+    present = set(storage.listdir())
+    return [f"{path} (missing)" for path in manifest.files if path.split("/", 1)[0] not in present]
+
+
 def inspect_dir(root: Storage, name: str, check_files: bool = False) -> CheckpointInfo:
     step = parse_step(name)
     assert step is not None

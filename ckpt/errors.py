@@ -32,6 +32,18 @@ class StateMismatchError(CkptError):
     """The object being restored does not fit the checkpoint (missing/unexpected names, shapes)."""
 
 
+class ReplicaMismatchError(StateMismatchError):
+    """Copies of state that must be identical on several ranks (DDP replicas, TP-replicated norms) differ: a
+    desynchronised run.  Nothing was written; saving one copy would silently pick a rank."""
+
+
+class BaseMismatchError(StateMismatchError):
+    """An adapter checkpoint is being restored onto a base model other than the one it was trained on.
+
+    Not a damaged checkpoint: ``CheckpointManager.restore_latest`` raises it instead of falling back to older steps
+    (which share the base, so would all fail, and the run would silently start from scratch)."""
+
+
 class CheckpointExistsError(CkptError):
     """A checkpoint for this step is already committed and overwrite was not requested."""
 

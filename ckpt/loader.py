@@ -7,7 +7,6 @@ and follows its parameter's current sharding, so a checkpoint saved on W ranks r
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,6 +34,12 @@ class RestoreResult:
     missing: list[str] = field(default_factory=list)
     unexpected: list[str] = field(default_factory=list)
     rng_restored: list[str] = field(default_factory=list)
+    #: RNG streams restored from the checkpoint as saved (own rank's, or a stream shared by every saving rank)
+    rng_carried: list[str] = field(default_factory=list)
+    #: RNG streams re-seeded from the base seed, step and rank (the DP size changed and the stream was per-rank)
+    rng_derived: list[str] = field(default_factory=list)
+    #: how the data loader was placed (ckpt.data.DataRestore), None when no dataloader= was given
+    data: Any = None
 
 
 def _names_list(names: list[str], limit: int = 8) -> str:
@@ -178,20 +183,33 @@ def restore(
     storage_options: dict[str, Any] | None = None,
     layout_hook: Any = None,
     restorer: Any = None,
+    check_base: bool = True,
 ) -> RestoreResult:
     """Restore everything given, in place, from the checkpoint at ``path``. Call on every rank.
 
-    Model and optimizer are restored for this rank's current sharding; RNG and data-loader state are this rank's
-    own.  ``strict`` (default) refuses missing/unexpected names and a data-loader state saved by a different
-    number of ranks.  ``restorer`` (a ``Restorer`` subclass or factory taking ``(reader, layout_hook)``) lets a
+    Model and optimizer are restored for this rank's current sharding.  On the DP size the checkpoint was saved
+    with, RNG and data-loader state are this rank's own; on another, the data loader continues the global data
+    position (ckpt.data: loaders an adapter knows, others are refused) and RNG streams follow ckpt.rng's rule
+    (shared streams carried, per-rank ones re-derived); ``RestoreResult`` says which.  ``strict`` (default)
+    refuses missing/unexpected names and a loader that cannot be re-split.  ``restorer`` (a ``Restorer`` subclass or factory taking ``(reader, layout_hook)``) lets a
     backend change how tensors reach their device or how a non-torch.optim optimizer is filled.
+
+    An adapter-only checkpoint (``manifest.adapter``) restores the model's trainable parameters only, after checking
+    (``check_base``) that the frozen base in ``model`` is the one the adapter was trained on.
     """
     reader = path if isinstance(path, CheckpointReader) else CheckpointReader(path, storage_options, verify)
     m = reader.manifest
     r = (restorer or Restorer)(reader, layout_hook)
     missing: list[str] = []
     unexpected: list[str] = []
-    if model is not None:
+    if model is not None and m.adapter is not None:
+        from . import adapters
+
+        if check_base:
+            rank, world = _rank()
+            adapters.check_base(m.adapter, adapters.base_identity(model), rank, world, reader.path)
+        missing, unexpected = r.model(adapters.trainable(model), strict)
+    elif model is not None:
         missing, unexpected = r.model(model, strict)
     if optimizer is not None:
         r.optimizer(optimizer, model)
@@ -204,28 +222,15 @@ def restore(
             raise StateMismatchError(f"{reader.path}: checkpoint holds no GradScaler state")
         load_state_into(scaler, treecodec.decode(m.scaler), "scaler")
     rank, world = _rank()
+    data_outcome = None
     if dataloader is not None:
-        saved_world = m.layout.world_size
-        if str(rank) not in m.data:
-            raise StateMismatchError(f"{reader.path}: checkpoint holds no data-loader state for rank {rank}")
-        if saved_world != world:
-            msg = (
-                f"{reader.path}: data-loader state was saved by {saved_world} ranks, restoring on {world}: "
-                "sample positions would be repeated or skipped"
-            )
-            if strict:
-                raise StateMismatchError(msg + " (pass strict=False to load rank-wise anyway)")
-            warnings.warn(msg, stacklevel=2)
-        load_state_into(dataloader, treecodec.decode(m.data[str(rank)]), "dataloader")
-    restored: list[str] = []
-    if rng:
-        if str(rank) in m.rng:
-            restored = rng_mod.restore(m.rng[str(rank)])
-        elif m.rng:
-            warnings.warn(
-                f"{reader.path}: no RNG state for rank {rank} (saved by {m.layout.world_size} ranks)",
-                stacklevel=2,
-            )
+        from .data import restore as restore_data
+
+        data_outcome = restore_data(dataloader, m, rank, world, reader.path, strict)
+    carried: list[str] = []
+    derived: list[str] = []
+    if rng and m.rng:
+        carried, derived = rng_mod.restore_across(m.rng, m.rng_base, m.step, rank, world)
     return RestoreResult(
         step=m.step,
         path=reader.path,
@@ -234,7 +239,10 @@ def restore(
         metadata=treecodec.decode(m.user) if m.user is not None else None,
         missing=missing,
         unexpected=unexpected,
-        rng_restored=restored,
+        rng_restored=carried + derived,
+        rng_carried=carried,
+        rng_derived=derived,
+        data=data_outcome,
     )
 
 

@@ -15,12 +15,22 @@ from typing import Any
 
 from .discovery import CheckpointInfo, list_checkpoints, missing_files, step_dir
 from .distributed import Collective
-from .errors import CkptError
+from .errors import (
+    BaseMismatchError,
+    CkptError,
+    CorruptionError,
+    ManifestError,
+    StateMismatchError,
+    StorageError,
+)
 from .loader import RestoreResult, restore
 from .manifest import MANIFEST_NAME
 from .reader import CheckpointReader
-from .saver import Checkpointer, SaveResult
+from .saver import Checkpointer, SaveResult, check_step
 from .storage import open_storage
+
+# a checkpoint that is damaged or incomplete: restore_latest falls back to an older one
+_DAMAGE = (CorruptionError, ManifestError, StorageError)
 
 
 class CheckpointManager:
@@ -63,6 +73,8 @@ class CheckpointManager:
         )
         self.coll: Collective = self.checkpointer.coll
         self.last_result: SaveResult | None = None
+        #: the RestoreResult of the last restore / restore_latest on this rank (data position, RNG streams, ...)
+        self.last_restore: RestoreResult | None = None
 
     def path_for(self, step: int) -> str:
         return f"{self.root}/{step_dir(step)}"
@@ -70,6 +82,7 @@ class CheckpointManager:
     # ------------------------------------------------------------------------------------------------ saving
     def save(self, step: int, **state: Any) -> Future:
         """Save ``state`` (model=, optimizer=, scheduler=, ...) as step ``step``; see Checkpointer.save."""
+        check_step(step)
         fut = self.checkpointer.save(self.path_for(step), step=step, on_commit=self._after_commit, **state)
         if fut.done() and fut.exception() is None:
             self._emit_save(fut.result())
@@ -125,6 +138,7 @@ class CheckpointManager:
 
     def _emit_restore(self, result: RestoreResult, seconds: float) -> None:
         # seconds: wall time of the restore including manifest reads, so recovery-cost reports can use it
+        self.last_restore = result
         if self.on_event is not None and self.coll.rank == 0:
             self.on_event("restore", {"step": result.step, "path": result.path, "seconds": seconds})
 
@@ -132,7 +146,10 @@ class CheckpointManager:
         """Restore the newest valid checkpoint; returns its step, or None when there is none. Call on every rank.
 
         Rank 0 picks candidates (newest first); every rank restores; if any rank finds damage (missing file,
-        checksum), all ranks fall back to the previous checkpoint together, with a warning naming the problem.
+        checksum, unreadable manifest), all ranks fall back to the previous checkpoint together, with a warning
+        naming the problem.  A checkpoint that does not fit the caller's objects (other shapes or names, an
+        optimizer the checkpoint does not hold) raises :class:`StateMismatchError` on every rank at once: an older
+        step would not fit either, and returning None would silently restart training from scratch.
         """
         t0 = time.perf_counter()
         candidates = None
@@ -162,16 +179,29 @@ class CheckpointManager:
                 candidates.append(info.step)
         candidates = self.coll.broadcast(candidates)
         for step in candidates:
-            error = None
+            error: tuple[Any, ...] | None = None  # (is_mismatch, message[, is_base_mismatch])
             try:
                 reader = CheckpointReader(self.path_for(step), self.storage_options)
                 result = restore(reader, layout_hook=self.layout_hook, **state)
+            except _DAMAGE as e:
+                error = (False, str(e))
             except CkptError as e:
-                error = str(e)
+                # the caller's objects do not fit (StateMismatchError, BaseMismatchError, LayoutError, ...): not the
+                # checkpoint's fault, and older steps would not fit either
+                error = (True, str(e), isinstance(e, BaseMismatchError))
             errors = [e for e in self.coll.all_gather(error) if e is not None]
+            mismatches = [(msg, base) for is_mismatch, msg, *base in errors if is_mismatch]
+            if mismatches:
+                msg, base = mismatches[0]
+                cls = BaseMismatchError if base and base[0] else StateMismatchError
+                raise cls(
+                    f"{msg} (checkpoint step {step} does not fit the objects passed to restore_latest; "
+                    "older steps were not tried, so training does not silently restart)"
+                )
             if errors:
                 warnings.warn(
-                    f"checkpoint step {step} could not be restored, falling back: {errors[0]}", stacklevel=2
+                    f"checkpoint step {step} could not be restored, falling back: {errors[0][1]}",
+                    stacklevel=2,
                 )
                 continue
             self._emit_restore(result, time.perf_counter() - t0)
@@ -180,13 +210,19 @@ class CheckpointManager:
 
     # ------------------------------------------------------------------------------------------------ retention
     def apply_retention(self, newest: int) -> list[int]:
-        """Delete checkpoints outside the policy (manifest first) and sweep leftovers. Returns deleted steps."""
+        """Delete checkpoints outside the policy (manifest first) and sweep leftovers. Returns deleted steps.
+
+        ``newest`` is the step just written.  Steps above it belong to another run (an older timeline left in
+        the same root): they are never deleted and do not count towards ``keep_last``, so they cannot push the
+        writing run's own checkpoints out.
+        """
         infos = self.list()
-        committed = [i.step for i in infos if i.status == "committed"]
+        committed = [i.step for i in infos if i.status == "committed" and i.step <= newest]
         keep = set(committed if self.keep_last is None else committed[-self.keep_last :])
         if self.keep_every:
             keep |= {s for s in committed if s % self.keep_every == 0}
         keep.add(newest)
+        keep |= {i.step for i in infos if i.step > newest}
         deleted = []
         for info in infos:
             sub = self.storage.child(info.name)

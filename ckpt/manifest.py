@@ -161,7 +161,13 @@ class Manifest:
     environment: dict[str, JSON] = field(default_factory=dict)
     user: JSON = None
     extra: dict[str, JSON] = field(default_factory=dict)
+    #: adapter-only checkpoint: ``{"base": {digest, rank_digests, tensors, bytes, config, source}}`` (docs/format.md)
+    adapter: dict[str, JSON] | None = None
     format_version: int = FORMAT_VERSION
+    #: the global data position, independent of the DP size (ckpt.data.position.DataPosition); None: not known
+    data_position: dict[str, JSON] | None = None
+    #: the RNG rule's inputs for a restore on another DP size (ckpt.rng.base_record); None: no RNG saved
+    rng_base: dict[str, JSON] | None = None
 
     @property
     def total_bytes(self) -> int:
@@ -183,11 +189,15 @@ class Manifest:
             "rng": self.rng,
             "progress": self.progress,
             "data": self.data,
+            "data_position": self.data_position,
+            "rng_base": self.rng_base,
             "tokenizer": self.tokenizer,
             "environment": self.environment,
             "user": self.user,
             "extra": self.extra,
         }
+        if self.adapter is not None:  # absent from full checkpoints, so their bytes are what v1 always wrote
+            doc["adapter"] = self.adapter
         return seal(doc)
 
     @staticmethod
@@ -360,7 +370,7 @@ def _from_doc(doc: Any, source: str) -> Manifest:
     tensors: dict[str, TensorEntry] = {}
     for name, t in _need(doc, "tensors", dict, source).items():
         tensors[name] = _tensor_from_doc(name, t, files, source)
-    for key in ("optimizer", "tokenizer"):
+    for key in ("optimizer", "tokenizer", "data_position", "rng_base", "adapter"):
         if doc.get(key) is not None and not isinstance(doc[key], dict):
             raise ManifestError(f"{source}: field {key!r} must be an object or null")
     for key in ("rng", "progress", "data", "environment", "extra"):
@@ -384,8 +394,52 @@ def _from_doc(doc: Any, source: str) -> Manifest:
         environment=doc.get("environment") or {},
         user=doc.get("user"),
         extra=doc.get("extra") or {},
+        adapter=_adapter_from_doc(doc.get("adapter"), source),
         format_version=version,
+        data_position=_data_position(doc.get("data_position"), source),
+        rng_base=_rng_base(doc.get("rng_base"), source),
     )
+
+
+def _data_position(value: Any, source: str) -> dict[str, JSON] | None:
+    """Validated (ckpt.data.position.DataPosition.from_json raises ManifestError naming the field), kept as JSON."""
+    if value is None:
+        return None
+    from .data.position import DataPosition
+
+    DataPosition.from_json(value, source)
+    return value
+
+
+def _rng_base(value: Any, source: str) -> dict[str, JSON] | None:
+    if value is None:
+        return None
+    where = f"{source}: rng_base"
+    for key in ("seed", "dp"):
+        v = value.get(key)
+        if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+            raise ManifestError(f"{where}.{key}: expected a non-negative integer, got {v!r}")
+    for key in ("rule", "source"):
+        if not isinstance(value.get(key), str):
+            raise ManifestError(f"{where}.{key}: expected a string, got {value.get(key)!r}")
+    shared = value.get("shared")
+    if not isinstance(shared, list) or not all(isinstance(x, str) for x in shared):
+        raise ManifestError(f"{where}.shared: expected a list of stream names")
+    return value
+
+
+def _adapter_from_doc(value: Any, source: str) -> dict[str, Any] | None:
+    if value is None:
+        return None
+    base = value.get("base")
+    if not isinstance(base, dict) or not isinstance(base.get("digest"), str):
+        raise ManifestError(f"{source}: adapter.base must be an object with a string digest")
+    digests = base.get("rank_digests")
+    if digests is not None and (
+        not isinstance(digests, list) or not all(isinstance(d, str) for d in digests)
+    ):
+        raise ManifestError(f"{source}: adapter.base.rank_digests must be a list of strings")
+    return value
 
 
 def _named(check: Any, value: Any, where: str) -> Any:

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from . import treecodec
+from .rng_rule import META_KEYS, base_record, derive_seed, stream_keys
 
 
 def capture() -> dict[str, Any]:
@@ -70,3 +71,52 @@ def _tuplify(value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return tuple(_tuplify(v) for v in value)
     return value
+
+
+# ---------------------------------------------------------------------------------------------- across a DP change
+# The rule and its pure parts live in ckpt.rng_rule; this applies it to the live generators.
+
+
+def _seed_stream(stream: str, seed: int) -> bool:
+    if stream == "python":
+        random.seed(seed)
+    elif stream == "numpy":
+        np.random.seed(seed % (1 << 32))
+    elif stream == "torch":
+        torch.random.default_generator.manual_seed(seed)
+    elif stream == "cuda":
+        if not torch.cuda.is_available():
+            return False
+        torch.cuda.manual_seed_all(seed)
+    elif stream in ("xla_seed", "xla_nxd_tracker"):
+        if "torch_xla" not in sys.modules:
+            return False
+        from .neuron.rng import reseed_xla
+
+        reseed_xla(stream, seed)
+    else:
+        return False
+    return True
+
+
+def restore_across(
+    records: dict[str, Any], base: dict[str, Any] | None, step: int, rank: int, world: int
+) -> tuple[list[str], list[str]]:
+    """Apply the rule for rank ``rank`` of ``world``; returns (streams carried, streams re-derived)."""
+    if not records:
+        return [], []
+    if world == len(records) and str(rank) in records:
+        return restore(records[str(rank)]), []
+    base = base or base_record(records, None)
+    assert base is not None
+    shared = set(base.get("shared", []))
+    first = records[min(records, key=int)]
+    carried = restore(
+        {k: v for k, v in first.items() if k in shared or (k in META_KEYS and "xla_nxd_tracker" in shared)}
+    )
+    derived = [
+        k
+        for k in stream_keys(first)
+        if k not in shared and _seed_stream(k, derive_seed(int(base["seed"]), step, rank, k))
+    ]
+    return carried, derived

@@ -27,15 +27,17 @@ from typing import Any
 
 import torch
 
+from . import adapters, rng_rule, treecodec
+from . import data as data_mod
 from . import rng as rng_mod
 from . import tokenizer as tokenizer_mod
-from . import treecodec
 from .commit import Receipt, build_manifest, data_file_name, publish, write_data_file
 from .distributed import Collective
 from .dtypes import dtype_name
-from .errors import AsyncSaveError, CheckpointExistsError, CkptError
+from .errors import AsyncSaveError, CheckpointExistsError, CkptError, StateMismatchError
 from .manifest import MANIFEST_NAME, Box, Layout, Manifest, TensorDesc
 from .planning import DEFAULT_CHUNK_BYTES, Piece, assign_writers, chunk_boxes, digest, local_box
+from .replicas import check_replicas
 from .staging import HostStager
 from .state import NamedTensor, model_tensors, optimizer_capture, state_dict_of
 from .storage import Storage, open_storage
@@ -71,6 +73,7 @@ class _Job:
     started: float
     blocking_s: float
     on_commit: Callable[[SaveResult], None] | None = None
+    rng_seed: int | None = None
 
 
 def detect_backend(tensors: list[torch.Tensor]) -> str:
@@ -82,11 +85,28 @@ def detect_backend(tensors: list[torch.Tensor]) -> str:
     return "cpu"
 
 
+def check_step(step: Any) -> int:
+    """A step is a non-negative integer (it names the folder ``step_%08d`` and orders checkpoints)."""
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        try:
+            ok = not isinstance(step, bool) and step.__index__() >= 0
+        except (AttributeError, TypeError):
+            ok = False
+        if not ok:
+            raise CkptError(f"step={step!r}: expected a non-negative integer")
+    return int(step)
+
+
 class Checkpointer:
     """Saves checkpoints from a training loop. Construct on every rank (it creates the checkpoint process group).
 
     ``async_save=True`` returns from :meth:`save` once tensors are staged in host memory; one save is in flight
     at a time; ``close()`` waits for it.
+
+    Replicated state (a box of a tensor that several ranks hold: DDP replicas, TP-replicated norms) is written by one
+    rank only, so its copies are compared first (:func:`ckpt.replicas.check_replicas`, xxh3 digests all-gathered):
+    on the first save of this checkpointer, and on every save when ``verify_replicas=True`` here or in
+    :meth:`save`.  A copy that differs refuses the save on every rank (``ReplicaMismatchError``), nothing written.
     """
 
     def __init__(
@@ -99,8 +119,11 @@ class Checkpointer:
         storage_options: dict[str, Any] | None = None,
         layout_hook: LayoutHook | None = None,
         stager: Any = None,
+        verify_replicas: bool = False,
     ) -> None:
         self.async_save = async_save
+        self.verify_replicas = verify_replicas
+        self._replicas_checked = False
         self.coll = Collective(process_group)
         self.chunk_bytes = chunk_bytes
         self.codec = codec
@@ -112,6 +135,7 @@ class Checkpointer:
         self._per_rank: list[list[Piece]] | None = None
         self._inflight: Future | None = None
         self._thread: threading.Thread | None = None
+        self._base = adapters.BaseTracker()
 
     # ------------------------------------------------------------------------------------------------ public
     def save(
@@ -126,25 +150,45 @@ class Checkpointer:
         dataloader: Any = None,
         tokenizer: Any = None,
         rng: bool = True,
+        rng_seed: int | None = None,
         progress: dict[str, Any] | None = None,
         metadata: Any = None,
         layout: Layout | None = None,
         extra: dict[str, Any] | None = None,
         overwrite: bool = False,
         on_commit: Callable[[SaveResult], None] | None = None,
+        verify_replicas: bool | None = None,
+        adapter_only: bool = False,
+        base_source: str | None = None,
     ) -> Future:
         """Save one checkpoint to ``path`` (its own directory/prefix). Returns a future of :class:`SaveResult`.
 
         Synchronous saves are complete (and raise) before returning; the future is already resolved.
         ``on_commit`` runs on rank 0 after the manifest is written (retention uses it); its errors only warn.
         ``extra`` becomes the manifest's ``extra`` (JSON; backend/converter facts such as ``extra.nxd``).
+        ``dataloader``: each rank's ``state_dict`` plus, for loaders a data adapter knows (ckpt.data), the global
+        data position that a restore on another DP size continues.  ``rng_seed``: the base seed from which a
+        restore on another DP size re-derives per-rank RNG streams (default: derived from rank 0's RNG state).
+        ``verify_replicas``: compare replicated copies across ranks in this save (default: on the first save of this
+        checkpointer, or always if it was made with ``verify_replicas=True``).
+        ``adapter_only=True`` (a fine-tune of a frozen base: PEFT, NxD ``LoraModel``) saves the trainable parameters
+        only, with their optimizer state, and records the frozen base by identity in ``manifest.adapter``
+        (:mod:`ckpt.adapters`; ``base_source`` says where the base was loaded from, default: its config's
+        ``_name_or_path``).  Save the base itself once with a plain save when it is not on storage already.
         """
+        check_step(step)
         self.wait()
         started = time.perf_counter()
         storage = open_storage(path, self.storage_options)
         named: list[NamedTensor] = []
         trees: dict[str, Any] = {"progress": {"step": step, **(progress or {})}}
-        if model is not None:
+        ident = None
+        if adapter_only:
+            if model is None:
+                raise CkptError("adapter_only=True needs model= (its trainable parameters are the adapter)")
+            named.extend(model_tensors(adapters.trainable(model)))
+            ident = self._base.identity(model, base_source)
+        elif model is not None:
             named.extend(model_tensors(model))
         if optimizer is not None:
             opt_tensors, trees["optimizer"] = self.capture_optimizer(optimizer, model)
@@ -163,16 +207,29 @@ class Checkpointer:
         if rng:
             rank_trees["rng"] = rng_mod.capture()
         if dataloader is not None:
-            rank_trees["data"] = treecodec.encode(state_dict_of(dataloader, "dataloader"), "dataloader")
+            rank_trees["data"] = treecodec.encode(_loader_state(dataloader), "dataloader")
+            rank_trees["data_position"] = data_mod.position_of(dataloader)
 
-        pieces, local = self._describe(named)
+        refused: CkptError | None = None
+        try:
+            self.check_state(named)
+            pieces, local = self._describe(named)
+        except CkptError as e:
+            if not self.coll.active:
+                raise
+            refused, pieces, local = e, [], {}
         rank0 = (
             {"attempt": uuid.uuid4().hex[:8], "exists": storage.exists(MANIFEST_NAME)}
-            if self.coll.rank == 0
+            if self.coll.rank == 0 and refused is None
             else None
         )
-        gathered = self.coll.all_gather((digest(pieces), rank0))
+        gathered = self.coll.all_gather(
+            (digest(pieces), rank0, None if refused is None else str(refused), ident)
+        )
+        _agree(refused, [g[2] for g in gathered])
         info = gathered[0][1]
+        if adapter_only:
+            trees["adapter"] = adapters.manifest_record([g[3] for g in gathered], adapters.lora_config(model))
         if info["exists"] and not overwrite:
             raise CheckpointExistsError(
                 f"{storage.display(MANIFEST_NAME)} already exists: step {step} is committed (pass overwrite=True)"
@@ -182,6 +239,10 @@ class Checkpointer:
             self._per_rank = self.coll.all_gather(pieces)
             self._plan = assign_writers(self._per_rank)
             self._plan_key = key
+        check = verify_replicas if verify_replicas is not None else self.verify_replicas
+        if (check or not self._replicas_checked) and self.coll.world_size > 1:
+            check_replicas(self.coll, self._per_rank, local)
+            self._replicas_checked = True
         if info["exists"] and self.coll.rank == 0:
             storage.delete(MANIFEST_NAME)
         assert self._plan is not None
@@ -212,6 +273,7 @@ class Checkpointer:
             started=started,
             blocking_s=0.0,
             on_commit=on_commit,
+            rng_seed=rng_seed,
         )
         fut: Future = Future()
         job.blocking_s = time.perf_counter() - started
@@ -246,6 +308,10 @@ class Checkpointer:
             self.wait()
         finally:
             self.stager.release()
+
+    def check_state(self, named: list[NamedTensor]) -> None:
+        """Refuse state this checkpointer cannot describe without guessing (an extension point; raises CkptError).
+        Called on every rank before anything is exchanged; a refusal on any rank fails the save on every rank."""
 
     def capture_optimizer(self, optimizer: Any, model: Any) -> tuple[list[NamedTensor], dict[str, Any]]:
         """Named tensors and JSON tree of ``optimizer``.  An extension point: optimizers whose ``state_dict`` is
@@ -336,15 +402,44 @@ class Checkpointer:
             for p in pieces:
                 metas.setdefault(p.name, p.desc)
         receipts = [r["receipt"] for r in reports]
+        trees = dict(job.trees)
+        by_rank = sorted(reports, key=lambda r: r["rank"])
+        if any("data" in r["trees"] for r in by_rank):
+            trees["data_position"] = data_mod.merge_json(
+                [r["trees"].get("data_position") for r in by_rank], trees.get("progress", {})
+            )
+        rng_records = {str(r["rank"]): r["trees"]["rng"] for r in by_rank if "rng" in r["trees"]}
+        trees["rng_base"] = rng_rule.base_record(rng_records, job.rng_seed)
         return build_manifest(
             step=job.step,
             backend=job.backend,
             layout=job.layout,
             metas=metas.values(),
             receipts=receipts,
-            trees=job.trees,
+            trees=trees,
             rank_trees={r["receipt"].rank: r["trees"] for r in reports},
         )
+
+
+def _loader_state(loader: Any) -> Any:
+    """A loader's ``state_dict``; a plain DataLoader has none, and the fix is one call (ckpt.data.track)."""
+    from torch.utils.data import DataLoader
+
+    if isinstance(loader, DataLoader) and not hasattr(loader, "state_dict"):
+        raise StateMismatchError(
+            "dataloader= is a plain torch DataLoader, which keeps no position: wrap it with "
+            "ckpt.data.track(loader) and iterate the wrapper, or use torchdata's StatefulDataLoader"
+        )
+    return state_dict_of(loader, "dataloader")
+
+
+def _agree(mine: CkptError | None, errors: list[str | None]) -> None:
+    """Every rank raises when any rank refused: its own error, else the first refusing rank's."""
+    if mine is not None:
+        raise mine
+    for rank, err in enumerate(errors):
+        if err is not None:
+            raise CkptError(f"rank {rank} refused the save, nothing written: {err}")
 
 
 def default_layout(named: list[NamedTensor], world: int) -> Layout:

@@ -61,6 +61,12 @@ def param_names_in_optimizer_order(optimizer: torch.optim.Optimizer, model: Any)
         raise StateMismatchError(
             "saving or restoring an optimizer needs model= as an nn.Module to name its parameters"
         )
+    groups = getattr(optimizer, "param_groups", None)
+    if not isinstance(groups, list) or not callable(getattr(optimizer, "state_dict", None)):
+        raise StateMismatchError(
+            f"optimizer= is a {type(optimizer).__name__}, not an optimizer (no param_groups/state_dict); "
+            "pass the torch.optim.Optimizer (model= takes the module)"
+        )
     by_id = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
     names = []
     for gi, group in enumerate(optimizer.param_groups):

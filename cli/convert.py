@@ -37,6 +37,9 @@ Examples:
   ckpt convert hf_model/ out/trn --to neuron --tp 8 --qkv-linear --kv-size-multiplier 2 --hw trn2
   ckpt convert out/trn out/nxd_tag --to neuron --format nxd --dp 4    # NxD-native tag, ZeRO-1 over 4 ranks
   ckpt convert big/ out/ --to cuda --workers 4 --dry-run
+  ckpt convert peft_adapter/ out/lora_tag --to neuron --format nxd --tp 8 --qkv-linear --config base/config.json
+  ckpt convert run/lora_step_500 out/peft --to cuda --format peft --config base/config.json
+  ckpt convert base_hf/ out/merged --to cuda --format hf --merge-lora out/peft
 
 \b
 Layout flags describe the Neuron target; unset ones keep SRC's own Neuron layout. --source-* flags describe an NxD
@@ -77,7 +80,7 @@ def layout_options(fn: Callable[..., Any]) -> Callable[..., Any]:
 @click.option(
     "--format",
     "fmt",
-    type=click.Choice(["ckpt", "dcp", "hf", "nxd"]),
+    type=click.Choice(["ckpt", "dcp", "hf", "hf-trainer", "nxd", "peft"]),
     default="ckpt",
     show_default=True,
     help="Format of DST.",
@@ -86,7 +89,29 @@ def layout_options(fn: Callable[..., Any]) -> Callable[..., Any]:
 @click.option(
     "--config", "config_path", type=str, default=None, help="Hugging Face config.json of the model."
 )
+@click.option(
+    "--replicated",
+    "replicated",
+    multiple=True,
+    metavar="GLOB",
+    help="Neuron layouts: tensors the layout rules do not know (fnmatch glob over the whole name) that are "
+    "replicated on every TP rank; repeatable. Any other unknown tensor is refused.",
+)
+@click.option(
+    "--model-type",
+    "model_type",
+    type=str,
+    default=None,
+    help="HF model_type of a model whose config.json lacks one (llama, mistral, qwen2); never guessed.",
+)
 @click.option("--step", type=int, default=None, help="Step to record (default: the source's).")
+@click.option(
+    "--merge-lora",
+    "merge_lora",
+    type=str,
+    default=None,
+    help="LoRA adapter (PEFT folder or NxD LoRA tag) to merge into SRC, the base HF model (--to cuda --format hf).",
+)
 @click.option(
     "--xser/--no-xser", default=None, help="--format nxd: write torch_xla's xser form (default: SRC's)."
 )
@@ -116,6 +141,7 @@ def layout_options(fn: Callable[..., Any]) -> Callable[..., Any]:
 @click.option(
     "--dry-run", is_flag=True, help="Print the plan (tensors, bytes, peak memory) and write nothing."
 )
+@click.option("--json", "as_json", is_flag=True, help="Print the result (or the --dry-run plan) as JSON.")
 def convert(
     src: str,
     dst: str,
@@ -124,12 +150,16 @@ def convert(
     fmt: str,
     config_path: str | None,
     step: int | None,
+    merge_lora: str | None,
     xser: bool | None,
     codec: str,
     allow_unmarked: bool,
     workers: int,
     max_shard_size: str,
     dry_run: bool,
+    as_json: bool,
+    replicated: tuple[str, ...],
+    model_type: str | None,
     **flags: Any,
 ) -> None:
     """Convert checkpoint SRC into DST (SRC is never written; DST is committed atomically)."""
@@ -137,6 +167,7 @@ def convert(
     from ckpt.converters.convert import describe, open_source, plan_conversion
     from ckpt.converters.options import ConvertOptions, RunOptions, load_config
 
+    refuse_idle_flags(fmt, xser=xser)
     layout = {k: v for k, v in flags.items() if not k.startswith("source_") and v is not None}
     source_flags = {
         k[len("source_") :]: v for k, v in flags.items() if k.startswith("source_") and v is not None
@@ -152,14 +183,31 @@ def convert(
         max_shard_bytes=parse_size(max_shard_size, "--max-shard-size"),
         xser=xser,
         codec=codec,
+        replicated=replicated,
+        model_type=model_type,
+        merge_lora=merge_lora,
     )
     run = RunOptions(workers=workers, allow_unmarked=allow_unmarked)
+    from ckpt.converters.lora import is_adapter
+
+    if dry_run and (merge_lora is not None or fmt == "peft" or is_adapter(src)):
+        what = f"merge {merge_lora} into" if merge_lora else "adapter"
+        out.print(
+            f"plan: {what} {src} -> {fmt} ({to}) {dst}; adapters are checked whole when converted",
+            markup=False,
+        )
+        return
     if dry_run:
         source = open_source(src, opts, run)
         try:
             d = describe(plan_conversion(source, opts), opts, run)
         finally:
             source.close()
+        if as_json:
+            import json
+
+            click.echo(json.dumps({"dry_run": True, "dst": dst, **d}, indent=2))
+            return
         out.print(
             f"plan: {d['source']['format']} ({d['source']['layout']}) {src} -> {fmt} ({to}) {dst}",
             markup=False,
@@ -170,6 +218,8 @@ def convert(
             f"  tensors: {d['tensors']} ({', '.join(f'{k} {v}' for k, v in sorted(d['by_role'].items()))})"
         )
         out.print(f"  bytes: {human_bytes(d['bytes'])} ({d['bytes']})")
+        if d["not_written"]:
+            out.print(f"  not written: {', '.join(d['not_written'])}", markup=False)
         out.print(f"  largest tensor: {human_bytes(d['largest_tensor'])}")
         pm = d["peak_memory"]
         out.print(
@@ -179,7 +229,26 @@ def convert(
         )
         out.print(f"  step: {d['step']}, workers: {workers}")
         return
-    _run(run_convert, src, dst, opts, run)
+    _run(run_convert, src, dst, opts, run, as_json)
+
+
+#: options that mean something for one output format only: (option name, flag, the format)
+_FORMAT_ONLY = (("codec", "--codec", "ckpt"), ("max_shard_size", "--max-shard-size", "hf"))
+
+
+def refuse_idle_flags(fmt: str, *, xser: bool | None) -> None:
+    """Refuse an option given on the command line that does nothing for ``--format fmt`` (never ignore it)."""
+    ctx = click.get_current_context()
+    given = [
+        (flag, only)
+        for name, flag, only in _FORMAT_ONLY
+        if ctx.get_parameter_source(name) is click.core.ParameterSource.COMMANDLINE and fmt != only
+    ]
+    if xser is not None and fmt != "nxd":
+        given.insert(0, ("--xser/--no-xser", "nxd"))
+    if given:
+        flag, only = given[0]
+        raise CkptError(f"{flag} is for --format {only} and does nothing with --format {fmt}; drop it")
 
 
 _UNITS = {
@@ -205,7 +274,7 @@ def parse_size(text: str, flag: str) -> int:
     return int(float(m.group(1)) * _UNITS[unit])
 
 
-def _run(run_convert, src: str, dst: str, opts, run) -> None:  # noqa: ANN001 - internal
+def _run(run_convert, src: str, dst: str, opts, run, as_json: bool) -> None:  # noqa: ANN001 - internal
     from rich.progress import (
         BarColumn,
         DownloadColumn,
@@ -227,10 +296,16 @@ def _run(run_convert, src: str, dst: str, opts, run) -> None:  # noqa: ANN001 - 
     ) as bar:
         task = bar.add_task("convert", total=None)
 
-        def on_plan(conv) -> None:  # noqa: ANN001
-            bar.update(task, total=conv.nbytes)
+        def on_plan(nbytes: int) -> None:
+            bar.update(task, total=nbytes)
 
         result = run_convert(src, dst, opts, run, progress=lambda n: bar.advance(task, n), on_plan=on_plan)
+    if as_json:
+        import dataclasses
+        import json
+
+        click.echo(json.dumps(dataclasses.asdict(result), indent=2))
+        return
     out.print(
         f"converted {result.tensors} tensors ({human_bytes(result.bytes)}) -> {result.dst} [{result.format}]",
         markup=False,  # "[hf]" is text, not a style

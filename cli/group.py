@@ -2,7 +2,9 @@
 
 A :class:`~ckpt.errors.CkptError` becomes one stderr line ``ckpt: error: <message>`` and the error's exit code
 (2 bad input, 1 a problem found in a checkpoint); Ctrl-C becomes one line ``ckpt: interrupted`` and exit code 130
-(128 + SIGINT, what a shell reports for it); anything else is a bug and keeps its traceback.  Commands just raise.
+(128 + SIGINT, what a shell reports for it); an ``OSError`` the environment raised (disk full, permission denied)
+one line and exit 2; anything else is a bug and keeps its traceback.  Commands just raise.
+A library warning becomes one stderr line ``ckpt: warning: <message>`` (not Python's two lines naming our source).
 ``main()`` and click's test runner both go through the group, so they behave the same.
 """
 
@@ -19,6 +21,7 @@ from ckpt.errors import CkptError
 
 #: every user error is exactly one stderr line with this prefix, so that scripts can match one spelling
 ERROR_PREFIX = "ckpt: error: "
+WARNING_PREFIX = "ckpt: warning: "
 INTERRUPTED = "ckpt: interrupted"
 INTERRUPTED_EXIT = 130
 
@@ -26,6 +29,10 @@ INTERRUPTED_EXIT = 130
 def error_line(exc: BaseException) -> str:
     """The one line a user sees for ``exc``."""
     return f"{ERROR_PREFIX}{exc}"
+
+
+def _show_warning(message: Warning | str, category: type[Warning], *args: Any, **kwargs: Any) -> None:
+    click.echo(f"{WARNING_PREFIX}{message}", err=True)
 
 
 @contextmanager
@@ -36,6 +43,17 @@ def reported() -> Iterator[None]:
     except CkptError as exc:
         click.echo(error_line(exc), err=True)
         raise click.exceptions.Exit(exc.exit_code) from None
+    except BrokenPipeError:
+        # ``ckpt ls | head``: the reader left; say nothing more (and let nothing flush into the closed pipe)
+        import os
+
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        raise click.exceptions.Exit(141) from None
+    except OSError as exc:
+        # the environment refused (disk full, permission, a path that is a file): not a bug, one line
+        where = f"{exc.filename}: " if exc.filename else ""
+        click.echo(f"{ERROR_PREFIX}{where}{exc.strerror or exc}", err=True)
+        raise click.exceptions.Exit(2) from None
     except KeyboardInterrupt:
         if sys.stderr.isatty():
             click.echo(err=True)  # past the "^C" the terminal echoed
@@ -51,5 +69,8 @@ class CkptGroup(click.Group):
             return super().make_context(*args, **kwargs)
 
     def invoke(self, ctx: click.Context) -> Any:
-        with reported():  # the command's own option parsing, imports and work
+        import warnings
+
+        with reported(), warnings.catch_warnings():  # the command's own option parsing, imports and work
+            warnings.showwarning = _show_warning
             return super().invoke(ctx)

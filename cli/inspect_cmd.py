@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import click
 
 from .common import human_bytes, layout_text, out
+from .table import Col, print_table
 
 
 @click.command(epilog="Example: ckpt inspect run/checkpoints/step_00001000 --json")
@@ -15,86 +15,124 @@ from .common import human_bytes, layout_text, out
 @click.option("--json", "as_json", is_flag=True, help="Print the tensors and state as JSON.")
 @click.option("--shards", is_flag=True, help="List every shard (file, offset, box, codec).")
 def inspect(checkpoint: str, as_json: bool, shards: bool) -> None:
-    """Show the tensors (name, role, shape, dtype, shards) and training state of CHECKPOINT (or an NxD tag)."""
-    from rich.table import Table
+    """Show the tensors (name, role, shape, dtype, shards) and training state of CHECKPOINT.
 
+    CHECKPOINT is one of ours (its folder or its manifest.json), an NxD tag, or a Hugging Face or DCP folder.
+    """
     from ckpt.reader import CheckpointReader
 
-    if not Path(checkpoint, "manifest.json").exists():
+    from .where import resolve_checkpoint
+
+    checkpoint, kind = resolve_checkpoint(checkpoint, "inspect")
+    if kind == "nxd":
         # NxD's reader needs torch: imported only for a folder that is not ours
         from ckpt.converters.nxd import summary as nxd_summary
 
-        if nxd_summary.is_nxd_dir(checkpoint):
-            _inspect_nxd(nxd_summary.inspect_nxd(checkpoint), as_json)
-            return
+        _inspect_nxd(nxd_summary.inspect_nxd(checkpoint), as_json)
+        return
+    if kind in ("hf", "dcp"):
+        from .foreign import inspect_foreign
+
+        inspect_foreign(checkpoint, as_json)
+        return
     m = CheckpointReader(checkpoint).manifest
     if as_json:
         doc = json.loads(m.to_json())
         if not shards:
             for t in doc["tensors"].values():
                 t["shards"] = len(t["shards"])
-        out.print_json(json.dumps(doc))
+        click.echo(json.dumps(doc, indent=2))
         return
     out.print(
-        f"[bold]{checkpoint}[/]  step {m.step}  {m.backend}  {layout_text(m.layout)}  "
-        f"{human_bytes(m.total_bytes)} in {len(m.files)} files  (format v{m.format_version}, {m.created_at})"
+        f"{checkpoint}  step {m.step}  {m.backend}  {layout_text(m.layout)}  "
+        f"{human_bytes(m.total_bytes)} in {len(m.files)} files  (format v{m.format_version}, {m.created_at})",
+        markup=False,
     )
-    table = Table()
-    for col in ("tensor", "role", "shape", "dtype", "shards", "size"):
-        table.add_column(col, overflow="fold")
+    rows = []
     for name, t in m.tensors.items():
-        table.add_row(
-            name,
-            t.role + (f" ({t.key})" if t.key else ""),
-            str(list(t.shape)),
-            t.dtype,
-            str(len(t.shards)),
-            human_bytes(t.nbytes),
+        rows.append(
+            [
+                name,
+                t.role + (f" ({t.key})" if t.key else ""),
+                str(list(t.shape)),
+                t.dtype,
+                str(len(t.shards)),
+                human_bytes(t.nbytes),
+            ]
         )
         if shards:
-            for s in t.shards:
-                table.add_row(
-                    f"  {s.file}@{s.offset}",
-                    s.codec,
-                    f"{list(s.box.offsets)}+{list(s.box.lengths)}",
-                    "",
-                    "",
-                    human_bytes(s.nbytes),
+            for sh in t.shards:
+                rows.append(
+                    [
+                        f"  {sh.file}@{sh.offset}",
+                        sh.codec,
+                        f"{list(sh.box.offsets)}+{list(sh.box.lengths)}",
+                        "",
+                        "",
+                        human_bytes(sh.nbytes),
+                    ]
                 )
-    out.print(table)
+    cols = [Col("tensor", name=True), Col("role", fold=True), Col("shape"), Col("dtype"), Col("shards", "right"),
+            Col("size", "right")]  # fmt: skip
+    print_table(out, cols, rows)
     if m.optimizer:
-        out.print(f"optimizer: {m.optimizer['type']}, {len(m.optimizer['param_groups'])} param group(s)")
+        out.print(
+            f"optimizer: {m.optimizer['type']}, {len(m.optimizer['param_groups'])} param group(s)",
+            markup=False,
+        )
     for label, value in (("scheduler", m.scheduler), ("scaler", m.scaler)):
         if value is not None:
-            out.print(f"{label}: {', '.join(sorted(value)) if isinstance(value, dict) else value}")
-    out.print(f"progress: {m.progress}")
+            out.print(
+                f"{label}: {', '.join(sorted(value)) if isinstance(value, dict) else value}", markup=False
+            )
+    out.print(f"progress: {m.progress}", markup=False)
     if m.rng:
-        out.print(f"rng: ranks {', '.join(sorted(m.rng, key=int))}")
+        from ckpt.rng_rule import plan_across
+
+        carried, derived = plan_across(m.rng, m.rng_base)
+        seed = (
+            f"base seed {m.rng_base['seed']} ({m.rng_base['source']})"
+            if m.rng_base
+            else "a derived base seed"
+        )
+        out.print(
+            f"rng: ranks {', '.join(sorted(m.rng, key=int))}; on another DP size: carried "
+            f"{', '.join(carried) or 'none'} (shared by every rank), re-derived {', '.join(derived) or 'none'} "
+            f"from {seed} + step + rank",
+            markup=False,
+        )
     if m.data:
-        out.print(f"data-loader state: ranks {', '.join(sorted(m.data, key=int))}")
+        out.print(f"data-loader state: ranks {', '.join(sorted(m.data, key=int))}", markup=False)
+    if m.data_position:
+        from ckpt.data.position import describe
+
+        out.print(f"data position: {describe(m.data_position)}", markup=False)
     if m.tokenizer:
-        out.print(f"tokenizer: {m.tokenizer.get('name')} sha256 {str(m.tokenizer.get('sha256'))[:16]}")
+        out.print(
+            f"tokenizer: {m.tokenizer.get('name')} sha256 {str(m.tokenizer.get('sha256'))[:16]}", markup=False
+        )
+    if m.adapter is not None:
+        base = m.adapter.get("base") or {}
+        out.print(
+            f"adapter only: base {base.get('source') or '(source unknown)'} {base.get('digest')}, "
+            f"{base.get('tensors')} tensors, {human_bytes(base.get('bytes') or 0)} not stored here",
+            markup=False,
+        )
     versions = m.environment.get("versions", {})
-    out.print("environment: " + ", ".join(f"{k} {v}" for k, v in versions.items()))
+    out.print("environment: " + ", ".join(f"{k} {v}" for k, v in versions.items()), markup=False)
 
 
 def _inspect_nxd(doc: dict, as_json: bool) -> None:
-    from rich.table import Table
-
     if as_json:
-        out.print_json(json.dumps(doc))
+        click.echo(json.dumps(doc, indent=2))
         return
     flags = [k for k in ("xser", "zero1", "legacy", "optimizer", "scheduler", "user_content") if doc[k]]
     out.print(
-        f"[bold]{doc['path']}[/]  NxD tag {doc['tag']}  step {doc['step']}  {doc['status']}  "
-        f"tp={doc['tp']} pp={doc['pp']} dp={doc['dp']} ep={doc['ep']}  {' '.join(flags)}"
+        f"{doc['path']}  NxD tag {doc['tag']}  step {doc['step']}  {doc['status']}  "
+        f"tp={doc['tp']} pp={doc['pp']} dp={doc['dp']} ep={doc['ep']}  {' '.join(flags)}".rstrip(),
+        markup=False,
     )
     for p in doc["problems"]:
-        out.print(f"[red]problem:[/] {p}")
-    table = Table()
-    for col in ("rank", "tensor", "shape"):
-        table.add_column(col, overflow="fold")
-    for rank, tensors in doc["ranks"].items():
-        for name, shape in tensors:
-            table.add_row(rank, name, str(shape))
-    out.print(table)
+        out.print(f"problem: {p}", markup=False)
+    rows = [[rank, name, str(shape)] for rank, tensors in doc["ranks"].items() for name, shape in tensors]
+    print_table(out, [Col("rank"), Col("tensor", name=True), Col("shape")], rows)

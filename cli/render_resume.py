@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from rich.console import Console
 from rich.markup import escape
-from rich.table import Table
 from rich.text import Text
 
 from ckpt.resume.checks import Status
@@ -21,8 +20,16 @@ from ckpt.resume.cost import RunCost
 from ckpt.resume.model import Run
 from ckpt.resume.report import CHECK_COLUMNS, NO_BOUNDARY, boundary_title, check_rows, run_line, verdict_line
 from ckpt.resume.verify import Verification
+from ckpt.resume.words import plural
 
-from .common import human_bytes
+from .common import human_bytes, out
+from .table import Col, print_table
+
+
+def _console() -> Console:
+    """The commands' stdout console: soft-wrapped (no padding to a width), plain tables when piped."""
+    return out
+
 
 STATUS_STYLE = {Status.PASS: "green", Status.WARN: "yellow", Status.FAIL: "bold red", Status.SKIP: "dim"}
 KIND_STYLE = {"good": "green", "bad": "bold red", "notice": "yellow", "skipped": "dim", "": ""}
@@ -36,7 +43,7 @@ def _verdict(word: str, rest: str, good: bool) -> str:
 def render_verification(result: Verification, console: Console | None = None) -> None:
     """``verify-resume``: the run, its notes, one table per boundary (check, verdict, cause, details) and a
     one-line verdict."""
-    console = console or Console()
+    console = console or _console()
     path, what = run_line(result)
     console.print(f"[bold]{escape(path)}[/]{escape(what)}")
     for note in result.notes:
@@ -44,33 +51,28 @@ def render_verification(result: Verification, console: Console | None = None) ->
     if not result.verdicts:
         console.print(NO_BOUNDARY)
     for v in result.verdicts:
-        table = Table(title=escape(boundary_title(v)), title_justify="left", show_lines=False, expand=False)
-        for col in CHECK_COLUMNS[:-1]:
-            table.add_column(col)
-        table.add_column(CHECK_COLUMNS[-1], overflow="fold")
-        for row in check_rows(v):
-            status = Text(row.status.value, style=STATUS_STYLE[row.status])
-            table.add_row(row.check, status, escape(row.cause), escape(row.details))
-        console.print(table)
+        cols = [Col(c) for c in CHECK_COLUMNS[:-1]] + [Col(CHECK_COLUMNS[-1], fold=True)]
+        rows = [
+            [row.check, Text(row.status.value, style=STATUS_STYLE[row.status]), row.cause, row.details]
+            for row in check_rows(v)
+        ]
+        print_table(console, cols, rows, title=boundary_title(v))
     word, rest = verdict_line(result)
     console.print(_verdict(word, rest, result.status is not Status.FAIL))
 
 
 def render_comparison(c: Comparison, console: Console | None = None) -> None:
     """``compare``: each run in one line (and its notes), one table of what was compared, a one-line verdict."""
-    con = console or Console()
+    con = console or _console()
     for side in (c.a, c.b):
         con.print(f"[bold]{escape(side.label)}[/]: {escape(side_line(side))}")
         for note in side.run.notes:
             con.print(f"[dim]  note: {escape(note)}[/]")
-    table = Table(title=escape(table_title(c)), title_justify="left")
-    table.add_column("what")
-    table.add_column("verdict")
-    table.add_column("details", overflow="fold")
-    for row in comparison_rows(c):
-        style = KIND_STYLE[VERDICTS.get(row.verdict, "")]
-        table.add_row(row.what, Text(row.verdict, style=style), escape(row.details))
-    con.print(table)
+    rows = [
+        [row.what, Text(row.verdict, style=KIND_STYLE[VERDICTS.get(row.verdict, "")]), row.details]
+        for row in comparison_rows(c)
+    ]
+    print_table(con, [Col("what"), Col("verdict"), Col("details", fold=True)], rows, title=table_title(c))
     word, rest = comparison_verdict(c)
     con.print(_verdict(word, rest, c.agree))
 
@@ -82,37 +84,27 @@ def _seconds(x: float | None, unit: str = "s") -> str:
 def render_cost(run: Run, cost: RunCost, console: Console | None = None) -> None:
     """``report``: one table of the run's sessions, one of what each failure cost (steps recomputed, downtime,
     restore, compile), and a line on checkpointing's own cost."""
-    console = console or Console()
-    sessions = Table(title=escape(f"{run.path}: {len(run.sessions)} sessions"), title_justify="left")
-    for col in ("session", "steps", "first", "last", "restored", "saves", "exit"):
-        sessions.add_column(col)
+    console = console or _console()
+    rows = []
     for s in run.sessions:
-        restored = ", ".join(str(r.step) for r in s.restores) or "-"
         ex = s.exit
-        sessions.add_row(
-            escape(s.id),
-            str(len(s.steps)),
-            str(s.steps[0].step) if s.steps else "-",
-            str(s.steps[-1].step) if s.steps else "-",
-            restored,
-            str(len(s.saves)),
-            "killed" if ex is None else ("clean" if ex.clean else "error"),
+        rows.append(
+            [
+                s.id,
+                str(len(s.steps)),
+                str(s.steps[0].step) if s.steps else "-",
+                str(s.steps[-1].step) if s.steps else "-",
+                ", ".join(str(r.step) for r in s.restores) or "-",
+                str(len(s.saves)),
+                "killed" if ex is None else ("clean" if ex.clean else "error"),
+            ]
         )
-    console.print(sessions)
-    failures = Table(title="Recovery cost per failure", title_justify="left")
-    for col in (
-        "#",
-        "crash step",
-        "restored",
-        "recomputed",
-        "recompute time",
-        "downtime",
-        "restore",
-        "compile",
-    ):
-        failures.add_column(col, justify="right")
-    for f in cost.failures:
-        failures.add_row(
+    cols = [Col("session")] + [Col(c, "right") for c in ("steps", "first", "last", "restored", "saves")]
+    print_table(
+        console, [*cols, Col("exit")], rows, title=f"{run.path}: {plural(len(run.sessions), 'session')}"
+    )
+    rows = [
+        [
             str(f.boundary),
             str(f.crash_step),
             str(f.restored_step),
@@ -121,8 +113,11 @@ def render_cost(run: Run, cost: RunCost, console: Console | None = None) -> None
             _seconds(f.downtime_seconds),
             _seconds(f.restore_seconds),
             f"{_seconds(f.compile_seconds)} ({f.compile_events})",
-        )
-    console.print(failures)
+        ]
+        for f in cost.failures
+    ]
+    heads = ("#", "crash step", "restored", "recomputed", "recompute time", "downtime", "restore", "compile")
+    print_table(console, [Col(h, "right") for h in heads], rows, title="Recovery cost per failure")
     console.print(
         f"saves: {cost.saves} ({human_bytes(cost.save_bytes)}), blocking {_seconds(cost.save_blocking_seconds)}, "
         f"background {_seconds(cost.save_background_seconds)}; compiles: {cost.compile_events} "

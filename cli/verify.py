@@ -2,17 +2,45 @@
 
 from __future__ import annotations
 
+import json
 import sys
 
 import click
 
 from .common import err, out
 
+EPILOG = """\b
+Examples:
+  ckpt verify run/checkpoints/step_00001000
+  ckpt verify s3://bucket/run/checkpoints/step_00001000 --json
+  ckpt verify hf_model/            # Hugging Face / DCP folder: every tensor readable (no checksums there)
 
-@click.command(epilog="Exit codes: 0 intact, 1 damaged (each bad file and tensor named), 2 not a checkpoint.")
+\b
+Exit codes: 0 intact, 1 damaged (each bad file and tensor named), 2 not a checkpoint.
+"""
+
+
+@click.command(epilog=EPILOG)
 @click.argument("checkpoint")
-def verify(checkpoint: str) -> None:
-    """Check that CHECKPOINT is complete and its data matches the manifest's checksums."""
+@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
+def verify(checkpoint: str, as_json: bool) -> None:
+    """Check that CHECKPOINT is complete and its data matches the manifest's checksums.
+
+    CHECKPOINT is one of ours (its folder or its manifest.json), an NxD tag (zip CRC32s), or a Hugging Face or DCP
+    folder (headers, sizes, every tensor readable).
+    """
+    from .where import resolve_checkpoint
+
+    checkpoint, kind = resolve_checkpoint(checkpoint, "verify")
+    if kind in ("hf", "dcp"):
+        from .foreign import verify_foreign
+
+        problems = verify_foreign(checkpoint, as_json)
+        _report_problems(checkpoint, problems, as_json)
+        return
+    if kind == "nxd":
+        _verify_nxd(checkpoint, as_json)
+        return
     from rich.progress import BarColumn, DownloadColumn, Progress, TransferSpeedColumn
 
     from ckpt.integrity import verify_checkpoint
@@ -31,12 +59,43 @@ def verify(checkpoint: str) -> None:
     ) as bar:
         task = bar.add_task("verifying", total=total)
         problems = verify_checkpoint(reader, lambda n: bar.advance(task, n))
-    if problems:
-        for p in problems:
-            err.print(f"[red]damaged[/] {checkpoint}: {p}")
-        err.print(f"{len(problems)} problem(s) in {checkpoint}")
-        sys.exit(1)
     m = reader.manifest
+    if as_json:
+        doc = {"path": checkpoint, "format": "ckpt", "ok": not problems, "step": m.step,
+               "tensors": len(m.tensors), "files": len(m.files), "problems": problems, "checksums": True}  # fmt: skip
+        click.echo(json.dumps(doc, indent=2))
+    _report_problems(checkpoint, problems, as_json)
+    if not as_json:
+        out.print(
+            f"[green]ok[/] {checkpoint}: step {m.step}, {len(m.tensors)} tensors, {len(m.files)} files verified",
+            highlight=False,
+        )
+
+
+def _report_problems(checkpoint: str, problems: list[str], as_json: bool) -> None:
+    """Each problem on stderr (unless --json carries them) and exit 1; nothing when there is none."""
+    if not problems:
+        return
+    if not as_json:
+        for p in problems:
+            err.print(f"damaged {checkpoint}: {p}", markup=False)
+        err.print(f"{len(problems)} problem(s) in {checkpoint}", markup=False)
+    sys.exit(1)
+
+
+def _verify_nxd(tag: str, as_json: bool) -> None:
+    """An NxD tag: every rank file present, every zip member's CRC32 (a damaged file raises CorruptionError)."""
+    from ckpt.converters.nxd.reader import open_tag
+
+    r = open_tag(tag, verify=True)
+    r.check_complete()
+    t = r.read()
+    n = sum(len(m) for m in t.per_rank_model.values())
+    if as_json:
+        click.echo(json.dumps({"path": tag, "format": "nxd", "ok": True, "ranks": len(t.per_rank_model),
+                               "tensors": n, "problems": [], "checksums": True}, indent=2))  # fmt: skip
+        return
     out.print(
-        f"[green]ok[/] {checkpoint}: step {m.step}, {len(m.tensors)} tensors, {len(m.files)} files verified"
+        f"ok {tag}: NxD tag, {len(t.per_rank_model)} rank files, {n} model tensors, CRC32s verified",
+        markup=False,
     )

@@ -32,15 +32,23 @@ Exit codes: 0 continuous (warnings allowed), 1 discontinuity found, 2 bad input.
 
 
 def _facts(run: Path, checkpoints: str | None):
-    """The manifest facts provider for RUN's checkpoints (``RUN/checkpoints`` when present), or None."""
+    """The facts provider for RUN's checkpoints: ckpt manifests (``RUN/checkpoints`` when present), or the
+    ``checkpoint-N`` folders of an HF Trainer output dir; None when there are neither."""
+    from ckpt.resume.hf_facts import TrainerCheckpointFacts, is_trainer_output
     from ckpt.resume.ledger import checkpoints_dir
     from ckpt.resume.manifest_facts import ManifestFacts
 
     if checkpoints:
-        return ManifestFacts(checkpoints)
+        return (
+            TrainerCheckpointFacts(checkpoints)
+            if is_trainer_output(checkpoints)
+            else ManifestFacts(checkpoints)
+        )
     root = run if run.is_dir() else run.parent
     if checkpoints_dir(root).is_dir():
         return ManifestFacts(os.fspath(checkpoints_dir(root)))
+    if is_trainer_output(root):
+        return TrainerCheckpointFacts(root)
     return None
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -61,7 +62,19 @@ def open_source(src: str, opts: ConvertOptions, run: RunOptions | None = None) -
         verify=run.verify,
         allow_unmarked=run.allow_unmarked,
         param_names=opts.param_names,
+        replicated=tuple(opts.replicated),
     )
+    if opts.model_type is not None and source.config is not None:
+        have = source.config.get("model_type")
+        if have is not None and have != opts.model_type:
+            source.close()
+            raise LayoutError(
+                f"--model-type {opts.model_type} contradicts {src}'s config model_type {have!r}"
+            )
+        source.config = {**source.config, "model_type": opts.model_type}
+    if opts.replicated and source.record is not None:
+        merged = tuple(dict.fromkeys((*source.record.replicated, *opts.replicated)))
+        source.record = dataclasses.replace(source.record, replicated=merged)
     if opts.from_ is not None and opts.from_ != source.layout:
         source.close()
         raise LayoutError(
@@ -70,14 +83,56 @@ def open_source(src: str, opts: ConvertOptions, run: RunOptions | None = None) -
     if opts.step is not None:
         source.trees.step = opts.step
         source.trees.progress["step"] = opts.step
+    elif fmt.name in _NO_STEP_FORMATS:
+        result = (
+            "the NxD tag will record none (its step is then read from its name)"
+            if opts.format == "nxd"
+            else f"the output records step {source.trees.step}"
+        )
+        warnings.warn(
+            f"{src}: a {_NO_STEP_FORMATS[fmt.name]} records no training step; {result} (pass --step N to set it)",
+            stacklevel=2,
+        )
     return source
 
 
+#: source formats whose folders carry no step (the output's step is ``--step`` or 0)
+_NO_STEP_FORMATS = {"hf": "Hugging Face folder", "dcp": "DCP folder"}
+
+
+#: the flags a CUDA checkpoint converted from NxD recorded (``extra.converted_from.nxd``) and a way back reuses;
+#: the sizes (tp, pp, dp) are the caller's choice, and ``virtual_pp`` only means something with the old ``pp``
+_ROUND_TRIP_FLAGS = ("qkv_linear", "fuse_qkv", "kv_size_multiplier", "hw")
+
+
+def recorded_flags(source: Source) -> dict[str, Any]:
+    """The Neuron naming flags a CUDA-layout source recorded when it was converted from NxD (else empty)."""
+    came = source.trees.extra.get("converted_from") if isinstance(source.trees.extra, dict) else None
+    nxd = came.get("nxd") if isinstance(came, dict) and came.get("layout") == "neuron" else None
+    if not isinstance(nxd, dict):
+        return {}
+    return {k: nxd[k] for k in _ROUND_TRIP_FLAGS if k in nxd}
+
+
 def target_flags(source: Source, opts: ConvertOptions) -> NxdFlags:
-    """The Neuron layout asked for: the flags given, the rest from the source's own Neuron layout (or defaults)."""
-    base = source.flags if source.layout == "neuron" and source.flags is not None else NxdFlags()
+    """The Neuron layout asked for: the flags given, the rest from the source's own Neuron layout, else from the
+    layout a CUDA source was converted from (so a round trip keeps ``qkv_proj.weight_q|k|v`` names), else defaults.
+    """
+    if source.layout == "neuron" and source.flags is not None:
+        base = dataclasses.asdict(source.flags)
+    else:
+        base = dataclasses.asdict(NxdFlags())
+        recorded = {k: v for k, v in recorded_flags(source).items() if k not in opts.layout and base[k] != v}
+        if recorded:
+            base.update(recorded)
+            shown = ", ".join(f"{k}={v}" for k, v in recorded.items())
+            warnings.warn(
+                f"{source.path}: keeping the Neuron layout it was converted from ({shown}, "
+                "extra.converted_from.nxd); pass the flags (e.g. --no-qkv-linear) to choose another",
+                stacklevel=2,
+            )
     try:
-        return NxdFlags(**{**dataclasses.asdict(base), **opts.layout})
+        return NxdFlags(**{**base, **opts.layout})
     except TypeError as e:
         raise LayoutError(f"layout flags: {e}") from None
 
@@ -103,7 +158,9 @@ def plan_conversion(source: Source, opts: ConvertOptions) -> Conversion:
                 )
             )
         return plan_to_cuda(source, config=opts.config)
-    return plan_to_neuron(source, target_flags(source, opts), config=opts.config)
+    return plan_to_neuron(
+        source, target_flags(source, opts), config=opts.config, replicated=tuple(opts.replicated)
+    )
 
 
 def make_export(conv: Conversion, opts: ConvertOptions, run: RunOptions) -> Export:
@@ -128,17 +185,20 @@ def describe(conv: Conversion, opts: ConvertOptions, run: RunOptions | None = No
     """The dry-run report: what would be written and the estimated peak memory of one worker (anonymous memory on
     top of the interpreter, from the plan and the export that would run it: :mod:`.engine.memory`)."""
     run = run or RunOptions()
-    mem = estimate(conv, make_export(conv, opts, run))
+    export = make_export(conv, opts, run)  # plans only; nothing is written before begin()
+    written = written_tensors(conv, export)
+    mem = estimate(conv, export)
     roles: dict[str, int] = {}
-    for t in conv.tensors:
+    for t in written:
         roles[t.desc.role] = roles.get(t.desc.role, 0) + 1
     return {
         "source": {"path": conv.source.path, "format": conv.source.format, "layout": conv.source.layout},
         "target": {"layout": conv.to, "format": opts.format, "spec": _flags_text(conv.flags)},
-        "tensors": len(conv.tensors),
+        "tensors": len(written),
         "by_role": roles,
-        "bytes": conv.nbytes,
-        "largest_tensor": max((t.desc.nbytes for t in conv.tensors), default=0),
+        "bytes": sum(t.desc.nbytes for t in written),
+        "not_written": list(getattr(export, "not_written", ())),
+        "largest_tensor": max((t.desc.nbytes for t in written), default=0),
         "peak_memory_estimate": mem.total,
         "peak_memory": {"part": mem.part, "source_cache": mem.source, "target": mem.export},
         "step": conv.trees.step,
@@ -154,10 +214,21 @@ def _flags_text(flags: NxdFlags | None) -> str | None:
 
 @dataclass(frozen=True)
 class ConvertResult:
+    """What was written: ``tensors`` / ``bytes`` count what DST holds (a format may hold less than the plan,
+    e.g. an HF folder holds no optimizer state); ``not_written`` lists what was left out, ``why`` says why."""
+
     dst: str
     tensors: int
     bytes: int
     format: str
+    not_written: tuple[str, ...] = ()
+    why: str | None = None
+
+
+def written_tensors(conv: Conversion, export: Export) -> list[Any]:
+    """The planned tensors ``export`` writes (all of them unless the format keeps a subset: ``export.kept``)."""
+    kept = getattr(export, "kept", None)
+    return list(conv.tensors) if kept is None else [t for t in conv.tensors if t.desc.name in set(kept)]
 
 
 def _dist_env() -> tuple[int, int]:
@@ -174,7 +245,11 @@ def _local(p: str) -> Path | None:
 
 
 def check_paths(src: str, dst: str) -> None:
-    """SRC is never written: DST may be neither SRC nor inside it."""
+    """SRC is never written: DST may be neither SRC nor inside it; neither is a mangled URL (``s3:/b/x``)."""
+    from ckpt.storage import refuse_mangled_url
+
+    refuse_mangled_url(src)
+    refuse_mangled_url(dst)
     a, b = _local(src), _local(dst)
     if a is None or b is None:
         if src.rstrip("/") == dst.rstrip("/") or dst.startswith(src.rstrip("/") + "/"):
@@ -184,6 +259,20 @@ def check_paths(src: str, dst: str) -> None:
         raise CkptError("SRC and DST are the same path; SRC is never written")
     if a in b.parents:
         raise CkptError(f"DST {dst} is inside SRC {src}; SRC is never written, choose a DST outside it")
+    check_writable_dst(dst, b)
+
+
+def check_writable_dst(dst: str, path: Path) -> None:
+    """A local DST must be a folder-to-be: not an existing file, under a writable folder (checked before any work)."""
+    if path.exists() and not path.is_dir():
+        raise CkptError(f"DST {dst} is an existing file; DST is a folder to create, choose another path")
+    parent = path
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        raise CkptError(f"DST {dst}: {parent} is a file, not a folder; choose a DST under a folder")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise CkptError(f"DST {dst}: {parent} is not writable by this user; choose a writable location")
 
 
 def _rebuild(src: str, opts: ConvertOptions, run: RunOptions) -> Export:
@@ -201,18 +290,41 @@ def convert(
     run: RunOptions | None = None,
     *,
     progress: Callable[[int], None] | None = None,
-    on_plan: Callable[[Conversion], None] | None = None,
+    on_plan: Callable[[int], None] | None = None,
 ) -> ConvertResult:
-    """Convert ``src`` into ``dst`` as ``opts`` says.  Checks first, writes second, commits last."""
+    """Convert ``src`` into ``dst`` as ``opts`` says.  Checks first, writes second, commits last.
+
+    ``on_plan(nbytes)`` is called once planned, with the bytes of tensor data that will be written (a progress
+    bar's total).  What the target format cannot hold is named in a warning and in the result, never dropped
+    silently.
+    """
     run = run or RunOptions()
     check_paths(src, dst)
+    from .lora import is_adapter, run_lora
+
+    if opts.merge_lora is not None or opts.format == "peft" or is_adapter(src, run.storage_options):
+        if run.workers > 1 or _dist_env()[1] > 1:
+            raise CkptError("LoRA adapters convert in one process; drop --workers / torchrun")
+        r = run_lora(src, dst, opts, run)
+        return ConvertResult(r.dst, r.tensors, r.bytes, r.format)
     rank, world = _dist_env()
     source = open_source(src, opts, run)
     try:
         conv = plan_conversion(source, opts)
         export = make_export(conv, opts, run)
+        written = written_tensors(conv, export)
+        left = tuple(getattr(export, "not_written", ()))
+        why = getattr(formats.get(opts.format).load(), "NOT_WRITTEN_WHY", None)
+        if left and rank == 0:
+            warnings.warn(f"not written to {dst}: {', '.join(left)} ({why})", stacklevel=2)
+        if opts.format == "nxd" and opts.step is not None and conv.trees.user is None and rank == 0:
+            warnings.warn(
+                f"--step {opts.step}: an NxD tag keeps its step only in user_content.pt, which SRC has no content "
+                f"for; name DST step_{opts.step} so that the step is read from its name",
+                stacklevel=2,
+            )
         if on_plan is not None:
-            on_plan(conv)
+            on_plan(sum(t.desc.nbytes for t in written))
         if world > 1:
             run_torchrun(export, dst, rank, world, progress)
         elif run.workers > 1:
@@ -221,7 +333,9 @@ def convert(
             run_serial(export, dst, progress)
     finally:
         source.close()
-    return ConvertResult(dst, len(conv.tensors), conv.nbytes, opts.format)
+    return ConvertResult(
+        dst, len(written), sum(t.desc.nbytes for t in written), opts.format, left, why if left else None
+    )
 
 
 __all__ = [

@@ -1,6 +1,6 @@
 """The formats ``ckpt convert`` reads and writes: one table, one module per format with the same verbs.
 
-Each format module (:mod:`.ckpt`, :mod:`.hf`, :mod:`.dcp`, :mod:`.nxd`) provides ``detect(path, storage_options)``,
+Each format module (:mod:`.ckpt`, :mod:`.hf`, :mod:`.hf_trainer`, :mod:`.dcp`, :mod:`.nxd`) provides ``detect(path, storage_options)``,
 ``open_source(path, **options) -> Source`` and ``export(conv, **options) -> Export``.  Adding a format is one module
 and one line here.  Modules are imported only when a format is used.
 """
@@ -34,8 +34,10 @@ class Format:
 FORMATS: tuple[Format, ...] = (
     Format("ckpt", ".ckpt", ("cuda", "neuron"), remote=True),
     Format("dcp", ".dcp", ("cuda",)),
+    Format("hf-trainer", ".hf_trainer", ("cuda",)),
     Format("hf", ".hf", ("cuda",)),
     Format("nxd", ".nxd", ("neuron",)),
+    Format("peft", ".peft", ("cuda",)),
 )
 BY_NAME = {f.name: f for f in FORMATS}
 
@@ -49,6 +51,9 @@ def get(name: str) -> Format:
 
 def detect(src: str, storage_options: Mapping[str, Any] | None = None) -> Format:
     """The format of the checkpoint at ``src`` (one-line error when none fits)."""
+    from ckpt.storage import refuse_mangled_url
+
+    refuse_mangled_url(src)
     remote = "://" in src and not src.startswith("file://")
     if not remote and not Path(src).exists():
         raise CkptError(f"{src}: no such file or directory")
@@ -57,10 +62,39 @@ def detect(src: str, storage_options: Mapping[str, Any] | None = None) -> Format
             return fmt
     if remote:
         raise CkptError(f"{src}: no manifest.json; only our format is read from object stores")
+    _refuse_a_root(src)
     raise LayoutError(
         f"{src}: unknown checkpoint layout (expected manifest.json, a DCP .metadata, an HF config.json + "
-        "*.safetensors, or NxD model/ rank files)"
+        "*.safetensors (with trainer_state.json: a Trainer checkpoint), or NxD model/ rank files)"
     )
+
+
+def _refuse_a_root(src: str) -> None:
+    """SRC one level too high: a folder of our checkpoints or of NxD tags.  Say which one to convert (never pick)."""
+    import re
+
+    p = Path(src)
+    if not p.is_dir():
+        return
+    steps = sorted(
+        d.name for d in p.iterdir() if re.fullmatch(r"step_\d+", d.name) and (d / "manifest.json").is_file()
+    )
+    if steps:
+        raise CkptError(
+            f"{src} holds {len(steps)} checkpoint{'s' if len(steps) != 1 else ''} ({steps[0]} .. {steps[-1]}), not one; convert one of them, "
+            f"e.g. {p / steps[-1]}"
+        )
+    from .nxd.discovery import list_tags
+
+    try:
+        tags = [t.name for t in list_tags(p)]
+    except CkptError:
+        return
+    if tags:
+        raise CkptError(
+            f"{src} holds {len(tags)} NxD tag{'s' if len(tags) != 1 else ''} ({', '.join(tags[:4])}), not one; convert one of them, "
+            f"e.g. {p / tags[-1]}"
+        )
 
 
 __all__ = ["FORMATS", "Format", "detect", "get"]

@@ -15,6 +15,7 @@ stores).  Optimizer state has no place in this format and is not written.
 from __future__ import annotations
 
 import json
+import os
 import struct
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -56,18 +57,62 @@ def detect(path: str, storage_options: Mapping[str, Any] | None = None) -> bool:
 
 
 def read_header(path: Path) -> dict[str, Any]:
-    """The JSON header of a safetensors file (no tensor data read)."""
-    with open(path, "rb") as f:
+    """The JSON header of a safetensors file (no tensor data read), checked against the file's size.
+
+    A truncated file (an interrupted download or copy) is refused here, before any planning: its header is intact
+    but the data it describes ends past the end of the file.
+    """
+    try:
+        f = open(path, "rb")  # noqa: SIM115 - closed below
+    except FileNotFoundError:
+        raise CorruptionError(f"{path}: shard file missing") from None
+    except OSError as e:
+        raise CorruptionError(f"{path}: cannot read ({e.strerror})") from None
+    with f:
+        size = os.fstat(f.fileno()).st_size
         raw = f.read(8)
         if len(raw) != 8:
             raise CorruptionError(f"{path}: not a safetensors file (too short)")
         (n,) = struct.unpack("<Q", raw)
-        if n > 100 << 20:
-            raise CorruptionError(f"{path}: safetensors header of {n} bytes is implausible")
+        if n > 100 << 20 or 8 + n > size:
+            raise CorruptionError(
+                f"{path}: safetensors header of {n} bytes does not fit the {size}-byte file"
+            )
         try:
-            return json.loads(f.read(n))
+            header = json.loads(f.read(n))
         except ValueError as e:
             raise CorruptionError(f"{path}: unreadable safetensors header ({e})") from None
+    if not isinstance(header, dict):
+        raise CorruptionError(f"{path}: safetensors header is not a JSON object")
+    end = 0
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            begin, stop = (int(x) for x in entry["data_offsets"])
+            tuple(int(d) for d in entry["shape"])
+            str(entry["dtype"])
+        except (KeyError, TypeError, ValueError):
+            raise CorruptionError(f"{path}: tensor {name!r}: malformed safetensors header entry") from None
+        if not 0 <= begin <= stop:
+            raise CorruptionError(f"{path}: tensor {name!r}: bad data offsets [{begin}, {stop}]")
+        end = max(end, stop)
+    if 8 + n + end > size:
+        raise CorruptionError(
+            f"{path}: truncated: the header describes {8 + n + end} bytes, the file has {size} "
+            "(an interrupted download or copy? fetch the file again)"
+        )
+    return header
+
+
+def _read_json(path: Path, what: str) -> Any:
+    """A JSON file of the HF folder, or one line naming it."""
+    try:
+        return json.loads(path.read_text())
+    except (ValueError, UnicodeDecodeError) as e:
+        raise CorruptionError(f"{path}: {what} is not valid JSON ({e}); fix or replace the file") from None
+    except OSError as e:
+        raise CorruptionError(f"{path}: cannot read {what} ({e.strerror})") from None
 
 
 class HFSource(Source):
@@ -81,9 +126,18 @@ class HFSource(Source):
         self.path = str(root)
         if not detect(str(root)):
             raise CkptError(f"{root}: not a Hugging Face model folder (config.json + model*.safetensors)")
-        self.config = dict(config) if config is not None else json.loads((root / "config.json").read_text())
+        if config is None:
+            config = _read_json(root / "config.json", "config.json")
+            if not isinstance(config, dict):
+                raise CorruptionError(f"{root / 'config.json'}: expected a JSON object")
+        self.config = dict(config)
         if (root / INDEX_NAME).is_file():
-            weight_map = json.loads((root / INDEX_NAME).read_text()).get("weight_map", {})
+            index = _read_json(root / INDEX_NAME, INDEX_NAME)
+            weight_map = index.get("weight_map") if isinstance(index, dict) else None
+            if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+                raise CorruptionError(
+                    f"{root / INDEX_NAME}: expected a 'weight_map' of tensor name -> file name"
+                )
             files = list(dict.fromkeys(weight_map.values()))
         else:
             files = [SINGLE_NAME]
@@ -153,6 +207,31 @@ def check_export(conv: Conversion) -> None:
         raise LayoutError("Hugging Face export needs the model config; pass --config config.json")
 
 
+#: why an HF folder leaves state out (said with the list of what was left out)
+NOT_WRITTEN_WHY = "a Hugging Face folder holds model weights and config.json only"
+
+
+def not_written(conv: Conversion, kept: Mapping[str, Any]) -> list[str]:
+    """What of ``conv`` an HF folder does not hold, as phrases (empty when nothing is left out)."""
+    left: dict[str, int] = {}
+    for t in conv.tensors:
+        if t.desc.name not in kept:
+            left[t.desc.role] = left.get(t.desc.role, 0) + 1
+    out = [f"{n} {role.replace('_', '-')} tensor{'s' if n != 1 else ''}" for role, n in sorted(left.items())]
+    trees = conv.trees
+    for what, value in (
+        ("optimizer param groups", trees.optimizer if not left else None),
+        ("scheduler state", trees.scheduler),
+        ("GradScaler state", trees.scaler),
+        ("RNG state", trees.rng),
+        ("data-loader state", trees.data),
+        ("user metadata", trees.user),
+    ):
+        if value:
+            out.append(what)
+    return out
+
+
 def shard_file_name(k: int, n: int) -> str:
     """HF's name for shard ``k`` (0-based) of ``n``."""
     return f"model-{k + 1:05d}-of-{n:05d}.safetensors"
@@ -174,6 +253,9 @@ class HFExport:
         self.storage_options = storage_options
         self.verify = verify
         self.outs = {t.desc.name: t for t in conv.tensors if t.desc.role in MODEL_ROLES}
+        #: the planned tensors this format writes, and what it leaves out (said in the summary, never silently)
+        self.kept = tuple(self.outs)
+        self.not_written = not_written(conv, self.outs)
         self.shards = shard_plan([t.desc for t in self.outs.values()], max_shard_bytes)
         self.names = [shard_file_name(k, len(self.shards)) for k in range(len(self.shards))]
         self.weights = [sum(d.nbytes for d in shard) for shard in self.shards]

@@ -13,12 +13,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from ckpt.errors import CkptError
+from ckpt.errors import CkptError, LayoutError
 from ckpt.layouts.spec import NxdFlags
 
 DEFAULT_FLUSH_BYTES = 64 << 20
 DEFAULT_SHARD_BYTES = 5 << 30
-FORMATS = ("ckpt", "hf", "dcp", "nxd")
+FORMATS = ("ckpt", "hf", "hf-trainer", "dcp", "nxd", "peft")
 
 
 @dataclass(frozen=True)
@@ -30,7 +30,12 @@ class ConvertOptions:
     fields (``{"tp": 8, "qkv_linear": True}``), default: the source's own Neuron layout, else NxdFlags' defaults;
     ``source_flags``: ``hw`` / ``kv_size_multiplier`` / ``virtual_pp`` (/ ``qkv_linear`` / ``fuse_qkv``) of an NxD tag
     source; ``config``: the HF ``config.json`` dict; ``step``: the step to record; ``max_shard_bytes``: HF shard size;
-    ``xser`` / ``zero1``: NxD output forms (default: the source's); ``codec``: our format's data codec.
+    ``xser`` / ``zero1``: NxD output forms (default: the source's); ``codec``: our format's data codec;
+    ``replicated``: globs (``fnmatch``, whole tensor names) of tensors the layout rule set does not know that are
+    replicated on every TP rank (``--replicated``); any other unknown tensor of a Neuron layout is refused, and the
+    copies of a declared one are compared wherever several are read.
+    ``xser`` / ``zero1``: NxD output forms (default: the source's); ``codec``: our format's data codec; ``peft``
+    is the LoRA adapter format (see :mod:`.lora`).
     """
 
     to: Literal["cuda", "neuron"]
@@ -47,8 +52,23 @@ class ConvertOptions:
     #: NxD tag source: the parameter name of each optimizer pid per (tp, pp, ep) rank, for optimizers built with a
     #: param grouping other than one group or NxD's weight-decay split (see docs/nxd.md)
     param_names: Mapping[tuple[int, int, int], Sequence[str]] | None = field(default=None, hash=False)
+    replicated: Sequence[str] = ()
+    #: the HF ``model_type`` of a model whose config.json lacks one (``--model-type``); contradicting it is refused
+    model_type: str | None = None
+    #: a LoRA adapter (PEFT folder or NxD LoRA tag) to merge into SRC, the base HF model (``--merge-lora``)
+    merge_lora: str | None = None
 
     def __post_init__(self) -> None:
+        if self.model_type is not None and self.config is not None:
+            have = self.config.get("model_type")
+            if have is not None and have != self.model_type:
+                raise LayoutError(
+                    f"--model-type {self.model_type} contradicts config.json model_type {have!r}"
+                )
+            object.__setattr__(self, "config", {**self.config, "model_type": self.model_type})
+        if isinstance(self.replicated, str):
+            raise CkptError(f"replicated={self.replicated!r}: expected a list of globs, not one string")
+        object.__setattr__(self, "replicated", tuple(self.replicated))
         if self.to not in ("cuda", "neuron"):
             raise CkptError(f"--to {self.to!r} must be cuda or neuron")
         if self.format not in FORMATS:
@@ -88,10 +108,16 @@ def load_config(path: str | None) -> dict[str, Any] | None:
     p = Path(path)
     if p.is_dir():
         p = p / "config.json"
+        if not p.is_file():
+            raise CkptError(
+                f"--config {path}: a directory without config.json; pass the model's config.json (or its folder)"
+            )
     try:
         value = json.loads(p.read_text())
     except FileNotFoundError:
         raise CkptError(f"--config {path}: no such file") from None
+    except OSError as e:
+        raise CkptError(f"--config {path}: cannot read ({e.strerror})") from None
     except (ValueError, UnicodeDecodeError) as e:
         raise CkptError(f"--config {path}: not valid JSON ({e})") from None
     if not isinstance(value, dict):

@@ -221,6 +221,12 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="with --kill-at: let earlier async saves commit before the kill, for a reproducible crash point",
     )
+    p.add_argument(
+        "--kill-committed",
+        action="store_true",
+        help="with --kill-at: let every save, this step's too, commit first: a crash right after a checkpoint, "
+        "so no step after the restore point is logged before the crash (the no-overlap case)",
+    )
     p.add_argument("--step-sleep", type=float, default=0.0, help="seconds to sleep per step (kill tests)")
     p.add_argument("--device", choices=("cpu", "xla"), default="cpu")
     p.add_argument("--model", choices=("tiny", "hf"), default="tiny")
@@ -330,7 +336,7 @@ def main(argv: list[str] | None = None) -> int:
             # Resuming from an older checkpoint re-trains steps whose checkpoints exist: replace them.
             mgr.save(step, progress=progress, overwrite=a.bug == "older_checkpoint", **state)
         if step == a.kill_at:
-            if a.kill_settled and step % a.save_every != 0:
+            if a.kill_committed or (a.kill_settled and step % a.save_every != 0):
                 mgr.wait()
             time.sleep(0.002)  # let the async writer start, then die mid-save
             os.kill(os.getpid(), signal.SIGKILL)

@@ -183,6 +183,57 @@ def test_restore_latest_with_only_damaged_checkpoints_returns_none(root: Root) -
     assert any("step 1" in str(w.message) for w in caught)
 
 
+def _no_fallback(mgr: ckpt.CheckpointManager, **live: Any) -> str:
+    """restore_latest must raise StateMismatchError without warning about (or trying) older steps."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with pytest.raises(ckpt.StateMismatchError) as info:
+            mgr.restore_latest(**live)
+    assert not [w for w in caught if "falling back" in str(w.message)], [str(w.message) for w in caught]
+    assert "step 2" in str(info.value)
+    return str(info.value)
+
+
+@pytest.mark.parametrize("live", ["shape", "empty_model", "missing_layer", "no_optimizer_saved"])
+def test_restore_latest_raises_at_once_when_the_caller_does_not_fit(root: Root, live: str) -> None:
+    """The README loop ``start = (mgr.restore_latest(...) or 0) + 1`` must not restart at step 1 because the model
+    changed: a mismatch is the caller's, not the checkpoint's, and older steps would not fit either."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+    mgr = root.manager()
+    mgr.save(1, model=model).result()
+    mgr.save(2, model=model).result()
+    if live == "shape":
+        msg = _no_fallback(mgr, model=torch.nn.Sequential(torch.nn.Linear(4, 5), torch.nn.Linear(5, 2)))
+        assert "shape" in msg
+    elif live == "empty_model":
+        msg = _no_fallback(mgr, model={})
+        assert "not in the model" in msg
+    elif live == "missing_layer":
+        msg = _no_fallback(mgr, model=torch.nn.Sequential(torch.nn.Linear(4, 3)))
+        assert "not in the model" in msg and "1.weight" in msg
+    else:
+        msg = _no_fallback(mgr, model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+        assert "no optimizer state" in msg
+    assert root.steps_on_storage() == [step_dir(1), step_dir(2)]  # nothing deleted, nothing written
+
+
+def test_retention_never_deletes_the_writing_runs_checkpoints(root: Root) -> None:
+    """An old run left steps 4 and 5; a new run writing steps 1, 2, 3 with keep_last=2 keeps its own newest two
+    (the old, higher steps are another timeline: neither deleted nor counted as newest)."""
+    old = root.manager(keep_last=2)
+    for step in (4, 5):
+        old.save(step, model=state(step)).result()
+    new = root.manager(keep_last=2)
+    for step in (1, 2, 3):
+        new.save(step, model=state(10 + step)).result()
+        assert step_dir(step) in root.steps_on_storage()
+    assert root.steps_on_storage() == [step_dir(s) for s in (2, 3, 4, 5)]
+    got = state(0)
+    new.restore(3, model=got)
+    assert torch.equal(got["w"], state(13)["w"])
+
+
 def test_full_training_state_round_trips_through_the_manager(root: Root) -> None:
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 2)
@@ -274,3 +325,27 @@ def test_retention_never_deletes_a_checkpoint_it_cannot_read(root: Root) -> None
     mgr.save(2, model=state(2)).result()
     assert root.steps_on_storage() == [step_dir(1), step_dir(2)]
     assert st.exists(MANIFEST_NAME)
+
+
+# ------------------------------------------------------------------------------------------------ two gloo ranks
+
+
+def _mismatch_on_rank_1(rank: int, world: int, root: str) -> str:
+    """Both ranks save step 1; on restore only rank 1's model has another shape. Returns what each rank saw."""
+    torch.manual_seed(0)
+    mgr = ckpt.CheckpointManager(root, async_save=False)
+    mgr.save(1, model={"w": torch.ones(4, 3)})
+    live = {"w": torch.zeros(4, 3) if rank == 0 else torch.zeros(5, 3)}
+    try:
+        mgr.restore_latest(model=live)
+    except ckpt.StateMismatchError as e:
+        return f"mismatch: {e}"
+    return "restored"
+
+
+def test_a_mismatch_on_one_rank_raises_on_every_rank(tmp_path: Path) -> None:
+    """One rank's objects do not fit: every rank raises together (none falls back, none waits for the others)."""
+    from conftest import run_ranks
+
+    seen = run_ranks(_mismatch_on_rank_1, 2, str(tmp_path / "run"))
+    assert all(s.startswith("mismatch:") and "'w'" in s and "step 1" in s for s in seen), seen

@@ -90,6 +90,18 @@ def test_single_rank_save_validates(rich: Path) -> None:
     assert set(doc["rng"]["0"]) >= {"python", "numpy", "torch"} and doc["data"]["0"]
 
 
+def test_adapter_only_save_validates(tmp_path: Path) -> None:
+    model, opt = _model_and_optimizer()
+    model[0].requires_grad_(False)  # the "base"; the rest is the adapter
+    ckpt.save(
+        str(tmp_path / "a"), step=3, model=model, optimizer=opt, adapter_only=True, base_source="base/x"
+    )
+    doc = assert_valid(tmp_path / "a")
+    assert doc["adapter"]["base"]["source"] == "base/x" and not any(
+        n.startswith("0.") for n in doc["tensors"]
+    )
+
+
 def _two_rank_job(rank: int, world: int, tmp: str) -> None:
     """FSDP2 state through ckpt.save, then TP shards of NxD-named parameters through the NeuronCheckpointer."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -246,6 +258,11 @@ MUTATIONS: dict[str, Callable[[dict[str, Any]], None]] = {
     "tokenizer list": _set(_top, "tokenizer", []),
     "rng list": _set(_top, "rng", []),
     "extra string": _set(_top, "extra", "x"),
+    "adapter list": _set(_top, "adapter", []),
+    "adapter without base digest": _set(_top, "adapter", {"base": {"source": "x"}}),
+    "adapter rank_digests string": _set(
+        _top, "adapter", {"base": {"digest": "xxh3_128:" + "0" * 32, "rank_digests": "x"}}
+    ),
     "layout.tp string": _set(lambda d: d["layout"], "tp", "2"),
     "layout.dp negative": _set(lambda d: d["layout"], "dp", -1),
     "layout.mesh number": _set(lambda d: d["layout"], "mesh", 5),

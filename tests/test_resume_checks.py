@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ckpt.resume.checks import Cause, Status, VerifyOptions
+from ckpt.resume.checks import Basis, Cause, Confidence, Status, VerifyOptions
 from ckpt.resume.facts import CheckpointFacts, facts_from_mapping
 from ckpt.resume.ledger import LedgerWriter
 from ckpt.resume.replay import replay_lr
@@ -98,11 +98,18 @@ def test_bitwise_mode_flags_any_difference(tmp_path: Path) -> None:
 
 def test_no_overlap_uses_the_replayed_schedule(tmp_path: Path) -> None:
     good = write(tmp_path / "good", crash=700)
-    assert verify(good).verdicts[0].check("lr").status is Status.SKIP
+    traj = verify(good).verdicts[0].check("lr")
+    assert traj.status is Status.PASS and (traj.basis, traj.confidence) == (Basis.TRAJECTORY, Confidence.HIGH)
     lr = verify(good, lr_reference=SCHEDULE).verdicts[0].check("lr")
     assert lr.status is Status.PASS and lr.numbers["compared"] == 200
-    shifted = verify(write(tmp_path / "shift", crash=700, lr_shift=1), lr_reference=SCHEDULE)
+    assert (lr.basis, lr.confidence) == (Basis.REPLAY, Confidence.EXACT)
+    shift = write(tmp_path / "shift", crash=700, lr_shift=1)
+    shifted = verify(shift, lr_reference=SCHEDULE)
     assert shifted.causes == [Cause.LR_OFF_BY_ONE]
+    # Without the replayed schedule, the trajectory alone: same slope on both sides, a gap of two steps.
+    alone = verify(shift).verdicts[0].check("lr")
+    assert alone.cause is Cause.LR_OFF_BY_ONE and alone.basis is Basis.TRAJECTORY
+    assert alone.numbers["shift_steps"] == 1
 
 
 def test_restarted_warmup_is_recognised_without_overlap_or_replay(tmp_path: Path) -> None:

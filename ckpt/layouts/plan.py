@@ -21,7 +21,7 @@ from ckpt.layouts import gqa
 from ckpt.layouts.fused import local_part_sizes, part_offsets
 from ckpt.layouts.names import hf_to_nxd_name, nxd_to_hf_names
 from ckpt.layouts.pipeline import layer_index, pp_ranks_of
-from ckpt.layouts.rules import NXD_LLAMA, Kind, Rule, rule_for
+from ckpt.layouts.rules import Kind, Rule, check_known, rule_for
 from ckpt.layouts.spec import LayoutSpec, ModelDims
 from ckpt.layouts.tp import runs, strided_ranges
 
@@ -155,7 +155,7 @@ def _segments(spec: LayoutSpec, rule: Rule, shape: tuple[int, ...], tp: int) -> 
 def expected_full_shape(hf_name: str, spec: LayoutSpec, shape: tuple[int, ...]) -> tuple[int, ...] | None:
     """Shape the config implies for HF tensor ``hf_name`` (``None``: the config says nothing about it)."""
     m: ModelDims = spec.model
-    kind = rule_for(hf_name).kind
+    kind = rule_for(hf_name, spec.rules, spec.rule_set).kind
     rows = {Kind.ATTN_Q: m.q_rows, Kind.ATTN_KV: m.kv_rows, Kind.GATE_UP: m.intermediate}.get(kind)
     if rows is not None:
         return (rows, m.hidden) if hf_name.endswith(".weight") else (rows,)
@@ -174,7 +174,7 @@ def placements(spec: LayoutSpec, hf_name: str, shape: tuple[int, ...]) -> tuple[
     expected = expected_full_shape(hf_name, spec, shape)
     if expected is not None and shape != expected:
         raise LayoutError(f"{hf_name} has shape {list(shape)} but the config implies {list(expected)}")
-    rule = rule_for(hf_name, NXD_LLAMA)
+    rule = rule_for(hf_name, spec.rules, spec.rule_set)
     nxd_name = hf_to_nxd_name(hf_name, spec)
     parts = nxd_to_hf_names(nxd_name)
     base = 0
@@ -202,6 +202,7 @@ def plan_full_to_nxd(spec: LayoutSpec, full_metas: Mapping[str, TensorMeta]) -> 
     Raises ``LayoutError`` if a fused NxD tensor lacks one of its parts (e.g. ``up_proj`` without
     ``gate_proj``), if parts of one fused tensor disagree in dtype, or if a shape contradicts the config.
     """
+    check_known(full_metas, spec.rules, spec.rule_set)
     grouped: dict[tuple[Rank, str], list[Placement]] = {}
     for name, meta in full_metas.items():
         for p in placements(spec, name, meta.shape):
@@ -235,7 +236,7 @@ def plan_full_to_nxd(spec: LayoutSpec, full_metas: Mapping[str, TensorMeta]) -> 
 def full_meta_from_local(spec: LayoutSpec, hf_name: str, local: TensorMeta) -> TensorMeta:
     """Full shape of HF tensor ``hf_name`` given the shape of the NxD tensor it is stored in on one rank."""
     m = spec.model
-    kind = rule_for(hf_name).kind
+    kind = rule_for(hf_name, spec.rules, spec.rule_set).kind
     shape = list(local.shape)
     if kind is Kind.VOCAB:
         shape[0] *= spec.tp
@@ -282,6 +283,11 @@ def plan_nxd_to_full(spec: LayoutSpec, rank_metas: Mapping[Rank, Mapping[str, Te
     if extra_ranks:
         tp, pp = min(extra_ranks)
         raise LayoutError(f"found tp rank {tp}, pp rank {pp} outside --tp {spec.tp} --pp {spec.pp}")
+    check_known(
+        (h for rank in spec.ranks for n in rank_metas[rank] for h in nxd_to_hf_names(n)),
+        spec.rules,
+        spec.rule_set,
+    )
     full: dict[str, TensorMeta] = {}
     for rank in spec.ranks:
         for nxd_name, meta in rank_metas[rank].items():

@@ -18,7 +18,7 @@ from ckpt.layouts.rules import DEFAULT_RULE_SET, get_rule_set
 from ckpt.layouts.spec import LayoutSpec, ModelDims, NxdFlags
 
 _FLAG_KEYS = ("kv_size_multiplier", "hw", "fuse_qkv", "qkv_linear", "virtual_pp")
-_KEYS = ("rule_set", *_FLAG_KEYS, "config", "pp_ranks", "source", "optimizer_extra")
+_KEYS = ("rule_set", *_FLAG_KEYS, "config", "pp_ranks", "source", "optimizer_extra", "replicated")
 
 
 @dataclass(frozen=True)
@@ -29,7 +29,9 @@ class NxdRecord:
     treated as replicated); ``config`` is the Hugging Face ``config.json`` dict (None when unknown); ``pp_ranks`` maps each tensor to the PP
     ranks holding it (written when pp > 1, so a tag can be rebuilt without a config); ``source`` describes an
     imported NxD tag (``format``, ``tag``, ``status``, ``xser``, ``zero1``, ``legacy``); ``optimizer_extra`` keeps
-    (encoded) top-level keys of NxD optimizer dicts that ckpt does not interpret, so an export writes them back.
+    (encoded) top-level keys of NxD optimizer dicts that ckpt does not interpret, so an export writes them back;
+    ``replicated`` are the globs the user declared replicated for tensors the rule set does not know
+    (``--replicated``), kept so that a later conversion of this checkpoint knows them too.
     """
 
     rule_set: str | None = DEFAULT_RULE_SET
@@ -42,6 +44,7 @@ class NxdRecord:
     pp_ranks: dict[str, list[int]] | None = None
     source: dict[str, Any] | None = None
     optimizer_extra: Any = None
+    replicated: tuple[str, ...] = ()
 
     @classmethod
     def of(
@@ -73,6 +76,8 @@ class NxdRecord:
             out["source"] = dict(self.source)
         if self.optimizer_extra is not None:
             out["optimizer_extra"] = self.optimizer_extra
+        if self.replicated:
+            out["replicated"] = list(self.replicated)
         return out
 
     @classmethod
@@ -126,6 +131,9 @@ class NxdRecord:
         source = value.get("source")
         if source is not None and not isinstance(source, Mapping):
             raise ManifestError(f"{where}: extra.nxd.source must be an object")
+        replicated = value.get("replicated", [])
+        if not isinstance(replicated, list) or not all(isinstance(g, str) and g for g in replicated):
+            raise ManifestError(f"{where}: extra.nxd.replicated must be a list of non-empty globs")
         return cls(
             rule_set=rule_set,
             hw=hw,
@@ -133,6 +141,7 @@ class NxdRecord:
             pp_ranks=pp_ranks,
             source=dict(source) if source is not None else None,
             optimizer_extra=value.get("optimizer_extra"),
+            replicated=tuple(replicated),
             **ints,
             **bools,
         )
@@ -153,7 +162,12 @@ class NxdRecord:
             raise LayoutError(
                 f"{where}: the checkpoint does not record the model config; pass --config config.json"
             )
-        return LayoutSpec.of(ModelDims.from_hf_config(cfg), self.flags(tp=tp, pp=pp, dp=dp))
+        return LayoutSpec.of(
+            ModelDims.from_hf_config(cfg),
+            self.flags(tp=tp, pp=pp, dp=dp),
+            rule_set=self.rule_set,
+            replicated=self.replicated,
+        )
 
 
 __all__ = ["NxdRecord"]

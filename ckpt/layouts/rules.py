@@ -1,17 +1,24 @@
 """Named rule sets: HF tensor name -> how NxD partitions it.
 
 NxD writes no partition metadata to disk, so the split of every tensor must be known from its name.
-Rules are matched in order against the Hugging Face name; the first match wins; anything unmatched is
-replicated on every TP rank (norms, RowParallel biases, rotary buffers).  ``partition_dim`` is the dim
-NxD's parallel layer shards (``ColumnParallelLinear``/``ParallelEmbedding``: 0, ``RowParallelLinear``: 1),
-``stride`` is the ``create_local_weight`` stride of the NxD tensor the HF tensor ends up in.
+Rules are matched in order against the Hugging Face name; the first match wins.  A rule set names every tensor
+of its model family, the replicated ones too (norms, RowParallel biases, rotary buffers): a name no rule matches
+is *not* assumed replicated, because a TP-sharded tensor the rules do not know would then lose every other rank's
+rows.  Such a name is refused (:func:`check_known`) unless the user declares it replicated (``--replicated GLOB``,
+``replicated=[...]``), and a declared replica is still compared across ranks wherever copies are read.
+
+``partition_dim`` is the dim NxD's parallel layer shards (``ColumnParallelLinear``/``ParallelEmbedding``: 0,
+``RowParallelLinear``: 1), ``stride`` is the ``create_local_weight`` stride of the NxD tensor the HF tensor ends up in.
 """
 
 from __future__ import annotations
 
+import fnmatch
 import re
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from enum import Enum
+from functools import lru_cache
 
 from ckpt.errors import LayoutError
 
@@ -40,6 +47,13 @@ class Rule:
 
 
 NXD_LLAMA: tuple[Rule, ...] = (
+    # LoRA (neuronx_distributed.modules.lora, NxD names): the matrices NxD keeps whole on every TP rank, plain
+    # nn.Linear without NxD's parallel attributes.  The split ones (lora_B of column layers, lora_A of row layers)
+    # are NxD parallel layers whose runtime attributes give their split; adapters convert via ckpt/layouts/lora.py.
+    Rule(
+        r"\.(self_attn\.(q|k|v|qkv)_proj|mlp\.(gate|up|gate_up)_proj)\.lora_A\.weight$", Kind.REPLICATED, None
+    ),
+    Rule(r"\.(self_attn\.o_proj|mlp\.down_proj)\.lora_B\.weight$", Kind.REPLICATED, None),
     Rule(r"(^|\.)embed_tokens\.weight$", Kind.VOCAB, 0),
     Rule(r"(^|\.)lm_head\.weight$", Kind.VOCAB, 0),
     Rule(r"\.self_attn\.q_proj\.(weight|bias)$", Kind.ATTN_Q, 0),
@@ -47,13 +61,19 @@ NXD_LLAMA: tuple[Rule, ...] = (
     Rule(r"\.self_attn\.o_proj\.weight$", Kind.ATTN_O, 1),
     Rule(r"\.mlp\.(gate|up)_proj\.(weight|bias)$", Kind.GATE_UP, 0, stride=2),
     Rule(r"\.mlp\.down_proj\.weight$", Kind.ROW, 1),
+    # replicated on every TP rank: RMSNorms, RowParallelLinear biases (added after the all-reduce), rotary buffers
+    Rule(r"(^|\.)(input_layernorm|post_attention_layernorm|norm)\.weight$", Kind.REPLICATED, None),
+    Rule(r"\.self_attn\.o_proj\.bias$", Kind.REPLICATED, None),
+    Rule(r"\.mlp\.down_proj\.bias$", Kind.REPLICATED, None),
+    Rule(r"(^|\.)rotary_emb\.inv_freq$", Kind.REPLICATED, None),
 )
 """Llama, Mistral and Qwen2 style decoders as NxD's training models and checkpoint converter lay them out."""
 
 DEFAULT_RULE_SET = "nxd-llama"
 RULE_SETS: dict[str, tuple[Rule, ...]] = {DEFAULT_RULE_SET: NXD_LLAMA}
 
-_REPLICATED = Rule(r"", Kind.REPLICATED, None)
+#: how many unmatched names an error lists before "(+N more)"
+_LISTED = 5
 
 
 def get_rule_set(name: str) -> tuple[Rule, ...]:
@@ -66,9 +86,54 @@ def get_rule_set(name: str) -> tuple[Rule, ...]:
         ) from None
 
 
-def rule_for(name: str, rules: tuple[Rule, ...] = NXD_LLAMA) -> Rule:
-    """First rule matching HF tensor ``name``; unmatched names are replicated."""
+def declared_rules(globs: Sequence[str]) -> tuple[Rule, ...]:
+    """Replicated rules for the user's ``--replicated`` globs (``fnmatch`` syntax over the whole tensor name)."""
+    out = []
+    for g in globs:
+        if not isinstance(g, str) or not g:
+            raise LayoutError(f"--replicated {g!r}: expected a non-empty glob such as '*.expert_bias'")
+        out.append(Rule("^" + fnmatch.translate(g), Kind.REPLICATED, None))
+    return tuple(out)
+
+
+@lru_cache(maxsize=64)
+def rules_with(rule_set: str | None = DEFAULT_RULE_SET, replicated: tuple[str, ...] = ()) -> tuple[Rule, ...]:
+    """The rules of ``rule_set`` (None: the default) followed by the user's replicated globs.
+
+    The family's rules come first, so a glob never turns a tensor the rules shard into a replicated one.
+    """
+    return get_rule_set(rule_set or DEFAULT_RULE_SET) + declared_rules(replicated)
+
+
+def find_rule(name: str, rules: tuple[Rule, ...] = NXD_LLAMA) -> Rule | None:
+    """First rule matching HF tensor ``name``; None when no rule does."""
     for rule in rules:
         if rule.matches(name):
             return rule
-    return _REPLICATED
+    return None
+
+
+def unmatched_message(names: Sequence[str], rule_set: str | None = None) -> str:
+    """The refusal for tensor names no rule matches: the first few, the count, and the fix."""
+    shown = ", ".join(names[:_LISTED]) + (f" (+{len(names) - _LISTED} more)" if len(names) > _LISTED else "")
+    return (
+        f"{len(names)} tensor(s) match no rule of layout rule set {rule_set or DEFAULT_RULE_SET}: {shown}; "
+        "their split over TP ranks is unknown. If they are replicated on every rank, declare them with "
+        "--replicated GLOB (library: replicated=[...]); a sharded tensor this rule set does not know cannot be "
+        "converted"
+    )
+
+
+def rule_for(name: str, rules: tuple[Rule, ...] = NXD_LLAMA, rule_set: str | None = None) -> Rule:
+    """First rule matching HF tensor ``name``; an unmatched name is a ``LayoutError`` (never assumed replicated)."""
+    rule = find_rule(name, rules)
+    if rule is None:
+        raise LayoutError(unmatched_message([name], rule_set))
+    return rule
+
+
+def check_known(names: Iterable[str], rules: tuple[Rule, ...], rule_set: str | None = None) -> None:
+    """Refuse, listing them, the ``names`` no rule of ``rules`` matches."""
+    missing = [n for n in dict.fromkeys(names) if find_rule(n, rules) is None]
+    if missing:
+        raise LayoutError(unmatched_message(missing, rule_set))

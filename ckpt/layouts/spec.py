@@ -12,11 +12,23 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
 from ckpt.errors import LayoutError
+from ckpt.layouts.rules import DEFAULT_RULE_SET, Rule, rules_with
 
 Hardware = Literal["trn1", "trn2"]
 
 #: HF ``model_type`` values whose state-dict names and shapes the ``nxd-llama`` rule set covers.
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+
+
+def _model_type(config: Mapping[str, Any]) -> str:
+    """The config's ``model_type``; a config without one is refused (it decides the tensor names and rules)."""
+    mt = config.get("model_type")
+    if not isinstance(mt, str) or not mt:
+        raise LayoutError(
+            "config.json has no model_type, which decides the layout rules; pass --model-type "
+            f"({'|'.join(SUPPORTED_MODEL_TYPES)}) if the model is one of them (library: ConvertOptions(model_type=))"
+        )
+    return mt
 
 
 @dataclass(frozen=True)
@@ -51,11 +63,14 @@ class ModelDims:
                 layers=int(config["num_hidden_layers"]),
                 vocab=int(config["vocab_size"]),
                 intermediate=int(config["intermediate_size"]),
-                model_type=str(config.get("model_type", "llama")),
+                model_type=_model_type(config),
                 tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
             )
         except KeyError as e:
-            raise LayoutError(f"config.json lacks {e.args[0]!r}, needed to plan the layout") from None
+            raise LayoutError(
+                f"config.json lacks {e.args[0]!r}, needed to plan the layout; pass --config with the model's "
+                "complete Hugging Face config.json"
+            ) from None
         return dims
 
     @property
@@ -127,9 +142,16 @@ class NxdFlags:
 
 @dataclass(frozen=True)
 class LayoutSpec(NxdFlags):
-    """An NxD parallel layout of one model: :class:`NxdFlags` plus the model's dimensions (keyword ``model``)."""
+    """An NxD parallel layout of one model: :class:`NxdFlags` plus the model's dimensions (keyword ``model``).
+
+    ``rule_set`` names the rules that split tensors over TP ranks; ``replicated`` are the user's globs for tensors
+    the rule set does not know that are replicated on every rank (``--replicated``); any other unknown name is
+    refused when a plan is made.
+    """
 
     model: ModelDims = field(kw_only=True)
+    rule_set: str = field(default=DEFAULT_RULE_SET, kw_only=True)
+    replicated: tuple[str, ...] = field(default=(), kw_only=True)
 
     def __post_init__(self) -> None:
         validate(self)
@@ -140,8 +162,25 @@ class LayoutSpec(NxdFlags):
         return cls(model=ModelDims.from_hf_config(config), **flags)
 
     @classmethod
-    def of(cls, model: ModelDims, flags: NxdFlags) -> LayoutSpec:
-        return cls(model=model, **{n: getattr(flags, n) for n in NxdFlags.names()})
+    def of(
+        cls,
+        model: ModelDims,
+        flags: NxdFlags,
+        *,
+        rule_set: str | None = None,
+        replicated: tuple[str, ...] | list[str] = (),
+    ) -> LayoutSpec:
+        return cls(
+            model=model,
+            rule_set=rule_set or DEFAULT_RULE_SET,
+            replicated=tuple(replicated),
+            **{n: getattr(flags, n) for n in NxdFlags.names()},
+        )
+
+    @property
+    def rules(self) -> tuple[Rule, ...]:
+        """The rule set's rules, then the declared replicated globs."""
+        return rules_with(self.rule_set, self.replicated)
 
     @property
     def num_stages(self) -> int:
@@ -238,6 +277,11 @@ def validate(spec: LayoutSpec) -> None:
                 f"{spec.kv_slots} == --tp {tp} (NxD trn2 kv groups are adjacent ranks holding one KV head); "
                 f"use --kv-size-multiplier {_suggest_mult(m.kv_heads, tp)}"
             )
+    if m.tie_word_embeddings and spec.pp > 1:
+        raise LayoutError(
+            f"config tie_word_embeddings with --pp {spec.pp} is not supported: NxD then keeps the tied embedding on "
+            "the first and last stages, a layout this converter does not map; use --pp 1 or untie the weights"
+        )
     if m.layers < spec.num_stages:
         raise LayoutError(
             f"--pp {spec.pp} x --virtual-pp {spec.virtual_pp} = {spec.num_stages} stages exceed "

@@ -59,11 +59,14 @@ class NeuronCheckpointer(Checkpointer):
 
     Args:
         parallel: this process's ranks and sizes; default ``ParallelInfo.detect(**parallel_args)`` (NxD's
-            parallel state when importable, explicit ``tp_rank=``/``tp_size=``/... otherwise).
+            parallel state when importable, explicit ``tp_rank=``/``tp_size=``/... otherwise).  The sizes must
+            multiply to the process group's size; several ranks with neither NxD state nor sizes are refused.
         rule_set: layout rules for parameters without NxD TP attributes (``"nxd-llama"``; None: replicated).
         kv_size_multiplier, hw, virtual_pp: NxD flags recorded in ``extra.nxd`` for converters.
         fuse_qkv, qkv_linear: recorded too; None infers them from the parameter names.
         config: the Hugging Face ``config.json`` dict; default ``model.config.to_dict()`` when the model has one.
+        replicated: globs of parameters that have no NxD attributes and that the rule set does not know, which are
+            replicated on every TP rank (recorded in ``extra.nxd``); with TP > 1 any other such parameter is refused.
         The remaining keywords go to :class:`~ckpt.saver.Checkpointer` (``async_save``, ``process_group``, ...).
     """
 
@@ -78,6 +81,7 @@ class NeuronCheckpointer(Checkpointer):
         fuse_qkv: bool | None = None,
         qkv_linear: bool | None = None,
         config: dict[str, Any] | None = None,
+        replicated: tuple[str, ...] | list[str] = (),
         stager: Any = None,
         layout_hook: Any = None,
         tp_rank: int | None = None,
@@ -91,11 +95,12 @@ class NeuronCheckpointer(Checkpointer):
         **options: Any,
     ) -> None:
         super().__init__(stager=stager or XlaStager(), **options)
-        self.parallel = parallel or ParallelInfo.detect(
-            tp_rank=tp_rank, tp_size=tp_size, pp_rank=pp_rank, pp_size=pp_size,
+        self.parallel = ParallelInfo.for_world(
+            self.coll.world_size, parallel, tp_rank=tp_rank, tp_size=tp_size, pp_rank=pp_rank, pp_size=pp_size,
             dp_rank=dp_rank, dp_size=dp_size, ep_rank=ep_rank, ep_size=ep_size,
         )  # fmt: skip
         self.rule_set = rule_set
+        self.replicated = tuple(replicated)
         self.flags = {"kv_size_multiplier": kv_size_multiplier, "hw": hw, "virtual_pp": virtual_pp}
         self.fuse_qkv, self.qkv_linear, self.config = fuse_qkv, qkv_linear, config
         self._fixed_hook = layout_hook
@@ -109,7 +114,7 @@ class NeuronCheckpointer(Checkpointer):
             return self._fixed_hook
         key = id(model)
         if key not in self._layouts:
-            self._layouts[key] = NxdLayout(model, self.parallel, self.rule_set)
+            self._layouts[key] = NxdLayout(model, self.parallel, self.rule_set, self.replicated)
         return self._layouts[key]
 
     def save(self, path: str, *, step: int, model: Any = None, optimizer: Any = None, **kw: Any) -> Future:
@@ -146,6 +151,7 @@ class NeuronCheckpointer(Checkpointer):
             qkv_linear=bool(qkv_linear),
             config=self.config if self.config is not None else _hf_config(model),
             pp_ranks=self._gather_pp_ranks(tuple(names)) if self.parallel.pp_size > 1 else None,
+            replicated=self.replicated,
         )
         return record.to_extra()
 
@@ -159,6 +165,11 @@ class NeuronCheckpointer(Checkpointer):
             self._pp_ranks = {n: sorted(r) for n, r in sorted(ranks.items())}
             self._pp_key = names
         return self._pp_ranks
+
+    def check_state(self, named: list[NamedTensor]) -> None:
+        """Model tensors whose TP split neither NxD's attributes nor the rule set say are refused (TP > 1)."""
+        if isinstance(self.layout_hook, NxdLayout):
+            self.layout_hook.check([nt.name for nt in named if nt.role != "optimizer_state"])
 
     def capture_optimizer(self, optimizer: Any, model: Any) -> tuple[list[NamedTensor], dict[str, Any]]:
         if is_zero1_optimizer(optimizer):
@@ -266,10 +277,16 @@ def restore(
     optimizer: Any = None,
     parallel: ParallelInfo | None = None,
     rule_set: str | None = "nxd-llama",
+    replicated: tuple[str, ...] | list[str] = (),
     **kw: Any,
 ) -> RestoreResult:
-    """:func:`ckpt.restore` for NxD / torch-xla state (same keywords; ``parallel`` as in NeuronCheckpointer)."""
-    layout = NxdLayout(model, parallel or ParallelInfo.detect(), rule_set) if model is not None else None
+    """:func:`ckpt.restore` for NxD / torch-xla state (same keywords; ``parallel``, ``replicated`` as in
+    NeuronCheckpointer)."""
+    layout = (
+        NxdLayout(model, parallel or ParallelInfo.detect(), rule_set, replicated)
+        if model is not None
+        else None
+    )
     kw.setdefault("layout_hook", layout)
     return core_restore(path, model=model, optimizer=optimizer, restorer=NeuronRestorer, **kw)
 
@@ -283,6 +300,7 @@ class NeuronCheckpointManager(CheckpointManager):
 
     _NEURON_KEYS = (
         "parallel", "rule_set", "kv_size_multiplier", "hw", "virtual_pp", "fuse_qkv", "qkv_linear", "config",
+        "replicated",
         "tp_rank", "tp_size", "pp_rank", "pp_size", "dp_rank", "dp_size", "ep_rank", "ep_size",
     )  # fmt: skip
 
@@ -296,6 +314,7 @@ class NeuronCheckpointManager(CheckpointManager):
             chunk_bytes=core.chunk_bytes,
             codec=core.codec,
             storage_options=core.storage_options,
+            verify_replicas=core.verify_replicas,
             **neuron,
         )
         self.coll = self.checkpointer.coll

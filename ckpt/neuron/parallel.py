@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any
 
-from ckpt.errors import CkptError
+from ckpt.errors import CkptError, LayoutError
 
 _NXD_GETTERS = {
     "tp_rank": "get_tensor_model_parallel_rank",
@@ -53,6 +53,37 @@ class ParallelInfo:
         values: dict[str, Any] = from_nxd()
         values.update({k: v for k, v in explicit.items() if v is not None})
         return cls(**values)
+
+    def check_world(self, world: int) -> None:
+        """The sizes must account for every rank of the process group: ``tp * pp * dp == world`` (NxD carves expert
+        parallelism out of DP), or ``tp * pp * dp * ep == world`` where DP was given without the expert ranks."""
+        base = self.tp_size * self.pp_size * self.dp_size
+        if world not in (base, base * self.ep_size):
+            raise LayoutError(
+                f"parallel sizes tp {self.tp_size} x pp {self.pp_size} x dp {self.dp_size} x ep {self.ep_size} = "
+                f"{base * self.ep_size} but the process group has {world} rank{'s' if world > 1 else ''}; pass "
+                f"tp_size=, pp_size=, dp_size= that multiply to {world}"
+            )
+
+    @classmethod
+    def for_world(
+        cls, world: int, parallel: ParallelInfo | None = None, **explicit: int | None
+    ) -> ParallelInfo:
+        """The layout of a process in a group of ``world`` ranks: ``parallel`` or :meth:`detect`, checked against
+        ``world``.  Several ranks with neither NxD's parallel state nor explicit sizes are refused: taking them as
+        tp = pp = dp = 1 would record every rank's shard as the same replicated tensor."""
+        if parallel is None:
+            sizes_given = any(v is not None for k, v in explicit.items() if k.endswith("_size"))
+            if world > 1 and not sizes_given and not from_nxd():
+                raise LayoutError(
+                    f"Neuron save on {world} ranks with no NxD parallel state (neuronx_distributed is not importable "
+                    "or its parallel_state is not initialised) and no parallel sizes: pass tp_size=, pp_size=, "
+                    "dp_size= and the matching tp_rank=/pp_rank=/dp_rank= (or parallel=ParallelInfo(...)), or "
+                    "initialise NxD's parallel_state first"
+                )
+            parallel = cls.detect(**explicit)
+        parallel.check_world(world)
+        return parallel
 
 
 def from_nxd() -> dict[str, int]:

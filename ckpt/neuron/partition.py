@@ -18,9 +18,10 @@ from typing import Any
 
 import torch
 
-from ckpt.errors import CkptError
+from ckpt.errors import CkptError, LayoutError
+from ckpt.layouts.names import nxd_to_hf_names
 from ckpt.layouts.partition import Partition, nxd_partition
-from ckpt.layouts.rules import get_rule_set
+from ckpt.layouts.rules import check_known, rules_with
 from ckpt.manifest import Box
 from ckpt.state import NamedTensor
 
@@ -47,11 +48,20 @@ class NxdLayout:
         parallel: this process's ranks and sizes.
         rule_set: the rule set for parameters without NxD attributes (``"nxd-llama"``), or None to treat those as
             replicated.
+        replicated: globs of parameters without NxD attributes that the rule set does not know and that are
+            replicated on every TP rank; with TP > 1 any other unknown one is refused (:meth:`check`).
     """
 
-    def __init__(self, model: Any, parallel: ParallelInfo, rule_set: str | None = "nxd-llama") -> None:
+    def __init__(
+        self,
+        model: Any,
+        parallel: ParallelInfo,
+        rule_set: str | None = "nxd-llama",
+        replicated: tuple[str, ...] | list[str] = (),
+    ) -> None:
+        self.replicated = tuple(replicated)
         if rule_set is not None:
-            get_rule_set(rule_set)  # fail early on an unknown name
+            rules_with(rule_set, self.replicated)  # fail early on an unknown name or a bad glob
         self.parallel = parallel
         self.rule_set = rule_set
         self.params: dict[str, torch.Tensor] = {}
@@ -59,6 +69,18 @@ class NxdLayout:
             self.params = dict(model.named_parameters(remove_duplicate=False))
         self.zero1_rows: dict[str, tuple[int, tuple[int, ...]]] = {}
         self._cache: dict[str, Partition | None] = {}
+
+    def check(self, names: list[str]) -> None:
+        """Refuse (listing them) the tensors whose TP split neither NxD's attributes nor the rules say.
+
+        With TP 1 nothing is split, so nothing can be misplaced and nothing is refused."""
+        if self.rule_set is None or self.parallel.tp_size == 1:
+            return
+        unknown = [n for n in names if n not in self.params or attribute_partition(self.params[n]) is False]
+        check_known(
+            (h for n in unknown for h in nxd_to_hf_names(n)), rules_with(self.rule_set, self.replicated),
+            self.rule_set,
+        )  # fmt: skip
 
     def partition(self, name: str) -> Partition | None:
         """The manifest ``partition`` of parameter ``name`` (None: replicated)."""
@@ -71,7 +93,14 @@ class NxdLayout:
             found = attribute_partition(param)
         if found is False:
             source = self.rule_set or ""
-            found = nxd_partition(name, self.rule_set) if self.rule_set is not None else None
+            try:
+                found = (
+                    nxd_partition(name, self.rule_set, self.replicated) if self.rule_set is not None else None
+                )
+            except LayoutError:
+                if self.parallel.tp_size > 1:
+                    raise
+                found = None  # TP 1: the tensor is whole on this rank whatever its rule would be
         part = None
         if found:
             dim, stride = found  # type: ignore[misc]

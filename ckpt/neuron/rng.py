@@ -57,3 +57,19 @@ def restore_xla(state: dict[str, Any]) -> list[str]:
             tracker.seeds_ = {int(s) for s in state["xla_nxd_tracker_seeds"]}
         done.append("xla_nxd_tracker")
     return done
+
+
+def reseed_xla(stream: str, seed: int) -> None:
+    """Re-derive an XLA stream (ckpt.rng's rule across a DP change): the device seed, or every NxD tracker state."""
+    if stream == "xla_seed":
+        import torch_xla.core.xla_model as xm
+
+        xm.set_rng_state(int(seed))
+        return
+    tracker = _tracker()
+    if tracker is None:
+        return
+    states = {}
+    for i, name in enumerate(sorted(tracker.get_states())):
+        states[name] = torch.Generator().manual_seed((seed + i) & ((1 << 63) - 1)).get_state()
+    tracker.set_states(states)

@@ -32,9 +32,28 @@ def is_zero1_optimizer(optimizer: Any) -> bool:
     return hasattr(optimizer, "base_optimizer") and hasattr(optimizer, "get_shape_info")
 
 
-def dp_of(optimizer: Any) -> tuple[int, int]:
-    """(DP rank, DP size) the optimizer shards over (its sharding group, which NxD sets to the DP group)."""
-    return int(getattr(optimizer, "local_rank", 0) or 0), int(getattr(optimizer, "local_world_size", 1) or 1)
+def dp_of(optimizer: Any, layout: NxdLayout | None = None) -> tuple[int, int]:
+    """(DP rank, DP size) the optimizer shards over: its sharding group (``local_rank`` / ``local_world_size``,
+    which NxD sets to the DP group), checked against the layout's DP ranks; a wrapper without them takes the layout's.
+
+    Never a silent ``(0, 1)``: a wrong DP size would misplace every shard's rows, so a wrapper that does not say and a
+    layout that does not know (or a disagreement between the two) is refused."""
+    rank, size = getattr(optimizer, "local_rank", None), getattr(optimizer, "local_world_size", None)
+    par = layout.parallel if layout is not None else None
+    if rank is None or size is None:
+        if par is None:
+            raise StateMismatchError(
+                f"ZeRO-1 optimizer {type(optimizer).__name__} has no local_rank/local_world_size and the DP layout is "
+                "unknown; pass dp_rank= and dp_size= to the Neuron checkpointer"
+            )
+        return par.dp_rank, par.dp_size
+    rank, size = int(rank), int(size)
+    if par is not None and par.ep_size == 1 and (rank, size) != (par.dp_rank, par.dp_size):
+        raise StateMismatchError(
+            f"ZeRO-1 optimizer shards over {size} rank(s) as local_rank {rank}, but the parallel layout says dp_rank "
+            f"{par.dp_rank} of dp_size {par.dp_size}; pass the optimizer's sharding group as dp_rank=/dp_size="
+        )
+    return rank, size
 
 
 def _scalar(v: Any) -> Any:
@@ -45,7 +64,7 @@ def capture_zero1(optimizer: Any, model: Any, layout: NxdLayout) -> tuple[list[N
     """Named shard tensors (registered in ``layout.zero1_rows``) and the optimizer tree of a ZeRO-1 optimizer."""
     names = param_names_in_optimizer_order(optimizer, model)
     sd = optimizer.state_dict()
-    dp_rank, dp_size = dp_of(optimizer)
+    dp_rank, dp_size = dp_of(optimizer, layout)
     shape_info = {int(k): tuple(int(s) for s in v) for k, v in sd["shape_info"].items()}
     tensors: list[NamedTensor] = []
     scalars: dict[str, dict[str, Any]] = {}
@@ -105,7 +124,7 @@ def restore_zero1(reader: Any, layout: NxdLayout, optimizer: Any, model: Any) ->
         dec = {k: treecodec.decode(v) for k, v in saved.items() if k != "params"}
         dec["params"] = list(g["params"])
         groups.append(dec)
-    dp_rank, dp_size = dp_of(optimizer)
+    dp_rank, dp_size = dp_of(optimizer, layout)
     shape_info = {int(k): tuple(int(s) for s in v) for k, v in live["shape_info"].items()}
     by_param: dict[str, dict[str, str]] = {}
     for n, t in m.tensors.items():

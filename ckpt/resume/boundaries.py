@@ -143,3 +143,41 @@ def find_boundaries(run: Run) -> list[Boundary]:
 def session_start(segment: Segment) -> SessionStart | None:
     """The session_start of the session a segment belongs to (its environment)."""
     return segment.session.start
+
+
+def suspected_boundaries(run: Run, known: list[Boundary]) -> list[Boundary]:
+    """Candidate resume points of a log that marks no sessions: every checkpoint N (a save event) inside a
+    segment, with steps logged on both sides, that is not already a boundary.  A resume there is only
+    *suspected*; the verifier reports one only when the values show a discontinuity at it."""
+    taken = {(b.post.steps[0].step, b.restored_step) for b in known}
+    out: list[Boundary] = []
+    history: dict[int, StepRecord] = {}
+    saves: list[Save] = []
+    for seg in segments(run):
+        steps = {r.step for r in seg.steps}
+        for save in sorted(seg.saves, key=lambda e: e.step):
+            n = save.step
+            after = [r for r in seg.steps if r.step > n]
+            before = [r for r in seg.steps if r.step <= n]
+            if n not in steps or not after or (after[0].step, n) in taken:
+                continue
+            pre = dict(history)
+            pre.update({r.step: r for r in before})
+            earlier = [e for e in saves + seg.saves if e.step <= n]
+            out.append(
+                Boundary(
+                    index=0,
+                    post=Segment(seg.index, seg.session, after),
+                    dead=Segment(seg.index, seg.session, before),
+                    pre=pre,
+                    restored_step=n,
+                    restore=Restore(time=None, step=n, path=save.path, inferred=True),
+                    reason=f"suspected: checkpoint {n} (the log marks no process starts)",
+                    newest_save=max(earlier, key=lambda e: e.step),
+                    saved_steps=frozenset(e.step for e in earlier),
+                )
+            )
+        for r in seg.steps:
+            history[r.step] = r
+        saves.extend(seg.saves)
+    return out

@@ -17,7 +17,12 @@ class CheckpointFacts:
 
     ``optimizer_steps`` maps an optimizer (or param-group) name to its ``step`` counter; after N updates each
     must be N.  ``scheduler_last_epoch`` must be N for a scheduler stepped once per update.  ``samples`` is
-    the number of samples consumed after step N.  ``env`` holds versions recorded at save time.
+    the number of samples consumed after step N.  ``env`` holds versions recorded at save time.  ``dp`` is the
+    number of data-parallel ranks that saved; ``rng_shared`` the RNG streams identical on all of them (carried to
+    any DP size) and ``rng_streams`` every stream saved (the others are re-derived on another DP size).
+    ``scheduler_last_lr`` is the scheduler's ``_last_lr[0]``: the LR the first update after the restore must
+    use (it lets the LR be judged exactly when no step overlaps).  ``missing`` names state files a resume
+    needs that the checkpoint lacks (``scheduler.pt`` of an HF Trainer checkpoint), with what that causes.
     """
 
     step: int
@@ -26,6 +31,11 @@ class CheckpointFacts:
     samples: int | None = None
     tokenizer_id: str | None = None
     env: Mapping[str, object] = field(default_factory=dict)
+    dp: int | None = None
+    rng_shared: tuple[str, ...] | None = None
+    rng_streams: tuple[str, ...] | None = None
+    scheduler_last_lr: float | None = None
+    missing: tuple[str, ...] = ()
 
 
 FactsProvider = Callable[[int, "str | None"], "CheckpointFacts | None"]

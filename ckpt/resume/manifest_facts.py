@@ -51,6 +51,20 @@ def _env(environment: Mapping[str, Any]) -> dict[str, object]:
     return env
 
 
+def scheduler_position(sched: Any) -> tuple[int | None, float | None]:
+    """(``last_epoch``, ``_last_lr[0]``) of a torch LR scheduler's state dict, None where absent."""
+    if not isinstance(sched, Mapping):
+        return None, None
+    last_epoch = _as_int(sched["last_epoch"]) if "last_epoch" in sched else None
+    last_lr = sched.get("_last_lr")
+    if isinstance(last_lr, (list, tuple)) and last_lr:
+        last_lr = last_lr[0]
+    if hasattr(last_lr, "item"):
+        last_lr = last_lr.item()
+    lr = float(last_lr) if isinstance(last_lr, (int, float)) and not isinstance(last_lr, bool) else None
+    return last_epoch, lr
+
+
 def facts_from_manifest(manifest: Any) -> CheckpointFacts:
     """Counters of one checkpoint from its :class:`ckpt.manifest.Manifest`."""
     from ckpt import treecodec
@@ -62,20 +76,30 @@ def facts_from_manifest(manifest: Any) -> CheckpointFacts:
             value = _as_int(treecodec.decode(scalars["step"]))
             if value is not None:
                 opt_steps[str(param)] = value
-    last_epoch = None
+    last_epoch = last_lr = None
     if manifest.scheduler is not None:
         sched = treecodec.decode(manifest.scheduler)
-        if isinstance(sched, Mapping) and "last_epoch" in sched:
-            last_epoch = _as_int(sched["last_epoch"])
+        last_epoch, last_lr = scheduler_position(sched)
     progress = manifest.progress or {}
     samples = _as_int(progress.get("samples")) if "samples" in progress else None
+    base = getattr(manifest, "rng_base", None) or {}
+    position = getattr(manifest, "data_position", None) or {}
+    dp = position.get("dp") or base.get("dp")
+    rng = manifest.rng or {}
+    first = rng[min(rng, key=int)] if rng else None
     return CheckpointFacts(
         step=int(manifest.step),
         optimizer_steps=opt_steps or None,
         scheduler_last_epoch=last_epoch,
+        scheduler_last_lr=last_lr,
         samples=samples,
         tokenizer_id=tokenizer_id_of(manifest.tokenizer),
         env=_env(manifest.environment or {}),
+        dp=dp if isinstance(dp, int) else None,
+        rng_shared=tuple(base["shared"]) if isinstance(base.get("shared"), list) else None,
+        rng_streams=tuple(k for k in first if k != "xla_nxd_tracker_seeds")
+        if isinstance(first, dict)
+        else None,
     )
 
 

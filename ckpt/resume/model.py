@@ -153,6 +153,10 @@ class Run:
     sessions: list[Session] = field(default_factory=list)
     precision: Precision = "float64"
     notes: list[str] = field(default_factory=list)
+    sessions_logged: bool = True
+    """False when the log cannot show where a process started (HF ``trainer_state.json``, a CSV without a
+    ``session`` column): a resume that logged nothing twice is then invisible, so the verifier also looks for
+    discontinuities at the run's checkpoints (:func:`ckpt.resume.boundaries.suspected_boundaries`)."""
 
     @property
     def num_steps(self) -> int:

@@ -13,6 +13,7 @@ from typing import NamedTuple
 
 from ckpt.resume.checks import Status
 from ckpt.resume.verify import BoundaryVerdict, Verification
+from ckpt.resume.words import plural
 
 EXIT_CONTINUOUS = 0
 EXIT_DISCONTINUITY = 1
@@ -71,7 +72,7 @@ def run_line(result: Verification) -> tuple[str, str]:
     """(the run's path, what it is): ``("runs/x/ledger.jsonl", " (jsonl, 2 sessions, ...)")``."""
     run = result.run
     return run.path, (
-        f" ({run.source}, {len(run.sessions)} sessions, {run.num_steps} step records, values {run.precision})"
+        f" ({run.source}, {plural(len(run.sessions), 'session')}, {run.num_steps} step records, values {run.precision})"
     )
 
 
@@ -89,13 +90,15 @@ def boundary_title(v: BoundaryVerdict) -> str:
 
 
 def check_rows(v: BoundaryVerdict) -> list[CheckRow]:
-    """One row per check; a failure explained by another check names what it follows from."""
+    """One row per check; a failure explained by another check names what it follows from, and every judged
+    verdict says against what and how sure: ``[trajectory, high]``."""
     rows = []
     for c in v.checks:
         cause = c.cause.value if c.cause else ""
         if c.explained_by:
             cause = f"(follows from: {', '.join(x.value for x in c.explained_by)})"
-        rows.append(CheckRow(c.name, c.status, cause, c.summary))
+        judged = f" [{c.basis.value}, {c.confidence.value}]" if c.basis and c.confidence else ""
+        rows.append(CheckRow(c.name, c.status, cause, c.summary + judged))
     return rows
 
 
@@ -105,7 +108,7 @@ def verdict_line(result: Verification) -> tuple[str, str]:
         return "DISCONTINUITY", ": " + "; ".join(dict.fromkeys(c.value for c in result.causes))
     warned = [c.value for c in result.causes]
     extra = f" (warnings: {'; '.join(dict.fromkeys(warned))})" if warned else ""
-    return "CONTINUOUS", f" at {len(result.verdicts)} boundaries{extra}"
+    return "CONTINUOUS", f" at {plural(len(result.verdicts), 'boundary', 'boundaries')}{extra}"
 
 
 def render_text(result: Verification) -> str:

@@ -4,12 +4,23 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ckpt.resume.boundaries import Boundary, find_boundaries
-from ckpt.resume.checks import ALL_CHECKS, Cause, CheckContext, CheckResult, Status, VerifyOptions, worst
+from ckpt.resume.boundaries import Boundary, find_boundaries, suspected_boundaries
+from ckpt.resume.checks import (
+    ALL_CHECKS,
+    Cause,
+    CheckContext,
+    CheckResult,
+    Confidence,
+    Status,
+    VerifyOptions,
+    worst,
+)
 from ckpt.resume.facts import FactsProvider
 from ckpt.resume.model import Run
 
 _LR_CAUSES = {Cause.WARMUP_RESTARTED, Cause.LR_OFF_BY_ONE, Cause.LR_DIFFERENT}
+_VALUE_CHECKS = {"lr", "loss", "data", "rng"}
+"""The checks whose failure at a suspected boundary shows a discontinuity in the logged values."""
 _LOSS_CAUSES = {Cause.LOSS_DIVERGED, Cause.MODEL_STATE, Cause.OPTIMIZER_LOST, Cause.LOSS_DROP}
 
 
@@ -101,7 +112,8 @@ def verify_run(
     """
     options = options or VerifyOptions()
     verdicts = []
-    for b in find_boundaries(run):
+
+    def judge(b: Boundary) -> BoundaryVerdict:
         det = _deterministic(b, options)
         f = facts(b.restored_step, b.restore.path if b.restore else None) if facts else None
         ctx = CheckContext(
@@ -109,5 +121,24 @@ def verify_run(
         )
         results = [check(ctx) for check in ALL_CHECKS]
         _attribute(results)
-        verdicts.append(BoundaryVerdict(boundary=b, checks=results, deterministic=det))
+        return BoundaryVerdict(boundary=b, checks=results, deterministic=det)
+
+    boundaries = find_boundaries(run)
+    verdicts = [judge(b) for b in boundaries]
+    if not run.sessions_logged:
+        failed = [v.boundary.restored_step for v in verdicts if v.status is Status.FAIL]
+        for b in suspected_boundaries(run, boundaries):
+            floor = max((n for n in failed if n < b.restored_step), default=None)
+            if floor is not None:
+                # After a discontinuity the run is a new lineage: judging later checkpoints against the
+                # history before it would report the same restart again at every one of them.
+                b.pre = {s: r for s, r in b.pre.items() if s > floor}
+            v = judge(b)
+            if any(
+                c.name in _VALUE_CHECKS and c.status is Status.FAIL and c.confidence is not Confidence.LOW
+                for c in v.checks
+            ):
+                b.index = len(verdicts) + 1
+                verdicts.append(v)
+                failed.append(b.restored_step)
     return Verification(run=run, verdicts=verdicts, notes=list(run.notes))

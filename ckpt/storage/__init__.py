@@ -158,6 +158,52 @@ def scheme(url: str) -> str:
     return url.split("://", 1)[0].split("::", 1)[0].lower()
 
 
+#: schemes checked by :func:`refuse_mangled_url` even when fsspec is not importable
+_KNOWN_SCHEMES = {
+    "s3",
+    "s3a",
+    "gs",
+    "gcs",
+    "az",
+    "abfs",
+    "abfss",
+    "adl",
+    "hf",
+    "http",
+    "https",
+    "file",
+    "memory",
+}
+
+
+def refuse_mangled_url(url: str) -> None:
+    """Refuse a plain path that is a URL with a slash missing (``s3:/bucket/run``, ``s3:bucket``).
+
+    Such a string is a valid local path, so without this check a save or an export "succeeds" into a local folder
+    named ``s3:``; no URL is ever treated as a local path.
+    """
+    import re
+
+    if "://" in url:
+        return
+    m = re.match(r"([A-Za-z][A-Za-z0-9+.-]*):", url)
+    if m is None:
+        return
+    name = m.group(1).lower()
+    known = name in _KNOWN_SCHEMES
+    if not known:
+        with contextlib.suppress(ImportError):
+            from fsspec.registry import known_implementations
+
+            known = name in known_implementations
+    if known:
+        rest = url[m.end() :].lstrip("/")
+        raise StorageError(
+            f"{url}: looks like a {name}:// URL with a slash missing; write {name}://{rest} "
+            f"(a local path starting with '{name}:' is refused, so that nothing lands in a folder named '{name}:')"
+        )
+
+
 def open_storage(
     url: str | os.PathLike[str], storage_options: dict[str, Any] | None = None, *, retries: int = RETRIES
 ) -> Storage:
@@ -168,6 +214,7 @@ def open_storage(
     implementation is not installed, is one ``StorageError`` line saying what to install.
     """
     url = str(url)
+    refuse_mangled_url(url)
     name = scheme(url)
     backend = BACKENDS.get(name, FSSPEC)
     module, _, cls_name = backend.target.partition(":")

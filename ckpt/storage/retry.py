@@ -95,6 +95,28 @@ def transient(exc: BaseException) -> bool:
     return any(word in text for word in TRANSIENT_WORDS)
 
 
+def hint(exc: BaseException) -> str:
+    """What to do about a failure a user fixes outside ckpt (credentials, permissions); "" when nothing is known."""
+    for e in causes(exc):
+        name = type(e).__name__
+        if name in ("NoCredentialsError", "PartialCredentialsError") or "Unable to locate credentials" in str(
+            e
+        ):
+            return (
+                " (no credentials found: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY or AWS_PROFILE, or pass "
+                "storage_options={'key': ..., 'secret': ...}; for an S3-compatible endpoint also set "
+                "AWS_ENDPOINT_URL_S3)"
+            )
+        response = _response(e)
+        if isinstance(e, PermissionError) or (
+            response is not None and response[0] in ("AccessDenied", "403")
+        ):
+            return " (access denied: check that these credentials may read and write this bucket and prefix)"
+        if response is not None and response[0] in ("InvalidAccessKeyId", "SignatureDoesNotMatch"):
+            return " (the credentials were rejected: check AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY or the profile)"
+    return ""
+
+
 def with_retries(
     what: str,
     where: str,
@@ -119,7 +141,7 @@ def with_retries(
             if not transient(e) or attempt == retries:
                 if isinstance(e, OSError) and e.errno == errno.ENOENT:
                     raise FileNotFoundError(where) from e
-                raise StorageError(f"{what} {where} failed: {type(e).__name__}: {e}") from e
+                raise StorageError(f"{what} {where} failed: {type(e).__name__}: {e}{hint(e)}") from e
             time.sleep(delay * (1 + random.random()))
             delay = min(delay * 2, MAX_DELAY)
             if before_retry is not None:

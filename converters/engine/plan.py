@@ -185,24 +185,34 @@ def _logical(local: tuple[int, ...], dim: int | None, tp: int) -> tuple[int, ...
 
 
 def plan_to_neuron(
-    source: Source, flags: NxdFlags, *, config: Mapping[str, Any] | None = None, rule_set: str | None = None
+    source: Source,
+    flags: NxdFlags,
+    *,
+    config: Mapping[str, Any] | None = None,
+    rule_set: str | None = None,
+    replicated: tuple[str, ...] = (),
 ) -> Conversion:
     """Plan the Neuron (NxD TP/PP) form of ``source`` with ``flags``.
 
     Keeping the source's own layout (:meth:`NxdFlags.model_layout_equal`) copies rank tensors as they are and needs
-    no config; any other layout goes through the full view and needs the model's dimensions.
+    no config; any other layout goes through the full view and needs the model's dimensions.  Every model tensor
+    must be known to the rule set or match a ``replicated`` glob (also those the source records), else the plan is
+    refused listing the unknown names.
     """
     if source.layout == "neuron" and source.flags is not None and source.flags.model_layout_equal(flags):
         return plan_same_layout(source, flags, config=config)
     cfg = dict(config) if config is not None else source.config
     if not cfg:
         raise LayoutError(f"{source.path}: the model config is unknown; pass --config config.json")
-    spec = LayoutSpec.of(ModelDims.from_hf_config(cfg), flags)
+    rule = rule_set or (source.record.rule_set if source.record is not None else NxdRecord().rule_set)
+    declared = tuple(
+        dict.fromkeys((*(source.record.replicated if source.record is not None else ()), *replicated))
+    )
+    spec = LayoutSpec.of(ModelDims.from_hf_config(cfg), flags, rule_set=rule, replicated=declared)
     view = full_view(source, config)
     full_plans = {n: plan for n, (_, plan) in view.items()}
     model = {n: d for n, (d, _) in view.items() if d.role in MODEL_ROLES}
     metas = {n: TensorMeta(d.shape, dtype_from_name(d.dtype)) for n, d in model.items()}
-    rule = rule_set or (source.record.rule_set if source.record is not None else NxdRecord().rule_set)
     by_name: dict[str, dict[Rank, TensorPlan]] = {}
     for t in plan_full_to_nxd(spec, metas).tensors:
         assert t.rank is not None
@@ -220,7 +230,7 @@ def plan_to_neuron(
         pps = pp_ranks_of(nxd, spec)
         pp_ranks[nxd] = list(pps)
         first = per_rank[(0, pps[0])]
-        part = partition_entry(nxd, spec.tp, rule)
+        part = partition_entry(nxd, spec.tp, spec.rule_set, declared)
         dim = None if part is None else int(part["dim"])
         composed = {rank: compose_all(plan, full_plans) for rank, plan in per_rank.items()}
         local = first.meta.shape
@@ -268,7 +278,9 @@ def plan_to_neuron(
             raise StateMismatchError(
                 f"{source.path}: optimizer state for {param!r}, which is not a parameter"
             )
-    record = NxdRecord.of(flags, rule_set=rule, config=cfg, pp_ranks=pp_ranks if spec.pp > 1 else None)
+    record = NxdRecord.of(
+        flags, rule_set=rule, config=cfg, pp_ranks=pp_ranks if spec.pp > 1 else None, replicated=declared
+    )
     trees = copy.deepcopy(source.trees)
     if source.layout == "neuron":
         trees.optimizer = rename_optimizer(

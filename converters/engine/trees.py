@@ -32,6 +32,8 @@ class Trees:
     rng: dict[str, Any] = field(default_factory=dict)
     progress: dict[str, Any] = field(default_factory=dict)
     data: dict[str, Any] = field(default_factory=dict)
+    data_position: dict[str, Any] | None = None
+    rng_base: dict[str, Any] | None = None
     tokenizer: dict[str, Any] | None = None
     user: Any = None
     extra: dict[str, Any] = field(default_factory=dict)
@@ -48,6 +50,8 @@ class Trees:
             rng=copy.deepcopy(m.rng),
             progress=copy.deepcopy(m.progress) or {"step": m.step},
             data=copy.deepcopy(m.data),
+            data_position=copy.deepcopy(m.data_position),
+            rng_base=copy.deepcopy(m.rng_base),
             tokenizer=copy.deepcopy(m.tokenizer),
             user=copy.deepcopy(m.user),
             extra=copy.deepcopy(m.extra),
@@ -63,6 +67,8 @@ class Trees:
             "rng": self.rng,
             "progress": self.progress or {"step": self.step},
             "data": self.data,
+            "data_position": self.data_position,
+            "rng_base": self.rng_base,
             "tokenizer": self.tokenizer,
             "user": self.user,
             "extra": self.extra,

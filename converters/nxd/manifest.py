@@ -47,6 +47,7 @@ def import_tag(
     flush_bytes: int = DEFAULT_FLUSH_BYTES,
     storage_options: dict[str, Any] | None = None,
     verify: bool = True,
+    replicated: Sequence[str] = (),
 ) -> Manifest:
     """Convert one NxD tag into a checkpoint at ``dest`` keeping its layout; returns the committed manifest.
 
@@ -54,7 +55,8 @@ def import_tag(
     ``kv_size_multiplier`` / ``virtual_pp`` describe the tag where its files cannot (recorded in ``extra.nxd``);
     ``config`` (the HF ``config.json`` dict) is recorded for later conversions to other layouts; ``param_names``
     names the optimizer pids of a run with another param grouping (docs/nxd.md).  ``verify`` (default
-    on) checks every NxD file's zip CRC32s and that replicated copies agree.
+    on) checks every NxD file's zip CRC32s; replicated copies are compared whatever ``verify`` says.  ``replicated``
+    declares tensors the rule set does not know as replicated (``fnmatch`` globs); any other unknown one is refused.
     """
     given = {"kv_size_multiplier": kv_size_multiplier, "hw": hw, "virtual_pp": virtual_pp}
     opts = ConvertOptions(
@@ -64,6 +66,7 @@ def import_tag(
         step=step,
         codec=codec,
         param_names=param_names,
+        replicated=tuple(replicated),
     )
     run = RunOptions(
         flush_bytes=flush_bytes, storage_options=storage_options, verify=verify, allow_unmarked=allow_unmarked

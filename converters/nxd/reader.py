@@ -21,7 +21,8 @@ from ckpt.safe_unpickle import TensorReference, load_torch_file
 
 from .discovery import TagStatus, tag_status
 from .files import TagFiles, missing_rank_files, scan_tag
-from .naming import RankKey, parse_step
+from .naming import RankKey
+from .step import tag_step
 from .xser import can_mmap, load_checked, load_nxd_file, read_info, tensors_dir
 from .zero1 import (
     is_zero1_dict,
@@ -113,7 +114,7 @@ class NxdTagReader:
         self.meta = NxdTagMeta(
             path=f.path,
             name=f.path.name,
-            step=parse_step(f.path.name),
+            step=tag_step(f, verify=verify),
             status=info.status,
             tp_size=f.tp_size,
             pp_size=f.pp_size,

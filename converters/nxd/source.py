@@ -29,10 +29,11 @@ from ckpt import treecodec
 from ckpt.dtypes import dtype_name
 from ckpt.errors import CkptError, CorruptionError, LayoutError
 from ckpt.layouts import Piece
+from ckpt.layouts.names import nxd_to_hf_names
 from ckpt.layouts.partition import partition_entry
 from ckpt.layouts.pipeline import layer_index, layers_of_pp_rank
 from ckpt.layouts.record import NxdRecord
-from ckpt.layouts.rules import DEFAULT_RULE_SET
+from ckpt.layouts.rules import DEFAULT_RULE_SET, check_known, rules_with
 from ckpt.manifest import TensorDesc
 from ckpt.state import optim_name
 
@@ -130,6 +131,7 @@ class NxdTagSource(Source):
         param_names: Mapping[RankKey, Sequence[str]] | None = None,
         allow_unmarked: bool = False,
         verify: bool = True,
+        replicated: Sequence[str] = (),
     ) -> None:
         given = dict(flags or {})
         unknown = sorted(set(given) - set(SOURCE_FLAGS))
@@ -177,13 +179,19 @@ class NxdTagSource(Source):
             "virtual_pp": 1,
         }
         detected.update(given)
-        record = NxdRecord(rule_set=rule_set, config=self.config, **detected)
+        replicated = tuple(replicated)
+        check_known(
+            (h for n in names for h in nxd_to_hf_names(n)), rules_with(rule_set, replicated), rule_set
+        )
+        record = NxdRecord(rule_set=rule_set, config=self.config, replicated=replicated, **detected)
+        if self.config:  # the model the tag holds must be one the rule set covers (model type, dims, flags)
+            record.spec(tp=tp, pp=pp, dp=meta.dp_size, where=self.path)
         if self.config and pp > 1 and "virtual_pp" not in given:
             record = self._detect_virtual_pp(record, tp, pp, meta.dp_size)
         self.zero1 = meta.zero1
         self.tensors = {}
         for name, (shape, dt) in local.items():
-            part = partition_entry(name, tp, rule_set)
+            part = partition_entry(name, tp, rule_set, replicated)
             full = list(shape)
             if part is not None:
                 full[int(part["dim"])] *= tp
@@ -369,11 +377,12 @@ def open_source(
     allow_unmarked: bool = False,
     verify: bool = True,
     param_names: Mapping[RankKey, Sequence[str]] | None = None,
+    replicated: Sequence[str] = (),
     **_: Any,
 ) -> NxdTagSource:
     return NxdTagSource(
         path, config=config, flags=source_flags, step=step, allow_unmarked=allow_unmarked, verify=verify,
-        param_names=param_names,
+        param_names=param_names, replicated=replicated,
     )  # fmt: skip
 
 

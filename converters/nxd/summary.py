@@ -15,6 +15,7 @@ from ckpt.errors import CkptError
 from .discovery import TagInfo, _looks_like_tag, list_tags, tag_status
 from .files import scan_tag
 from .reader import open_tag
+from .step import tag_step
 
 
 def is_nxd_dir(path: str | Path) -> bool:
@@ -42,6 +43,8 @@ def _row(info: TagInfo) -> dict[str, Any]:
     except CkptError:
         return row
     sizes = [p.stat().st_size for p in info.path.rglob("*") if p.is_file()]
+    # the step the tag's contents name (listing checks no CRC and does not warn; inspect and convert do)
+    row["step"] = tag_step(f, verify=False, warn=False)
     row.update(
         tp=f.tp_size, pp=f.pp_size, dp=f.dp_size, ep=f.ep_size, xser=f.xser, legacy=f.is_legacy,
         optimizer=bool(f.optim), bytes=sum(sizes),

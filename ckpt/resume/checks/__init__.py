@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ckpt.resume.checks.base import Cause, CheckResult, Status, worst
+from ckpt.resume.checks.base import Basis, Cause, CheckResult, Confidence, Status, worst
 from ckpt.resume.checks.context import CheckContext, VerifyOptions
 from ckpt.resume.checks.digests import check_data, check_rng
 from ckpt.resume.checks.history import check_env, check_lost_work
@@ -24,9 +24,11 @@ ALL_CHECKS = (
 
 __all__ = [
     "ALL_CHECKS",
+    "Basis",
     "Cause",
     "CheckContext",
     "CheckResult",
+    "Confidence",
     "Status",
     "VerifyOptions",
     "check_counters",

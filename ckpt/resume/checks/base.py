@@ -34,6 +34,30 @@ class Cause(str, Enum):
     COUNTER_MISMATCH = "checkpoint counters disagree with the restored step"
     ENV_DRIFT = "environment changed"
     TOKENIZER_CHANGED = "tokenizer changed"
+    LR_SHIFTED = "LR shifted by several steps"
+    LR_FROZEN = "LR constant after resume where the schedule was moving (scheduler not stepping)"
+    STATE_MISSING = "checkpoint lacks state the resume needs"
+
+
+class Basis(str, Enum):
+    """What a verdict was judged against, strongest first: the same steps logged before the crash (or
+    replayed), the counters and scheduler state stored in the restored checkpoint, or the run's own
+    trajectory around the boundary when nothing overlaps."""
+
+    OVERLAP = "overlap"
+    REPLAY = "replayed schedule"
+    CHECKPOINT = "checkpoint facts"
+    TRAJECTORY = "trajectory"
+    EVENTS = "events"
+
+
+class Confidence(str, Enum):
+    """How sure a verdict is: ``exact`` (equality of values that must be equal), ``high`` (far outside the
+    run's own variation, or an exact repeat of an earlier stretch), ``low`` (near a threshold, or few points)."""
+
+    EXACT = "exact"
+    HIGH = "high"
+    LOW = "low"
 
 
 Number = int | float | str | bool | None
@@ -55,6 +79,8 @@ class CheckResult:
     cause: Cause | None = None
     numbers: dict[str, Number] = field(default_factory=dict)
     explained_by: list[Cause] = field(default_factory=list)
+    basis: Basis | None = None
+    confidence: Confidence | None = None
 
     def to_json(self) -> dict[str, object]:
         return {
@@ -64,7 +90,14 @@ class CheckResult:
             "summary": self.summary,
             "numbers": self.numbers,
             "explained_by": [c.value for c in self.explained_by],
+            "basis": self.basis.value if self.basis else None,
+            "confidence": self.confidence.value if self.confidence else None,
         }
+
+    def judged(self, basis: Basis, confidence: Confidence) -> CheckResult:
+        """This result with what it was judged against and how sure it is (returns self, for chaining)."""
+        self.basis, self.confidence = basis, confidence
+        return self
 
 
 def worst(statuses: list[Status]) -> Status:

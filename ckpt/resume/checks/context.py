@@ -14,12 +14,14 @@ class VerifyOptions:
     """Knobs of the tolerance-mode loss check; the exact checks have none.
 
     ``deterministic`` None means: trust the sessions' own ``deterministic`` flag (all must claim it).
-    ``noise_window`` pre-boundary steps calibrate the noise; the first ``spike_window`` post-resume steps are
-    tested for a level shift (median z above ``level_z``) or a spike (any z above ``spike_z``).
+    The noise is calibrated on the last ``noise_window`` pre-boundary steps only (local: a span that includes
+    the steep early drop would hide real jumps); the first ``spike_window`` post-resume steps are tested for a
+    level shift (median z above ``level_z``) or a spike (any z above ``spike_z``).  Without overlap the
+    reference is a robust linear trend (Theil-Sen) of those steps, held at its value at N+1.
     """
 
     deterministic: bool | None = None
-    noise_window: int = 200
+    noise_window: int = 30
     spike_window: int = 10
     level_z: float = 4.0
     spike_z: float = 12.0

@@ -3,12 +3,143 @@
 The training loop logs a hash of each batch's sample ids and of the RNG state (``digest_ids`` /
 ``digest_rng``).  A resumed session must log the same digests as the pre-crash session at every step both
 logged; a batch digest equal to an *earlier* step's means samples were repeated (the loader restarted).
+
+Across a change of DP size (the crashed and the resumed session logged different world sizes) a rank's batch is
+another part of the global batch, so only *global* digests compare: ``ckpt.data.global_digest`` (``ms:``, the
+order-free sum over every rank's sample ids).  Sums add up, so when the global batch changed too, windows of
+steps that consumed the same number of samples (from the logged ``samples`` counts) are compared.  The RNG check
+reports which streams the restore carried and which it re-derived (ckpt's rule; facts from the checkpoint).
 """
 
 from __future__ import annotations
 
-from ckpt.resume.checks.base import Cause, CheckResult, Status
+from ckpt.data.digest import combine_digests, is_global
+from ckpt.resume.checks.base import Basis, Cause, CheckResult, Confidence, Status
 from ckpt.resume.checks.context import CheckContext
+from ckpt.resume.model import StepRecord
+
+
+def dp_change(ctx: CheckContext) -> tuple[int, int] | None:
+    """(saved, resumed) world sizes when the boundary changed the number of ranks, else None."""
+    b = ctx.boundary
+    after = b.post.env.get("world_size")
+    before = b.dead.env.get("world_size") if b.dead is not None else None
+    if before is None and ctx.facts is not None:
+        before = ctx.facts.dp
+    if isinstance(before, int) and isinstance(after, int) and before != after:
+        return before, after
+    return None
+
+
+def _windows(steps: list[StepRecord], start_samples: int | None) -> dict[int, str]:
+    """Cumulative samples after each step -> digest of all samples since the restored step (global digests)."""
+    out: dict[int, str] = {}
+    acc: list[str] = []
+    for r in steps:
+        if r.samples is None or r.data_digest is None:
+            break
+        acc.append(r.data_digest)
+        out[r.samples - (start_samples or 0)] = combine_digests(acc)
+    return out
+
+
+def _check_data_across(ctx: CheckContext, change: tuple[int, int]) -> CheckResult:
+    b = ctx.boundary
+    n = b.restored_step
+    moved = f"DP {change[0]} -> {change[1]}"
+    nums: dict[str, int | str | None] = {"dp": f"{change[0]} -> {change[1]}"}
+    post = [r for r in b.post.steps if r.data_digest]
+    pre = [b.pre[s] for s in sorted(b.pre) if s > n and b.pre[s].data_digest]
+    if not post:
+        return CheckResult(
+            "data", Status.SKIP, f"{moved}: no batch digests logged after the resume", None, nums
+        )
+    if not all(is_global(r.data_digest) for r in post + pre):
+        return CheckResult(
+            "data",
+            Status.SKIP,
+            f"{moved}: per-rank batch digests cannot be compared across a change of DP size "
+            "(log ckpt.data.global_digest(batch_ids) as data_digest)",
+            None,
+            nums,
+        )
+    at_n = b.pre.get(n)
+    start = at_n.samples if at_n is not None else (ctx.facts.samples if ctx.facts is not None else None)
+    # the next sample index: the first post step's count minus its own batch equals the count at N
+    if start is not None and len(b.post.steps) > 1:
+        p0, p1 = b.post.steps[0], b.post.steps[1]
+        if p0.samples is not None and p1.samples is not None:
+            resumed_at = p0.samples - (p1.samples - p0.samples)
+            nums.update(restored_samples=start, resumed_at=resumed_at)
+            if resumed_at != start:
+                return CheckResult(
+                    "data",
+                    Status.FAIL,
+                    f"{moved}: the resumed run started at sample {resumed_at}, the checkpoint of step {n} "
+                    f"stood at {start}",
+                    Cause.DATA_POSITION_LOST,
+                    nums,
+                ).judged(Basis.CHECKPOINT if at_n is None else Basis.OVERLAP, Confidence.EXACT)
+    if not pre:
+        return CheckResult(
+            "data",
+            Status.PASS if "resumed_at" in nums else Status.SKIP,
+            f"{moved}: "
+            + (
+                "sample count continues from the restored step"
+                if "resumed_at" in nums
+                else "no pre-crash steps after the restored one to compare"
+            ),
+            None,
+            nums,
+        )
+    post_w, pre_w = _windows(post, start), _windows(pre, start)
+    common = sorted(set(post_w) & set(pre_w))
+    if not common:  # no sample counts: steps of one global batch each, compared step by step
+        pairs = [(r.step, b.pre[r.step].data_digest, r.data_digest) for r in post if r.step in b.pre]
+        common_steps = [(s, a, c) for s, a, c in pairs if a]
+        bad = [(s, a, c) for s, a, c in common_steps if a != c]
+        nums["digests_compared"] = len(common_steps)
+        if not common_steps:
+            return CheckResult("data", Status.SKIP, f"{moved}: no overlapping global digests", None, nums)
+        if bad:
+            s, a, c = bad[0]
+            nums.update(first_mismatch=s, mismatched=len(bad))
+            return CheckResult(
+                "data",
+                Status.FAIL,
+                f"{moved}: step {s}: global batch digest {c} differs from the pre-crash {a} "
+                f"({len(bad)}/{len(common_steps)} steps)",
+                Cause.DATA_POSITION_LOST,
+                nums,
+            ).judged(Basis.OVERLAP, Confidence.EXACT)
+        return CheckResult(
+            "data",
+            Status.PASS,
+            f"{moved}: {len(common_steps)} global batch digests equal to the pre-crash run",
+            None,
+            nums,
+        ).judged(Basis.OVERLAP, Confidence.EXACT)
+    nums["windows_compared"] = len(common)
+    for count in common:
+        if post_w[count] != pre_w[count]:
+            nums.update(first_mismatch_samples=count)
+            return CheckResult(
+                "data",
+                Status.FAIL,
+                f"{moved}: the first {count} samples after step {n} differ from the pre-crash run's "
+                f"(global digest {post_w[count]} vs {pre_w[count]})",
+                Cause.DATA_POSITION_LOST,
+                nums,
+            ).judged(Basis.OVERLAP, Confidence.EXACT)
+    return CheckResult(
+        "data",
+        Status.PASS,
+        f"{moved}: the samples after step {n} equal the pre-crash run's ({len(common)} windows of global digests, "
+        f"up to {common[-1]} samples)",
+        None,
+        nums,
+    ).judged(Basis.OVERLAP, Confidence.EXACT)
 
 
 def _earlier(ctx: CheckContext, attr: str, digest: str, before: int) -> int | None:
@@ -27,6 +158,9 @@ def _earlier(ctx: CheckContext, attr: str, digest: str, before: int) -> int | No
 
 
 def check_data(ctx: CheckContext) -> CheckResult:
+    change = dp_change(ctx)
+    if change is not None:
+        return _check_data_across(ctx, change)
     b = ctx.boundary
     pre = b.pre
     nums: dict[str, int | str | None] = {}
@@ -108,13 +242,36 @@ def check_data(ctx: CheckContext) -> CheckResult:
     return CheckResult("data", Status.PASS, " and ".join(checked) + " equal to the pre-crash run", None, nums)
 
 
+def _rng_across(ctx: CheckContext, change: tuple[int, int]) -> CheckResult:
+    """After a change of DP size per-rank streams are re-derived by design: say which, do not compare digests."""
+    nums: dict[str, int | str | None] = {"dp": f"{change[0]} -> {change[1]}"}
+    f = ctx.facts
+    if f is None or f.rng_streams is None:
+        why = "no checkpoint facts: which streams were carried is unknown"
+        return CheckResult("rng", Status.SKIP, f"DP {change[0]} -> {change[1]}: {why}", None, nums)
+    shared = [s for s in f.rng_streams if s in (f.rng_shared or ())]
+    derived = [s for s in f.rng_streams if s not in shared]
+    nums.update(carried=", ".join(shared) or None, derived=", ".join(derived) or None)
+    return CheckResult(
+        "rng",
+        Status.SKIP,
+        f"DP {change[0]} -> {change[1]}: RNG streams carried: {', '.join(shared) or 'none'}; re-derived from the "
+        f"base seed, step and rank: {', '.join(derived) or 'none'} (per-step RNG digests do not compare)",
+        None,
+        nums,
+    )
+
+
 def check_rng(ctx: CheckContext) -> CheckResult:
+    change = dp_change(ctx)
+    if change is not None:
+        return _rng_across(ctx, change)
     b = ctx.boundary
     pre = b.pre
     pairs = [(r.step, pre[r.step].rng_digest, r.rng_digest) for r in b.post.steps if r.step in pre]
     pairs = [(s, a, c) for s, a, c in pairs if a and c]
     if not pairs:
-        return CheckResult("rng", Status.SKIP, "no overlapping RNG digests")
+        return _rng_without_overlap(ctx)
     nums: dict[str, int | str | None] = {"compared": len(pairs)}
     bad = [(s, a, c) for s, a, c in pairs if a != c]
     if not bad:
@@ -132,3 +289,24 @@ def check_rng(ctx: CheckContext) -> CheckResult:
         Cause.RNG_NOT_RESTORED,
         nums,
     )
+
+
+def _rng_without_overlap(ctx: CheckContext) -> CheckResult:
+    """No overlap: the first resumed step's RNG state must not be one the run already had (a process that
+    re-seeds and does not restore the RNG starts from the state of its first step again)."""
+    b = ctx.boundary
+    first = b.post.steps[0]
+    if not first.rng_digest:
+        return CheckResult("rng", Status.SKIP, "no overlapping RNG digests")
+    j = _earlier(ctx, "rng_digest", first.rng_digest, first.step)
+    if j is None:
+        return CheckResult(
+            "rng", Status.PASS, f"step {first.step}'s RNG state is new to the run (no overlap to compare)"
+        ).judged(Basis.TRAJECTORY, Confidence.LOW)
+    return CheckResult(
+        "rng",
+        Status.FAIL,
+        f"step {first.step} starts from the RNG state of step {j} (re-seeded, not restored)",
+        Cause.RNG_NOT_RESTORED,
+        {"repeats_step": j},
+    ).judged(Basis.TRAJECTORY, Confidence.HIGH)

@@ -2,9 +2,10 @@
 
 The reference for a post-resume step is, first, the same step's loss in the pre-crash session (the free
 A/B: a crash at M after a checkpoint at N leaves N+1..M logged twice); failing that, the robust level
-(median) of the last pre-boundary steps.  The noise scale is the robust (median/MAD) standard deviation of
-step-to-step loss differences over a pre-boundary window, which also is the scale of the difference between
-two noisy evaluations of one step.  A level shift or spike right after the boundary is what lost optimizer
+trend of the last pre-boundary steps (a Theil-Sen line held at its value at N+1).  The noise is calibrated
+locally, on the last ``noise_window`` steps before N: against the pre-crash value it is the robust (median/MAD)
+standard deviation of step-to-step differences (the scale of the difference between two noisy evaluations of
+one step); against the trend it is the robust spread of the residuals about that line.  A level shift or spike right after the boundary is what lost optimizer
 moments (Adam's first update is ``lr * sign(g)``) or a reset AMP scaler look like.
 """
 
@@ -12,18 +13,18 @@ from __future__ import annotations
 
 import math
 
-from ckpt.resume.checks.base import Cause, CheckResult, Status
+from ckpt.resume.checks.base import Basis, Cause, CheckResult, Confidence, Status
 from ckpt.resume.checks.context import CheckContext
-from ckpt.resume.checks.stats import diff_sigma, median
+from ckpt.resume.checks.stats import diff_sigma, median, robust_sigma, theil_sen
 
 
-def _noise(ctx: CheckContext) -> tuple[float, list[float]]:
-    """(sigma, window): robust step-to-step sigma over the last ``noise_window`` pre steps up to N."""
+def _window(ctx: CheckContext) -> list[tuple[int, float]]:
+    """The last ``noise_window`` finite (step, loss) pairs up to N: the local calibration span."""
     b = ctx.boundary
     n = b.restored_step
-    steps = sorted(s for s in b.pre if s <= n)[-ctx.options.noise_window :]
-    window = [b.pre[s].loss for s in steps if b.pre[s].loss is not None and math.isfinite(b.pre[s].loss)]
-    return diff_sigma(window), window  # type: ignore[arg-type]
+    steps = sorted(s for s in b.pre if s <= n)
+    pts = [(s, b.pre[s].loss) for s in steps if b.pre[s].loss is not None and math.isfinite(b.pre[s].loss)]
+    return pts[-ctx.options.noise_window :]  # type: ignore[return-value]
 
 
 def check_loss(ctx: CheckContext) -> CheckResult:
@@ -33,20 +34,34 @@ def check_loss(ctx: CheckContext) -> CheckResult:
     if not post:
         return CheckResult("loss", Status.SKIP, "no loss logged after the resume")
     pairs = [(s, b.pre[s].loss, v) for s, v in post if s in b.pre and b.pre[s].loss is not None]
-    sigma, window = _noise(ctx)
+    pts = _window(ctx)
+    window = [v for _, v in pts]
+    ref = {s: p for s, p, _ in pairs}
     nums: dict[str, int | float | str | None] = {"overlap": len(pairs), "deterministic": ctx.deterministic}
+    head = post[: opt.spike_window]
+    if ref:
+        sigma = diff_sigma(window)
+        resid = [(s, v - ref[s]) for s, v in head if s in ref]
+        basis = Basis.OVERLAP
+    else:
+        # No overlap: the robust local trend, held at N+1 (extrapolating a falling line would call every
+        # flattening loss a jump); the noise is the spread about that trend, never below the step-to-step jitter.
+        slope, icpt = theil_sen(pts) if len(pts) >= 3 else (0.0, math.nan)
+        at = b.restored_step + 1
+        level = icpt + slope * at
+        spread = robust_sigma([v - (icpt + slope * s) for s, v in pts]) if len(pts) >= 3 else math.nan
+        sigma = max(spread, diff_sigma(window) / math.sqrt(2)) if len(pts) >= 4 else math.nan
+        resid = [(s, v - level) for s, v in head]
+        basis = Basis.TRAJECTORY
+        if math.isfinite(level):
+            nums.update(trend_level=level, trend_slope=slope, trend_window=len(pts))
     if not math.isnan(sigma):
         nums["noise_sigma"] = sigma
-    # Residuals of the first post steps against the reference (pre-crash value, else the pre level).
-    level = median(window[-50:]) if window else math.nan
-    head = post[: opt.spike_window]
-    ref = {s: p for s, p, _ in pairs}
-    resid = [(s, v - ref.get(s, level)) for s, v in head]
     finite_sigma = not math.isnan(sigma) and sigma > 0
     shift = spike = drop = False
-    if finite_sigma and (ref or not math.isnan(level)):
-        z = [(s, r / sigma) for s, r in resid if math.isfinite(r)]
-        zs = [v for _, v in z]
+    med_z = max_z = 0.0
+    if finite_sigma:
+        zs = [r / sigma for _, r in resid if math.isfinite(r)]
         if zs:
             med_z, max_z = median(zs), max(zs)
             nums.update(median_z=med_z, max_z=max_z, window=len(zs))
@@ -54,6 +69,13 @@ def check_loss(ctx: CheckContext) -> CheckResult:
             spike = max_z > opt.spike_z
             drop = bool(ref) and med_z < -opt.level_z and len(zs) >= 3
             nums["shifted"] = shift or spike
+    sure = (
+        Confidence.HIGH
+        if med_z > 2 * opt.level_z
+        or max_z > 2 * opt.spike_z
+        or (not shift and not spike and len(window) >= 15)
+        else Confidence.LOW
+    )
     nonfinite = [(s, v) for s, v in head if not math.isfinite(v)]
     if nonfinite and all(math.isfinite(x) for x in window):
         nums["first_nonfinite"] = nonfinite[0][0]
@@ -63,7 +85,7 @@ def check_loss(ctx: CheckContext) -> CheckResult:
             f"loss is {nonfinite[0][1]} at step {nonfinite[0][0]} right after the resume",
             Cause.OPTIMIZER_LOST,
             nums,
-        )
+        ).judged(basis, Confidence.EXACT)
 
     if ctx.deterministic and pairs:
         diff = [(s, p, v) for s, p, v in pairs if p != v]
@@ -71,7 +93,7 @@ def check_loss(ctx: CheckContext) -> CheckResult:
             nums.update(first_step=pairs[0][0], last_step=pairs[-1][0])
             return CheckResult(
                 "loss", Status.PASS, f"{len(pairs)} overlapping steps equal bit for bit", None, nums
-            )
+            ).judged(Basis.OVERLAP, Confidence.EXACT)
         s, p, v = diff[0]
         nums.update(first_mismatch=s, pre=p, post=v, mismatched=len(diff))
         first_is_exact = pairs[0][1] == pairs[0][2] and pairs[0][0] == b.restored_step + 1
@@ -90,7 +112,10 @@ def check_loss(ctx: CheckContext) -> CheckResult:
             f"step {s}: loss {v!r} vs {p!r} before the crash ({len(diff)}/{len(pairs)} differ); {why}",
             cause,
             nums,
-        )
+        ).judged(Basis.OVERLAP, Confidence.EXACT)
+    src = (
+        f"{len(pairs)} overlapping steps" if pairs else f"local trend of {len(pts)} steps before the boundary"
+    )
     if not finite_sigma:
         return CheckResult(
             "loss", Status.SKIP, "too few pre-boundary losses to calibrate the noise", None, nums
@@ -101,10 +126,10 @@ def check_loss(ctx: CheckContext) -> CheckResult:
             "loss",
             Status.FAIL,
             f"loss {what} after resume: median z {nums['median_z']:.1f}, max z {nums['max_z']:.1f} "
-            f"over {nums['window']} steps (noise sigma {sigma:.3g})",
+            f"over {nums['window']} steps (noise sigma {sigma:.3g}, against the {src})",
             Cause.OPTIMIZER_LOST,
             nums,
-        )
+        ).judged(basis, sure)
     if drop:
         return CheckResult(
             "loss",
@@ -112,8 +137,7 @@ def check_loss(ctx: CheckContext) -> CheckResult:
             f"loss below the pre-crash run after resume: median z {nums['median_z']:.1f}",
             Cause.LOSS_DROP,
             nums,
-        )
-    src = f"{len(pairs)} overlapping steps" if pairs else "pre-boundary level"
+        ).judged(basis, sure)
     return CheckResult(
         "loss",
         Status.PASS,
@@ -121,4 +145,4 @@ def check_loss(ctx: CheckContext) -> CheckResult:
         f"max z {nums.get('max_z', 0):.1f} (sigma {sigma:.3g})",
         None,
         nums,
-    )
+    ).judged(basis, sure)

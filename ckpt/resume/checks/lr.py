@@ -4,14 +4,19 @@ Learning rates are a pure function of the step, so on any hardware they must mat
 do not, the pattern names the bug: post-resume LRs equal the schedule's first steps (scheduler not restored:
 warmup restarted), equal the neighbour step's (off by one: scheduler rebuilt with ``last_epoch=N``, or
 built after loading the optimizer), or neither (a different schedule).
+
+When no step overlaps and no schedule is replayed, the LR is judged against the restored checkpoint's own
+scheduler state (its ``_last_lr`` is exactly the LR step N+1 must use), else against the run's trajectory
+(:mod:`ckpt.resume.checks.lr_trajectory`).  Every result says which (``basis``) and how sure it is.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from ckpt.resume.checks.base import Cause, CheckResult, Status
+from ckpt.resume.checks.base import Basis, Cause, CheckResult, Confidence, Status
 from ckpt.resume.checks.context import CheckContext
+from ckpt.resume.checks.lr_trajectory import scan
 
 
 def _reference(ctx: CheckContext) -> tuple[dict[int, float], dict[int, float]]:
@@ -45,6 +50,67 @@ def classify(pairs: list[tuple[int, float]], ref: dict[int, float]) -> tuple[Cau
     return Cause.LR_DIFFERENT, "LR matches neither the schedule nor a shifted copy of it"
 
 
+def _cast(ctx: CheckContext, value: float) -> float:
+    """A value computed outside the log (checkpoint facts) at the log's precision."""
+    return float(np.float32(value)) if ctx.run.precision == "float32" else value
+
+
+def _no_overlap(ctx: CheckContext, pre: dict[int, float], post: list[tuple[int, float]]) -> CheckResult:
+    """Judge from the checkpoint's scheduler state when it has one, else from the trajectory alone."""
+    b = ctx.boundary
+    n = b.restored_step
+    pre_pts = sorted((s, v) for s, v in pre.items() if s <= n)
+    found = scan(pre_pts, post, n, ctx.run.precision)
+    f = ctx.facts
+    nums: dict[str, int | float | str | None] = {"compared": 0}
+    if f is not None and f.scheduler_last_lr is not None and f.step == n and post[0][0] == n + 1:
+        want, got = _cast(ctx, f.scheduler_last_lr), post[0][1]
+        nums.update(expected=want, got=got, first_step=n + 1)
+        if found is not None:
+            nums.update({f"trajectory_{k}": v for k, v in found.numbers.items()})
+        if want == got:
+            # N+1 is exactly right (the restored optimizer's LR); the steps after it can still show a fresh
+            # scheduler taking over (warmup restarted from its second value) or one that stopped stepping.
+            later = scan(pre_pts, post, n, ctx.run.precision, start=1)
+            if later is not None and later.cause is not None:
+                nums.update({f"trajectory_{k}": v for k, v in later.numbers.items()})
+                return CheckResult("lr", Status.FAIL, later.text, later.cause, nums).judged(
+                    Basis.TRAJECTORY, later.confidence
+                )
+            if found is not None and found.cause is Cause.LR_FROZEN:
+                return CheckResult("lr", Status.FAIL, found.text, found.cause, nums).judged(
+                    Basis.TRAJECTORY, found.confidence
+                )
+            return CheckResult(
+                "lr",
+                Status.PASS,
+                f"LR at step {n + 1} equals the checkpoint scheduler's last LR {want!r}",
+                None,
+                nums,
+            ).judged(Basis.CHECKPOINT, Confidence.EXACT)
+        cause, why = Cause.LR_DIFFERENT, "matches no shifted copy of the trajectory"
+        if found is not None and found.cause is not None:
+            cause, why = found.cause, found.text
+        return CheckResult(
+            "lr",
+            Status.FAIL,
+            f"LR at step {n + 1} is {got!r}, the checkpoint's scheduler says {want!r}; {why}",
+            cause,
+            nums,
+        ).judged(Basis.CHECKPOINT, Confidence.EXACT)
+    if found is None:
+        return CheckResult(
+            "lr", Status.SKIP, "too few LRs logged around the boundary to judge its trajectory", None, nums
+        )
+    nums.update(found.numbers)
+    if found.cause is None:
+        return CheckResult("lr", Status.PASS, found.text, None, nums).judged(
+            Basis.TRAJECTORY, found.confidence
+        )
+    status = Status.FAIL if found.confidence is not Confidence.LOW else Status.WARN
+    return CheckResult("lr", status, found.text, found.cause, nums).judged(Basis.TRAJECTORY, found.confidence)
+
+
 def check_lr(ctx: CheckContext) -> CheckResult:
     b = ctx.boundary
     ref, pre = _reference(ctx)
@@ -56,34 +122,14 @@ def check_lr(ctx: CheckContext) -> CheckResult:
     k = ctx.options.lr_pattern_steps
     nums: dict[str, int | float | str | None] = {"compared": len(compared), "mismatched": len(mism)}
     if not compared:
-        # No reference for the post steps: only a restarted warmup is still recognisable, by comparing the
-        # first post-resume LRs with the first LRs of the run.
-        head = post[:k]
-        s0 = head[0][0]
-        lr_n = pre.get(b.restored_step)
-        if s0 > 2 and lr_n is not None and _matches(head, ref, 1 - s0) and head[0][1] != lr_n:
-            nums.update(first_step=s0, lr_after=head[0][1], lr_at_restored_step=lr_n)
-            return CheckResult(
-                "lr",
-                Status.FAIL,
-                f"LR at step {s0} is {head[0][1]!r}, the run's step-1 LR; it was {lr_n!r} at step "
-                f"{b.restored_step}",
-                Cause.WARMUP_RESTARTED,
-                nums,
-            )
-        return CheckResult(
-            "lr",
-            Status.SKIP,
-            "no pre-crash or replayed LR for the resumed steps (pass a schedule to replay)",
-            None,
-            nums,
-        )
+        return _no_overlap(ctx, pre, post)
+    basis = Basis.OVERLAP if all(s in pre for s, _ in compared) else Basis.REPLAY
     if not mism:
-        src = "pre-crash log" if all(s in pre for s, _ in compared) else "pre-crash log + replayed schedule"
+        src = "pre-crash log" if basis is Basis.OVERLAP else "pre-crash log + replayed schedule"
         nums.update(first_step=compared[0][0], last_step=compared[-1][0])
         return CheckResult(
             "lr", Status.PASS, f"{len(compared)} steps equal to the {src} bit for bit", None, nums
-        )
+        ).judged(basis, Confidence.EXACT)
     cause, text = classify(mism[:k], ref)
     s, v = mism[0]
     nums.update(first_mismatch=s, expected=ref[s], got=v)
@@ -93,4 +139,4 @@ def check_lr(ctx: CheckContext) -> CheckResult:
         f"step {s}: LR {v!r}, expected {ref[s]!r} ({len(mism)}/{len(compared)} steps differ); {text}",
         cause,
         nums,
-    )
+    ).judged(basis, Confidence.EXACT)

@@ -27,3 +27,13 @@ def diff_sigma(values: Sequence[float]) -> float:
     of the difference between two noisy evaluations of the same step.  A slow trend barely moves it."""
     diffs = [b - a for a, b in zip(values, values[1:], strict=False) if math.isfinite(a) and math.isfinite(b)]
     return robust_sigma(diffs) if len(diffs) >= 3 else math.nan
+
+
+def theil_sen(points: Sequence[tuple[float, float]]) -> tuple[float, float]:
+    """(slope, intercept) of the robust line through ``points``: the median pairwise slope, then the median
+    intercept.  Up to 29% of the points can be outliers (spikes) without moving it."""
+    slopes = [
+        (y2 - y1) / (x2 - x1) for i, (x1, y1) in enumerate(points) for x2, y2 in points[i + 1 :] if x2 != x1
+    ]
+    slope = median(slopes) if slopes else 0.0
+    return slope, median([y - slope * x for x, y in points])

@@ -71,6 +71,11 @@ def check_counters(ctx: CheckContext) -> CheckResult:
         return CheckResult("counters", Status.SKIP, "no checkpoint facts given")
     problems: list[tuple[Cause, str]] = []
     nums: dict[str, int | str | None] = {"restored_step": n, "checkpoint_step": f.step}
+    where = b.restore.path if b.restore and b.restore.path else f"the checkpoint of step {n}"
+    for entry in f.missing:
+        problems.append((Cause.STATE_MISSING, f"{where} has no {entry}"))
+    if f.missing:
+        nums["missing"] = ", ".join(m.split(" ")[0] for m in f.missing)
     if f.step != n:
         problems.append((Cause.COUNTER_MISMATCH, f"checkpoint is of step {f.step}, restore said {n}"))
     # Group parameters by counter value: a real model has hundreds of parameters, and one line per value

@@ -58,6 +58,7 @@ def read_csv(path: str | os.PathLike[str]) -> Run:
                 session = sessions[sid] = Session(id=sid or p.name, origin=f"{p.name}:{reader.line_num}")
             session.steps.append(StepRecord(**fields))  # type: ignore[arg-type]
     run.sessions = list(sessions.values())
+    run.sessions_logged = "session" in cols.values()
     if not run.sessions:
         raise RunInputError(f"CSV {p} has no rows")
     return run

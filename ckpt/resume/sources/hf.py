@@ -75,7 +75,7 @@ def read_hf(path: str | os.PathLike[str]) -> Run:
     lineages = {f: _load(f) for f in files}
     by_step = {f: {r.step: r for r in recs} for f, recs in lineages.items()}
     main = root or max(files, key=lambda f: max(by_step[f], default=-1))
-    run = Run(path=str(p), source="hf", precision="rounded")
+    run = Run(path=str(p), source="hf", precision="rounded", sessions_logged=False)
     # Dead lineages: disagree with the main one at a common step, or reach past its end.
     dead = []
     main_last = max(by_step[main], default=-1)

@@ -1,0 +1,126 @@
+"""``CkptCallback``: the run ledger written from inside Hugging Face ``Trainer``, nothing else to change.
+
+Why a callback: ``Trainer`` (and optimum-neuron's ``NeuronTrainer``, same callback API) owns the loop, so the
+only place to see each step, save and restart is its callback hooks.  The ledger it writes
+(``OUTPUT_DIR/ledger.jsonl``, docs/run-dir.md) is what ``ckpt verify-resume OUTPUT_DIR`` reads; the
+``checkpoint-N`` folders beside it give the verifier the restored scheduler and optimizer counters.
+
+Usage::
+
+    from ckpt.integrations.transformers import CkptCallback
+
+    trainer = Trainer(model, args, train_dataset=ds, callbacks=[CkptCallback()])
+    trainer.train(resume_from_checkpoint=True)   # after a crash: logs the restore of checkpoint-N
+
+What is logged, and from which hook:
+
+- ``on_train_begin``: a session (versions, world size, seed, ``full_determinism``); when ``global_step`` is
+  already N > 0 the Trainer has restored ``checkpoint-N``, logged as a restore event.
+- ``on_step_begin``: the RNG digest taken before the step draws anything.
+- ``on_log``: loss, the LR the update used, grad norm and (with ``include_num_input_tokens_seen``) tokens
+  seen, per logged step.  Set ``logging_steps=1`` for a step-by-step ledger; the Trainer averages the loss
+  over ``logging_steps``.  No sample count: the Trainer has none of its own beyond ``global_step`` times the
+  batch size, which would prove nothing about the data position.
+- ``on_save``: the ``checkpoint-N`` the Trainer has just written (it writes synchronously, so the event is
+  logged once the files are there).
+- ``on_train_end``: a clean exit.
+
+Only the world process zero writes (``state.is_world_process_zero``); the other ranks' callbacks do nothing.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+try:
+    from transformers import TrainerCallback
+except ImportError as exc:  # pragma: no cover - the integration needs transformers
+    raise ImportError("ckpt.integrations.transformers needs transformers: pip install transformers") from exc
+
+from ckpt.resume.ledger import LedgerWriter, digest_rng
+
+__all__ = ["CkptCallback"]
+
+
+def _checkpoint_dir(output_dir: str, step: int) -> str:
+    """Where ``Trainer`` writes (and finds) the checkpoint of ``step``: ``OUTPUT_DIR/checkpoint-N``."""
+    return os.path.join(output_dir, f"checkpoint-{step}")
+
+
+class CkptCallback(TrainerCallback):
+    """Write the run ledger from ``Trainer``'s hooks (see the module docstring for what and when).
+
+    ``run_dir`` defaults to the Trainer's ``output_dir`` so ``ckpt verify-resume OUTPUT_DIR`` finds both the
+    ledger and the ``checkpoint-N`` folders.  ``tokenizer_id`` (``ckpt.resume.ledger.tokenizer_id(tok)``)
+    lets the verifier catch a tokenizer change across a restart; ``extra_env`` adds keys to the session.
+    """
+
+    def __init__(
+        self,
+        run_dir: str | os.PathLike[str] | None = None,
+        *,
+        tokenizer_id: str | None = None,
+        extra_env: Mapping[str, object] | None = None,
+    ) -> None:
+        self.run_dir = None if run_dir is None else Path(run_dir)
+        self.tokenizer_id = tokenizer_id
+        self.extra_env = dict(extra_env or {})
+        self.ledger: LedgerWriter | None = None
+        self._rng: dict[int, str] = {}
+
+    # -- hooks -------------------------------------------------------------------------------------------
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if not state.is_world_process_zero:
+            return
+        if self.ledger is not None:  # a second train() call on the same Trainer: a new session
+            self.ledger.close()
+        run_dir = self.run_dir or Path(args.output_dir)
+        self.ledger = LedgerWriter(
+            run_dir,
+            world_size=int(getattr(args, "world_size", 1) or 1),
+            deterministic=bool(getattr(args, "full_determinism", False)),
+            seed=getattr(args, "seed", None),
+            tokenizer_id=self.tokenizer_id,
+            extra_env={"framework": "transformers.Trainer", **self.extra_env},
+        )
+        if state.global_step > 0:
+            # The Trainer does not tell callbacks which folder it resumed from; ``args.resume_from_checkpoint``
+            # names it when the user set it there, else it is the output dir's checkpoint of that step.
+            given = getattr(args, "resume_from_checkpoint", None)
+            path = given if isinstance(given, str) and os.path.isdir(given) else None
+            self.ledger.restore(
+                state.global_step, path or _checkpoint_dir(args.output_dir, state.global_step)
+            )
+
+    def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self.ledger is not None:
+            self._rng[state.global_step + 1] = digest_rng()
+
+    def on_log(
+        self, args: Any, state: Any, control: Any, logs: Mapping[str, Any] | None = None, **kwargs: Any
+    ) -> None:
+        if self.ledger is None or not logs or "loss" not in logs:
+            return  # eval metrics and the final summary are not training steps
+        step = int(state.global_step)
+        tokens = int(getattr(state, "num_input_tokens_seen", 0) or 0)
+        self.ledger.step(
+            step,
+            logs["loss"],
+            logs.get("learning_rate"),
+            grad_norm=logs.get("grad_norm"),
+            tokens=tokens or None,
+            rng_digest=self._rng.pop(step, None),
+        )
+        self._rng = {s: d for s, d in self._rng.items() if s > step}
+
+    def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self.ledger is not None:
+            self.ledger.save(state.global_step, _checkpoint_dir(args.output_dir, state.global_step))
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self.ledger is not None:
+            self.ledger.close()
+            self.ledger = None

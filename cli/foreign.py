@@ -1,0 +1,100 @@
+"""``inspect`` / ``verify`` of the folders ``convert`` reads but that are not ours: Hugging Face and DCP.
+
+They carry no checksums, so ``verify`` checks what they do say: every file present, every safetensors header
+consistent with its file's size, every tensor readable at its shape and dtype.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import click
+
+from .common import human_bytes, out
+from .table import Col, print_table
+
+FOREIGN = ("hf", "dcp")
+FORMAT_WORDS = {"hf": "Hugging Face", "dcp": "DCP"}
+
+
+def open_foreign(path: str) -> Any:
+    """The conversion source of an HF or DCP folder at ``path`` (one-line errors from the format's reader)."""
+    from ckpt.converters import formats
+
+    fmt = formats.detect(path)
+    return fmt.load().open_source(path)
+
+
+def inspect_foreign(path: str, as_json: bool) -> None:
+    source = open_foreign(path)
+    try:
+        tensors = source.tensors
+        total = sum(d.nbytes for d in tensors.values())
+        if as_json:
+            doc = {
+                "path": path,
+                "format": source.format,
+                "layout": source.layout,
+                "bytes": total,
+                "tensors": {
+                    n: {"role": d.role, "shape": list(d.shape), "dtype": d.dtype} for n, d in tensors.items()
+                },
+            }
+            click.echo(json.dumps(doc, indent=2))
+            return
+        out.print(
+            f"{path}  {FORMAT_WORDS.get(source.format, source.format)} folder  {source.layout} layout  {len(tensors)} tensors  {human_bytes(total)}",
+            markup=False,
+        )
+        rows = [
+            [n, d.role + (f" ({d.key})" if d.key else ""), str(list(d.shape)), d.dtype, human_bytes(d.nbytes)]
+            for n, d in tensors.items()
+        ]
+        cols = [
+            Col("tensor", name=True),
+            Col("role", fold=True),
+            Col("shape"),
+            Col("dtype"),
+            Col("size", "right"),
+        ]
+        print_table(out, cols, rows)
+    finally:
+        source.close()
+
+
+def verify_foreign(path: str, as_json: bool) -> list[str]:
+    """Read every tensor of the folder; returns the problems found (empty: all readable)."""
+    from ckpt.dtypes import dtype_from_name
+    from ckpt.errors import CkptError
+    from ckpt.layouts import Piece
+
+    source = open_foreign(path)  # headers and sizes are checked on opening
+    problems: list[str] = []
+    try:
+        for name, d in source.tensors.items():
+            try:
+                t = source.read(Piece(name, None, None))
+            except CkptError as e:
+                problems.append(str(e))
+                continue
+            except Exception as e:  # noqa: BLE001 - a foreign reader's own error about a damaged file
+                problems.append(f"tensor {name!r}: unreadable ({type(e).__name__}: {e})")
+                continue
+            if tuple(t.shape) != tuple(d.shape) or t.dtype != dtype_from_name(d.dtype):
+                problems.append(
+                    f"tensor {name!r}: read {list(t.shape)} {t.dtype}, header says {list(d.shape)} {d.dtype}"
+                )
+        n = len(source.tensors)
+    finally:
+        source.close()
+    if as_json:
+        click.echo(json.dumps({"path": path, "format": source.format, "ok": not problems, "tensors": n,
+                               "problems": problems, "checksums": False}, indent=2))  # fmt: skip
+    elif not problems:
+        out.print(
+            f"ok {path}: {FORMAT_WORDS.get(source.format, source.format)} folder, {n} tensors readable at their header's shape and dtype "
+            "(the format has no checksums)",
+            markup=False,
+        )
+    return problems

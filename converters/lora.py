@@ -1,0 +1,319 @@
+"""``ckpt convert`` for LoRA adapters: PEFT folder <-> NxD LoRA tag, and ``--merge-lora`` into a full HF model.
+
+Adapters are small (rank x (in + out) per target), so they are converted whole in memory; the layout is
+:mod:`ckpt.layouts.lora`.  Everything is read and checked before the destination is begun; the destination is
+published whole (a temp folder and a rename) or not at all.
+
+Merging (``--merge-lora ADAPTER``, SRC = the base HF folder): each adapted weight becomes ``W + scaling * (B @ A)``
+computed exactly as PEFT's ``LoraLayer.get_delta_weight`` + ``merge(safe_merge=False)`` do (``B @ A`` in float32
+when B is half precision on the CPU, cast to B's dtype, then ``W += delta`` in place), so the result is bit-identical
+to ``PeftModel.merge_and_unload()`` on the CPU.  On a GPU PEFT multiplies half-precision B @ A in that precision
+(cuBLAS) and fp32 with another summation order, so its merge can differ by one unit in the last place of W's dtype
+(reasoned from PEFT's code, not measured: no GPU was available when this was written).  The base is streamed one safetensors shard at a time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ckpt.errors import CkptError, LayoutError
+from ckpt.layouts.lora import parse_hf
+from ckpt.layouts.spec import LayoutSpec, ModelDims, NxdFlags
+
+from . import peft
+from .nxd import lora as nxd_lora
+from .options import ConvertOptions, RunOptions
+
+
+@dataclass(frozen=True)
+class LoraResult:
+    dst: str
+    tensors: int
+    bytes: int
+    format: str
+
+
+def _adapter_manifest(src: str, storage_options: dict[str, Any] | None) -> Any:
+    """The manifest of an adapter-only checkpoint of ours at ``src`` (None for anything else)."""
+    from ckpt.manifest import MANIFEST_NAME, Manifest
+    from ckpt.storage import open_storage
+
+    try:
+        storage = open_storage(src, storage_options)
+        if not storage.exists(MANIFEST_NAME):
+            return None
+        m = Manifest.from_json(storage.read_bytes(MANIFEST_NAME), storage.display(MANIFEST_NAME))
+    except CkptError:
+        return None
+    return m if m.adapter is not None else None
+
+
+def is_adapter(src: str, storage_options: dict[str, Any] | None = None) -> bool:
+    """True for a PEFT adapter folder, an NxD LoRA tag, or an adapter-only checkpoint of ours."""
+    return (
+        peft.detect(src) or nxd_lora.is_lora_tag(src) or _adapter_manifest(src, storage_options) is not None
+    )
+
+
+_PEFT_NAME = re.compile(r"^(?P<mod>.+)\.lora_(?P<ab>[AB])\.(?P<adapter>[^.]+)\.weight$")
+
+
+def read_ckpt_adapter(src: str, run: RunOptions) -> peft.Adapter:
+    """The LoRA adapter of an adapter-only checkpoint saved from a PEFT model (``save(adapter_only=True)``): its
+    trainable tensors (PEFT's ``...lora_A.<adapter>.weight`` names, one adapter) and the recorded PEFT config."""
+    from ckpt.reader import CheckpointReader
+
+    reader = CheckpointReader(src, run.storage_options, run.verify)
+    m = reader.manifest
+    if m.layout.kind == "nxd":
+        raise LayoutError(
+            f"{src}: a Neuron-layout adapter checkpoint; convert adapters saved by NxD training from NxD's own "
+            "LoRA tag (nxd.save_checkpoint with merge_sharded_lora=False)"
+        )
+    lora = (m.adapter or {}).get("lora") or {}
+    cfg = lora.get("peft")
+    if not isinstance(cfg, dict):
+        raise LayoutError(
+            f"{src}: the checkpoint does not record a PEFT LoRA config (adapter.lora.peft), so its scaling is "
+            "unknown; it was not saved from a PeftModel"
+        )
+    peft.check_config(cfg, f"{src} adapter.lora.peft")
+    names: set[str] = set()
+    tensors: dict[str, torch.Tensor] = {}
+    hf_of: dict[str, str] = {}
+    for name, t in m.tensors.items():
+        if t.role != "parameter":
+            continue
+        hf = name.removeprefix(peft.PREFIX)
+        match = _PEFT_NAME.match(hf)
+        if match is None:
+            raise LayoutError(
+                f"{src}: trainable tensor {name} is not a PEFT LoRA matrix (<module>.lora_A.<adapter>.weight)"
+            )
+        names.add(match["adapter"])
+        hf_of[name] = f"{match['mod']}.lora_{match['ab']}.weight"
+        tensors[hf_of[name]] = reader.read(name)
+    if len(names) != 1:
+        raise LayoutError(
+            f"{src}: holds LoRA matrices of {len(names)} adapters {sorted(names)}; expected one"
+        )
+    for n in tensors:
+        parse_hf(n)
+    return peft.Adapter(
+        optimizer=_ckpt_optimizer(reader, hf_of, src),
+        tensors=tensors,
+        r=int(cfg["r"]),
+        lora_alpha=cfg["lora_alpha"],
+        use_rslora=bool(cfg.get("use_rslora", False)),
+        lora_dropout=float(cfg.get("lora_dropout") or 0.0),
+        peft_config=cfg,
+    )
+
+
+def _need_config(opts: ConvertOptions, why: str) -> dict[str, Any]:
+    if opts.config is None:
+        raise CkptError(f"--config: {why} needs the base model's HF config.json")
+    return opts.config
+
+
+def read_any(src: str, opts: ConvertOptions, run: RunOptions) -> tuple[peft.Adapter, NxdFlags | None]:
+    """The adapter at ``src`` (PEFT folder or NxD LoRA tag) and, for a tag, the NxD layout it was stored in."""
+    if peft.detect(src):
+        if opts.source_flags:
+            raise LayoutError(f"--source-*: {src} is a PEFT folder; source flags are for NxD tags only")
+        return peft.read_adapter(src), None
+    if _adapter_manifest(src, run.storage_options) is not None:
+        if opts.source_flags:
+            raise LayoutError(f"--source-*: {src} is a ckpt checkpoint, which records its own layout")
+        return read_ckpt_adapter(src, run), None
+    if nxd_lora.is_lora_tag(src):
+        cfg = _need_config(opts, f"reading NxD LoRA tag {src}")
+        adapter, spec = nxd_lora.read_lora_tag(
+            src,
+            config=cfg,
+            source_flags=opts.source_flags,
+            allow_unmarked=run.allow_unmarked,
+            verify=run.verify,
+        )
+        return adapter, spec.flags()
+    raise LayoutError(f"{src}: not a LoRA adapter (expected a PEFT folder with {peft.CONFIG_NAME} + "
+                      f"{peft.WEIGHTS_NAME}, an NxD tag of LoRA tensors or an adapter-only ckpt checkpoint)")  # fmt: skip
+
+
+def _ckpt_optimizer(reader: Any, hf_of: dict[str, str], src: str) -> dict[str, Any] | None:
+    """The optimizer state of an adapter checkpoint in :attr:`peft.Adapter.optimizer`'s form (HF adapter names)."""
+    from ckpt import treecodec
+
+    meta = reader.manifest.optimizer
+    if meta is None:
+        return None
+    state: dict[str, dict[str, Any]] = {}
+    for pname, scalars in (meta.get("state") or {}).items():
+        if pname not in hf_of:
+            raise LayoutError(f"{src}: optimizer state of {pname}, which is not an adapter tensor")
+        state.setdefault(hf_of[pname], {}).update({k: treecodec.decode(v) for k, v in scalars.items()})
+    for name, t in reader.manifest.tensors.items():
+        if t.role == "optimizer_state" and t.param is not None and t.key is not None:
+            if t.param not in hf_of:
+                raise LayoutError(
+                    f"{src}: optimizer state {name} of {t.param}, which is not an adapter tensor"
+                )
+            state.setdefault(hf_of[t.param], {})[t.key] = reader.read(name)
+    groups = []
+    for g in meta["param_groups"]:
+        groups.append({**{k: treecodec.decode(v) for k, v in g.items() if k != "params"},
+                       "params": [hf_of[p] for p in g["params"]]})  # fmt: skip
+    return {"state": state, "param_groups": groups}
+
+
+def convert_adapter(src: str, dst: str, opts: ConvertOptions, run: RunOptions | None = None) -> LoraResult:
+    """Convert the adapter at ``src`` to ``opts.format`` (``peft`` for ``--to cuda``, ``nxd`` for ``--to neuron``)."""
+    run = run or RunOptions()
+    if opts.format not in ("peft", "nxd"):
+        raise LayoutError(
+            f"--format {opts.format}: {src} is a LoRA adapter; it converts to --format peft (--to cuda) or "
+            "--format nxd (--to neuron); for a full model use --merge-lora with the base model as SRC"
+        )
+    want = "cuda" if opts.format == "peft" else "neuron"
+    if opts.to != want:
+        raise LayoutError(f"--format {opts.format} holds the {want} layout; use --to {want}")
+    adapter, src_flags = read_any(src, opts, run)
+    if opts.format == "peft":
+        if opts.layout:
+            raise LayoutError(
+                f"--{next(iter(opts.layout)).replace('_', '-')} describes a Neuron target; --format peft has no layout"
+            )
+        nbytes = peft.write_adapter(adapter, dst, run.storage_options)
+    else:
+        cfg = _need_config(opts, "laying an adapter out for NxD")
+        base = src_flags or NxdFlags()
+        try:
+            flags = NxdFlags(**{**{n: getattr(base, n) for n in NxdFlags.names()}, **opts.layout})
+        except TypeError as e:
+            raise LayoutError(f"layout flags: {e}") from None
+        spec = LayoutSpec.of(ModelDims.from_hf_config(cfg), flags)
+        nbytes = nxd_lora.write_lora_tag(adapter, spec, dst, run.storage_options)
+    return LoraResult(dst, len(adapter.tensors), nbytes, opts.format)
+
+
+# ------------------------------------------------------------------------------------------------ merge
+
+
+def merge_weights(
+    base: dict[str, torch.Tensor], adapter: peft.Adapter, *, where: str = "base"
+) -> tuple[dict[str, torch.Tensor], set[str]]:
+    """Merge every adapted module found in ``base`` (one shard's tensors); returns the new tensors and the modules
+    merged."""
+    merged: set[str] = set()
+    out = dict(base)
+    for mod in adapter.modules:
+        key = f"{mod}.weight"
+        if key not in base:
+            continue
+        w = base[key]
+        a, b = adapter.tensors[f"{mod}.lora_A.weight"], adapter.tensors[f"{mod}.lora_B.weight"]
+        if tuple(w.shape) != (b.shape[0], a.shape[1]):
+            raise LayoutError(
+                f"{where}: {key} is {list(w.shape)} but the adapter's B @ A is {[b.shape[0], a.shape[1]]}; "
+                "the adapter was trained on another base"
+            )
+        w = w.clone()
+        w += peft_delta(a, b, adapter.scaling)
+        out[key] = w
+        merged.add(mod)
+    return out, merged
+
+
+def peft_delta(a: torch.Tensor, b: torch.Tensor, scaling: float) -> torch.Tensor:
+    """``scaling * (B @ A)`` exactly as PEFT's ``lora.Linear.get_delta_weight`` (CPU): half-precision B is multiplied
+    in float32 and the product cast back to B's dtype."""
+    dtype = b.dtype
+    cast = b.device.type == "cpu" and dtype in (torch.float16, torch.bfloat16)
+    if cast:
+        a, b = a.float(), b.float()
+    out = (b @ a) * scaling
+    return out.to(dtype=dtype) if cast else out
+
+
+def merge_lora(base_src: str, dst: str, opts: ConvertOptions, run: RunOptions | None = None) -> LoraResult:
+    """``base_src`` (an HF folder) + the adapter ``opts.merge_lora`` -> a full HF folder at ``dst``."""
+    from safetensors.torch import load_file, save
+
+    from ckpt.storage.folder import begin_folder
+
+    from . import hf
+
+    run = run or RunOptions()
+    assert opts.merge_lora is not None
+    if opts.format != "hf" or opts.to != "cuda":
+        raise LayoutError("--merge-lora writes a full Hugging Face model: use --to cuda --format hf")
+    if not hf.detect(base_src):
+        raise LayoutError(
+            f"--merge-lora: SRC {base_src} must be the base model as an HF folder (config.json + *.safetensors)"
+        )
+    base = Path(base_src)
+    cfg = json.loads((base / "config.json").read_text())
+    opts = dataclasses.replace(opts, config=opts.config or cfg)
+    adapter, _ = read_any(opts.merge_lora, opts, run)
+    index = base / hf.INDEX_NAME
+    if index.is_file():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    else:
+        shards = [hf.SINGLE_NAME]
+    # check every module is present with the right shape before writing anything
+    seen: set[str] = set()
+    for shard in shards:
+        for name, meta in hf.read_header(base / shard).items():
+            if name.endswith(".weight") and name[: -len(".weight")] in adapter.modules:
+                mod = name[: -len(".weight")]
+                a, b = adapter.tensors[f"{mod}.lora_A.weight"], adapter.tensors[f"{mod}.lora_B.weight"]
+                if tuple(meta["shape"]) != (b.shape[0], a.shape[1]):
+                    raise LayoutError(
+                        f"{base / shard}: {name} is {meta['shape']} but the adapter's B @ A is "
+                        f"{[b.shape[0], a.shape[1]]}; the adapter was trained on another base"
+                    )
+                seen.add(mod)
+    missing = [m for m in adapter.modules if m not in seen]
+    if missing:
+        raise LayoutError(
+            f"--merge-lora: {missing[0]}.weight is not in the base model {base_src} (adapter of another model?)"
+        )
+    nbytes = 0
+    with begin_folder(dst, run.storage_options) as txn:
+        for shard in shards:
+            tensors, _ = merge_weights(load_file(str(base / shard)), adapter, where=str(base / shard))
+            data = save(tensors, metadata={"format": "pt"})
+            txn.storage.put_bytes(shard, data)
+            nbytes += len(data)
+        for extra in sorted(base.iterdir()):
+            if extra.is_file() and extra.name not in shards and extra.name != "config.json":
+                with open(extra, "rb") as f:
+                    txn.storage.put_bytes(extra.name, f.read())
+        txn.commit({"config.json": (base / "config.json").read_bytes()})
+    return LoraResult(dst, len(adapter.modules), nbytes, "hf")
+
+
+def run_lora(src: str, dst: str, opts: ConvertOptions, run: RunOptions | None = None) -> LoraResult:
+    """The LoRA side of ``ckpt convert``: merge when ``opts.merge_lora``, else convert the adapter ``src``."""
+    if opts.merge_lora is not None:
+        return merge_lora(src, dst, opts, run)
+    return convert_adapter(src, dst, opts, run)
+
+
+__all__ = [
+    "LoraResult",
+    "convert_adapter",
+    "is_adapter",
+    "merge_lora",
+    "merge_weights",
+    "peft_delta",
+    "read_any",
+    "run_lora",
+]

@@ -1,0 +1,85 @@
+"""The step an NxD tag stands for, read from its contents (the tag's name is only a name).
+
+NxD records no step field.  By convention the training script puts ``total_steps`` into ``user_content.pt``; a
+scheduler stepped once per optimizer step has ``last_epoch`` equal to the step; the tag name (``step_<N>``) is
+whatever the user typed, and a renamed or copied tag (``run7``) keeps its contents but not its number.  So the
+step is, in order: ``user_content.pt``'s ``total_steps`` (or ``global_step`` / ``step``), ``scheduler.pt``'s
+``last_epoch``, the digits of the tag's name; when the sources that exist disagree, a warning names them all.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+from ckpt.errors import CkptError
+
+from .files import TagFiles
+from .naming import parse_step
+from .xser import load_checked
+
+#: keys of ``user_content.pt`` that hold the global step, by preference
+USER_STEP_KEYS = ("total_steps", "global_step", "step")
+
+
+def _int(v: Any) -> int | None:
+    if isinstance(v, bool):
+        return None
+    if isinstance(v, int) and v >= 0:
+        return v
+    item = getattr(v, "item", None)  # a 0-d tensor
+    if item is not None and getattr(v, "numel", lambda: 0)() == 1:
+        x = item()
+        if isinstance(x, (int, float)) and float(x).is_integer() and x >= 0:
+            return int(x)
+    return None
+
+
+def step_sources(
+    files: TagFiles, *, verify: bool = True, user_content: Any = None, scheduler: Any = None
+) -> list[tuple[str, int]]:
+    """``(where, step)`` for every source in the tag that names a step, most trusted first.
+
+    ``user_content`` / ``scheduler``: the already loaded objects (else the files are read).  A file that cannot
+    be read is skipped here: whoever reads it for real reports the damage.
+    """
+    found: list[tuple[str, int]] = []
+    if user_content is None and files.user_content is not None:
+        try:
+            user_content = load_checked(files.user_content, verify=verify)
+        except CkptError:
+            user_content = None
+    if isinstance(user_content, dict):
+        for key in USER_STEP_KEYS:
+            v = _int(user_content.get(key))
+            if v is not None:
+                found.append((f"user_content.pt {key}={v}", v))
+                break
+    if scheduler is None and files.scheduler is not None:
+        try:
+            scheduler = load_checked(files.scheduler, verify=verify)
+        except CkptError:
+            scheduler = None
+    if isinstance(scheduler, dict):
+        v = _int(scheduler.get("last_epoch"))
+        if v is not None:
+            found.append((f"scheduler.pt last_epoch={v}", v))
+    v = parse_step(files.path.name)
+    if v is not None:
+        found.append((f"tag name {files.path.name!r}", v))
+    return found
+
+
+def tag_step(files: TagFiles, *, verify: bool = True, warn: bool = True, **loaded: Any) -> int | None:
+    """The tag's step (see the module docstring); None when no source names one.  Warns when sources disagree."""
+    found = step_sources(files, verify=verify, **loaded)
+    if not found:
+        return None
+    step = found[0][1]
+    if warn and len({v for _, v in found}) > 1:
+        warnings.warn(
+            f"{files.path}: sources disagree on the step ({', '.join(w for w, _ in found)}); using {step} from "
+            f"{found[0][0].split('=')[0]} (pass --step to choose)",
+            stacklevel=3,
+        )
+    return step

@@ -1,0 +1,189 @@
+"""PEFT LoRA adapter folders: ``adapter_config.json`` + ``adapter_model.safetensors`` (what
+``PeftModel.save_pretrained`` writes and ``PeftModel.from_pretrained`` loads).
+
+Tensor names are PEFT's: ``base_model.model.<HF module>.lora_A.weight`` / ``lora_B.weight`` (the adapter name is not
+part of them).  ckpt handles plain LoRA only; a config asking for anything ckpt cannot carry to NxD or merge exactly
+(DoRA, per-module rank/alpha patterns, ``fan_in_fan_out``, lora biases, ``modules_to_save``, non-LoRA PEFT types) is
+refused when the folder is opened, naming the key.  A PEFT folder holds no optimizer state.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ckpt.errors import CkptError, CorruptionError, LayoutError
+from ckpt.layouts.lora import parse_hf
+
+NAME = "peft"
+CONFIG_NAME = "adapter_config.json"
+WEIGHTS_NAME = "adapter_model.safetensors"
+PREFIX = "base_model.model."
+
+
+def detect(path: str, storage_options: Mapping[str, Any] | None = None) -> bool:
+    p = Path(path)
+    return (p / CONFIG_NAME).is_file() and (p / WEIGHTS_NAME).is_file()
+
+
+@dataclass
+class Adapter:
+    """A LoRA adapter in HF naming (no ``base_model.model.`` prefix), with the LoRA hyper-parameters that matter to
+    its math (rank, alpha, rsLoRA) and the PEFT config it came with (kept whole so a round trip returns it)."""
+
+    tensors: dict[str, torch.Tensor]
+    r: int
+    lora_alpha: float
+    use_rslora: bool = False
+    lora_dropout: float = 0.0
+    peft_config: dict[str, Any] = field(default_factory=dict)
+    #: the adapter's optimizer state, when the source has it: ``{"state": {hf_name: {key: tensor | scalar}},
+    #: "param_groups": [{..., "params": [hf_name, ...]}]}`` (torch.optim's form, keyed by HF adapter names)
+    optimizer: dict[str, Any] | None = None
+
+    @property
+    def scaling(self) -> float:
+        """NxD's and PEFT's ``scaling``: ``alpha / r``, or ``alpha / sqrt(r)`` with rsLoRA."""
+        return self.lora_alpha / (math.sqrt(self.r) if self.use_rslora else self.r)
+
+    @property
+    def modules(self) -> list[str]:
+        """Adapted HF modules, in tensor order."""
+        return list(dict.fromkeys(parse_hf(n)[0] for n in self.tensors))
+
+    def to_peft_config(self) -> dict[str, Any]:
+        """The ``adapter_config.json`` to write: the source's PEFT config if it had one, else a minimal one."""
+        if self.peft_config:
+            return dict(self.peft_config)
+        return {
+            "peft_type": "LORA",
+            "task_type": "CAUSAL_LM",
+            "r": self.r,
+            "lora_alpha": self.lora_alpha,
+            "lora_dropout": self.lora_dropout,
+            "use_rslora": self.use_rslora,
+            "bias": "none",
+            "fan_in_fan_out": False,
+            "target_modules": sorted({m.rsplit(".", 1)[-1] for m in self.modules}),
+            "modules_to_save": None,
+            "inference_mode": True,
+            "base_model_name_or_path": None,
+        }
+
+
+_REFUSED = {
+    "use_dora": (False, "DoRA adapters"),
+    "fan_in_fan_out": (False, "fan_in_fan_out (Conv1D-style) adapters"),
+    "rank_pattern": ({}, "per-module ranks (rank_pattern)"),
+    "alpha_pattern": ({}, "per-module alphas (alpha_pattern)"),
+    "bias": ("none", "trained biases"),
+    "modules_to_save": (None, "modules_to_save (fully trained extra modules)"),
+}
+
+
+def check_config(cfg: Mapping[str, Any], where: str) -> None:
+    """Refuse what a plain LoRA adapter cannot carry exactly (one line naming the key)."""
+    if cfg.get("peft_type", "LORA") != "LORA":
+        raise LayoutError(f"{where}: peft_type {cfg.get('peft_type')!r}; ckpt converts LORA adapters only")
+    for key, (ok, what) in _REFUSED.items():
+        value = cfg.get(key)
+        if value is None or value == ok or value in ({}, [], False):
+            continue
+        raise LayoutError(f"{where}: {key}={value!r}: {what} are not supported (expected {ok!r})")
+    for key in ("r", "lora_alpha"):
+        if not isinstance(cfg.get(key), (int, float)) or isinstance(cfg.get(key), bool):
+            raise LayoutError(f"{where}: {key} must be a number, got {cfg.get(key)!r}")
+
+
+def read_adapter(path: str) -> Adapter:
+    """Read a PEFT adapter folder (checked: config, names, one LoRA rank)."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    p = Path(path)
+    cfg_path = p / CONFIG_NAME
+    try:
+        cfg = json.loads(cfg_path.read_text())
+    except FileNotFoundError:
+        raise CkptError(f"{cfg_path}: no such file (a PEFT adapter folder has adapter_config.json)") from None
+    except ValueError as e:
+        raise CorruptionError(f"{cfg_path}: not valid JSON ({e})") from None
+    if not isinstance(cfg, dict):
+        raise CorruptionError(f"{cfg_path}: expected a JSON object")
+    check_config(cfg, str(cfg_path))
+    try:
+        raw = load_file(str(p / WEIGHTS_NAME))
+    except (SafetensorError, OSError) as e:
+        raise CorruptionError(f"{p / WEIGHTS_NAME}: not a readable safetensors file ({e})") from None
+    tensors: dict[str, torch.Tensor] = {}
+    for name, t in raw.items():
+        if not name.startswith(PREFIX):
+            raise LayoutError(
+                f"{p / WEIGHTS_NAME}: tensor {name} does not start with {PREFIX!r} (PEFT's naming)"
+            )
+        hf = name[len(PREFIX) :]
+        _, ab = parse_hf(hf)
+        tensors[hf] = t
+        r = t.shape[0] if ab == "A" else t.shape[-1]
+        if r != cfg["r"]:
+            raise LayoutError(
+                f"{p / WEIGHTS_NAME}: {name} has LoRA rank {r}, adapter_config.json says r={cfg['r']}"
+            )
+    if not tensors:
+        raise LayoutError(f"{p / WEIGHTS_NAME}: holds no LoRA tensors")
+    return Adapter(
+        tensors=tensors,
+        r=int(cfg["r"]),
+        lora_alpha=cfg["lora_alpha"],
+        use_rslora=bool(cfg.get("use_rslora", False)),
+        lora_dropout=float(cfg.get("lora_dropout") or 0.0),
+        peft_config=cfg,
+    )
+
+
+def write_adapter(adapter: Adapter, dst: str, storage_options: dict[str, Any] | None = None) -> int:
+    """Write ``adapter`` as a PEFT folder at ``dst`` (published whole, config last); returns bytes written."""
+    from safetensors.torch import save
+
+    from ckpt.storage.folder import begin_folder
+
+    data = save(
+        {PREFIX + n: t.detach().contiguous() for n, t in adapter.tensors.items()}, metadata={"format": "pt"}
+    )
+    config = (json.dumps(adapter.to_peft_config(), indent=2, sort_keys=True) + "\n").encode()
+    with begin_folder(dst, storage_options) as txn:
+        txn.storage.put_bytes(WEIGHTS_NAME, data)
+        txn.commit({CONFIG_NAME: config})
+    return len(data) + len(config)
+
+
+__all__ = [
+    "Adapter",
+    "CONFIG_NAME",
+    "NAME",
+    "PREFIX",
+    "WEIGHTS_NAME",
+    "check_config",
+    "detect",
+    "read_adapter",
+    "write_adapter",
+]
+
+
+def open_source(path: str, **_: Any) -> Any:
+    """The engine's verb: a PEFT folder is an adapter, converted by :mod:`converters.lora`, not a model source."""
+    raise LayoutError(
+        f"{path}: a PEFT LoRA adapter is not a model; convert it with --format peft|nxd or merge it into its base "
+        "with --merge-lora"
+    )
+
+
+def export(conv: Any, **_: Any) -> Any:
+    """The engine's verb: only adapters are written as PEFT folders."""
+    raise LayoutError("--format peft holds a LoRA adapter; SRC must be a PEFT folder or an NxD LoRA tag")

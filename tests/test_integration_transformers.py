@@ -1,0 +1,178 @@
+"""HF ``Trainer`` with ``CkptCallback`` for real: a tiny Llama on CPU, SIGKILLed, resumed, verified.
+
+Every run is ``examples/hf_trainer.py`` in its own process (``USE_TORCH_XLA=0``, one thread,
+``full_determinism``): an uninterrupted run, a run killed after step 12 (checkpoints every 5 steps, so
+``checkpoint-10`` is the newest), and resumes of copies of it with ``resume_from_checkpoint=True``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from ckpt.cli.main import cli
+from click.testing import CliRunner
+
+from ckpt.resume.checks import Cause
+from ckpt.resume.hf_facts import TrainerCheckpointFacts
+from ckpt.resume.sources import load_run, read_jsonl
+from ckpt.resume.verify import verify_run
+
+pytest.importorskip("accelerate")
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "examples" / "hf_trainer.py"
+STEPS, KILL_AT = 20, 12
+
+
+def train(out: Path, *args: object) -> int:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "USE_TORCH_XLA": "0", "PYTHONWARNINGS": "ignore"}
+    cmd = [sys.executable, str(SCRIPT), "--out", str(out), "--steps", str(STEPS), *map(str, args)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    if proc.returncode not in (0, -signal.SIGKILL):
+        raise AssertionError(f"{cmd} exited {proc.returncode}:\n{proc.stderr[-3000:]}")
+    return proc.returncode
+
+
+def losses(out: Path) -> dict[int, float]:
+    """The effective loss per step (the last session's value where a step was logged twice)."""
+    run = read_jsonl(out / "ledger.jsonl")
+    return {r.step: r.loss for s in run.sessions for r in s.steps}
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("straight") / "out"
+    assert train(out) == 0
+    return out
+
+
+@pytest.fixture(scope="module")
+def crashed(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("crashed") / "out"
+    assert train(out, "--kill-at", KILL_AT) == -signal.SIGKILL
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-10", "checkpoint-5"]
+    return out
+
+
+def resumed(crashed: Path, dest: Path, delete: str | None = None) -> Path:
+    out = dest / "out"
+    shutil.copytree(crashed, out)
+    if delete:
+        (out / "checkpoint-10" / delete).unlink()
+    assert train(out, "--resume") == 0
+    return out
+
+
+def test_callback_ledger_resume_verifies_and_continues_bit_for_bit(
+    crashed: Path, straight: Path, tmp_path: Path
+) -> None:
+    out = resumed(crashed, tmp_path)
+    run = read_jsonl(out / "ledger.jsonl")
+    dead, post = run.sessions
+    assert [s.step for s in dead.saves] == [5, 10] and dead.exit is None  # killed: no exit event
+    (restore,) = post.restores
+    assert restore.step == 10 and restore.path == str(out / "checkpoint-10")
+    assert [s.step for s in post.saves] == [15, 20] and post.exit is not None
+    assert dead.env["framework"] == "transformers.Trainer" and dead.env["deterministic"] is True
+    assert [r.step for r in post.steps] == list(range(11, STEPS + 1))
+    assert all(r.rng_digest and r.lr is not None and r.grad_norm is not None for r in post.steps)
+    assert losses(out) == losses(straight)  # the resume continued the uninterrupted run exactly
+    res = CliRunner().invoke(cli, ["verify-resume", str(out), "--json"])
+    assert res.exit_code == 0, res.output
+    (b,) = json.loads(res.output)["boundaries"]
+    checks = {c["check"]: c for c in b["checks"]}
+    assert b["restored_step"] == 10 and checks["counters"]["status"] == "pass"
+    assert checks["counters"]["numbers"]["scheduler_last_epoch"] == 10
+    assert checks["loss"]["status"] == "pass" and checks["loss"]["basis"] == "overlap"
+
+
+def test_checkpoint_without_scheduler_fails_naming_it(crashed: Path, tmp_path: Path) -> None:
+    out = resumed(crashed, tmp_path, delete="scheduler.pt")
+    res = CliRunner().invoke(cli, ["verify-resume", str(out)], terminal_width=200)
+    assert res.exit_code == 1, res.output
+    assert "scheduler.pt" in res.output and "warmup restarted" in res.output
+    result = verify_run(load_run(out), facts=TrainerCheckpointFacts(out))
+    assert result.causes[:2] == [Cause.STATE_MISSING, Cause.WARMUP_RESTARTED]
+    counters = result.verdicts[0].check("counters")
+    assert "checkpoint-10 has no scheduler.pt" in counters.summary
+    # The Trainer's own logs alone (no ledger): the resume is suspected at checkpoint-10 and named too.
+    hf = verify_run(load_run(out, "hf"), facts=TrainerCheckpointFacts(out))
+    (v,) = hf.verdicts
+    assert v.boundary.restored_step == 10 and v.boundary.reason.startswith("suspected")
+    assert Cause.STATE_MISSING in hf.causes and Cause.WARMUP_RESTARTED in hf.causes
+
+
+def test_trainer_checkpoint_facts_are_read_without_unpickling_code(crashed: Path) -> None:
+    f = TrainerCheckpointFacts(crashed)(10, None)
+    assert f is not None and f.step == 10 and f.scheduler_last_epoch == 10 and f.missing == ()
+    assert set(f.optimizer_steps.values()) == {10} and f.scheduler_last_lr > 0
+
+
+# ------------------------------------------------------------------------------------ --format hf-trainer
+def convert(*args: object) -> None:
+    res = CliRunner().invoke(cli, ["convert", *map(str, args)])
+    assert res.exit_code == 0, res.output
+
+
+def test_trainium_layout_checkpoint_converts_to_a_folder_trainer_resumes_exactly(
+    crashed: Path, straight: Path, tmp_path: Path
+) -> None:
+    """checkpoint-10 -> our format -> the Neuron layout (TP=2, fused qkv / gate-up, as the Trainium saver
+    writes it) -> a Trainer checkpoint folder: the Trainer resumes from it and its next losses are the
+    uninterrupted run's, bit for bit."""
+    ck, trn, back = tmp_path / "ck", tmp_path / "trn", tmp_path / "checkpoint-10"
+    convert(crashed / "checkpoint-10", ck, "--to", "cuda", "--format", "ckpt")
+    convert(ck, trn, "--to", "neuron", "--tp", "2", "--format", "ckpt")
+    convert(trn, back, "--to", "cuda", "--format", "hf-trainer")
+    import torch
+
+    a = torch.load(crashed / "checkpoint-10" / "optimizer.pt")
+    b = torch.load(back / "optimizer.pt")
+    assert [g["params"] for g in a["param_groups"]] == [g["params"] for g in b["param_groups"]]
+    assert all(torch.equal(a["state"][i][k], b["state"][i][k]) for i in a["state"] for k in a["state"][i])
+    out = tmp_path / "out"
+    shutil.copytree(crashed, out)
+    assert train(out, "--resume", back) == 0
+    want = losses(straight)
+    got = {s: v for s, v in losses(out).items() if s > 10}
+    assert got == {s: want[s] for s in range(11, STEPS + 1)}
+
+
+def test_trainer_checkpoint_with_foreign_grouping_is_refused(crashed: Path, tmp_path: Path) -> None:
+    import torch
+
+    src = tmp_path / "checkpoint-10"
+    shutil.copytree(crashed / "checkpoint-10", src)
+    opt = torch.load(src / "optimizer.pt")
+    g0, g1 = opt["param_groups"]
+    g0["params"], g1["params"] = g0["params"][:-1], [g0["params"][-1], *g1["params"]]
+    torch.save(opt, src / "optimizer.pt")
+    res = CliRunner().invoke(
+        cli, ["convert", str(src), str(tmp_path / "dst"), "--to", "cuda", "--format", "ckpt"]
+    )
+    assert res.exit_code == 2 and "optimizer.pt: param_groups of [15, 6] parameters" in res.output
+    assert "16 with weight decay + 5 without" in res.output and not (tmp_path / "dst").exists()
+
+
+class _Evil:
+    def __reduce__(self):
+        return (os.system, ("echo pwned > /dev/null",))
+
+
+def test_hostile_scheduler_pickle_is_refused_not_run(crashed: Path, tmp_path: Path) -> None:
+    import torch
+
+    src = tmp_path / "checkpoint-10"
+    shutil.copytree(crashed / "checkpoint-10", src)
+    torch.save({"last_epoch": 10, "x": _Evil()}, src / "scheduler.pt")
+    res = CliRunner().invoke(
+        cli, ["convert", str(src), str(tmp_path / "dst"), "--to", "cuda", "--format", "ckpt"]
+    )
+    assert res.exit_code == 2 and "scheduler.pt" in res.output and "posix.system" in res.output
+    assert not (tmp_path / "dst").exists()
