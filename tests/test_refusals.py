@@ -224,3 +224,59 @@ def test_config_without_model_type_refused_unless_given(tmp_path: Path) -> None:
     assert r.exit_code == 2 and "no model_type" in r.output and not (tmp_path / "cli").exists(), r.output
     r = CliRunner().invoke(cli, [*base, "--model-type", "llama"])
     assert r.exit_code == 0, r.output
+
+
+# --------------------------------------------------------------------------------- 5. facts recorded right
+
+ZERO1_TAG = ROOT / "nxd_train_tp2_dp2_zero1_plain" / "step_3"
+
+
+def _groups_edit(value):  # noqa: ANN001, ANN202
+    def edit(path: Path) -> None:
+        for f in sorted((path / "optim").glob("*.pt")):
+            sd = torch.load(f, weights_only=True)
+            for g in sd["param_groups"]:
+                if value is None:
+                    g.pop("decoupled_weight_decay", None)
+                else:
+                    g["decoupled_weight_decay"] = value
+            torch.save(sd, f)
+
+    return edit
+
+
+@pytest.mark.parametrize(
+    "edit,base",
+    [(None, "torch.optim.adamw.AdamW"), (False, "torch.optim.adam.Adam"), ("drop", "unknown")],
+)
+def test_nxd_optimizer_class_is_what_the_tag_says(tmp_path: Path, edit, base: str) -> None:  # noqa: ANN001
+    tag = tmp_path / "tag"
+    shutil.copytree(ZERO1_TAG, tag)
+    if edit is not None:
+        _groups_edit(None if edit == "drop" else edit)(tag)
+    import_tag(tag, str(tmp_path / "imp"))
+    opt = open_checkpoint(str(tmp_path / "imp")).manifest.optimizer
+    assert opt["type"].endswith("NeuronZero1Optimizer") and opt["base"] == base
+
+
+def test_infer_optimizer_units() -> None:
+    from ckpt.converters.nxd.source import infer_optimizer
+
+    assert infer_optimizer(
+        {"momentum_buffer"}, [{"momentum": 0.9, "dampening": 0, "nesterov": False}]
+    ).endswith("SGD")
+    assert (
+        infer_optimizer({"step", "square_avg"}, [{"alpha": 0.99}]) == "unknown"
+    )  # RMSprop-like: not guessed
+    assert infer_optimizer({"exp_avg", "exp_avg_sq"}, [{"decoupled_weight_decay": True}, {}]) == "unknown"
+
+
+def test_import_with_config_checks_every_rank_tensor_against_it(tmp_path: Path) -> None:
+    """The highest TP rank's files deleted: the tag reads as tp 1, but with the config its shapes are refused."""
+    tag = tmp_path / "tag"
+    shutil.copytree(ZERO1_TAG, tag)
+    for f in [*tag.glob("model/*tp_rank_01*"), *tag.glob("optim/*tp_rank_01*")]:
+        f.unlink()
+    with pytest.raises(LayoutError, match="but the config implies"):
+        import_tag(tag, str(tmp_path / "imp"), config=CONFIG)
+    assert not (tmp_path / "imp").exists()

@@ -96,7 +96,12 @@ def capture_zero1(optimizer: Any, model: Any, layout: NxdLayout) -> tuple[list[N
                 )
     for pid, w in (sd.get("sharded_master_weights") or {}).items():
         add(int(pid), MASTER_KEY, w)
-    return tensors, optimizer_meta(optimizer, sd["param_groups"], names, scalars)
+    meta = optimizer_meta(optimizer, sd["param_groups"], names, scalars)
+    base = type(optimizer.base_optimizer)
+    meta["base"] = (
+        f"{base.__module__}.{base.__qualname__}"  # the wrapper's class says nothing of the update rule
+    )
+    return tensors, meta
 
 
 def restore_zero1(reader: Any, layout: NxdLayout, optimizer: Any, model: Any) -> None:

@@ -28,7 +28,7 @@ import torch
 from ckpt import treecodec
 from ckpt.dtypes import dtype_name
 from ckpt.errors import CkptError, CorruptionError, LayoutError
-from ckpt.layouts import Piece
+from ckpt.layouts import Piece, plan_nxd_to_full
 from ckpt.layouts.names import nxd_to_hf_names
 from ckpt.layouts.partition import partition_entry
 from ckpt.layouts.pipeline import layer_index, layers_of_pp_rank
@@ -46,7 +46,8 @@ from .zero1 import Deferred
 NAME = "nxd"
 MASTER_KEY = "master_weight"
 ZERO1_TYPE = "neuronx_distributed.optimizer.zero_redundancy_optimizer.NeuronZero1Optimizer"
-PLAIN_TYPE = "torch.optim.Optimizer"
+#: the optimizer class of a tag whose state does not say it
+UNKNOWN = "unknown"
 #: flags a caller may give for a tag (the files record none of them)
 SOURCE_FLAGS = ("hw", "kv_size_multiplier", "virtual_pp", "qkv_linear", "fuse_qkv")
 
@@ -112,6 +113,29 @@ def _merge_groups(into: list[dict[str, Any]], groups: Sequence[Mapping[str, Any]
             into.append(enc)
         seen = set(into[gi]["params"])
         into[gi]["params"].extend(n for n in g["params"] if n not in seen)
+
+
+def infer_optimizer(keys: set[Any], groups: Sequence[Mapping[str, Any]]) -> str:
+    """The optimizer class an NxD tag's state says, as ``torch.optim`` writes it; ``"unknown"`` where it does not say.
+
+    NxD files record no class.  Adam-style moments (``exp_avg``/``exp_avg_sq``) with ``decoupled_weight_decay`` in
+    every param group tell Adam from AdamW (torch >= 2.6 writes it); ``momentum_buffer`` or SGD's own hyper-parameters
+    tell SGD.  Anything else is recorded as unknown rather than guessed."""
+
+    def flag(g: Mapping[str, Any]) -> Any:
+        return treecodec.decode(g["decoupled_weight_decay"]) if "decoupled_weight_decay" in g else None
+
+    if {"exp_avg", "exp_avg_sq"} <= keys:
+        decoupled = {flag(g) for g in groups}
+        if decoupled == {True}:
+            return "torch.optim.adamw.AdamW"
+        if decoupled == {False}:
+            return "torch.optim.adam.Adam"
+        return UNKNOWN
+    sgd_keys = {"momentum", "dampening", "nesterov"}
+    if keys <= {"momentum_buffer"} and groups and all(sgd_keys <= set(g) for g in groups):
+        return "torch.optim.sgd.SGD"
+    return UNKNOWN
 
 
 class NxdTagSource(Source):
@@ -230,6 +254,9 @@ class NxdTagSource(Source):
             extra={"nxd": self.record.to_extra()},
             world_size=tp * pp * meta.dp_size,
         )
+        # with a config, every rank tensor must be what the config and flags imply (metadata only, no data read)
+        if self.config:
+            plan_nxd_to_full(self.spec(), self.rank_metas())
 
     def _detect_virtual_pp(self, record: NxdRecord, tp: int, pp: int, dp: int) -> NxdRecord:
         """The virtual PP degree whose layer placement matches the files (NxD does not record it)."""
@@ -294,8 +321,13 @@ class NxdTagSource(Source):
                 extra = treecodec.encode(opt["extra"], "optimizer extra")
         if not seen:
             return None, None
-        kind = ZERO1_TYPE if meta.zero1 else PLAIN_TYPE
-        return {"type": kind, "param_groups": groups, "state": scalars}, extra
+        keys = {d.key for d in self.tensors.values() if d.role == "optimizer_state" and d.key != MASTER_KEY}
+        for per in scalars.values():
+            keys.update(per)
+        inner = infer_optimizer(keys, groups)
+        if meta.zero1:
+            return {"type": ZERO1_TYPE, "base": inner, "param_groups": groups, "state": scalars}, extra
+        return {"type": inner, "param_groups": groups, "state": scalars}, extra
 
     def pp_ranks(self, name: str) -> tuple[int, ...]:
         return tuple(self._pp_of[name])
