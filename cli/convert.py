@@ -226,7 +226,12 @@ def convert(
         if d["not_written"]:
             out.print(f"  not written: {', '.join(d['not_written'])}", markup=False)
         out.print(f"  largest tensor: {human_bytes(d['largest_tensor'])}")
-        out.print(f"  peak memory estimate: {human_bytes(d['peak_memory_estimate'])} per worker")
+        pm = d["peak_memory"]
+        out.print(
+            f"  peak memory estimate: {human_bytes(d['peak_memory_estimate'])} per worker, on top of the interpreter "
+            f"(largest part {human_bytes(pm['part'])}, source cache {human_bytes(pm['source_cache'])}, "
+            f"{fmt} target {human_bytes(pm['target'])})"
+        )
         out.print(f"  step: {d['step']}, workers: {workers}")
         return
     with held_warnings() as release:
