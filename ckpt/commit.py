@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import datetime
 import math
+import uuid
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -132,6 +133,24 @@ def build_manifest(
     )
 
 
-def publish(storage: Storage, manifest: Manifest) -> None:
-    """Write the manifest create-only: the commit point."""
-    storage.put_bytes(MANIFEST_NAME, manifest.to_json().encode(), exclusive=True)
+# The format version a commit writes when not told (docs/format.md).  2 keeps the top manifest small at any world
+# size; the default stays 1 until every test that reads manifest.json as v1 JSON has been moved (see
+# docs/performance.md, "Scale": what is left).
+DEFAULT_VERSION = 1
+
+
+def publish(storage: Storage, manifest: Manifest, version: int | None = None) -> None:
+    """Write the manifest create-only: the commit point.  Format v2 writes each rank's index first (create-only,
+    named after the save attempt of the rank's data files), then the top manifest that seals their checksums."""
+    version = DEFAULT_VERSION if version is None else version
+    if version == 1:
+        storage.put_bytes(MANIFEST_NAME, manifest.to_json().encode(), exclusive=True)
+        return
+    from .manifest_v2 import encode
+
+    attempts = {p.split("-")[1].split(".")[0] for p in manifest.files if p.startswith("r") and "-" in p}
+    attempt = sorted(attempts)[0] if len(attempts) == 1 else uuid.uuid4().hex[:8]
+    top, indexes = encode(manifest, attempt)
+    for path, text in indexes.items():
+        storage.put_bytes(path, text.encode(), exclusive=True)
+    storage.put_bytes(MANIFEST_NAME, top.encode(), exclusive=True)

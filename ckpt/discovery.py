@@ -46,6 +46,12 @@ def missing_files(storage: Storage, manifest: Manifest) -> list[str]:
             bad.append(f"{path} (missing)")
         elif size != f.size:
             bad.append(f"{path} ({size} bytes, manifest says {f.size})")
+    for e in manifest.v2.indexes.values() if manifest.v2 is not None else ():
+        size = storage.size(e.path)
+        if size is None:
+            bad.append(f"{e.path} (missing)")
+        elif size != e.size:
+            bad.append(f"{e.path} ({size} bytes, manifest says {e.size})")
     return bad
 
 
@@ -62,7 +68,7 @@ def inspect_dir(root: Storage, name: str, check_files: bool = False) -> Checkpoi
     if not sub.exists(MANIFEST_NAME):
         return CheckpointInfo(step, name, "uncommitted")
     try:
-        m = read_manifest(sub)
+        m = read_manifest(sub, full=False)
     except CkptError as e:
         return CheckpointInfo(step, name, "damaged", error=str(e))
     if m.step != step:

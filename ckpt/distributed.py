@@ -59,6 +59,17 @@ class Collective:
         dist.broadcast_object_list(box, src=dist.get_global_rank(self.group, 0), group=self.group)
         return box[0]
 
+    def all_reduce_sum(self, values: list[int]) -> list[int]:
+        """Element-wise sums of small non-negative integers over all ranks (int64: the bytes do not grow with
+        the world size, unlike ``all_gather``)."""
+        if not self.active:
+            return list(values)
+        import torch
+
+        t = torch.tensor(values, dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.group)
+        return [int(v) for v in t.tolist()]
+
     def barrier(self) -> None:
         if self.active:
             dist.barrier(group=self.group)

@@ -7,6 +7,7 @@ and follows its parameter's current sharding, so a checkpoint saved on W ranks r
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -197,8 +198,14 @@ def restore(
     An adapter-only checkpoint (``manifest.adapter``) restores the model's trainable parameters only, after checking
     (``check_base``) that the frozen base in ``model`` is the one the adapter was trained on.
     """
-    reader = path if isinstance(path, CheckpointReader) else CheckpointReader(path, storage_options, verify)
+    reader = (
+        path
+        if isinstance(path, CheckpointReader)
+        else CheckpointReader(path, storage_options, verify, lazy=True)
+    )
     m = reader.manifest
+    if reader.locator is not None:  # format v2 read lazily: each rank's trees come from its index when asked
+        m = dataclasses.replace(m, rng=reader.locator.trees("rng"), data=reader.locator.trees("data"))
     r = (restorer or Restorer)(reader, layout_hook)
     missing: list[str] = []
     unexpected: list[str] = []

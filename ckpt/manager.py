@@ -237,7 +237,9 @@ class CheckpointManager:
         newest_info = next((i for i in infos if i.step == newest), None)
         if newest_info is not None and newest_info.manifest is not None:
             sub = self.storage.child(newest_info.name)
-            referenced = set(newest_info.manifest.files) | {MANIFEST_NAME}
+            m = newest_info.manifest
+            indexes = {e.path for e in m.v2.indexes.values()} if m.v2 is not None else set()
+            referenced = set(m.files) | indexes | {MANIFEST_NAME}
             for name in sub.listdir():
                 if name not in referenced:
                     sub.delete(name)

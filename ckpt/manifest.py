@@ -12,7 +12,7 @@ import json
 import math
 import posixpath
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from .codecs import check_checksum_format, check_codec
@@ -21,7 +21,7 @@ from .dtypes import itemsize
 from .errors import ManifestError
 
 FORMAT = "ckpt"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # the newest version this ckpt reads (the version written: ckpt.commit.DEFAULT_VERSION)
 MANIFEST_NAME = "manifest.json"
 
 # The manifest's own checksum ("seal"): the file starts with this member, and its value is the xxh3-64 of the
@@ -163,41 +163,23 @@ class Manifest:
     extra: dict[str, JSON] = field(default_factory=dict)
     #: adapter-only checkpoint: ``{"base": {digest, rank_digests, tensors, bytes, config, source}}`` (docs/format.md)
     adapter: dict[str, JSON] | None = None
-    format_version: int = FORMAT_VERSION
+    format_version: int = 1
     #: the global data position, independent of the DP size (ckpt.data.position.DataPosition); None: not known
     data_position: dict[str, JSON] | None = None
     #: the RNG rule's inputs for a restore on another DP size (ckpt.rng.base_record); None: no RNG saved
     rng_base: dict[str, JSON] | None = None
+    # format v2 only: pieces per tensor and the index table (ckpt.manifest_v2.Layout2); tensors' shards are empty
+    # until the indexes are read (ckpt.reader.read_manifest reads them all unless asked not to)
+    v2: Any = field(default=None, compare=False, repr=False)
 
     @property
     def total_bytes(self) -> int:
         return sum(f.size for f in self.files.values())
 
     def to_json(self) -> str:
-        doc = {
-            "format": FORMAT,
-            "format_version": self.format_version,
-            "step": self.step,
-            "created_at": self.created_at,
-            "backend": self.backend,
-            "layout": _layout_to_json(self.layout),
-            "files": {p: {"size": f.size, "rank": f.rank} for p, f in sorted(self.files.items())},
-            "tensors": {n: _tensor_to_json(t) for n, t in self.tensors.items()},
-            "optimizer": self.optimizer,
-            "scheduler": self.scheduler,
-            "scaler": self.scaler,
-            "rng": self.rng,
-            "progress": self.progress,
-            "data": self.data,
-            "data_position": self.data_position,
-            "rng_base": self.rng_base,
-            "tokenizer": self.tokenizer,
-            "environment": self.environment,
-            "user": self.user,
-            "extra": self.extra,
-        }
-        if self.adapter is not None:  # absent from full checkpoints, so their bytes are what v1 always wrote
-            doc["adapter"] = self.adapter
+        """Format v1: every shard and every rank's trees in this one document (v2: ckpt.manifest_v2.encode)."""
+        doc = manifest_doc(self, version=1)
+        doc["tensors"] = {n: _tensor_to_json(t) for n, t in self.tensors.items()}
         return seal(doc)
 
     @staticmethod
@@ -212,9 +194,43 @@ class Manifest:
             doc = json.loads(raw)
         except (ValueError, UnicodeDecodeError, RecursionError) as e:
             raise ManifestError(f"{source}: not valid JSON ({e})") from None
-        _check_header(doc, source)
+        version = _check_header(doc, source)
         verify_seal(raw, source)
+        if version == 2:
+            from .manifest_v2 import parse_top
+
+            flat, layout2 = parse_top(doc, source)
+            return replace(_from_doc(flat, source), v2=layout2)
         return _from_doc(doc, source)
+
+
+def manifest_doc(m: Manifest, version: int) -> dict[str, JSON]:
+    """The members every version shares (``tensors`` left for the version's encoder to fill)."""
+    return {
+        "format": FORMAT,
+        "format_version": version,
+        "step": m.step,
+        "created_at": m.created_at,
+        "backend": m.backend,
+        "layout": _layout_to_json(m.layout),
+        "files": {p: {"size": f.size, "rank": f.rank} for p, f in sorted(m.files.items())},
+        "tensors": {},
+        "optimizer": m.optimizer,
+        "scheduler": m.scheduler,
+        "scaler": m.scaler,
+        "rng": m.rng,
+        "progress": m.progress,
+        "data": m.data,
+        "data_position": m.data_position,
+        "rng_base": m.rng_base,
+        "tokenizer": m.tokenizer,
+        "environment": m.environment,
+        "user": m.user,
+        "extra": m.extra,
+        **(
+            {"adapter": m.adapter} if m.adapter is not None else {}
+        ),  # absent from full checkpoints, as v1 wrote
+    }
 
 
 def seal(doc: dict[str, JSON], *, allow_nan: bool = False) -> str:

@@ -24,8 +24,11 @@ if TYPE_CHECKING:
     import torch
 
 
-def read_manifest(storage: Storage) -> Manifest:
-    """Parse and validate ``manifest.json`` under ``storage``; ManifestError if absent or invalid."""
+def read_manifest(storage: Storage, full: bool = True) -> Manifest:
+    """Parse and validate ``manifest.json`` under ``storage``; ManifestError if absent or invalid.
+
+    A format v2 manifest is returned with every rank's index read into it (the same object v1 gives), unless
+    ``full=False``: then its tensors have no shards and ``manifest.v2`` locates them (restores, ``ckpt ls``)."""
     try:
         raw = storage.read_bytes(MANIFEST_NAME)
     except FileNotFoundError:
@@ -40,18 +43,47 @@ def read_manifest(storage: Storage) -> Manifest:
         raise ManifestError(
             f"{storage.display(MANIFEST_NAME)}: cannot read: {e.strerror or type(e).__name__}"
         ) from None
-    return Manifest.from_json(raw, storage.display(MANIFEST_NAME))
+    m = Manifest.from_json(raw, storage.display(MANIFEST_NAME))
+    if m.v2 is not None and full:
+        from .manifest_v2 import materialize
+
+        m = materialize(storage, m, m.v2, storage.display(MANIFEST_NAME))
+    return m
+
+
+def overlapping(e: TensorEntry, box: Box) -> list[tuple[Shard, Box]]:
+    """The stored shards of ``e`` that overlap ``box``, each with the overlap: a restoring rank's read plan for
+    one tensor (``read_box_into`` reads exactly these; ``bench/bench_scale.py`` times it without reading)."""
+    out = []
+    for shard in e.shards:
+        inter = shard.box.intersect(box)
+        if inter is not None:
+            out.append((shard, inter))
+    return out
 
 
 class CheckpointReader:
     """Lazy per-tensor access to one checkpoint, for tools and for restores."""
 
     def __init__(
-        self, path: str | Storage, storage_options: dict[str, Any] | None = None, verify: bool = True
+        self,
+        path: str | Storage,
+        storage_options: dict[str, Any] | None = None,
+        verify: bool = True,
+        lazy: bool = False,
     ):
+        """``lazy``: for a format v2 checkpoint, read only the top manifest now and a rank's index when a box
+        needs its chunks (what a restoring rank does); ``manifest.tensors[...].shards`` then stay empty."""
         self.storage = path if isinstance(path, Storage) else open_storage(path, storage_options)
-        self.manifest = read_manifest(self.storage)
+        self.manifest = read_manifest(self.storage, full=not lazy)
         self.verify = verify
+        self.locator: Any = None
+        if self.manifest.v2 is not None and lazy:
+            from .manifest_v2 import Locator
+
+            self.locator = Locator(
+                self.storage, self.manifest, self.manifest.v2, self.storage.display(MANIFEST_NAME)
+            )
 
     @property
     def path(self) -> str:
@@ -87,10 +119,7 @@ class CheckpointReader:
                 f"tensor {name!r}: destination shape {list(out.shape)} != box {list(box.lengths)}"
             )
         covered = 0
-        for shard in e.shards:
-            inter = shard.box.intersect(box)
-            if inter is None:
-                continue
+        for shard, inter in self.overlapping(e, box):
             covered += inter.numel
             if inter.numel == 0:
                 continue
@@ -104,6 +133,24 @@ class CheckpointReader:
             raise CorruptionError(
                 f"{self.path}: tensor {name!r}: shards cover {covered} of the {box.numel} elements requested"
             )
+
+    def overlapping(self, e: TensorEntry, box: Box) -> list[tuple[Shard, Box]]:
+        """:func:`overlapping`, reading the indexes it needs first when the manifest is a lazy v2 one."""
+        if self.locator is None:
+            return overlapping(e, box)
+        out = []
+        for shard in self.locator.shards(e.name, box):
+            inter = shard.box.intersect(box)
+            if inter is not None:
+                out.append((shard, inter))
+        return out
+
+    def rank_trees(self, rank: int) -> tuple[Any, Any]:
+        """(rng, data-loader) trees saved by ``rank``, or None each."""
+        if self.locator is not None:
+            return self.locator.rank_trees(rank)
+        m = self.manifest
+        return m.rng.get(str(rank)), m.data.get(str(rank))
 
     @staticmethod
     def _direct_target(e: TensorEntry, shard: Shard, box: Box, out: torch.Tensor) -> torch.Tensor | None:

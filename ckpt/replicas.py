@@ -43,15 +43,21 @@ def replicated_keys(per_rank: list[list[Piece]]) -> set[tuple[str, Box]]:
 
 
 def check_replicas(
-    coll: Collective, per_rank: list[list[Piece]] | None, local: Mapping[tuple[str, Box], torch.Tensor]
+    coll: Collective,
+    replicated: list[list[Piece]] | set[tuple[str, Box]] | None,
+    local: Mapping[tuple[str, Box], torch.Tensor],
 ) -> None:
-    """Collective: raise ``ReplicaMismatchError`` on every rank when any replicated box differs between ranks."""
-    assert per_rank is not None
-    keys = replicated_keys(per_rank)
+    """Collective: raise ``ReplicaMismatchError`` on every rank when any replicated box differs between ranks.
+
+    ``replicated``: every rank's pieces (the exact plan), or the keys this rank holds that have replicas (the
+    local plan's groups); the keys compared are those any rank sent, so every rank decides the same."""
+    assert replicated is not None
+    keys = replicated_keys(replicated) if isinstance(replicated, list) else replicated
     mine = {k: tensor_digest(t) for k, t in local.items() if k in keys}
     gathered = coll.all_gather(mine)
+    every = {k for digests in gathered for k in digests}
     bad: list[str] = []
-    for key in sorted(keys, key=lambda k: (k[0], k[1].offsets)):
+    for key in sorted(every, key=lambda k: (k[0], k[1].offsets)):
         groups: dict[str, list[int]] = {}
         for rank, digests in enumerate(gathered):
             if key in digests:

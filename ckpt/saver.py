@@ -3,8 +3,11 @@
 Call order (every rank calls :meth:`Checkpointer.save` with the same path and step):
 
 1. capture: flatten model / optimizer into named tensors and the rest into JSON trees (cheap);
-2. plan (collective, cached): all ranks exchange a digest of what they hold; when it changed since the last
-   save they exchange the descriptions and each computes the same writer assignment (planning.assign_writers);
+2. plan (collective): each rank derives the replica group of every piece from its placements and computes its
+   share of the writes alone (planning.plan_local); one all-reduce of two numbers proves all ranks agreed.  When
+   a piece has no derivable group or the check fails, the exact path runs: digests all-gathered, and when they
+   changed since the last save the descriptions too, each rank computing the same assignment
+   (planning.assign_writers);
 3. stage (async only): copy this rank's assigned tensors to host memory.  ``save`` returns here;
 4. write (background thread when async): one safetensors data file per rank under the checkpoint prefix;
 5. commit (collective): ranks send rank 0 their receipts (file sizes, shard offsets, checksums) or their error;
@@ -36,8 +39,20 @@ from .distributed import Collective
 from .dtypes import dtype_name
 from .errors import AsyncSaveError, CheckpointExistsError, CkptError, StateMismatchError
 from .manifest import MANIFEST_NAME, Box, Layout, Manifest, TensorDesc
-from .planning import DEFAULT_CHUNK_BYTES, Piece, assign_writers, chunk_boxes, digest, local_box
-from .replicas import check_replicas
+from .planning import (
+    DEFAULT_CHUNK_BYTES,
+    Group,
+    Piece,
+    assign_writers,
+    chunk_boxes,
+    digest,
+    dtensor_group,
+    local_box,
+    plan_check,
+    plan_local,
+    world_group,
+)
+from .replicas import check_replicas, replicated_keys
 from .staging import HostStager
 from .state import NamedTensor, model_tensors, optimizer_capture, state_dict_of
 from .storage import Storage, open_storage
@@ -64,7 +79,9 @@ class _Job:
     step: int
     chunks: list[tuple[str, Box, torch.Tensor]]
     codec: str
-    per_rank: list[list[Piece]] | None
+    descs: list[
+        tuple[int, TensorDesc]
+    ]  # (position in this rank's state, description) of every tensor it writes
     trees: dict[str, Any]
     rank_trees: dict[str, Any]
     layout: Layout
@@ -120,6 +137,7 @@ class Checkpointer:
         layout_hook: LayoutHook | None = None,
         stager: Any = None,
         verify_replicas: bool = False,
+        format_version: int | None = None,
     ) -> None:
         self.async_save = async_save
         self.verify_replicas = verify_replicas
@@ -130,9 +148,11 @@ class Checkpointer:
         self.storage_options = storage_options
         self.layout_hook = layout_hook
         self.stager = stager or HostStager()
+        self.format_version = format_version  # None: ckpt.commit.DEFAULT_VERSION
         self._plan_key: list[str] | None = None
         self._plan: dict[tuple[str, Box], int] | None = None
-        self._per_rank: list[list[Piece]] | None = None
+        self._per_rank: list[list[Piece]] | None = None  # the exact path's gathered pieces
+        self.last_plan = ""  # "local" or "exact": how the last save agreed on its writers (tests, benches)
         self._inflight: Future | None = None
         self._thread: threading.Thread | None = None
         self._base = adapters.BaseTracker()
@@ -213,40 +233,49 @@ class Checkpointer:
         refused: CkptError | None = None
         try:
             self.check_state(named)
-            pieces, local = self._describe(named)
+            pieces, local, groups = self._describe(named)
         except CkptError as e:
             if not self.coll.active:
                 raise
-            refused, pieces, local = e, [], {}
+            refused, pieces, local, groups = e, [], {}, []
         rank0 = (
             {"attempt": uuid.uuid4().hex[:8], "exists": storage.exists(MANIFEST_NAME)}
             if self.coll.rank == 0 and refused is None
             else None
         )
-        gathered = self.coll.all_gather(
-            (digest(pieces), rank0, None if refused is None else str(refused), ident)
-        )
-        _agree(refused, [g[2] for g in gathered])
-        info = gathered[0][1]
+        # bytes per rank independent of the world size: rank 0's facts broadcast, refusals counted; the errors
+        # (and adapters' base identities) are gathered only when there are any
+        info = self.coll.broadcast(rank0)
+        (refusals,) = self.coll.all_reduce_sum([0 if refused is None else 1])
+        if refusals:
+            _agree(refused, self.coll.all_gather(None if refused is None else str(refused)))
         if adapter_only:
-            trees["adapter"] = adapters.manifest_record([g[3] for g in gathered], adapters.lora_config(model))
+            trees["adapter"] = adapters.manifest_record(
+                self.coll.all_gather(ident), adapters.lora_config(model)
+            )
         if info["exists"] and not overwrite:
             raise CheckpointExistsError(
                 f"{storage.display(MANIFEST_NAME)} already exists: step {step} is committed (pass overwrite=True)"
             )
-        key = [g[0] for g in gathered]
-        if key != self._plan_key:
-            self._per_rank = self.coll.all_gather(pieces)
-            self._plan = assign_writers(self._per_rank)
-            self._plan_key = key
+        write = self._assign(pieces, groups)
         check = verify_replicas if verify_replicas is not None else self.verify_replicas
         if (check or not self._replicas_checked) and self.coll.world_size > 1:
-            check_replicas(self.coll, self._per_rank, local)
+            if self.last_plan == "exact":
+                assert self._per_rank is not None
+                keys = replicated_keys(self._per_rank)
+            else:  # the local plan's groups say which pieces have replicas
+                keys = {
+                    (p.name, p.box)
+                    for p, g in zip(pieces, groups, strict=True)
+                    if g is not None and g.size > 1
+                }
+            check_replicas(self.coll, keys, local)
             self._replicas_checked = True
         if info["exists"] and self.coll.rank == 0:
             storage.delete(MANIFEST_NAME)
-        assert self._plan is not None
-        mine = [(p, local[(p.name, p.box)]) for p in pieces if self._plan[(p.name, p.box)] == self.coll.rank]
+        mine = [(p, local[(p.name, p.box)]) for p, w in zip(pieces, write, strict=True) if w]
+        order = {p.name: i for i, p in enumerate(pieces)}
+        descs = [(order[d.name], d) for d in {p.name: p.desc for p, _ in mine}.values()]
         chunks: list[tuple[str, Box, torch.Tensor]] = []
         for p, t in mine:
             for b in chunk_boxes(p.box, p.itemsize, self.chunk_bytes):
@@ -264,7 +293,7 @@ class Checkpointer:
             step=step,
             chunks=chunks,
             codec=self.codec,
-            per_rank=self._per_rank if self.coll.rank == 0 else None,
+            descs=descs,
             trees=trees,
             rank_trees=rank_trees,
             layout=layout or default_layout(named, world),
@@ -319,10 +348,36 @@ class Checkpointer:
         return optimizer_capture(optimizer, model)
 
     # ------------------------------------------------------------------------------------------------ internals
-    def _describe(self, named: list[NamedTensor]) -> tuple[list[Piece], dict[tuple[str, Box], torch.Tensor]]:
+    def _assign(self, pieces: list[Piece], groups: list[Group | None]) -> list[bool]:
+        """Which of this rank's pieces it writes (module docstring, step 2).  Collective."""
+        if not self.coll.active:
+            self.last_plan = "local"
+            return [True] * len(pieces)
+        known = all(g is not None for g in groups)
+        write, (a, b) = plan_local(pieces, groups) if known else ([], (0, 0))  # type: ignore[arg-type]
+        a_tot, b_tot, unknown = self.coll.all_reduce_sum([a, b, 0 if known else 1])
+        if not unknown and plan_check((a_tot, b_tot)):
+            self.last_plan = "local"
+            return write
+        self.last_plan = "exact"
+        key = self.coll.all_gather(digest(pieces))
+        if key != self._plan_key or self._plan is None:
+            self._per_rank = self.coll.all_gather(pieces)
+            self._plan = assign_writers(self._per_rank)
+            self._plan_key = key
+        return [self._plan[(p.name, p.box)] == self.coll.rank for p in pieces]
+
+    def _describe(
+        self, named: list[NamedTensor]
+    ) -> tuple[list[Piece], dict[tuple[str, Box], torch.Tensor], list[Group | None]]:
+        """This rank's pieces, their local tensors, and the replica group of each where it can be derived."""
+        from torch.distributed.tensor import DTensor
+
         pieces: list[Piece] = []
         local: dict[tuple[str, Box], torch.Tensor] = {}
+        groups: list[Group | None] = []
         seen: set[str] = set()
+        group_of = getattr(self.layout_hook, "replica_group", None)
         for nt in named:
             if nt.name in seen:
                 raise CkptError(f"tensor name {nt.name!r} appears twice in the saved state")
@@ -333,12 +388,22 @@ class Checkpointer:
             else:
                 shape, box, t = local_box(nt.tensor)
                 partition = None
+            group: Group | None
+            if group_of is not None:  # the layout hook knows the parallel state
+                group = group_of(nt, partition)
+            elif isinstance(nt.tensor, DTensor):
+                group = dtensor_group(nt.tensor)
+            elif hooked is None:
+                group = world_group(self.coll.rank, self.coll.world_size)
+            else:
+                group = None
             p = Piece(
                 TensorDesc(nt.name, nt.role, shape, dtype_name(t.dtype), nt.param, nt.key, partition), box
             )
             pieces.append(p)
             local[(p.name, p.box)] = t
-        return pieces, local
+            groups.append(group)
+        return pieces, local, groups
 
     def _background(self, job: _Job, fut: Future) -> None:
         try:
@@ -349,7 +414,13 @@ class Checkpointer:
     def _run(self, job: _Job) -> SaveResult:
         rank = self.coll.rank
         receipt = Receipt(rank)
-        report: dict[str, Any] = {"ok": True, "rank": rank, "trees": job.rank_trees, "receipt": receipt}
+        report: dict[str, Any] = {
+            "ok": True,
+            "rank": rank,
+            "trees": job.rank_trees,
+            "receipt": receipt,
+            "descs": job.descs,
+        }
         try:
             if job.chunks:
                 write_data_file(
@@ -372,7 +443,7 @@ class Checkpointer:
             else:
                 try:
                     manifest = self._manifest(job, reports)
-                    publish(job.storage, manifest)
+                    publish(job.storage, manifest, self.format_version)
                     outcome = {"ok": True, "bytes": manifest.total_bytes}
                 except Exception as e:  # noqa: BLE001
                     outcome = {"ok": False, "error": f"rank 0 commit: {type(e).__name__}: {e}"}
@@ -396,11 +467,19 @@ class Checkpointer:
         return result
 
     def _manifest(self, job: _Job, reports: list[dict[str, Any]]) -> Manifest:
-        assert job.per_rank is not None
-        metas: dict[str, TensorDesc] = {}
-        for pieces in job.per_rank:
-            for p in pieces:
-                metas.setdefault(p.name, p.desc)
+        # tensors in the order the ranks hold them (position in the writer's state, then rank): the model's order
+        # for DDP/FSDP/HSDP/TP, where every rank holds the same names in the same order
+        metas: dict[str, tuple[tuple[int, int], TensorDesc]] = {}
+        for r in reports:
+            for pos, d in r["descs"]:
+                seen = metas.get(d.name)
+                if seen is None or (pos, r["rank"]) < seen[0]:
+                    metas[d.name] = ((pos, r["rank"]), d)
+                if seen is not None and seen[1] != d:
+                    raise StateMismatchError(
+                        f"tensor {d.name!r}: rank {r['rank']} has shape {list(d.shape)} {d.dtype}, rank "
+                        f"{seen[0][1]} has {list(seen[1].shape)} {seen[1].dtype}"
+                    )
         receipts = [r["receipt"] for r in reports]
         trees = dict(job.trees)
         by_rank = sorted(reports, key=lambda r: r["rank"])
@@ -414,7 +493,7 @@ class Checkpointer:
             step=job.step,
             backend=job.backend,
             layout=job.layout,
-            metas=metas.values(),
+            metas=[d for _, d in sorted(metas.values(), key=lambda v: v[0])],
             receipts=receipts,
             trees=trees,
             rank_trees={r["receipt"].rank: r["trees"] for r in reports},

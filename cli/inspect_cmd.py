@@ -35,9 +35,16 @@ def inspect(checkpoint: str, as_json: bool, shards: bool) -> None:
 
         inspect_foreign(checkpoint, as_json)
         return
-    m = CheckpointReader(checkpoint).manifest
+    # the table needs no chunk: format v2 is shown from its top manifest, a rank's index read only for the RNG rule
+    reader = CheckpointReader(checkpoint, lazy=not (as_json or shards))
+    m = reader.manifest
+    if reader.locator is not None:
+        import dataclasses
+
+        m = dataclasses.replace(m, rng=reader.locator.trees("rng"), data=reader.locator.trees("data"))
     if as_json:
-        doc = json.loads(m.to_json())
+        doc = json.loads(m.to_json())  # the in-memory manifest, every chunk in place (v2: its indexes read)
+        doc["format_version"] = m.format_version
         if not shards:
             for t in doc["tensors"].values():
                 t["shards"] = len(t["shards"])
@@ -56,7 +63,7 @@ def inspect(checkpoint: str, as_json: bool, shards: bool) -> None:
                 t.role + (f" ({t.key})" if t.key else ""),
                 str(list(t.shape)),
                 t.dtype,
-                str(len(t.shards)),
+                str(len(t.shards)) if reader.locator is None else f"{m.v2.pieces[name].count} pieces",
                 human_bytes(t.nbytes),
             ]
         )

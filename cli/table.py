@@ -32,11 +32,13 @@ def plain(cell: Any) -> str:
 
 
 def wrap_at_dots(name: str, width: int) -> str:
-    """``name`` split into lines of at most ``width`` characters after its dots (a longer part stays whole)."""
+    """``name`` split into lines of at most ``width`` characters after its dots or slashes (``optim/<param>/key``);
+    a longer part stays whole (the table folds it)."""
+    import re
+
     if len(name) <= width:
         return name
-    parts = [p + "." for p in name.split(".")]
-    parts[-1] = parts[-1][:-1]
+    parts = [p for p in re.split(r"(?<=[./])", name) if p]  # each part ends at a dot or slash
     lines, line = [], ""
     for p in parts:
         if line and len(line) + len(p) > width:
@@ -101,7 +103,15 @@ def print_table(
     flex = [i for i, col in enumerate(cols) if col.name or col.fold]
     # each column takes 2 cells of padding, and the box one border per column plus one
     room = console.width - sum(w for i, w in enumerate(natural) if i not in flex) - 3 * len(cols) - 1
-    widths = _share(room, {i: natural[i] for i in flex})
+    names = {i: natural[i] for i in flex if cols[i].name}
+    texts_ = {i: natural[i] for i in flex if not cols[i].name}
+    if names and texts_:
+        # names first: free text wraps well at spaces, a name only at its dots
+        words = {i: max([len(x) for r in texts for x in r[i].split()] or [1]) for i in texts_}
+        widths = {i: min(w, max(8, words[i], room // (len(flex) + 1))) for i, w in texts_.items()}
+        widths.update(_share(room - sum(widths.values()), names))
+    else:
+        widths = _share(room, {i: natural[i] for i in flex})
     table = Table(title=Text(title) if title else None, title_justify="left")
     for i, col in enumerate(cols):
         table.add_column(

@@ -84,21 +84,28 @@ def open_source(src: str, opts: ConvertOptions, run: RunOptions | None = None) -
     if opts.step is not None:
         source.trees.step = opts.step
         source.trees.progress["step"] = opts.step
-    elif fmt.name in _NO_STEP_FORMATS:
-        result = (
-            "the NxD tag will record none (its step is then read from its name)"
-            if opts.format == "nxd"
-            else f"the output records step {source.trees.step}"
-        )
-        warnings.warn(
-            f"{src}: a {_NO_STEP_FORMATS[fmt.name]} records no training step; {result} (pass --step N to set it)",
-            stacklevel=2,
-        )
     return source
 
 
 #: source formats whose folders carry no step (the output's step is ``--step`` or 0)
 _NO_STEP_FORMATS = {"hf": "Hugging Face folder", "dcp": "DCP folder"}
+
+
+def warn_unrecorded_step(conv: Conversion, opts: ConvertOptions) -> None:
+    """Say which step the output gets when SRC records none and ``--step`` was not given (after planning, so a
+    refused request is one error line and nothing else)."""
+    if opts.step is not None or conv.source.format not in _NO_STEP_FORMATS:
+        return
+    result = (
+        "the NxD tag will record none (its step is then read from its name)"
+        if opts.format == "nxd"
+        else f"the output records step {conv.trees.step}"
+    )
+    warnings.warn(
+        f"{conv.source.path}: a {_NO_STEP_FORMATS[conv.source.format]} records no training step; {result} "
+        "(pass --step N to set it)",
+        stacklevel=3,
+    )
 
 
 #: the flags a CUDA checkpoint converted from NxD recorded (``extra.converted_from.nxd``) and a way back reuses;
@@ -115,6 +122,25 @@ def recorded_flags(source: Source) -> dict[str, Any]:
     return {k: nxd[k] for k in _ROUND_TRIP_FLAGS if k in nxd}
 
 
+def kept_round_trip_flags(source: Source, opts: ConvertOptions) -> dict[str, Any]:
+    """The recorded flags a CUDA source's way back keeps (not given by the caller, not NxD's defaults)."""
+    if source.layout == "neuron":
+        return {}
+    base = dataclasses.asdict(NxdFlags())
+    return {k: v for k, v in recorded_flags(source).items() if k not in opts.layout and base[k] != v}
+
+
+def _say_round_trip(source: Source, opts: ConvertOptions) -> None:
+    kept = kept_round_trip_flags(source, opts)
+    if kept:
+        shown = ", ".join(f"{k}={v}" for k, v in kept.items())
+        warnings.warn(
+            f"{source.path}: keeping the Neuron layout it was converted from ({shown}, "
+            "extra.converted_from.nxd); pass the flags (e.g. --no-qkv-linear) to choose another",
+            stacklevel=3,
+        )
+
+
 def target_flags(source: Source, opts: ConvertOptions) -> NxdFlags:
     """The Neuron layout asked for: the flags given, the rest from the source's own Neuron layout, else from the
     layout a CUDA source was converted from (so a round trip keeps ``qkv_proj.weight_q|k|v`` names), else defaults.
@@ -123,15 +149,7 @@ def target_flags(source: Source, opts: ConvertOptions) -> NxdFlags:
         base = dataclasses.asdict(source.flags)
     else:
         base = dataclasses.asdict(NxdFlags())
-        recorded = {k: v for k, v in recorded_flags(source).items() if k not in opts.layout and base[k] != v}
-        if recorded:
-            base.update(recorded)
-            shown = ", ".join(f"{k}={v}" for k, v in recorded.items())
-            warnings.warn(
-                f"{source.path}: keeping the Neuron layout it was converted from ({shown}, "
-                "extra.converted_from.nxd); pass the flags (e.g. --no-qkv-linear) to choose another",
-                stacklevel=2,
-            )
+        base.update(kept_round_trip_flags(source, opts))
     try:
         return NxdFlags(**{**base, **opts.layout})
     except TypeError as e:
@@ -159,19 +177,15 @@ def plan_conversion(source: Source, opts: ConvertOptions) -> Conversion:
                 )
             )
         return plan_to_cuda(source, config=opts.config)
-    # warnings about a plan (e.g. "keeping the Neuron layout it was converted from") are shown only once the plan
-    # stands: before a refusal they would be a second line about a conversion that does not happen
-    with warnings.catch_warnings(record=True) as pending:
-        warnings.simplefilter("always")
-        conv = plan_to_neuron(
-            source, target_flags(source, opts), config=opts.config, replicated=tuple(opts.replicated)
+    conv = plan_to_neuron(
+        source, target_flags(source, opts), config=opts.config, replicated=tuple(opts.replicated)
+    )
+    if fmt.name == "nxd" and any(EXPERT_STACKED.match(t.desc.name) for t in conv.tensors):
+        raise LayoutError(
+            "--format nxd: writing NxD tags of MoE models (per-EP-rank files) is not supported yet; use --format ckpt"
         )
-        if fmt.name == "nxd" and any(EXPERT_STACKED.match(t.desc.name) for t in conv.tensors):
-            raise LayoutError(
-                "--format nxd: writing NxD tags of MoE models (per-EP-rank files) is not supported yet; use --format ckpt"
-            )
-    for w in pending:
-        warnings.warn(w.message, w.category, stacklevel=2)
+    if _dist_env()[0] == 0:
+        _say_round_trip(source, opts)  # after planning: a refused request stays one error line
     return conv
 
 
@@ -199,6 +213,7 @@ def describe(conv: Conversion, opts: ConvertOptions, run: RunOptions | None = No
     run = run or RunOptions()
     export = make_export(conv, opts, run)  # plans only; nothing is written before begin()
     written = written_tensors(conv, export)
+    warn_unrecorded_step(conv, opts)
     mem = estimate(conv, export)
     roles: dict[str, int] = {}
     for t in written:
@@ -325,6 +340,8 @@ def convert(
         conv = plan_conversion(source, opts)
         export = make_export(conv, opts, run)
         written = written_tensors(conv, export)
+        if rank == 0:
+            warn_unrecorded_step(conv, opts)
         left = tuple(getattr(export, "not_written", ()))
         why = getattr(formats.get(opts.format).load(), "NOT_WRITTEN_WHY", None)
         if left and rank == 0:

@@ -159,14 +159,19 @@ class HFSource(Source):
         from safetensors import safe_open
 
         fpath = self._file_of[piece.name]
-        h = self._handles.get(fpath)
-        if h is None:
-            h = self._handles[fpath] = safe_open(str(fpath), framework="pt")
-        if piece.dim is None:
-            return h.get_tensor(piece.name)
-        if piece.dim == 0:
-            return h.get_slice(piece.name)[piece.start : piece.start + piece.length]
-        return slice_of(h.get_tensor(piece.name), piece)
+        try:
+            h = self._handles.get(fpath)
+            if h is None:
+                h = self._handles[fpath] = safe_open(str(fpath), framework="pt")
+            if piece.dim is None:
+                return h.get_tensor(piece.name)
+            if piece.dim == 0:
+                return h.get_slice(piece.name)[piece.start : piece.start + piece.length]
+            return slice_of(h.get_tensor(piece.name), piece)
+        except Exception as e:  # noqa: BLE001 - safetensors' own error about a damaged file, as one line
+            if isinstance(e, CkptError):
+                raise
+            raise CorruptionError(f"{fpath}: tensor {piece.name!r}: unreadable ({e})") from None
 
     def read_anon(self, piece: Piece) -> int:
         """Whole tensors and column slices are views of the memory-mapped file; ``get_slice`` copies its rows."""

@@ -183,13 +183,24 @@ def test_torchrun_ranks_equal_serial(src: Path, serial: dict[str, Path], tmp_pat
 
 @pytest.fixture(scope="module")
 def broken_src(src: Path) -> Path:
-    """An HF source whose last shard is truncated: only the workers whose share reads it fail (at read time;
-    opening and planning read headers only, so the parent plans without noticing)."""
+    """An HF source whose last shard has a header entry whose shape does not match its bytes: only the workers
+    whose share reads it fail (at read time, in safetensors; opening and planning check the header against the
+    file's size, which still agree, so the parent plans without noticing).  A truncated shard, by contrast, is
+    refused when SRC is opened (tests/test_cli_first_hour.py)."""
+    import json
+    import struct
+
     hf = src.parent / "broken_hf"
     convert(str(src), str(hf), opts("hf"))
     last = sorted(hf.glob("model-*.safetensors"))[-1]
     data = last.read_bytes()
-    last.write_bytes(data[: len(data) - 1000])
+    (n,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8 : 8 + n])
+    name = next(k for k, v in header.items() if k != "__metadata__" and v["shape"][0] % 2 == 0)
+    header[name]["shape"][0] //= 2  # half the rows: the data offsets now span twice the bytes the shape needs
+    text = json.dumps(header, separators=(",", ":")).encode()
+    assert len(text) <= n
+    last.write_bytes(data[:8] + text.ljust(n, b" ") + data[8 + n :])
     return hf
 
 

@@ -289,7 +289,10 @@ def _first_shard(doc: dict[str, Any]) -> dict[str, Any]:
 def test_newer_format_version_is_refused_clearly(saved: Path) -> None:
     doc = _doc(saved)
     doc["format_version"] = ckpt.FORMAT_VERSION + 1
-    with pytest.raises(ManifestError, match=r"format_version 2 is newer.*upgrade ckpt"):
+    newer = ckpt.FORMAT_VERSION + 1
+    with pytest.raises(
+        ManifestError, match=rf"format_version {newer} is newer.*\({newer - 1}\); upgrade ckpt"
+    ):
         Manifest.from_json(json.dumps(doc))
 
 

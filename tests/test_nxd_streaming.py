@@ -222,9 +222,9 @@ def test_export_hands_the_writer_one_rank_at_a_time(
     calls: list[tuple[tuple[int, int, int], int]] = []
     real = TagWriter.write_rank
 
-    def spy(self: TagWriter, rank: Any, model: Any, optimizer: Any = None) -> None:
+    def spy(self: TagWriter, rank: Any, model: Any, optimizer: Any = None, **kw: Any) -> None:
         calls.append((rank, sum(1 for r in alive if r() is not None)))
-        real(self, rank, model, optimizer)
+        real(self, rank, model, optimizer, **kw)
         alive.extend(weakref.ref(t) for t in model.values())
 
     monkeypatch.setattr(TagWriter, "write_rank", spy)

@@ -9,12 +9,15 @@ tensor is zero-padded up to a multiple of the DP size, then DP rank ``d`` keeps 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
 
 from ckpt.errors import CkptError, LayoutError
+
+#: an allocator ``(shape, dtype) -> uninitialised tensor``
+Empty = Callable[[tuple[int, ...], torch.dtype], torch.Tensor]
 
 
 def padded_dim0(rows: int, dp: int) -> int:
@@ -30,21 +33,30 @@ def shard_rows(rows: int, dp: int, dp_rank: int) -> tuple[int, int, int]:
     return start, max(0, min(chunk, rows - start)), chunk
 
 
-def shard(tensor: torch.Tensor, dp: int, dp_rank: int) -> torch.Tensor:
-    """DP rank ``dp_rank``'s shard of a TP-local tensor (a new tensor; 0-dim tensors are returned whole)."""
+def shard(tensor: torch.Tensor, dp: int, dp_rank: int, empty: Empty | None = None) -> torch.Tensor:
+    """DP rank ``dp_rank``'s shard of a TP-local tensor (a new tensor; 0-dim tensors are returned whole).
+
+    ``empty(shape, dtype)``: allocate the shard there (e.g. file-backed memory) and copy its rows in; same values.
+    """
     if tensor.dim() == 0:
         return tensor.clone()
+    if empty is not None:
+        start, valid, chunk = shard_rows(tensor.shape[0], dp, dp_rank)
+        out = empty((chunk, *tensor.shape[1:]), tensor.dtype)
+        out[:valid].copy_(tensor[start : start + valid])
+        out[valid:].zero_()
+        return out
     pad = padded_dim0(tensor.shape[0], dp) - tensor.shape[0]
     if pad:
         tensor = F.pad(tensor, [0, 0] * (tensor.dim() - 1) + [0, pad])
     return tensor.chunk(dp)[dp_rank].clone()
 
 
-def shard_all(tensor: torch.Tensor, dp: int) -> list[torch.Tensor]:
-    """Every DP rank's shard of ``tensor`` (index = DP rank)."""
+def shard_all(tensor: torch.Tensor, dp: int, empty: Empty | None = None) -> list[torch.Tensor]:
+    """Every DP rank's shard of ``tensor`` (index = DP rank; ``empty``: see :func:`shard`)."""
     if tensor.dim() == 0:
         raise LayoutError("ZeRO-1 cannot shard a 0-dim tensor (torch_xla pads dim 0)")
-    return [shard(tensor, dp, d) for d in range(dp)]
+    return [shard(tensor, dp, d, empty) for d in range(dp)]
 
 
 def unshard(

@@ -136,6 +136,7 @@ class NeuronCheckpointer(Checkpointer):
         )  # fmt: skip
         if "extra" not in kw:
             kw["extra"] = {"nxd": self.nxd_extra(model)}
+        layout.pp_ranks = self._pp_ranks if p.pp_size > 1 else None
         return super().save(path, step=step, model=model, optimizer=optimizer, **kw)
 
     def nxd_extra(self, model: Any) -> dict[str, Any]:

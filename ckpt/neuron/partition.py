@@ -27,6 +27,7 @@ from ckpt.layouts.names import EXPERT_STACKED, nxd_to_hf_names
 from ckpt.layouts.partition import Partition, nxd_partition
 from ckpt.layouts.rules import check_known, rules_with
 from ckpt.manifest import Box
+from ckpt.planning import Group
 from ckpt.state import NamedTensor
 
 from .parallel import ParallelInfo
@@ -72,6 +73,8 @@ class NxdLayout:
         if isinstance(model, torch.nn.Module):
             self.params = dict(model.named_parameters(remove_duplicate=False))
         self.zero1_rows: dict[str, tuple[int, tuple[int, ...]]] = {}
+        # PP stages holding each parameter (set by the saver when PP > 1, from extra.nxd's pp_ranks)
+        self.pp_ranks: dict[str, list[int]] | None = None
         self._cache: dict[str, Partition | None] = {}
 
     def check(self, names: list[str]) -> None:
@@ -145,6 +148,30 @@ class NxdLayout:
             shape[0] *= self.parallel.ep_size
             offsets[0] += self.parallel.ep_rank * local_shape[0]
         return tuple(shape), Box(tuple(offsets), box.lengths), part
+
+    def replica_group(self, nt: NamedTensor, partition: Partition | None) -> Group | None:
+        """The ranks holding the same box as this rank (ckpt.planning.Group), from the parallel state alone.
+
+        Replicas differ from this rank only in DP rank (unless ZeRO-1 split the state over DP), TP rank (unless
+        the tensor is TP-partitioned) and PP stage (a parameter several stages hold).  None under expert
+        parallelism (not derived here: the saver then agrees on writers by exchanging descriptions).
+        """
+        p = self.parallel
+        if p.ep_size > 1:
+            return None
+        base = nt.param if nt.role == "optimizer_state" and nt.param is not None else nt.name
+        stages = tuple(self.pp_ranks.get(base, [p.pp_rank])) if self.pp_ranks else (p.pp_rank,)
+        if p.pp_rank not in stages:
+            return None
+        zero1 = nt.name in self.zero1_rows
+        split_tp = partition is not None
+        size, index = len(stages), stages.index(p.pp_rank)
+        if not zero1:
+            size, index = size * p.dp_size, index * p.dp_size + p.dp_rank
+        if not split_tp:
+            size, index = size * p.tp_size, index * p.tp_size + p.tp_rank
+        fixed = (p.tp_rank if split_tp else -1, p.dp_rank if zero1 else -1)
+        return Group(("nxd", stages, p.tp_size, p.dp_size, fixed), size, index)
 
     def __call__(self, nt: NamedTensor) -> tuple[tuple[int, ...], Box, torch.Tensor, Partition | None] | None:
         base = nt.param if nt.role == "optimizer_state" and nt.param is not None else nt.name

@@ -47,7 +47,11 @@ def _worker(rebuild: Callable[[], Export], staging: Staging, units: list[int], i
 
 
 def _leave_sigint_to_parent() -> None:
-    """Worker initializer: ignore SIGINT (then take it off the blocked set :func:`submit` started us with)."""
+    """Worker initializer: ignore SIGINT (then take it off the blocked set :func:`submit` started us with), and
+    warnings: a worker re-plans what the parent planned, and the parent has already said each of them once."""
+    import warnings
+
+    warnings.simplefilter("ignore")
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
 

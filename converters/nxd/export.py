@@ -11,6 +11,7 @@ saved), whatever the model size.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -22,6 +23,7 @@ from ckpt.errors import CkptError, LayoutError
 from ..engine import Conversion, OutPart, Rank, Staging, UnitReceipt, check_cover, produce
 from ..engine.export import Progress
 from .naming import rank_file_name
+from .scratch import MIN_BYTES, Scratch
 from .source import MASTER_KEY
 from .writer import TagWriter
 
@@ -51,21 +53,45 @@ def rank_parts(conv: Conversion) -> dict[Rank, list[tuple[int, int]]]:
     return out
 
 
+class _Keep:
+    """Copies into :class:`~.scratch.Scratch` memory, one per distinct source storage while that source tensor
+    lives: a part the source hands out twice (the same tensor object) stays one storage, as ``torch.save`` of the
+    original would write it."""
+
+    def __init__(self, scratch: Scratch) -> None:
+        self.scratch = scratch
+        self._seen: dict[int, tuple[weakref.ref[torch.Tensor], torch.Tensor]] = {}
+
+    def __call__(self, t: torch.Tensor) -> torch.Tensor:
+        key = t.untyped_storage().data_ptr()
+        hit = self._seen.get(key)
+        if hit is not None and hit[0]() is t:
+            return hit[1]
+        out = self.scratch.copy(t)
+        self._seen[key] = (weakref.ref(t), out)
+        return out
+
+
 def build_rank(
-    conv: Conversion, parts: list[tuple[int, int]], *, verify: bool = True
+    conv: Conversion, parts: list[tuple[int, int]], *, verify: bool = True, scratch: Scratch | None = None
 ) -> tuple[dict[str, torch.Tensor], dict[str, Any] | None]:
     """Model shard and named optimizer (``NxdTag`` form) of one target rank, produced from the plan.
 
     Optimizer ``state`` is in param-group order (NxD's pid order); ``param_groups`` keep the rank's parameters;
-    scalar state (Adam's ``step``) and the NxD optimizer's extra keys come from the trees.
+    scalar state (Adam's ``step``) and the NxD optimizer's extra keys come from the trees.  With ``scratch`` every
+    large tensor is copied into file-backed memory as soon as it is made, so the rank costs page cache, not process
+    memory (same values, same files).
     """
     model: dict[str, torch.Tensor] = {}
     states: dict[str, dict[str, torch.Tensor]] = {}
     master: dict[str, torch.Tensor] = {}
+    keep = _Keep(scratch) if scratch is not None else None
     for i, j in parts:
         out = conv.tensors[i]
         d = out.desc
         data = _owned(produce(conv, out.parts[j], verify=verify))
+        if keep is not None:
+            data = keep(data)
         if d.role == "optimizer_state":
             assert d.param is not None and d.key is not None
             if d.key == MASTER_KEY:
@@ -140,21 +166,19 @@ class NxdExport:
         self._writer: TagWriter | None = None
 
     def held_bytes(self, retained: Callable[[OutPart], int]) -> int:
-        """The largest target rank, built whole before its files are written (NxD's file unit): every part a copy
-        unless it is a whole stored tensor of a memory-mapped file (:func:`_owned`), plus its ZeRO-1 shards (padded
-        copies of the rank's optimizer states) while they are saved."""
+        """A target rank is built whole before its files are written (NxD's file unit), but its large tensors and
+        ZeRO-1 shards live in file-backed :class:`~.scratch.Scratch` memory: what stays in process memory is its
+        small tensors (and their shards), plus the copy into scratch of one part."""
         worst = 0
         for parts in self.parts:
-            total = 0
+            small = 0
             for i, j in parts:
                 part = self.conv.tensors[i].parts[j]
-                kept = retained(part)
-                if kept == 0 and any(p.dim is not None for p in part.plan.pieces):
-                    kept = part.nbytes
-                total += kept
-                if self.zero1 and self.conv.tensors[i].desc.role == "optimizer_state":
-                    total += part.nbytes
-            worst = max(worst, total)
+                if part.nbytes < MIN_BYTES:
+                    small += part.nbytes
+                    if self.zero1 and self.conv.tensors[i].desc.role == "optimizer_state":
+                        small += part.nbytes
+            worst = max(worst, small)
         return worst
 
     def _tag_writer(self, dst: str, join: str | None = None) -> TagWriter:
@@ -175,9 +199,10 @@ class NxdExport:
         try:
             for u in units:
                 tp, pp = self.ranks[u]
-                model, optim = build_rank(self.conv, self.parts[u], verify=self.verify)
-                w.write_rank((tp, pp, 0), model, optim)
-                del model, optim
+                with Scratch() as scratch:
+                    model, optim = build_rank(self.conv, self.parts[u], verify=self.verify, scratch=scratch)
+                    w.write_rank((tp, pp, 0), model, optim, empty=scratch.empty)
+                    del model, optim
                 if progress is not None:
                     progress(self._logical[u])
         finally:

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from ckpt.errors import CheckpointExistsError, CkptError
+from ckpt.layouts.zero1 import Empty
 from ckpt.storage import Storage, open_storage
 from ckpt.storage.folder import FolderTxn, begin_folder
 
@@ -147,12 +148,15 @@ class TagWriter:
         rank: RankKey,
         model: Mapping[str, torch.Tensor] | None,
         optimizer: Mapping[str, Any] | None = None,
+        *,
+        empty: Empty | None = None,
     ) -> None:
         """Write rank ``(tp, pp, ep)``: its model file and, when given, its optimizer file(s).
 
         ``model`` is the rank's TP-local state dict in NxD order; ``optimizer`` is the named form of
         :class:`NxdTag` (``state``/``param_groups``/``master_weights``/``extra``), re-sharded here for ZeRO-1 with
-        shapes from ``model``.  Once this returns the caller may drop both: nothing is kept.
+        shapes from ``model`` (the shards allocated with ``empty`` when given: file-backed memory from
+        :class:`~.scratch.Scratch`).  Once this returns the caller may drop both: nothing is kept.
         """
         self._check_open()
         if rank in self._written:
@@ -172,7 +176,7 @@ class TagWriter:
                     where = f"{self.dst}/optim tp {tp} pp {pp} ep {ep}"
                     shapes = {k: tuple(v.shape) for k, v in (model or {}).items()}
                     for r, d in enumerate(
-                        shard_zero1_optimizer(optimizer, shapes, self.dp_size, where=where)
+                        shard_zero1_optimizer(optimizer, shapes, self.dp_size, where=where, empty=empty)
                     ):
                         save_nxd_file(d, self.storage, f"optim/{rank_file_name(r, tp, pp)}", self.xser)
                 else:

@@ -36,9 +36,9 @@ def is_zero1_dict(obj: Any) -> bool:
     return isinstance(obj, dict) and "base_state" in obj and "shape_info" in obj
 
 
-def shard_zero1(tensor: torch.Tensor, dp_size: int) -> list[torch.Tensor]:
-    """One ZeRO-1 shard per DP rank (the rule: :func:`ckpt.layouts.zero1.shard_all`)."""
-    return zero1.shard_all(tensor, dp_size)
+def shard_zero1(tensor: torch.Tensor, dp_size: int, empty: zero1.Empty | None = None) -> list[torch.Tensor]:
+    """One ZeRO-1 shard per DP rank (the rule: :func:`ckpt.layouts.zero1.shard_all`; ``empty`` allocates them)."""
+    return zero1.shard_all(tensor, dp_size, empty)
 
 
 def merge_zero1(shards: Sequence[torch.Tensor], shape: Sequence[int], *, where: str = "") -> torch.Tensor:
@@ -223,12 +223,18 @@ def merge_zero1_optimizer(
 
 
 def shard_zero1_optimizer(
-    merged: Mapping[str, Any], param_shapes: Mapping[str, Shape], dp_size: int, *, where: str = ""
+    merged: Mapping[str, Any],
+    param_shapes: Mapping[str, Shape],
+    dp_size: int,
+    *,
+    where: str = "",
+    empty: zero1.Empty | None = None,
 ) -> list[dict[str, Any]]:
     """Inverse of :func:`merge_zero1_optimizer`: the ZeRO-1 dict of every DP rank (index = DP rank).
 
     pids are assigned group by group in ``param_groups`` order (what torch_xla does); ``param_shapes`` gives each
-    parameter's TP-local shape for ``shape_info`` (the model shard's shapes).
+    parameter's TP-local shape for ``shape_info`` (the model shard's shapes).  ``empty`` allocates the shards
+    (file-backed memory: :class:`~.scratch.Scratch`); the values are the same.
     """
     order = [name for g in merged["param_groups"] for name in g["params"]]
     pid_of = {name: pid for pid, name in enumerate(order)}
@@ -265,7 +271,7 @@ def shard_zero1_optimizer(
                     raise StateMismatchError(
                         f"{where}: state '{name}' {key} has shape {list(v.shape)}, parameter has {list(param_shapes[name])}"
                     )
-                for r, s in enumerate(shard_zero1(v, dp_size)):
+                for r, s in enumerate(shard_zero1(v, dp_size, empty)):
                     per_rank[r][key] = s
             else:
                 for r in range(dp_size):
@@ -276,7 +282,7 @@ def shard_zero1_optimizer(
         for r in range(dp_size):
             out[r]["sharded_master_weights"] = {}
         for name, w in sorted(merged["master_weights"].items(), key=lambda kv: pid_of[kv[0]]):
-            for r, s in enumerate(shard_zero1(w, dp_size)):
+            for r, s in enumerate(shard_zero1(w, dp_size, empty)):
                 out[r]["sharded_master_weights"][pid_of[name]] = s
     return out
 

@@ -43,10 +43,9 @@ CONFIG: dict[str, Any] = {
     "vocab_size": 4096,
     "tie_word_embeddings": False,
 }
-#: the NxD source's layout (ZeRO-1 over DP 2) and the NxD targets' (a target rank is 1/16 of the model: NxD's file
-#: unit, the one thing the NxD writer holds at once, is a rank)
+#: the NxD source's layout (ZeRO-1 over DP 2) and the NxD targets' (re-sharded over TP, PP and DP)
 SOURCE_NXD = {"tp": 2, "pp": 2, "dp": 2}
-TARGET_NXD = {"tp": 2, "pp": 8, "dp": 2}
+TARGET_NXD = {"tp": 2, "pp": 4, "dp": 2}
 SOURCES = ("ckpt", "hf", "dcp", "nxd", "nxd_xser")
 TARGETS = ("ckpt", "hf", "dcp", "nxd", "nxd_xser")
 
@@ -87,12 +86,13 @@ def generate_cuda(path: Path, cfg: dict[str, Any], *, optimizer: bool = True, se
     return total
 
 
-def target_options(target: str, cfg: dict[str, Any]) -> Any:
-    """The ConvertOptions of one target format."""
+def target_options(target: str, cfg: dict[str, Any], nxd: dict[str, Any] | None = None) -> Any:
+    """The ConvertOptions of one target format (``nxd``: the NxD targets' layout, default :data:`TARGET_NXD`)."""
     from ckpt.converters.convert import ConvertOptions
 
     if target.startswith("nxd"):
-        return ConvertOptions.neuron(format="nxd", xser=target == "nxd_xser", config=cfg, **TARGET_NXD)
+        flags = nxd or TARGET_NXD
+        return ConvertOptions.neuron(format="nxd", xser=target == "nxd_xser", config=cfg, **flags)
     return ConvertOptions(to="cuda", format=target, config=cfg)
 
 
@@ -136,7 +136,7 @@ def quiet():
     libc.malloc_trim(0)
 
 for job in jobs:
-    opts = target_options(job["target"], job["config"])
+    opts = target_options(job["target"], job["config"], job.get("nxd"))
     run = RunOptions(allow_unmarked=True, **({"flush_bytes": job["flush_bytes"]} if "flush_bytes" in job else {}))
     src = open_source(job["src"], opts, run)
     try:
@@ -179,7 +179,7 @@ class Peak:
 def measure(
     jobs: list[dict[str, Any]], *, poll_s: float = 0.001, timeout: float = 600, exact_malloc: bool = True
 ) -> list[Peak]:
-    """Run ``jobs`` (``{"src", "dst", "target", "config", "src_name"}``, optional ``"flush_bytes"`` for our writer)
+    """Run ``jobs`` (``{"src", "dst", "target", "config", "src_name"}``, optional ``"flush_bytes"`` for our writer and ``"nxd"``: the NxD targets' flags)
     one after another in one child process and return each one's peak memory (see the module docstring).
 
     ``exact_malloc`` pins glibc's mmap and trim thresholds in the child (tests: measure what the code holds); off,

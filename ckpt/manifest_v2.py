@@ -1,0 +1,568 @@
+"""Format v2: a top manifest that stays small at thousands of ranks, and one sealed index per rank (docs/format.md,
+"Version 2").
+
+v1 lists every stored chunk in ``manifest.json`` and every rank's RNG and data-loader trees: about 180 bytes per
+chunk and 16 kB per rank, so an FSDP checkpoint of 8,192 ranks x 1,000 tensors is 1.5 GB of JSON that every
+restoring rank parses.  v2 moves both into per-rank index files (``r<rank>-<attempt>.index.json``, sealed like the
+manifest, their checksums in the top manifest) and describes where each tensor's pieces are once, as a regular
+nested split with an affine rank formula when the sharding is regular (FSDP, HSDP, TP, ZeRO-1), or as an explicit
+list of boxes otherwise.  A restoring rank reads the top manifest and only the indexes of ranks holding pieces
+that overlap its boxes (:class:`Locator`); tools that want everything (``ckpt verify``, converters) load all
+indexes into the same in-memory :class:`~ckpt.manifest.Manifest` as v1 (:func:`materialize`).
+
+The in-memory model is unchanged: v2 is an encoding of a v1 :class:`Manifest`, produced from it at commit
+(:func:`encode`) after ``build_manifest`` validated coverage, so both versions hold exactly the same facts.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from .codecs import check_checksum_format, check_codec
+from .dtypes import itemsize
+from .errors import ManifestError
+from .manifest import (
+    FORMAT,
+    SEAL_RE,
+    Box,
+    FileEntry,
+    Manifest,
+    Shard,
+    TensorEntry,
+    check_relpath,
+    manifest_doc,
+    seal,
+    verify_seal,
+)
+
+INDEX_FORMAT = "ckpt-index"
+
+JSON = Any
+
+
+def index_name(rank: int, attempt: str) -> str:
+    """The index file of ``rank`` for save attempt ``attempt`` (next to its data files)."""
+    return f"r{rank:05d}-{attempt}.index.json"
+
+
+# ------------------------------------------------------------------------------------------------ pieces
+
+
+def split(length: int, parts: int, index: int) -> tuple[int, int]:
+    """(offset, length) of part ``index`` of ``parts`` along a dim of ``length`` (torch.chunk / DTensor Shard)."""
+    size = -(-length // parts) if parts else 0
+    start = min(size * index, length)
+    return start, max(0, min(size, length - start))
+
+
+def blocks(shape: tuple[int, ...], levels: list[tuple[int, int]]) -> Iterator[tuple[int, Box]]:
+    """Every block of a nested split, in mixed-radix order: (block index, box)."""
+    yield from blocks_overlapping(shape, levels, Box.full(shape), include_empty=True)
+
+
+def blocks_overlapping(
+    shape: tuple[int, ...], levels: list[tuple[int, int]], want: Box, include_empty: bool = False
+) -> Iterator[tuple[int, Box]]:
+    """The blocks of a nested split that overlap ``want``, found by arithmetic (cost: the blocks returned)."""
+
+    def rec(level: int, index: int, box: Box) -> Iterator[tuple[int, Box]]:
+        if level == len(levels):
+            if not include_empty:
+                x = box.intersect(want)
+                if x is None or x.numel == 0:
+                    return
+            yield index, box
+            return
+        dim, parts = levels[level]
+        length = box.lengths[dim]
+        size = -(-length // parts) if parts else 0
+        lo = want.offsets[dim] - box.offsets[dim]
+        hi = lo + want.lengths[dim]
+        if include_empty or size == 0:
+            first, last = 0, parts - 1
+        else:
+            first, last = max(0, lo // size), min(parts - 1, (hi - 1) // size)
+        for i in range(first, last + 1):
+            off, n = split(length, parts, i)
+            if not include_empty and (n == 0 or off + n <= lo or off >= hi):
+                continue
+            offs = list(box.offsets)
+            lens = list(box.lengths)
+            offs[dim] += off
+            lens[dim] = n
+            yield from rec(level + 1, index * parts + i, Box(tuple(offs), tuple(lens)))
+
+    yield from rec(0, 0, Box.full(shape))
+
+
+def _affine(ranks: list[int], levels: list[tuple[int, int]]) -> dict[str, JSON] | None:
+    """``{"start", "steps"}`` when rank = start + sum(i_l * steps[l]) over the mixed-radix digits, else None."""
+    if not ranks or any(r < 0 for r in ranks):
+        return None
+    radices = [p for _, p in levels]
+    steps = []
+    stride = len(ranks)
+    for p in radices:
+        stride //= p
+        steps.append(ranks[stride] - ranks[0] if p > 1 else 0)
+    start = ranks[0]
+    for b, r in enumerate(ranks):
+        rem, expect = b, start
+        for p, s in zip(reversed(radices), reversed(steps), strict=True):
+            expect += (rem % p) * s
+            rem //= p
+        if r != expect:
+            return None
+    return {"start": start, "steps": steps}
+
+
+def describe_pieces(t: TensorEntry, rank_of: dict[str, int]) -> dict[str, JSON]:
+    """The top-manifest ``pieces`` of a tensor: which rank stores which box (not where inside its files).
+
+    Chunks of one rank make one piece (their bounding box, when they fill it).  A regular nested split is looked
+    for among the splits that the pieces' distinct offsets suggest, and kept only if it reproduces the pieces
+    exactly; otherwise the pieces are listed.
+    """
+    by_rank: dict[int, list[Shard]] = {}
+    for s in t.shards:
+        if s.box.numel:
+            by_rank.setdefault(rank_of[s.file], []).append(s)
+    pieces: list[tuple[Box, int]] = []
+    for r, shards in by_rank.items():
+        lo = [min(s.box.offsets[d] for s in shards) for d in range(len(t.shape))]
+        hi = [max(s.box.offsets[d] + s.box.lengths[d] for s in shards) for d in range(len(t.shape))]
+        box = Box(tuple(lo), tuple(h - o for o, h in zip(lo, hi, strict=True)))
+        if box.numel != sum(s.box.numel for s in shards):
+            return {"boxes": [[list(s.box.offsets), list(s.box.lengths), rank_of[s.file]] for s in t.shards]}
+        pieces.append((box, r))
+    explicit = {
+        "boxes": [
+            [list(b.offsets), list(b.lengths), r] for b, r in sorted(pieces, key=lambda p: p[0].offsets)
+        ]
+    }
+    if not pieces:
+        return {"split": [], "ranks": []}
+    at = {b: r for b, r in pieces}
+    if len(at) != len(pieces):
+        return explicit
+    varying = [d for d in range(len(t.shape)) if len({b.offsets[d] for b, _ in pieces}) > 1]
+    counts = {d: len({b.offsets[d] for b, _ in pieces}) for d in varying}
+    candidates: list[list[tuple[int, int]]] = []
+    if not varying:
+        candidates.append([])
+    elif len(varying) == 1:
+        d = varying[0]
+        candidates.append([(d, counts[d])])
+        candidates += [[(d, q), (d, counts[d] // q)] for q in range(2, counts[d]) if counts[d] % q == 0]
+    elif len(varying) == 2:
+        d1, d2 = varying
+        candidates += [[(d1, counts[d1]), (d2, counts[d2])], [(d2, counts[d2]), (d1, counts[d1])]]
+    for levels in candidates:
+        ranks = []
+        hit = 0
+        for _, box in blocks(t.shape, levels):
+            if box.numel == 0:
+                ranks.append(-1)
+                continue
+            r = at.get(box)
+            if r is None:
+                break
+            ranks.append(r)
+            hit += 1
+        else:
+            if hit == len(pieces):
+                aff = _affine(ranks, levels)
+                return {"split": [list(lv) for lv in levels], "ranks": aff if aff is not None else ranks}
+    return explicit
+
+
+def _check_rank_list(spec: Any, n_blocks: int, where: str) -> tuple[int, ...]:
+    """A ``ranks`` list: one rank per block, -1 for an empty block."""
+    if not isinstance(spec, list) or len(spec) != n_blocks:
+        raise ManifestError(
+            f"{where}: 'ranks' must list {n_blocks} ranks (-1 for an empty block) or be {{start, steps}}"
+        )
+    if not all(isinstance(r, int) and not isinstance(r, bool) and r >= -1 for r in spec):
+        raise ManifestError(f"{where}: 'ranks' must hold integers >= -1")
+    return tuple(spec)
+
+
+@dataclass(frozen=True)
+class PiecesSpec:
+    """Parsed ``pieces`` of one tensor."""
+
+    levels: tuple[tuple[int, int], ...] | None  # None: explicit boxes
+    ranks: tuple[int, ...] | None = None
+    start: int = 0
+    steps: tuple[int, ...] = ()
+    boxes: tuple[tuple[Box, int], ...] = ()
+
+    @property
+    def count(self) -> int:
+        """How many pieces are stored (blocks of an affine split counted whole: empty ones included)."""
+        if self.levels is None:
+            return len(self.boxes)
+        if self.ranks is not None:
+            return sum(1 for r in self.ranks if r >= 0)
+        return math.prod(p for _, p in self.levels)
+
+    def rank(self, block: int) -> int:
+        if self.ranks is not None:
+            return self.ranks[block]
+        assert self.levels is not None
+        r, rem = self.start, block
+        for (_, p), s in zip(reversed(self.levels), reversed(self.steps), strict=True):
+            r += (rem % p) * s
+            rem //= p
+        return r
+
+    def ranks_for(self, shape: tuple[int, ...], want: Box) -> set[int]:
+        """The ranks whose pieces overlap ``want``."""
+        if self.levels is None:
+            out = set()
+            for b, r in self.boxes:
+                inter = b.intersect(want)
+                if inter is not None and inter.numel:
+                    out.add(r)
+            return out
+        return {self.rank(i) for i, _ in blocks_overlapping(shape, list(self.levels), want)} - {-1}
+
+
+def parse_pieces(spec: Any, shape: tuple[int, ...], where: str) -> PiecesSpec:
+    if not isinstance(spec, dict):
+        raise ManifestError(f"{where}: 'pieces' must be an object")
+    if "boxes" in spec:
+        boxes = []
+        for i, item in enumerate(spec["boxes"] if isinstance(spec["boxes"], list) else [None]):
+            if not (isinstance(item, list) and len(item) == 3 and isinstance(item[2], int)):
+                raise ManifestError(f"{where}: pieces.boxes[{i}] must be [offsets, lengths, rank]")
+            boxes.append((_box(item[0], item[1], shape, f"{where} pieces.boxes[{i}]"), item[2]))
+        return PiecesSpec(None, boxes=tuple(boxes))
+    levels_raw = spec.get("split")
+    if not isinstance(levels_raw, list):
+        raise ManifestError(f"{where}: 'pieces' needs 'split' or 'boxes'")
+    levels = []
+    for lv in levels_raw:
+        if not (
+            isinstance(lv, list)
+            and len(lv) == 2
+            and all(isinstance(x, int) and not isinstance(x, bool) for x in lv)
+            and 0 <= lv[0] < len(shape)
+            and lv[1] >= 1
+        ):
+            raise ManifestError(
+                f"{where}: pieces.split level {lv!r} must be [dim < {len(shape)}, parts >= 1]"
+            )
+        levels.append((lv[0], lv[1]))
+    if math.prod(p for _, p in levels) > 1 << 24:
+        raise ManifestError(f"{where}: pieces.split has absurdly many blocks")
+    n_blocks = math.prod(p for _, p in levels)
+    ranks = spec.get("ranks")
+    if isinstance(ranks, dict):
+        start, steps = ranks.get("start"), ranks.get("steps")
+        if not (
+            isinstance(start, int)
+            and isinstance(steps, list)
+            and len(steps) == len(levels)
+            and all(isinstance(x, int) and not isinstance(x, bool) for x in steps)
+        ):
+            raise ManifestError(f"{where}: pieces.ranks must have 'start' and one step per split level")
+        return PiecesSpec(tuple(levels), start=start, steps=tuple(steps))
+    return PiecesSpec(tuple(levels), ranks=_check_rank_list(ranks, n_blocks, where))
+
+
+def _box(offs: Any, lens: Any, shape: tuple[int, ...], where: str) -> Box:
+    if not (isinstance(offs, list) and isinstance(lens, list) and len(offs) == len(shape) == len(lens)):
+        raise ManifestError(f"{where}: box rank does not match shape {list(shape)}")
+    for v in (*offs, *lens):
+        if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+            raise ManifestError(f"{where}: expected non-negative integers, got {v!r}")
+    if any(o + n > d for o, n, d in zip(offs, lens, shape, strict=True)):
+        raise ManifestError(f"{where}: box {offs}+{lens} lies outside shape {list(shape)}")
+    return Box(tuple(offs), tuple(lens))
+
+
+# ------------------------------------------------------------------------------------------------ writing
+
+
+def encode(m: Manifest, attempt: str) -> tuple[str, dict[str, str]]:
+    """(top manifest JSON, {index path: index JSON}) of manifest ``m`` in format v2 (every rank gets an index:
+    the ranks of its data files and of its RNG/data-loader trees)."""
+    rank_of = {p: f.rank for p, f in m.files.items()}
+    ranks = set(rank_of.values()) | {int(r) for r in m.rng} | {int(r) for r in m.data}
+    chunks: dict[int, list[list[JSON]]] = {r: [] for r in ranks}
+    for name, t in m.tensors.items():
+        for s in t.shards:
+            chunks[rank_of[s.file]].append(
+                [
+                    name,
+                    list(s.box.offsets),
+                    list(s.box.lengths),
+                    s.file,
+                    s.offset,
+                    s.nbytes,
+                    s.codec,
+                    s.checksum,
+                ]
+            )
+    indexes: dict[str, str] = {}
+    table: dict[str, dict[str, JSON]] = {}
+    for r in sorted(ranks):
+        doc = {
+            "format": INDEX_FORMAT,
+            "format_version": 2,
+            "rank": r,
+            "chunks": chunks[r],
+            "rng": m.rng.get(str(r)),
+            "data": m.data.get(str(r)),
+        }
+        text = seal(doc)
+        path = index_name(r, attempt)
+        indexes[path] = text
+        table[path] = {"rank": r, "size": len(text.encode()), "checksum": text[13:37]}
+    doc = manifest_doc(replace(m, rng={}, data={}), version=2)
+    doc["tensors"] = {
+        n: {**_desc_json(t), "pieces": describe_pieces(t, rank_of)} for n, t in m.tensors.items()
+    }
+    doc["indexes"] = table
+    return seal(doc), indexes
+
+
+def _desc_json(t: TensorEntry) -> dict[str, JSON]:
+    out: dict[str, JSON] = {"role": t.role, "shape": list(t.shape), "dtype": t.dtype}
+    for k in ("param", "key", "partition"):
+        if getattr(t, k) is not None:
+            out[k] = getattr(t, k)
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ reading
+
+
+@dataclass(frozen=True)
+class IndexEntry:
+    path: str
+    rank: int
+    size: int
+    checksum: str
+
+
+@dataclass
+class Layout2:
+    """What a v2 top manifest says beyond v1's fields: pieces per tensor and the index table."""
+
+    pieces: dict[str, PiecesSpec]
+    indexes: dict[int, IndexEntry]
+    loaded: dict[int, dict[str, Any]] = field(default_factory=dict)
+
+
+def parse_top(doc: dict[str, Any], source: str) -> tuple[dict[str, Any], Layout2]:
+    """Check the v2-only members; return a v1-shaped document (tensors without shards) and the :class:`Layout2`."""
+    table = doc.get("indexes")
+    if not isinstance(table, dict):
+        raise ManifestError(f"{source}: field 'indexes' must be an object (format_version 2)")
+    indexes: dict[int, IndexEntry] = {}
+    for path, e in table.items():
+        where = f"{source}: indexes[{path!r}]"
+        check_relpath(path, where)
+        if not isinstance(e, dict):
+            raise ManifestError(f"{where}: expected an object")
+        rank, size, csum = e.get("rank"), e.get("size"), e.get("checksum")
+        for k, v in (("rank", rank), ("size", size)):
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                raise ManifestError(f"{where}.{k}: expected a non-negative integer, got {v!r}")
+        if not isinstance(csum, str):
+            raise ManifestError(f"{where}.checksum: expected a string")
+        try:
+            check_checksum_format(csum)
+        except ManifestError as exc:
+            raise ManifestError(f"{where}: {exc}") from None
+        if rank in indexes:
+            raise ManifestError(f"{where}: rank {rank} has two indexes")
+        indexes[rank] = IndexEntry(path, rank, size, csum)
+    tensors = doc.get("tensors")
+    if not isinstance(tensors, dict):
+        raise ManifestError(f"{source}: missing field 'tensors'")
+    pieces: dict[str, PiecesSpec] = {}
+    v1_tensors = {}
+    for name, t in tensors.items():
+        where = f"{source}: tensor {name!r}"
+        if not isinstance(t, dict):
+            raise ManifestError(f"{where}: expected an object")
+        if "shards" in t:
+            raise ManifestError(
+                f"{where}: 'shards' is not a format_version 2 member (they are in the indexes)"
+            )
+        shape = t.get("shape")
+        if not isinstance(shape, list) or not all(
+            isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape
+        ):
+            raise ManifestError(f"{where}: field 'shape' must be a list of non-negative integers")
+        spec = parse_pieces(t.get("pieces"), tuple(shape), where)
+        for r in spec.ranks or ():
+            if r >= 0 and r not in indexes:
+                raise ManifestError(f"{where}: pieces name rank {r}, which has no index")
+        for _, r in spec.boxes:
+            if r not in indexes:
+                raise ManifestError(f"{where}: pieces name rank {r}, which has no index")
+        pieces[name] = spec
+        v1_tensors[name] = {k: v for k, v in t.items() if k != "pieces"} | {"shards": []}
+    return {**doc, "tensors": v1_tensors}, Layout2(pieces, indexes)
+
+
+def load_index(storage: Any, e: IndexEntry, source: str) -> dict[str, Any]:
+    """Read, verify (its seal and the checksum the top manifest holds for it) and parse one rank's index."""
+    where = storage.display(e.path)
+    try:
+        raw = storage.read_bytes(e.path)
+    except FileNotFoundError:
+        raise ManifestError(f"{where}: missing (index of rank {e.rank}, listed in {source})") from None
+    m = SEAL_RE.match(raw)
+    if m is None or m.group(1).decode() != e.checksum:
+        raise ManifestError(
+            f"{where} is damaged or replaced: its checksum is not {e.checksum} (as {source} records)"
+        )
+    verify_seal(raw, where)
+    try:
+        doc = json.loads(raw)
+    except ValueError as exc:
+        raise ManifestError(f"{where}: not valid JSON ({exc})") from None
+    if not isinstance(doc, dict) or doc.get("format") != INDEX_FORMAT or doc.get("rank") != e.rank:
+        raise ManifestError(f"{where}: not the ckpt index of rank {e.rank}")
+    if not isinstance(doc.get("chunks"), list):
+        raise ManifestError(f"{where}: field 'chunks' must be a list")
+    return doc
+
+
+def index_shards(
+    doc: dict[str, Any], tensors: dict[str, TensorEntry], files: dict[str, FileEntry], where: str
+) -> dict[str, list[Shard]]:
+    """The chunks of one index, validated like v1 shards (box inside the tensor, bytes inside the file)."""
+    out: dict[str, list[Shard]] = {}
+    for i, c in enumerate(doc["chunks"]):
+        cw = f"{where} chunk {i}"
+        if not (isinstance(c, list) and len(c) == 8 and isinstance(c[0], str)):
+            raise ManifestError(
+                f"{cw}: expected [tensor, offsets, lengths, file, offset, nbytes, codec, checksum]"
+            )
+        name, offs, lens, file, offset, nbytes, codec, csum = c
+        t = tensors.get(name)
+        if t is None:
+            raise ManifestError(f"{cw}: tensor {name!r} is not in the manifest")
+        box = _box(offs, lens, t.shape, cw)
+        check_relpath(file, cw)
+        if file not in files:
+            raise ManifestError(f"{cw}: file {file!r} is not listed in 'files'")
+        for v in (offset, nbytes):
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                raise ManifestError(f"{cw}: expected a non-negative integer, got {v!r}")
+        try:
+            check_codec(codec)
+            if not isinstance(csum, str):
+                raise ManifestError("checksum must be a string")
+            if csum:
+                check_checksum_format(csum)
+        except ManifestError as exc:
+            raise ManifestError(f"{cw}: {exc}") from None
+        if codec == "raw" and nbytes != box.numel * itemsize(t.dtype):
+            raise ManifestError(
+                f"{cw}: nbytes {nbytes} does not match its box ({box.numel * itemsize(t.dtype)} bytes)"
+            )
+        if offset + nbytes > files[file].size:
+            raise ManifestError(
+                f"{cw}: bytes {offset}..{offset + nbytes} lie outside {file} ({files[file].size} bytes)"
+            )
+        out.setdefault(name, []).append(Shard(file, offset, nbytes, box, codec, csum))
+    return out
+
+
+class Locator:
+    """Lazy shard lookup for one v2 checkpoint: reads an index the first time a box needs one of its chunks."""
+
+    def __init__(self, storage: Any, manifest: Manifest, layout: Layout2, source: str) -> None:
+        self.storage, self.manifest, self.layout, self.source = storage, manifest, layout, source
+        self._chunks: dict[int, dict[str, list[Shard]]] = {}
+
+    def rank_index(self, rank: int) -> dict[str, list[Shard]]:
+        if rank not in self.layout.indexes:
+            raise ManifestError(f"{self.source}: pieces name rank {rank}, which has no index")
+        if rank not in self._chunks:
+            e = self.layout.indexes[rank]
+            doc = load_index(self.storage, e, self.source)
+            self.layout.loaded[rank] = doc
+            self._chunks[rank] = index_shards(
+                doc, self.manifest.tensors, self.manifest.files, self.storage.display(e.path)
+            )
+        return self._chunks[rank]
+
+    def shards(self, name: str, want: Box) -> list[Shard]:
+        t = self.manifest.tensors[name]
+        spec = self.layout.pieces[name]
+        out: list[Shard] = []
+        for r in sorted(spec.ranks_for(t.shape, want)):
+            out.extend(self.rank_index(r).get(name, ()))
+        return out
+
+    def trees(self, kind: str) -> Mapping[str, Any]:
+        """Every rank's ``rng`` or ``data`` tree as a mapping that reads a rank's index only when that rank's
+        tree is looked up (keys: the ranks with an index, when rank 0's index holds that kind of tree)."""
+        first = min(self.layout.indexes, default=None)
+        if first is None or self.rank_trees(first)[0 if kind == "rng" else 1] is None:
+            return {}
+        return _LazyTrees(self, kind)
+
+    def rank_trees(self, rank: int) -> tuple[Any, Any]:
+        """(rng, data) trees of ``rank`` (None where absent or when the rank has no index)."""
+        if rank not in self.layout.indexes:
+            return None, None
+        self.rank_index(rank)
+        doc = self.layout.loaded[rank]
+        return doc.get("rng"), doc.get("data")
+
+
+class _LazyTrees(Mapping[str, Any]):
+    def __init__(self, locator: Locator, kind: str) -> None:
+        self.locator, self.kind = locator, kind
+        self.keys_ = [str(r) for r in sorted(locator.layout.indexes)]
+
+    def __getitem__(self, key: str) -> Any:
+        if not isinstance(key, str) or not key.isdigit() or int(key) not in self.locator.layout.indexes:
+            raise KeyError(key)
+        tree = self.locator.rank_trees(int(key))[0 if self.kind == "rng" else 1]
+        if tree is None:
+            raise KeyError(key)
+        return tree
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.keys_)
+
+    def __len__(self) -> int:
+        return len(self.keys_)
+
+
+def materialize(storage: Any, m: Manifest, layout: Layout2, source: str) -> Manifest:
+    """The full in-memory manifest (every index read): what v1 would have parsed."""
+    loc = Locator(storage, m, layout, source)
+    shards: dict[str, list[Shard]] = {n: [] for n in m.tensors}
+    rng: dict[str, Any] = {}
+    data: dict[str, Any] = {}
+    for r in sorted(layout.indexes):
+        for n, ss in loc.rank_index(r).items():
+            shards[n].extend(ss)
+        doc = layout.loaded[r]
+        if doc.get("rng") is not None:
+            rng[str(r)] = doc["rng"]
+        if doc.get("data") is not None:
+            data[str(r)] = doc["data"]
+    tensors = {
+        n: TensorEntry.of(t.desc, tuple(sorted(shards[n], key=lambda s: s.box.offsets)))
+        for n, t in m.tensors.items()
+    }
+    return replace(m, tensors=tensors, rng=rng, data=data)
+
+
+__all__ = ["FORMAT", "encode", "index_name", "Locator", "materialize", "parse_top", "describe_pieces"]
