@@ -250,3 +250,25 @@ def test_restore_onto_other_dp_size(dp_rank: int, neuron_ckpt, monkeypatch) -> N
             want = opt._shard_tensor(full)
             got = live["base_state"][p][k].detach().cpu()
             assert got.shape == want.shape and bit_equal(got, want), (p, k)
+
+
+def test_xser_export_round_trip_is_ground_truth(truth, cuda_ckpt: tuple[Path, Path], tmp_path: Path) -> None:
+    """cuda -> NxD xser tag dp=3 (padded shards in ``.tensors`` files) -> cuda: still the ground truth."""
+    model, optim, _ = truth
+    tag, cuda = cuda_ckpt
+    out = tmp_path / "nxd" / "step_3"
+    args = ["convert", str(cuda), str(out), "--to", "neuron", "--format", "nxd", "--tp", "1", "--dp", str(DP)]
+    r = CliRunner().invoke(cli, [*args, "--qkv-linear", "--xser"])
+    assert r.exit_code == 0, r.output
+    assert (out / "optim" / "dp_rank_02_tp_rank_00_pp_rank_00.pt.tensors").is_dir()
+    back = tmp_path / "cuda"
+    args = ["convert", str(out), str(back), "--to", "cuda", "--config", str(ROOT / "config.json")]
+    r = CliRunner().invoke(cli, args)
+    assert r.exit_code == 0, r.output
+    rd = open_checkpoint(str(back))
+    for name, t in model.items():
+        assert bit_equal(rd.read(name), t), name
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert bit_equal(rd.read(f"optim/{name}/{key}"), optim[f"{name}.{key}"]), (name, key)
+        if tag == MASTER_TAG:
+            assert bit_equal(rd.read(f"optim/{name}/master_weight"), t), name
