@@ -33,7 +33,7 @@ DIGEST_ALGO = "xxh3_128"
 class BaseIdentity:
     """What identifies a frozen base model: this rank's content ``digest`` and what it covers."""
 
-    digest: str
+    digest: str | None
     tensors: int
     bytes: int
     config: dict[str, Any] | None = None
@@ -158,7 +158,7 @@ def manifest_record(per_rank: list[BaseIdentity], lora: dict[str, Any] | None = 
         "lora": lora,
         "base": {
             "digest": first.digest,
-            "rank_digests": [b.digest for b in per_rank],
+            "rank_digests": [b.digest for b in per_rank] if first.digest is not None else None,
             "tensors": sum(b.tensors for b in per_rank),
             "bytes": sum(b.bytes for b in per_rank),
             "config": first.config,
@@ -180,6 +180,15 @@ def check_base(record: dict[str, Any], live: BaseIdentity, rank: int, world: int
             f"{where}: the adapter's base was recorded for {len(digests)} ranks holding different shards; restore "
             f"on {len(digests)} ranks (now {world}) or pass check_base=False"
         )
+    if want is None:  # converted from a format that does not identify the base (NxD LoRA tag, PEFT folder)
+        import warnings
+
+        warnings.warn(
+            f"{where}: the adapter's base is not recorded (converted from an NxD LoRA tag or PEFT folder); the "
+            "model's base was not checked",
+            stacklevel=3,
+        )
+        return
     if live.digest != want:
         saved_src = base.get("source") or "unknown source"
         live_src = live.source or "unknown source"
