@@ -154,11 +154,22 @@ def manifest_record(per_rank: list[BaseIdentity], lora: dict[str, Any] | None = 
     """``manifest.adapter``: the base's identity as every rank saw it (rank 0's config and source), and the
     adapter's own config (:func:`lora_config`) when known."""
     first = per_rank[0]
+    if first.digest is None:  # a converted adapter: its base is not known (docs/format.md)
+        return {
+            "lora": lora,
+            "base": {
+                "digest": None,
+                "tensors": 0,
+                "bytes": 0,
+                "config": first.config,
+                "source": first.source,
+            },
+        }
     return {
         "lora": lora,
         "base": {
             "digest": first.digest,
-            "rank_digests": [b.digest for b in per_rank] if first.digest is not None else None,
+            "rank_digests": [b.digest for b in per_rank],
             "tensors": sum(b.tensors for b in per_rank),
             "bytes": sum(b.bytes for b in per_rank),
             "config": first.config,

@@ -19,6 +19,7 @@ from ckpt.resume.continuity import check_continuation
 from tests._lora_models import build
 from tests._lora_train import train_lora
 from tests.conftest import run_ranks
+from tests.manifest_schema import schema_errors
 
 pytest.importorskip("peft")
 
@@ -277,6 +278,13 @@ def test_peft_run_resumes_bit_identical_through_an_nxd_lora_tag(tmp_path) -> Non
     m = ckpt.open_checkpoint(str(tmp_path / "back")).manifest
     assert m.step == 3 and m.adapter["base"]["digest"] is None and m.optimizer["type"] == "unknown"
     assert m.adapter["lora"]["peft"]["r"] == 4
+    doc = json.loads((tmp_path / "back" / MANIFEST_NAME).read_text())
+    assert schema_errors(doc) == []
+    assert {n for n, t in m.tensors.items() if t.role == "parameter"} == {
+        n for n, p in model.named_parameters() if p.requires_grad
+    }
+    r = CliRunner().invoke(cli, ["inspect", str(tmp_path / "back")])
+    assert r.exit_code == 0 and "base not recorded" in r.output.replace("\n", " ")
     fresh = build("llama", shared=("mlp", "qkv"), seed=9)
     fresh.train()
     opt2 = _opt(fresh)
@@ -284,6 +292,11 @@ def test_peft_run_resumes_bit_identical_through_an_nxd_lora_tag(tmp_path) -> Non
         res = ckpt.restore(str(tmp_path / "back"), model=fresh, optimizer=opt2)
     assert res.missing == [] and res.unexpected == [] and res.step == 3
     assert _train(fresh, opt2, range(3, 6)) == want
+    unresumed = build("llama", shared=("mlp", "qkv"), seed=9).train()
+    opt3 = _opt(unresumed)
+    with pytest.warns(UserWarning):
+        ckpt.restore(str(tmp_path / "back"), model=unresumed)  # weights only: the moments are what differ
+    assert _train(unresumed, opt3, range(3, 6)) != want
 
 
 def test_nxd_lora_tag_to_ckpt_refusals(tmp_path) -> None:
