@@ -187,7 +187,8 @@ def _source_step(src: str, run: RunOptions) -> int | None:
 
 
 def convert_adapter(src: str, dst: str, opts: ConvertOptions, run: RunOptions | None = None) -> LoraResult:
-    """Convert the adapter at ``src`` to ``opts.format`` (``peft`` for ``--to cuda``, ``nxd`` for ``--to neuron``)."""
+    """Convert the adapter at ``src`` to ``opts.format`` (``peft`` or ``ckpt`` for ``--to cuda``, ``nxd`` for
+    ``--to neuron``)."""
     run = run or RunOptions()
     if opts.format not in ("peft", "nxd", "ckpt"):
         raise LayoutError(
