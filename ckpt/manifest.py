@@ -448,7 +448,11 @@ def _adapter_from_doc(value: Any, source: str) -> dict[str, Any] | None:
     if value is None:
         return None
     base = value.get("base")
-    if not isinstance(base, dict) or not isinstance(base.get("digest"), (str, type(None))):
+    if (
+        not isinstance(base, dict)
+        or "digest" not in base
+        or not isinstance(base["digest"], (str, type(None)))
+    ):
         raise ManifestError(f"{source}: adapter.base must be an object with a string (or null) digest")
     digests = base.get("rank_digests")
     if digests is not None and (
