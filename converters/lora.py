@@ -174,10 +174,7 @@ def _ckpt_optimizer(reader: Any, hf_of: dict[str, str], src: str) -> dict[str, A
 
 
 def _source_step(src: str, run: RunOptions) -> int | None:
-    """The step the adapter source records: an adapter checkpoint's own, an NxD tag's (``tag_step``), else None."""
-    m = _adapter_manifest(src, run.storage_options)
-    if m is not None:
-        return int(m.step)
+    """The step the adapter source records: an NxD tag's (``tag_step``), else None (a PEFT folder records none)."""
     if nxd_lora.is_lora_tag(src):
         from .nxd.files import scan_tag
         from .nxd.step import tag_step
@@ -204,6 +201,11 @@ def convert_adapter(src: str, dst: str, opts: ConvertOptions, run: RunOptions | 
         raise LayoutError(
             f"--{next(iter(opts.layout)).replace('_', '-')} describes a Neuron target; --format {opts.format} has no "
             "layout"
+        )
+    if opts.format == "ckpt" and _adapter_manifest(src, run.storage_options) is not None:
+        raise LayoutError(
+            f"--format ckpt: {src} is already an adapter checkpoint of ours (restore it directly; a copy would "
+            "lose its base identity)"
         )
     adapter, src_flags = read_any(src, opts, run)
     if opts.format == "peft":

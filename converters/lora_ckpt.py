@@ -1,4 +1,4 @@
-"""A LoRA adapter (PEFT folder, NxD LoRA tag, with its optimizer state when the source has one) -> an adapter-only
+"""A LoRA adapter (NxD LoRA tag with its optimizer state when it has one, or PEFT folder) -> an adapter-only
 checkpoint of ours, shaped exactly as ``save(model=peft_model, optimizer=opt, adapter_only=True)`` writes one, so
 that ``restore(path, model=peft_model, optimizer=opt)`` resumes the run on a GPU with its moments.
 
@@ -9,7 +9,8 @@ as PEFT holds them.  The optimizer's class is recorded as ``unknown`` (an NxD op
 
 The base is not identified by these sources, so ``adapter.base.digest`` is null: restore warns that it did not
 check the base instead of refusing (docs/format.md, "Adapter checkpoints").  The step is ``--step``, else the one the
-NxD tag or our checkpoint records; a source that records none is refused.
+NxD tag records; a source that records none (a PEFT folder) is refused.  An adapter checkpoint of ours is refused as
+a source (it is the format already, and a copy would lose its base identity).
 """
 
 from __future__ import annotations

@@ -320,6 +320,10 @@ def test_nxd_lora_tag_to_ckpt_refusals(tmp_path) -> None:
                                  "--tp", "2", "--step", "1"])  # fmt: skip
     assert r.exit_code == 2 and "--tp" in r.output and not (tmp_path / "x").exists()
     ckpt.save(str(tmp_path / "c"), step=1, model=model, optimizer=opt, adapter_only=True)
+    r = CliRunner().invoke(
+        cli, ["convert", str(tmp_path / "c"), str(tmp_path / "x"), "--to", "cuda", "--format", "ckpt"]
+    )
+    assert r.exit_code == 2 and "already an adapter checkpoint" in r.output and not (tmp_path / "x").exists()
     tag = tmp_path / "tag"
     r = CliRunner().invoke(cli, ["convert", str(tmp_path / "c"), str(tag), "--to", "neuron", "--format", "nxd",
                                  "--tp", "2", "--config", cfg])  # fmt: skip
