@@ -319,6 +319,15 @@ def test_nxd_lora_tag_to_ckpt_refusals(tmp_path) -> None:
     r = CliRunner().invoke(cli, ["convert", str(adapter), str(tmp_path / "x"), "--to", "cuda", "--format", "ckpt",
                                  "--tp", "2", "--step", "1"])  # fmt: skip
     assert r.exit_code == 2 and "--tp" in r.output and not (tmp_path / "x").exists()
+    r = CliRunner().invoke(cli, ["convert", str(adapter), str(tmp_path / "p"), "--to", "cuda", "--format", "ckpt",
+                                 "--step", "7"])  # fmt: skip
+    assert r.exit_code == 0, r.output  # a PEFT folder: the adapter, no optimizer state
+    m = ckpt.open_checkpoint(str(tmp_path / "p")).manifest
+    assert m.step == 7 and m.optimizer is None
+    fresh = build("llama", shared=("mlp", "qkv"), seed=9)
+    with pytest.warns(UserWarning, match="base is not recorded"):
+        ckpt.restore(str(tmp_path / "p"), model=fresh)
+    assert all(torch.equal(p, dict(model.named_parameters())[n]) for n, p in fresh.named_parameters())
     ckpt.save(str(tmp_path / "c"), step=1, model=model, optimizer=opt, adapter_only=True)
     r = CliRunner().invoke(
         cli, ["convert", str(tmp_path / "c"), str(tmp_path / "x"), "--to", "cuda", "--format", "ckpt"]
