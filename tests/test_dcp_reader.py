@@ -15,28 +15,12 @@ import pytest
 import torch
 import torch.nn as nn
 from conftest import run_ranks
+from test_core_multirank import Net, make  # the same small model as the multi-rank restore tests
 
 import ckpt
 from ckpt.state import optim_name
 
 pytestmark = pytest.mark.timeout(300)
-
-
-class Net(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.inp = nn.Linear(6, 10)
-        self.norm = nn.LayerNorm(10)
-        self.out = nn.Linear(10, 3)  # 3 rows: on 4 ranks one rank holds an empty shard
-        self.register_buffer("scale", torch.arange(5, dtype=torch.float32) + 0.5)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.out(torch.tanh(self.norm(self.inp(x)))) * self.scale[0]
-
-
-def make(seed: int) -> Net:
-    torch.manual_seed(seed)
-    return Net()
 
 
 def shard(model: Net, world: int) -> Net:

@@ -40,9 +40,21 @@ class DataAdapter(Protocol):
     def reposition(self, loader: Any, position: DataPosition, rank: int, world: int, where: str) -> None: ...
 
 
+def inner_of(loader: Any) -> Any:
+    """The DataLoader itself: a TrackedLoader's wrapped loader, else the loader."""
+    return loader.loader if isinstance(loader, TrackedLoader) else loader
+
+
+def batches_taken(loader: Any) -> tuple[int, bool]:
+    """(batches handed to the training loop this epoch, whether the epoch ran out)."""
+    if isinstance(loader, TrackedLoader):
+        return loader.batches, loader.finished
+    return stateful_batches(loader.state_dict())
+
+
 def sampler_of(loader: Any) -> Any:
     """The index sampler under a DataLoader / StatefulDataLoader / TrackedLoader (None when there is none)."""
-    inner = loader.loader if isinstance(loader, TrackedLoader) else loader
+    inner = inner_of(loader)
     batch_sampler = getattr(inner, "batch_sampler", None)
     if batch_sampler is not None and hasattr(batch_sampler, "sampler"):
         return batch_sampler.sampler
@@ -50,7 +62,7 @@ def sampler_of(loader: Any) -> Any:
 
 
 def batch_size_of(loader: Any) -> int | None:
-    inner = loader.loader if isinstance(loader, TrackedLoader) else loader
+    inner = inner_of(loader)
     size = getattr(inner, "batch_size", None)
     if size is None:
         size = getattr(getattr(inner, "batch_sampler", None), "batch_size", None)
@@ -143,7 +155,7 @@ class HfSplitAdapter:
     name = hs.KIND
 
     def matches(self, loader: Any) -> bool:
-        inner = loader.loader if isinstance(loader, TrackedLoader) else loader
+        inner = inner_of(loader)
         return (
             (isinstance(loader, TrackedLoader) or _is_stateful_dataloader(loader))
             and isinstance(getattr(inner, "dataset", None), hs.SplitDataset)
@@ -151,16 +163,12 @@ class HfSplitAdapter:
         )
 
     def _dataset(self, loader: Any) -> hs.SplitDataset:
-        inner = loader.loader if isinstance(loader, TrackedLoader) else loader
+        inner = inner_of(loader)
         return inner.dataset
 
     def position(self, loader: Any) -> RankPosition | None:
         ds_ = self._dataset(loader)
-        batches, finished = (
-            (loader.batches, loader.finished)
-            if isinstance(loader, TrackedLoader)
-            else stateful_batches(loader.state_dict())
-        )
+        batches, finished = batches_taken(loader)
         start, skip = ds_.epoch_base()
         size = batch_size_of(loader) or 1
         epoch_len = skip + len(ds_)
@@ -208,22 +216,18 @@ class HfIterableAdapter:
     name = hi.KIND
 
     def matches(self, loader: Any) -> bool:
-        inner = loader.loader if isinstance(loader, TrackedLoader) else loader
+        inner = inner_of(loader)
         return (isinstance(loader, TrackedLoader) or _is_stateful_dataloader(loader)) and isinstance(
             getattr(inner, "dataset", None), hi.SplitIterable
         )
 
     def _dataset(self, loader: Any) -> hi.SplitIterable:
-        inner = loader.loader if isinstance(loader, TrackedLoader) else loader
+        inner = inner_of(loader)
         return inner.dataset
 
     def position(self, loader: Any) -> RankPosition | None:
         ds_ = self._dataset(loader)
-        batches, finished = (
-            (loader.batches, loader.finished)
-            if isinstance(loader, TrackedLoader)
-            else stateful_batches(loader.state_dict())
-        )
+        batches, finished = batches_taken(loader)
         start, skip = ds_.epoch_base()
         size = batch_size_of(loader) or 1
         if finished and ds_.exhausted_at is not None:
@@ -284,7 +288,7 @@ def adapter_for(loader: Any) -> DataAdapter | None:
 def describe(loader: Any) -> str:
     """What the loader is, for a refusal: its class, its sampler, and an HF split when there is one."""
     sampler = sampler_of(loader)
-    inner = loader.loader if isinstance(loader, TrackedLoader) else loader
+    inner = inner_of(loader)
     dataset = getattr(inner, "dataset", None)
     parts = [type(loader).__name__]
     if sampler is not None:
