@@ -10,7 +10,8 @@
 #    --workers 2), dumping the truth (bench/dcp_compat.py make).
 # 2. For each torch minor version: a throwaway venv under /tmp with only that torch (latest patch release from
 #    PyPI, --no-deps), its pure-Python requirements and safetensors; bench/dcp_compat.py check loads both DCP
-#    folders with that torch's torch.distributed.checkpoint.load (no process group) and compares bit for bit.
+#    folders with that torch's torch.distributed.checkpoint.load (no process group) and compares bit for bit,
+#    then dcp.save's what it loaded; at the end the project imports each of those (bench/dcp_compat.py readback).
 #    PyPI's Linux torch wheels are CUDA builds: their CUDA libraries (only loaded, never used) come from the
 #    project venv's nvidia/ packages by symlink when it has them (same CUDA 12 sonames), else from PyPI.
 # Everything under /tmp is removed at exit (except DCP_COMPAT_WHEELS).
@@ -72,6 +73,13 @@ EOF
   fi
   rm -rf "$venv"
 done
+# the other direction: what each torch's own dcp.save wrote (check saves it) imports with the project
+if "$PY" -W ignore bench/dcp_compat.py readback "$WORK/data"; then
+  results+=("import of each version's dcp.save: OK")
+else
+  results+=("import of each version's dcp.save: FAIL")
+  status=1
+fi
 echo "DCP compatibility ($(date -u +%Y-%m-%d)):"
 printf '  %s\n' "${results[@]}"
 exit $status

@@ -98,7 +98,9 @@ def _norm(value: Any) -> Any:
     return value
 
 
-def check_one(folder: Path, truth: dict[str, Any], groups: list[dict[str, Any]]) -> list[str]:
+def check_one(
+    folder: Path, truth: dict[str, Any], groups: list[dict[str, Any]]
+) -> tuple[list[str], dict[str, Any]]:
     """Differences between what this torch's ``dcp.load`` gives for ``folder`` and the truth."""
     import torch
     import torch.distributed.checkpoint as dcp
@@ -130,23 +132,72 @@ def check_one(folder: Path, truth: dict[str, Any], groups: list[dict[str, Any]])
         else:
             param, key = rest.rsplit("/", 1)
             got = sd["optim"]["state"][param][key]
-        if got.dtype != want.dtype or got.shape != want.shape or not torch.equal(got, want):
+        if got.dtype != want.dtype or got.shape != want.shape:
             problems.append(f"{name}: got {got.dtype}{list(got.shape)}, want {want.dtype}{list(want.shape)}")
+        elif not torch.equal(got, want):
+            n = int((got != want).sum())
+            problems.append(f"{name}: {n} of {want.numel()} values differ")
     got_groups = _norm(sd["optim"]["param_groups"])
     if got_groups != _norm(groups):
         problems.append(f"param_groups: got {got_groups}, want {groups}")
-    return problems
+    return problems, sd
+
+
+def readback(data: Path) -> int:
+    """Project venv: each ``written-<version>`` folder (``dcp.save`` of an older torch) imports with ``ckpt
+    convert`` (``.metadata`` through the allow-list) to exactly the truth."""
+    import torch
+    from safetensors.torch import load_file
+
+    from ckpt import open_checkpoint, treecodec
+
+    truth = load_file(str(data / "truth.safetensors"))
+    groups = json.loads((data / "truth.json").read_text())["param_groups"]
+    failed = False
+    for folder in sorted(data.glob("written-*")):
+        out = data / f"imported-{folder.name}"
+        subprocess.run(
+            [sys.executable, "-m", "ckpt", "convert", str(folder), str(out), "--to", "cuda", "--step", "2"],
+            check=True,
+        )
+        r = open_checkpoint(str(out))
+        problems = []
+        for name, want in truth.items():
+            kind, rest = name.split("/", 1)
+            if kind == "optim" and want.dim() == 0:
+                param, key = rest.rsplit("/", 1)
+                got = treecodec.decode(r.manifest.optimizer["state"][param][key])
+            else:
+                got = r.read(rest if kind == "model" else name)
+            if got.dtype != want.dtype or not torch.equal(got, want):
+                problems.append(f"{name}: differs")
+        got_groups = [
+            {k: v for k, v in g.items() if k != "params"} for g in r.manifest.optimizer["param_groups"]
+        ]
+        want_groups = [{k: v for k, v in g.items() if k != "params"} for g in groups]
+        if _norm([{k: treecodec.decode(v) for k, v in g.items()} for g in got_groups]) != _norm(want_groups):
+            problems.append(f"param_groups: got {got_groups}")
+        print(f"import of {folder.name} (dcp.save): {'OK' if not problems else 'FAIL'}, {len(truth)} tensors")
+        for p in problems[:10]:
+            print(f"  {p}")
+        failed |= bool(problems)
+    return 1 if failed else 0
 
 
 def check(data: Path) -> int:
+    """Load every export with this torch; then ``dcp.save`` what was loaded to ``written-<torch version>`` (the
+    other direction: ``readback`` imports it with the project)."""
     import torch
+    import torch.distributed.checkpoint as dcp
     from safetensors.torch import load_file
 
     truth = load_file(str(data / "truth.safetensors"))
     groups = json.loads((data / "truth.json").read_text())["param_groups"]
     failed = False
     for name in EXPORTS:
-        problems = check_one(data / name, truth, groups)
+        problems, sd = check_one(data / name, truth, groups)
+        if name == "serial" and not problems:
+            dcp.save(sd, checkpoint_id=str(data / f"written-{torch.__version__.split('+')[0]}"))
         files = sorted(p.name for p in (data / name).glob("*.distcp"))
         status = "OK" if not problems else "FAIL"
         print(f"torch {torch.__version__}: {name} ({', '.join(files)}): {status}, {len(truth)} tensors")
@@ -157,13 +208,13 @@ def check(data: Path) -> int:
 
 
 def main(argv: list[str]) -> int:
-    if len(argv) != 2 or argv[0] not in ("make", "check"):
-        print("usage: dcp_compat.py make|check DIR", file=sys.stderr)
+    if len(argv) != 2 or argv[0] not in ("make", "check", "readback"):
+        print("usage: dcp_compat.py make|check|readback DIR", file=sys.stderr)
         return 2
     if argv[0] == "make":
         make(Path(argv[1]))
         return 0
-    return check(Path(argv[1]))
+    return (check if argv[0] == "check" else readback)(Path(argv[1]))
 
 
 if __name__ == "__main__":
