@@ -33,7 +33,7 @@ DIGEST_ALGO = "xxh3_128"
 class BaseIdentity:
     """What identifies a frozen base model: this rank's content ``digest`` and what it covers."""
 
-    digest: str
+    digest: str | None
     tensors: int
     bytes: int
     config: dict[str, Any] | None = None
@@ -154,6 +154,17 @@ def manifest_record(per_rank: list[BaseIdentity], lora: dict[str, Any] | None = 
     """``manifest.adapter``: the base's identity as every rank saw it (rank 0's config and source), and the
     adapter's own config (:func:`lora_config`) when known."""
     first = per_rank[0]
+    if first.digest is None:  # a converted adapter: its base is not known (docs/format.md)
+        return {
+            "lora": lora,
+            "base": {
+                "digest": None,
+                "tensors": 0,
+                "bytes": 0,
+                "config": first.config,
+                "source": first.source,
+            },
+        }
     return {
         "lora": lora,
         "base": {
@@ -180,6 +191,15 @@ def check_base(record: dict[str, Any], live: BaseIdentity, rank: int, world: int
             f"{where}: the adapter's base was recorded for {len(digests)} ranks holding different shards; restore "
             f"on {len(digests)} ranks (now {world}) or pass check_base=False"
         )
+    if want is None:  # converted from a format that does not identify the base (NxD LoRA tag, PEFT folder)
+        import warnings
+
+        warnings.warn(
+            f"{where}: the adapter's base is not recorded (converted from an NxD LoRA tag or PEFT folder); the "
+            "model's base was not checked",
+            stacklevel=3,
+        )
+        return
     if live.digest != want:
         saved_src = base.get("source") or "unknown source"
         live_src = live.source or "unknown source"

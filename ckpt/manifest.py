@@ -448,8 +448,12 @@ def _adapter_from_doc(value: Any, source: str) -> dict[str, Any] | None:
     if value is None:
         return None
     base = value.get("base")
-    if not isinstance(base, dict) or not isinstance(base.get("digest"), str):
-        raise ManifestError(f"{source}: adapter.base must be an object with a string digest")
+    if (
+        not isinstance(base, dict)
+        or "digest" not in base
+        or not isinstance(base["digest"], (str, type(None)))
+    ):
+        raise ManifestError(f"{source}: adapter.base must be an object with a string (or null) digest")
     digests = base.get("rank_digests")
     if digests is not None and (
         not isinstance(digests, list) or not all(isinstance(d, str) for d in digests)

@@ -42,6 +42,7 @@ Examples:
   ckpt convert big/ out/ --to cuda --workers 4 --dry-run
   ckpt convert peft_adapter/ out/lora_tag --to neuron --format nxd --tp 8 --qkv-linear --config base/config.json
   ckpt convert run/lora_step_500 out/peft --to cuda --format peft --config base/config.json
+  ckpt convert run/lora_step_500 out/lora_ckpt --to cuda --format ckpt --config base/config.json  # resume on GPU
   ckpt convert base_hf/ out/merged --to cuda --format hf --merge-lora out/peft
 
 \b

@@ -120,11 +120,16 @@ def inspect(checkpoint: str, as_json: bool, shards: bool) -> None:
         )
     if m.adapter is not None:
         base = m.adapter.get("base") or {}
-        out.print(
-            f"adapter only: base {base.get('source') or '(source unknown)'} {base.get('digest')}, "
-            f"{base.get('tensors')} tensors, {human_bytes(base.get('bytes') or 0)} not stored here",
-            markup=False,
-        )
+        if base.get("digest") is None:
+            out.print(
+                "adapter only: base not recorded (converted adapter; restore does not check it)", markup=False
+            )
+        else:
+            out.print(
+                f"adapter only: base {base.get('source') or '(source unknown)'} {base.get('digest')}, "
+                f"{base.get('tensors')} tensors, {human_bytes(base.get('bytes') or 0)} not stored here",
+                markup=False,
+            )
     versions = m.environment.get("versions", {})
     out.print("environment: " + ", ".join(f"{k} {v}" for k, v in versions.items()), markup=False)
 

@@ -173,24 +173,50 @@ def _ckpt_optimizer(reader: Any, hf_of: dict[str, str], src: str) -> dict[str, A
     return {"state": state, "param_groups": groups}
 
 
+def _source_step(src: str, run: RunOptions) -> int | None:
+    """The step the adapter source records: an NxD tag's (``tag_step``), else None (a PEFT folder records none)."""
+    if nxd_lora.is_lora_tag(src):
+        from .nxd.files import scan_tag
+        from .nxd.step import tag_step
+
+        return tag_step(scan_tag(Path(src)), verify=run.verify)
+    return None
+
+
 def convert_adapter(src: str, dst: str, opts: ConvertOptions, run: RunOptions | None = None) -> LoraResult:
-    """Convert the adapter at ``src`` to ``opts.format`` (``peft`` for ``--to cuda``, ``nxd`` for ``--to neuron``)."""
+    """Convert the adapter at ``src`` to ``opts.format`` (``peft`` or ``ckpt`` for ``--to cuda``, ``nxd`` for
+    ``--to neuron``)."""
     run = run or RunOptions()
-    if opts.format not in ("peft", "nxd"):
+    if opts.format not in ("peft", "nxd", "ckpt"):
         raise LayoutError(
-            f"--format {opts.format}: {src} is a LoRA adapter; it converts to --format peft (--to cuda) or "
+            f"--format {opts.format}: {src} is a LoRA adapter; it converts to --format peft or ckpt (--to cuda) or "
             "--format nxd (--to neuron); for a full model use --merge-lora with the base model as SRC"
         )
-    want = "cuda" if opts.format == "peft" else "neuron"
+    want = "neuron" if opts.format == "nxd" else "cuda"
     if opts.to != want:
-        raise LayoutError(f"--format {opts.format} holds the {want} layout; use --to {want}")
+        raise LayoutError(
+            f"--format {opts.format}: a LoRA adapter converts to the {want} layout there; use --to {want}"
+        )
+    if opts.format != "nxd" and opts.layout:
+        raise LayoutError(
+            f"--{next(iter(opts.layout)).replace('_', '-')} describes a Neuron target; --format {opts.format} has no "
+            "layout"
+        )
+    if opts.format == "ckpt" and _adapter_manifest(src, run.storage_options) is not None:
+        raise LayoutError(
+            f"--format ckpt: {src} is already an adapter checkpoint of ours (restore it directly; a copy would "
+            "lose its base identity)"
+        )
     adapter, src_flags = read_any(src, opts, run)
     if opts.format == "peft":
-        if opts.layout:
-            raise LayoutError(
-                f"--{next(iter(opts.layout)).replace('_', '-')} describes a Neuron target; --format peft has no layout"
-            )
         nbytes = peft.write_adapter(adapter, dst, run.storage_options)
+    elif opts.format == "ckpt":
+        from .lora_ckpt import ckpt_step, write_ckpt_adapter
+
+        nbytes = write_ckpt_adapter(
+            adapter, dst, step=ckpt_step(src, opts.step, _source_step(src, run)), source=src,
+            config=opts.config, storage_options=run.storage_options, codec=opts.codec,
+        )  # fmt: skip
     else:
         cfg = _need_config(opts, "laying an adapter out for NxD")
         base = src_flags or NxdFlags()

@@ -19,6 +19,7 @@ from ckpt.resume.continuity import check_continuation
 from tests._lora_models import build
 from tests._lora_train import train_lora
 from tests.conftest import run_ranks
+from tests.manifest_schema import schema_errors
 
 pytest.importorskip("peft")
 
@@ -226,3 +227,119 @@ def test_adapter_optimizer_state_through_nxd_tags(tmp_path) -> None:
         assert all(torch.equal(got[k], per[k]) and got[k].dtype == per[k].dtype for k in per), name
     assert [g["params"] for g in back.optimizer["param_groups"]] != [] and {
         n for g in back.optimizer["param_groups"] for n in g["params"]} == set(src.tensors)  # fmt: skip
+
+
+def _tie_shared_a_grads(model) -> None:  # noqa: ANN001
+    """NxD holds one lora_A for q/k/v (qkv_proj) and for gate/up: its gradient is the sum of the modules' ones."""
+    for layer in model.base_model.model.model.layers:
+        for mods in (
+            (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj),
+            (layer.mlp.gate_proj, layer.mlp.up_proj),
+        ):
+            ws = [m.lora_A["default"].weight for m in mods]
+            g = sum(w.grad for w in ws)
+            for w in ws:
+                w.grad = g.clone()
+
+
+def _train(model, opt, steps) -> list[float]:  # noqa: ANN001
+    losses = []
+    for seed in steps:
+        ids = torch.randint(0, 96, (2, 9), generator=torch.Generator().manual_seed(seed))
+        loss = model(input_ids=ids, labels=ids).loss
+        opt.zero_grad()
+        loss.backward()
+        _tie_shared_a_grads(model)
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+def test_peft_run_resumes_bit_identical_through_an_nxd_lora_tag(tmp_path) -> None:
+    """PEFT run (3 steps) -> adapter-only save -> NxD LoRA tag TP2 with optim/ files -> ``--format ckpt`` -> restore
+    into a fresh PeftModel + AdamW: the next losses equal the uninterrupted run's bit for bit."""
+    from tests._lora_models import save
+
+    model = build("llama", shared=("mlp", "qkv"), seed=9)
+    model.train()
+    opt = _opt(model)
+    _train(model, opt, range(3))
+    base, _ = save(model, tmp_path / "hf")
+    ckpt.save(str(tmp_path / "c"), step=3, model=model, optimizer=opt, adapter_only=True)
+    want = _train(model, opt, range(3, 6))
+    cfg = str(base / "config.json")
+    r = CliRunner().invoke(cli, ["convert", str(tmp_path / "c"), str(tmp_path / "step_3"), "--to", "neuron",
+                                 "--format", "nxd", "--tp", "2", "--config", cfg])  # fmt: skip
+    assert r.exit_code == 0, r.output
+    assert (tmp_path / "step_3" / "optim" / "dp_rank_00_tp_rank_01_pp_rank_00.pt").is_file()
+    r = CliRunner().invoke(cli, ["convert", str(tmp_path / "step_3"), str(tmp_path / "back"), "--to", "cuda",
+                                 "--format", "ckpt", "--config", cfg])  # fmt: skip
+    assert r.exit_code == 0, r.output
+    m = ckpt.open_checkpoint(str(tmp_path / "back")).manifest
+    assert m.step == 3 and m.adapter["base"]["digest"] is None and m.optimizer["type"] == "unknown"
+    assert m.adapter["lora"]["peft"]["r"] == 4
+    doc = json.loads((tmp_path / "back" / MANIFEST_NAME).read_text())
+    assert schema_errors(doc) == []
+    assert {n for n, t in m.tensors.items() if t.role == "parameter"} == {
+        n for n, p in model.named_parameters() if p.requires_grad
+    }
+    r = CliRunner().invoke(cli, ["inspect", str(tmp_path / "back")])
+    assert r.exit_code == 0 and "base not recorded" in r.output.replace("\n", " ")
+    fresh = build("llama", shared=("mlp", "qkv"), seed=9)
+    fresh.train()
+    opt2 = _opt(fresh)
+    with pytest.warns(UserWarning, match="base is not recorded"):
+        res = ckpt.restore(str(tmp_path / "back"), model=fresh, optimizer=opt2)
+    assert res.missing == [] and res.unexpected == [] and res.step == 3
+    assert _train(fresh, opt2, range(3, 6)) == want
+    unresumed = build("llama", shared=("mlp", "qkv"), seed=9).train()
+    opt3 = _opt(unresumed)
+    with pytest.warns(UserWarning):
+        ckpt.restore(str(tmp_path / "back"), model=unresumed)  # weights only: the moments are what differ
+    assert _train(unresumed, opt3, range(3, 6)) != want
+
+
+def test_nxd_lora_tag_to_ckpt_refusals(tmp_path) -> None:
+    """No step anywhere -> refused naming --step; a Neuron layout flag for --format ckpt -> refused; ZeRO-1 LoRA
+    optimizer files -> refused; nothing written at DST."""
+    from ckpt.safe_unpickle import load_torch_file
+    from tests._lora_models import save
+
+    model = build("llama", shared=("mlp", "qkv"), seed=9)
+    opt = _opt(model)
+    for p in opt.param_groups[0]["params"]:
+        p.grad = torch.ones_like(p)
+    opt.step()
+    base, adapter = save(model, tmp_path / "hf")
+    cfg = str(base / "config.json")
+    r = CliRunner().invoke(
+        cli, ["convert", str(adapter), str(tmp_path / "x"), "--to", "cuda", "--format", "ckpt"]
+    )
+    assert r.exit_code == 2 and "--step" in r.output and not (tmp_path / "x").exists()
+    r = CliRunner().invoke(cli, ["convert", str(adapter), str(tmp_path / "x"), "--to", "cuda", "--format", "ckpt",
+                                 "--tp", "2", "--step", "1"])  # fmt: skip
+    assert r.exit_code == 2 and "--tp" in r.output and not (tmp_path / "x").exists()
+    r = CliRunner().invoke(cli, ["convert", str(adapter), str(tmp_path / "p"), "--to", "cuda", "--format", "ckpt",
+                                 "--step", "7"])  # fmt: skip
+    assert r.exit_code == 0, r.output  # a PEFT folder: the adapter, no optimizer state
+    m = ckpt.open_checkpoint(str(tmp_path / "p")).manifest
+    assert m.step == 7 and m.optimizer is None
+    fresh = build("llama", shared=("mlp", "qkv"), seed=9)
+    with pytest.warns(UserWarning, match="base is not recorded"):
+        ckpt.restore(str(tmp_path / "p"), model=fresh)
+    assert all(torch.equal(p, dict(model.named_parameters())[n]) for n, p in fresh.named_parameters())
+    ckpt.save(str(tmp_path / "c"), step=1, model=model, optimizer=opt, adapter_only=True)
+    r = CliRunner().invoke(
+        cli, ["convert", str(tmp_path / "c"), str(tmp_path / "x"), "--to", "cuda", "--format", "ckpt"]
+    )
+    assert r.exit_code == 2 and "already an adapter checkpoint" in r.output and not (tmp_path / "x").exists()
+    tag = tmp_path / "tag"
+    r = CliRunner().invoke(cli, ["convert", str(tmp_path / "c"), str(tag), "--to", "neuron", "--format", "nxd",
+                                 "--tp", "2", "--config", cfg])  # fmt: skip
+    assert r.exit_code == 0, r.output
+    f = tag / "optim" / "dp_rank_00_tp_rank_00_pp_rank_00.pt"
+    o = load_torch_file(f)
+    torch.save({**o, "base_state": {}, "shape_info": {}}, f)  # the keys of NxD's ZeRO-1 optimizer file
+    r = CliRunner().invoke(cli, ["convert", str(tag), str(tmp_path / "x"), "--to", "cuda", "--format", "ckpt",
+                                 "--config", cfg, "--step", "1"])  # fmt: skip
+    assert r.exit_code == 2 and "ZeRO-1" in r.output and not (tmp_path / "x").exists()

@@ -260,6 +260,7 @@ MUTATIONS: dict[str, Callable[[dict[str, Any]], None]] = {
     "extra string": _set(_top, "extra", "x"),
     "adapter list": _set(_top, "adapter", []),
     "adapter without base digest": _set(_top, "adapter", {"base": {"source": "x"}}),
+    "adapter base digest a number": _set(_top, "adapter", {"base": {"digest": 3}}),
     "adapter rank_digests string": _set(
         _top, "adapter", {"base": {"digest": "xxh3_128:" + "0" * 32, "rank_digests": "x"}}
     ),

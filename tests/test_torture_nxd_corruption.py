@@ -83,7 +83,9 @@ def test_truncated_rank_file_is_named_everywhere(tag: Path, tmp_path: Path) -> N
     r = cli("inspect", str(tag))
     assert r.returncode != 0 and VICTIM.split("/")[1] in r.stderr and "Traceback" not in r.stderr
     r = cli("ls", str(tag.parent))
-    assert r.returncode == 0 and "truncated" in r.stdout and "Traceback" not in r.stderr
+    assert (
+        r.returncode == 1 and "truncated" in r.stdout and "Traceback" not in r.stderr
+    )  # ls: 1 = damage listed
 
 
 def test_deleted_rank_file_is_reported_everywhere(tag: Path, tmp_path: Path) -> None:
@@ -97,7 +99,7 @@ def test_deleted_rank_file_is_reported_everywhere(tag: Path, tmp_path: Path) -> 
     r = cli("inspect", str(tag))
     assert r.returncode == 1 and VICTIM in r.stderr and "missing" in r.stderr and "Traceback" not in r.stderr
     r = cli("ls", str(tag.parent))
-    assert r.returncode == 0 and "missing" in r.stdout
+    assert r.returncode == 1 and "missing" in r.stdout
 
 
 def test_deleted_optimizer_rank_file_is_refused_by_read_tag(tag: Path) -> None:
