@@ -7,7 +7,9 @@ optimizer_state_dict}`` exactly as ``torch.distributed.checkpoint.state_dict.get
 shape-only (``meta``) placeholders; we then stream each tensor in (one ``torch.save`` blob per tensor, DCP's
 default serialization) and write ``.metadata`` last, in a temp folder renamed into place.  Memory: one tensor.
 Parallel (:class:`DcpExport`): each worker writes its items into its own ``__<w>_0.distcp``, the coordinator
-merges their storage entries into ``.metadata``: DCP's own multi-rank layout.
+merges their storage entries into ``.metadata``: DCP's own multi-rank layout.  ``.metadata`` is pickled here as
+DCP's ``FileSystemWriter.finish`` pickles it; that it loads with the DCP of every supported torch (2.6 to 2.9) is
+checked by ``.ci/dcp_compat.sh`` (docs/convert.md, "DCP compatibility").
 
 Reader (:func:`open_dcp`): ``.metadata`` is unpickled through :func:`ckpt.safe_unpickle.load_pickle` with an
 explicit allow-list of DCP metadata classes (never plain pickle), each chunk is read by its offset/length and
