@@ -104,10 +104,7 @@ class DistributedSamplerAdapter:
 
     def position(self, loader: Any) -> RankPosition | None:
         sampler = sampler_of(loader)
-        if isinstance(loader, TrackedLoader):
-            batches, finished = loader.batches, loader.finished
-        else:
-            batches, finished = stateful_batches(loader.state_dict())
+        batches, finished = batches_taken(loader)
         start, skip = ds.epoch_base(sampler)
         epoch_len = ds.rank_epoch_len(sampler)
         size = batch_size_of(loader)
@@ -131,22 +128,11 @@ class DistributedSamplerAdapter:
         sampler = sampler_of(loader)
         order = position.order or {}
         ds.check_compatible(sampler, order, where)
-        rank, world = int(sampler.rank), int(sampler.num_replicas)
-        if position.prefix:
-            resume = ds.Resume(order, position.epoch, position.samples, 0)
-        elif world == position.dp:
-            # ranks stood at different counts (not a prefix): each continues its own share where it stopped
-            base = position.samples - sum(position.per_rank)
-            resume = ds.Resume(order, position.epoch, base, position.per_rank[rank])
-        else:
-            raise StateMismatchError(
-                f"{where}: the {position.dp} saving ranks had consumed different numbers of samples "
-                f"{list(position.per_rank)}, so the consumed samples are not a prefix of the epoch's order and "
-                f"cannot be re-split over {world} ranks (save at an optimizer-step boundary)"
-            )
-        ds.reposition(sampler, resume)
-        if isinstance(loader, TrackedLoader):
-            loader.batches, loader.finished = 0, False
+        start, skip = position.resume_point(
+            int(sampler.rank), int(sampler.num_replicas), where, "samples", "order"
+        )
+        ds.reposition(sampler, ds.Resume(order, position.epoch, start, skip))
+        _restart_count(loader)
 
 
 class HfSplitAdapter:
@@ -163,8 +149,7 @@ class HfSplitAdapter:
         )
 
     def _dataset(self, loader: Any) -> hs.SplitDataset:
-        inner = inner_of(loader)
-        return inner.dataset
+        return inner_of(loader).dataset
 
     def position(self, loader: Any) -> RankPosition | None:
         ds_ = self._dataset(loader)
@@ -187,23 +172,11 @@ class HfSplitAdapter:
             raise StateMismatchError(
                 f"{where}: saved data order is {order.get('kind')!r}, expected {hs.KIND!r}"
             )
-        size = batch_size_of(loader) or 1
-        if position.prefix:
-            resume = hs.Resume(order, position.epoch, position.samples, 0, size)
-        elif ds_.world_size == position.dp:
-            base = position.samples - sum(position.per_rank)
-            resume = hs.Resume(order, position.epoch, base, position.per_rank[ds_.rank], size)
-        else:
-            raise StateMismatchError(
-                f"{where}: the {position.dp} saving ranks had consumed different numbers of samples "
-                f"{list(position.per_rank)}: cannot re-split over {ds_.world_size} ranks"
-            )
-        try:
-            ds_.reposition(resume)
-        except StateMismatchError as e:
-            raise StateMismatchError(f"{where}: {e}") from None
-        if isinstance(loader, TrackedLoader):
-            loader.batches, loader.finished = 0, False
+        start, skip = position.resume_point(ds_.rank, ds_.world_size, where, "samples", "order")
+        _reposition_split(
+            ds_, hs.Resume(order, position.epoch, start, skip, batch_size_of(loader) or 1), where
+        )
+        _restart_count(loader)
 
 
 class HfIterableAdapter:
@@ -222,8 +195,7 @@ class HfIterableAdapter:
         )
 
     def _dataset(self, loader: Any) -> hi.SplitIterable:
-        inner = inner_of(loader)
-        return inner.dataset
+        return inner_of(loader).dataset
 
     def position(self, loader: Any) -> RankPosition | None:
         ds_ = self._dataset(loader)
@@ -248,23 +220,23 @@ class HfIterableAdapter:
             raise StateMismatchError(
                 f"{where}: saved data order is {order.get('kind')!r}, expected {hi.KIND!r}"
             )
-        if position.prefix:
-            resume = hi.Resume(order, position.epoch, position.samples, 0)
-        elif ds_.world_size == position.dp:
-            base = position.samples - sum(position.per_rank)
-            resume = hi.Resume(order, position.epoch, base, position.per_rank[ds_.rank])
-        else:
-            raise StateMismatchError(
-                f"{where}: the {position.dp} saving ranks had consumed different numbers of examples "
-                f"{list(position.per_rank)}, so the consumed examples are not a prefix of the epoch's stream and "
-                f"cannot be re-split over {ds_.world_size} ranks (save at an optimizer-step boundary)"
-            )
-        try:
-            ds_.reposition(resume)
-        except StateMismatchError as e:
-            raise StateMismatchError(f"{where}: {e}") from None
-        if isinstance(loader, TrackedLoader):
-            loader.batches, loader.finished = 0, False
+        start, skip = position.resume_point(ds_.rank, ds_.world_size, where, "examples", "stream")
+        _reposition_split(ds_, hi.Resume(order, position.epoch, start, skip), where)
+        _restart_count(loader)
+
+
+def _reposition_split(dataset: Any, resume: Any, where: str) -> None:
+    """Move an HF split dataset of ckpt's to ``resume``; its refusals name the checkpoint."""
+    try:
+        dataset.reposition(resume)
+    except StateMismatchError as e:
+        raise StateMismatchError(f"{where}: {e}") from None
+
+
+def _restart_count(loader: Any) -> None:
+    """A tracked loader counts batches from the restored position on."""
+    if isinstance(loader, TrackedLoader):
+        loader.batches, loader.finished = 0, False
 
 
 _ADAPTERS: list[DataAdapter] = [DistributedSamplerAdapter(), HfSplitAdapter(), HfIterableAdapter()]

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import ManifestError
+from ..errors import ManifestError, StateMismatchError
 
 JSON = Any
 
@@ -99,6 +99,24 @@ class DataPosition:
             "samples_total": self.samples_total,
             "tokens": self.tokens,
         }
+
+    def resume_point(self, rank: int, world: int, where: str, unit: str, sequence: str) -> tuple[int, int]:
+        """Where live rank ``rank`` of ``world`` continues: ``(start, skip)`` = the global index the resumed epoch
+        starts from and how many of this rank's share from there it already had.
+
+        A prefix position re-splits over any DP size (every rank starts fresh from the global index).  Ranks that
+        stood at different counts continue their own shares where each stopped, which needs the same DP size; on
+        another one nothing exact is possible and it is refused (``unit``/``sequence`` name what the adapter
+        counts: "samples" of the epoch's "order", "examples" of its "stream")."""
+        if self.prefix:
+            return self.samples, 0
+        if world == self.dp:
+            return self.samples - sum(self.per_rank), self.per_rank[rank]
+        raise StateMismatchError(
+            f"{where}: the {self.dp} saving ranks had consumed different numbers of {unit} "
+            f"{list(self.per_rank)}, so the consumed {unit} are not a prefix of the epoch's {sequence} and "
+            f"cannot be re-split over {world} ranks (save at an optimizer-step boundary)"
+        )
 
     @staticmethod
     def from_json(doc: Any, source: str = "manifest") -> DataPosition:
