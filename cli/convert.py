@@ -6,9 +6,7 @@ Thin: parses flags into :class:`ckpt.converters.convert.ConvertOptions`, shows a
 
 from __future__ import annotations
 
-import contextlib
-import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import click
@@ -203,12 +201,11 @@ def convert(
         )
         return
     if dry_run:
-        with held_warnings():
-            source = open_source(src, opts, run)
-            try:
-                d = describe(plan_conversion(source, opts), opts, run)
-            finally:
-                source.close()
+        source = open_source(src, opts, run)
+        try:
+            d = describe(plan_conversion(source, opts), opts, run)
+        finally:
+            source.close()
         if as_json:
             import json
 
@@ -235,35 +232,7 @@ def convert(
         )
         out.print(f"  step: {d['step']}, workers: {workers}")
         return
-    with held_warnings() as release:
-        _run(run_convert, src, dst, opts, run, as_json, release)
-
-
-@contextlib.contextmanager
-def held_warnings() -> Iterator[Callable[[], None]]:
-    """Hold the warnings raised while a conversion is opened and planned; show them once the plan stands (the
-    yielded ``release``, or a normal exit). A refused conversion then prints its one error line and nothing about
-    a conversion that never happened."""
-    shown = warnings.showwarning
-    held: list[tuple[Any, ...]] = []
-
-    def hold(
-        message: Any, category: Any, filename: str, lineno: int, file: Any = None, line: Any = None
-    ) -> None:
-        held.append((message, category, filename, lineno))
-
-    def release() -> None:
-        warnings.showwarning = shown
-        while held:
-            shown(*held.pop(0))
-
-    warnings.showwarning = hold
-    try:
-        yield release
-    except BaseException:
-        warnings.showwarning = shown
-        raise
-    release()
+    _run(run_convert, src, dst, opts, run, as_json)
 
 
 #: options that mean something for one output format only: (option name, flag, the format)
@@ -308,7 +277,7 @@ def parse_size(text: str, flag: str) -> int:
     return int(float(m.group(1)) * _UNITS[unit])
 
 
-def _run(run_convert, src: str, dst: str, opts, run, as_json: bool, release) -> None:  # noqa: ANN001 - internal
+def _run(run_convert, src: str, dst: str, opts, run, as_json: bool) -> None:  # noqa: ANN001 - internal
     from rich.progress import (
         BarColumn,
         DownloadColumn,
@@ -331,7 +300,6 @@ def _run(run_convert, src: str, dst: str, opts, run, as_json: bool, release) -> 
         task = bar.add_task("convert", total=None)
 
         def on_plan(nbytes: int) -> None:
-            release()
             bar.update(task, total=nbytes)
 
         result = run_convert(src, dst, opts, run, progress=lambda n: bar.advance(task, n), on_plan=on_plan)
