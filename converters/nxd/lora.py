@@ -36,7 +36,7 @@ from ..peft import Adapter, check_config
 from .files import scan_tag
 from .naming import rank_file_name
 from .source import _kv_multiplier, check_usable
-from .xser import load_nxd_file, save_nxd_file
+from .xser import can_mmap, load_checked, load_nxd_file, save_nxd_file
 
 CONFIG_NAME = "adapter_config.json"
 LORA_CONFIG_KEY = "lora_config"
@@ -48,7 +48,9 @@ NXD_FIELDS = (
 
 
 def _peek(path: Path, xser: bool) -> dict[str, Any]:
-    obj = load_nxd_file(path, xser, mmap=not xser, verify=False)
+    """The top-level keys' objects of one rank file, cheaply: memory-mapped (plain) or the xser ref file alone (its
+    tensors stay references; no tensor file is read)."""
+    obj = load_checked(path, verify=False, mmap=not xser and can_mmap(path))
     return obj if isinstance(obj, dict) else {}
 
 
