@@ -12,7 +12,7 @@ import tarfile
 from pathlib import Path
 
 ARCHIVE = Path(__file__).resolve().parent / "vendor" / "nxd-2.29.tar.xz"
-SHA256 = "ad05e98e14432d8ba8c7842e09f780c727344c8b4416a6330d56d7299bab9cc1"
+SHA256 = "225b802c3fbb583f0fe55c56b0fb14a835da40d37676fe3ae38aefe93a88d281"
 COMMIT = "fbac349b61a3adbb123c2983835af692840ff62f"
 
 

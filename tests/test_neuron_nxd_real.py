@@ -112,6 +112,7 @@ def _nxd_full_state(runs: dict[str, Any], name: str, out: Path) -> dict[str, tor
 
     tp, pp = LAYOUTS[name]
     src = runs["nxd_src"]
+    out.mkdir(parents=True)
     config = out / "config.json"
     R.config_json(config)
     env = dict(os.environ, NXD_SRC=src, NXD_CPU_MODE="1", PYTHONPATH=os.pathsep.join([R.SHIM, src]))

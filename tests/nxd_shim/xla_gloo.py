@@ -11,6 +11,7 @@ module replaces exactly those pieces of torch_xla (not of NxD), in each rank pro
   norm call with ``groups=[[global ranks], ...]``): host copies of the XLA tensors reduced/gathered over the gloo
   group holding this rank, the result put back on the XLA device (same arithmetic: sum, then ``scale``);
 * ``xm.rendezvous``: ``torch.distributed.barrier``;
+* ``xenv.HOST_WORLD_SIZE`` (a name torch_xla 2.9 dropped, read by NxD's ``get_local_world_size`` off Neuron): one host;
 * ``torch.distributed`` collectives called by NxD's CPU-mode code (``NXD_CPU_MODE=1``: ``all_reduce``, ``all_gather``,
   ``all_gather_into_tensor``, ``reduce``, ``scatter``, ``broadcast``) on XLA tensors: the call runs on host copies and
   every XLA tensor argument is written back (gloo cannot read XLA tensors); a ``group=`` given as a list of
@@ -25,6 +26,7 @@ NxD's layers, optimizer, save and converter) runs as shipped.
 from __future__ import annotations
 
 import functools
+import os
 from typing import Any
 
 import torch
@@ -186,4 +188,11 @@ def install() -> None:
         setattr(mod, name, fn)
     for name in ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce", "scatter", "broadcast"):
         setattr(dist, name, _on_host(getattr(dist, name)))
+    import torch_xla.core.xla_env_vars as xenv
+
+    # NxD's get_local_world_size (parallel_layers/utils.py) reads os.environ[xenv.HOST_WORLD_SIZE] unless PJRT_DEVICE is
+    # NEURON; torch_xla 2.9 no longer defines that name.  One host: every rank is local.
+    if not hasattr(xenv, "HOST_WORLD_SIZE"):
+        xenv.HOST_WORLD_SIZE = "XRT_HOST_WORLD_SIZE"
+    os.environ.setdefault(xenv.HOST_WORLD_SIZE, "1")
     xm._nxd_shim_gloo = True
