@@ -7,16 +7,16 @@ with :class:`NeuronCheckpointer` *and* with NxD's ``save_checkpoint`` (same live
 processes restores the ckpt checkpoint and trains steps 3-4.  Proven:
 
 * the saved manifest's TP partitions are what NxD's layers set (``source: attributes``), with the layout sizes;
+* where ckpt falls back to its ``nxd-llama`` rules (parameters without attributes), the rules place every shard as
+  NxD's layers do;
 * ckpt's HF export of that manifest equals, tensor for tensor, NxD's ``checkpoint_converter --convert_to_full_state``
-  run on NxD's own tag of the same state;
+  (run by rank 0, where NxD is already imported) on NxD's own tag of the same state;
 * the restore gives every rank bit-exactly its parameters, ZeRO-1 moment shards and master-weight shards back, and
   the losses after the restore equal the uninterrupted run's exactly.
 """
 
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -43,6 +43,8 @@ def _rank_run(rank: int, world: int, nxd_src: str, root: str, mode: str) -> dict
         model = R.build(ps)
         opt = R.make_optimizer(ps, model)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
+        if mode == "first":
+            out[f"{name}:rules"] = _rules_disagree(model)
         base = Path(root) / name
         losses: dict[int, float | None] = {}
         start = 0
@@ -67,6 +69,8 @@ def _rank_run(rank: int, world: int, nxd_src: str, root: str, mode: str) -> dict
                     str(base / "nxd"), f"step_{SAVE_AT}", model=model, optimizer=opt, scheduler=sched,
                     user_content={"step": SAVE_AT},
                 )  # fmt: skip
+                if rank == 0:  # NxD is imported here already: its converter runs here, not in another process
+                    _nxd_convert_to_full(nxd_src, base, tp, pp)
             losses[step] = R.train_step(ps, model, opt, step, sched)
         out[name] = losses
         ps.destroy_model_parallel()
@@ -105,27 +109,53 @@ def test_manifest_partitions_come_from_nxd_layers(runs: dict[str, Any], name: st
     assert m.extra["nxd"]["qkv_linear"] is True
 
 
-def _nxd_full_state(runs: dict[str, Any], name: str, out: Path) -> dict[str, torch.Tensor]:
-    """NxD's own converter (``examples/training/llama/convert_checkpoints.py``, i.e. ``checkpoint_converter``) on
-    NxD's own tag, in a subprocess with the shim: ``--convert_to_full_state``."""
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_nxd_layer_attributes_agree_with_ckpt_rules(runs: dict[str, Any], name: str) -> None:
+    """Where ckpt falls back to its rule set (parameters without NxD attributes), it places shards as NxD's layers do."""
+    for rank in range(4):
+        assert runs["first"][rank][f"{name}:rules"] == [], rank
+
+
+def _nxd_convert_to_full(nxd_src: str, base: Path, tp: int, pp: int) -> None:
+    """NxD's own converter command line (``examples/training/llama/convert_checkpoints.py``, i.e.
+    ``checkpoint_converter``) on NxD's own tag: ``--convert_to_full_state``, output ``base/nxd_full/checkpoint.pt``."""
+    import runpy
+
     import _nxd_real as R
 
-    tp, pp = LAYOUTS[name]
-    src = runs["nxd_src"]
-    out.mkdir(parents=True)
-    config = out / "config.json"
-    R.config_json(config)
-    env = dict(os.environ, NXD_SRC=src, NXD_CPU_MODE="1", PYTHONPATH=os.pathsep.join([R.SHIM, src]))
-    script = Path(src).parent / "examples" / "training" / "llama" / "convert_checkpoints.py"
-    cmd = [
-        sys.executable, str(script), "--convert_to_full_state", "--input_dir",
-        str(runs["root"] / name / "nxd" / f"step_{SAVE_AT}" / "model"), "--output_dir", str(out),
-        "--config", str(config), "--tp_size", str(tp), "--pp_size", str(pp), "--qkv_linear", "1",
-        "--kv_size_multiplier", "1", "--hw_backend", "trn1", "--n_layers", str(R.LAYERS),
+    out = base / "nxd_full"
+    out.mkdir()
+    R.config_json(out / "config.json")
+    argv = [
+        "convert_checkpoints.py", "--convert_to_full_state", "--input_dir", str(base / "nxd" / f"step_{SAVE_AT}" / "model"),
+        "--output_dir", str(out), "--config", str(out / "config.json"), "--tp_size", str(tp), "--pp_size", str(pp),
+        "--qkv_linear", "1", "--kv_size_multiplier", "1", "--hw_backend", "trn1", "--n_layers", str(R.LAYERS),
     ]  # fmt: skip
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return torch.load(out / "checkpoint.pt", weights_only=True)
+    saved, sys.argv = sys.argv, argv
+    try:
+        runpy.run_path(
+            str(Path(nxd_src).parent / "examples/training/llama/convert_checkpoints.py"), run_name="__main__"
+        )
+    finally:
+        sys.argv = saved
+
+
+def _rules_disagree(model: torch.nn.Module) -> list[str]:
+    """Parameters where the layout from NxD's attributes differs from ckpt's ``nxd-llama`` rules for the same name."""
+    from ckpt.neuron import NxdLayout, ParallelInfo
+    from ckpt.state import model_tensors
+
+    par = ParallelInfo.detect()
+    by_attr, by_rule = NxdLayout(model, par, rule_set=None), NxdLayout(torch.nn.Module(), par)
+    bad = []
+    for nt in model_tensors(model):
+        a, r = by_attr(nt), by_rule(nt)
+        if (a is None) != (r is None) or (
+            a is not None
+            and (a[:2] != r[:2] or (a[3]["dim"], a[3]["stride"]) != (r[3]["dim"], r[3]["stride"]))
+        ):
+            bad.append(nt.name)
+    return bad
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
@@ -136,7 +166,7 @@ def test_hf_export_equals_nxd_converter_on_nxd_tag(runs: dict[str, Any], name: s
 
     from ckpt.layouts import bit_equal
 
-    theirs = _nxd_full_state(runs, name, tmp_path / "nxd_full")
+    theirs = torch.load(runs["root"] / name / "nxd_full" / "checkpoint.pt", weights_only=True)
     convert(
         str(runs["root"] / name / "ckpt"),
         str(tmp_path / "hf"),
@@ -177,3 +207,19 @@ def test_restore_bit_exact_and_losses_continue(runs: dict[str, Any], name: str) 
         assert {s: first[s] for s in resumed} == resumed, rank
     last = [r for r in runs["first"] if r[name][STEPS - 1] is not None]
     assert last and all(isinstance(r[name][STEPS - 1], float) for r in last)
+
+
+def test_vendored_archive_is_checked(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A changed archive is a changed reference: extraction refuses it (and extracts nothing)."""
+    import nxd_vendor
+
+    if not nxd_vendor.ARCHIVE.is_file():
+        pytest.skip(f"NxD source archive {nxd_vendor.ARCHIVE} is absent")
+    data = bytearray(nxd_vendor.ARCHIVE.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    bad = tmp_path / "nxd.tar.xz"
+    bad.write_bytes(bytes(data))
+    monkeypatch.setattr(nxd_vendor, "ARCHIVE", bad)
+    with pytest.raises(AssertionError, match="sha256"):
+        nxd_vendor.extract(tmp_path / "out")
+    assert not (tmp_path / "out").exists()
