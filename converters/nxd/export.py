@@ -19,6 +19,7 @@ import torch
 
 from ckpt import treecodec
 from ckpt.errors import CkptError, LayoutError
+from ckpt.layouts.nxd_order import nxd_param_order
 
 from ..engine import Conversion, OutPart, Rank, Staging, UnitReceipt, check_cover, produce
 from ..engine.export import Progress
@@ -100,6 +101,11 @@ def build_rank(
                 states.setdefault(d.param, {})[d.key] = data
         else:
             model[d.name] = data
+    assert conv.flags is not None
+    rule_set = conv.record.rule_set if conv.record is not None else None
+    in_order = nxd_param_order(model, rule_set, pp=conv.flags.pp)
+    if in_order is not None:  # NxD loads by name; its own files list the live model's order, so ours do too
+        model = {n: model[n] for n in in_order}
     opt = conv.trees.optimizer
     if opt is None:
         if states or master:
@@ -118,6 +124,7 @@ def build_rank(
     for p, per in opt.get("state", {}).items():
         if p in names:
             states.setdefault(p, {}).update({k: treecodec.decode(v) for k, v in per.items()})
+    groups = _nxd_ordered(conv, groups)
     order = [n for g in groups for n in g["params"]]
     extra = conv.record.optimizer_extra if conv.record is not None else None
     return model, {
@@ -126,6 +133,30 @@ def build_rank(
         "master_weights": {n: master[n] for n in order if n in master} or None,
         "extra": dict(treecodec.decode(extra)) if extra is not None else {},
     }
+
+
+def _nxd_ordered(conv: Conversion, groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each param group's names in the order NxD's live model lists them, so that NxD's positional
+    ``optimizer.load_state_dict`` puts every moment on its own parameter (:mod:`ckpt.layouts.nxd_order`).
+
+    Where that order is not known: a Neuron-layout source with the same pipeline size keeps its groups' order (it
+    is the order of the optimizer that saved them); a single group keeps the source's order, as before; several
+    groups are refused, never guessed.
+    """
+    f = conv.flags
+    assert f is not None
+    rule_set = conv.record.rule_set if conv.record is not None else None
+    ordered = [nxd_param_order(g["params"], rule_set, pp=f.pp) for g in groups]
+    if all(o is not None for o in ordered):
+        return [{**g, "params": o} for g, o in zip(groups, ordered, strict=True)]
+    src = conv.source
+    if len(groups) <= 1 or (src.layout == "neuron" and src.flags is not None and src.flags.pp == f.pp):
+        return groups
+    raise LayoutError(
+        f"{src.path}: an optimizer with {len(groups)} param groups cannot be written as an NxD tag of rule set "
+        f"{rule_set} with pp={f.pp}: NxD loads optimizer state by position and ckpt does not know NxD's parameter "
+        "order for this layout; write --format ckpt --to neuron instead"
+    )
 
 
 class NxdExport:
@@ -149,6 +180,12 @@ class NxdExport:
         self.dp_size = conv.flags.dp if self.zero1 else 1
         self.storage_options = storage_options
         self.verify = verify
+        if (
+            conv.trees.optimizer is not None
+        ):  # refuse an optimizer NxD could not load before anything is written
+            _nxd_ordered(
+                conv, [{"params": list(g["params"])} for g in conv.trees.optimizer.get("param_groups", [])]
+            )
         by_rank = rank_parts(conv)
         self.ranks = sorted(by_rank)
         self.parts = [by_rank[r] for r in self.ranks]

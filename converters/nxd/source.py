@@ -167,7 +167,8 @@ class NxdTagSource(Source):
         self.path = str(path)
         self.config = dict(config) if config is not None else None
         status = check_usable(path, allow_unmarked)
-        self.r = open_tag(path, param_names=param_names, verify=verify, mmap=True)
+        rule_set = rule_set or rule_set_for_config(self.config)  # default: the config's model family
+        self.r = open_tag(path, param_names=param_names, verify=verify, mmap=True, rule_set=rule_set)
         meta = self.r.meta
         if meta.ep_size > 1:
             raise LayoutError(
@@ -205,7 +206,6 @@ class NxdTagSource(Source):
         }
         detected.update(given)
         replicated = tuple(replicated)
-        rule_set = rule_set or rule_set_for_config(self.config)  # default: the config's model family
         family = family_for_rule_set(rule_set)
         if family.experts is not None:
             raise LayoutError(
