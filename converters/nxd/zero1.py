@@ -63,7 +63,9 @@ def _pid_groups(groups: Sequence[Mapping[str, Any]], pid_of: Mapping[str, int]) 
     optimizer built from named parameters saves), so readers need not guess which pid is which parameter."""
     out = []
     for g in groups:
-        d = _hyper(g)
+        d = {
+            k: v for k, v in g.items() if k != "param_names"
+        }  # keys in the source's order (NxD's: params last)
         d["params"] = [pid_of[n] for n in g["params"]]
         d["param_names"] = list(g["params"])
         out.append(d)
