@@ -18,15 +18,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from ckpt.converters import nxd
 from ckpt.cli.main import cli
+from ckpt.converters import nxd
 from ckpt.converters.convert import ConvertOptions, convert
+from click.testing import CliRunner
 
 from ckpt import open_checkpoint
 from ckpt.errors import CorruptionError, StateMismatchError
 from ckpt.layouts import bit_equal
 from ckpt.layouts.nxd_order import nxd_param_order
-from click.testing import CliRunner
 from tests.cli_helpers import FIX, tree
 
 transformers = pytest.importorskip("transformers")
