@@ -195,6 +195,15 @@ def test_tag_without_param_names_is_named_by_nxd_order(tags: dict[str, Path], tm
         StateMismatchError, match=r"optim/dp_rank_00_tp_rank_00_pp_rank_00\.pt: 2 param groups"
     ):
         nxd.read_tag(tag, rule_set="nxd-qwen3")
+    # a model file in another order than NxD's (what ckpt wrote from an HF source before param_names: sorted keys)
+    # says nothing about the pids: refused, not guessed
+    for f in (tag / "model").glob("*.pt"):
+        sd = torch.load(f, weights_only=True)
+        torch.save(dict(sorted(sd.items())), f)
+    with pytest.raises(
+        StateMismatchError, match=r"no param_names, and the model file lists 'lm_head.weight' where"
+    ):
+        nxd.read_tag(tag)
 
 
 def test_groups_disagreeing_with_names_are_refused(tags: dict[str, Path], tmp_path: Path) -> None:

@@ -108,12 +108,14 @@ def resolve_param_names(
     """Name of each pid (index = pid), checked against ``shape_info``; refused rather than guessed.
 
     NxD resumes with ``optimizer.load_state_dict``, which maps pids to parameters by position, so the names are:
-    ``explicit`` (the caller's), else the groups' ``param_names`` (both must agree when both exist), else NxD's
-    parameter order for the layout (``order``: :func:`ckpt.layouts.nxd_order.nxd_param_order` of the model shard's
-    names, None where unknown).  One group: that order, or the model shard's key order where it is unknown (NxD
-    saves ``model.state_dict()``, which lists parameters as the live model does).  Two groups: NxD's examples'
-    weight-decay split (``get_param_groups_by_weight_decay``: names without "bias"/"norm", then the others, each in
-    NxD's order) when the group sizes fit it, and only where NxD's order is known; anything else is refused.
+    ``explicit`` (the caller's), else the groups' ``param_names`` (both must agree when both exist), else the model
+    file's key order: NxD saves ``model.state_dict()``, which lists parameters as the live model does.  That order
+    is used only where it is NxD's parameter order for the layout (``order``:
+    :func:`ckpt.layouts.nxd_order.nxd_param_order` of the model shard's names, None where ckpt does not know it);
+    a model file in another order (ckpt's tags before ``param_names``, whose model keys followed the source) is
+    refused.  One group: that order.  Two groups: NxD's examples' weight-decay split
+    (``get_param_groups_by_weight_decay``: names without "bias"/"norm", then the others) of it when the group sizes
+    fit, and only where NxD's order is known; anything else is refused.
     ``num_params`` is for plain torch.optim dicts, where ``shape_info`` comes from the state tensors and may miss pids.
     """
     n = len(shape_info) if num_params is None else num_params
@@ -140,8 +142,14 @@ def resolve_param_names(
         cand = given
     else:
         nxd = order(model_names) if order is not None else None
+        if nxd is not None and nxd != model_names:
+            bad = next(i for i, (a, b) in enumerate(zip(nxd, model_names, strict=True)) if a != b)
+            raise StateMismatchError(
+                f"{where}: no param_names, and the model file lists '{model_names[bad]}' where NxD's parameter order "
+                f"has '{nxd[bad]}', so the order its pids follow is unknown; pass param_names"
+            )
         if len(param_groups) <= 1:
-            cand = nxd if nxd is not None else model_names
+            cand = model_names
         elif nxd is None:
             raise StateMismatchError(
                 f"{where}: {len(param_groups)} param groups and no param_names, and NxD's parameter order for this "
