@@ -262,3 +262,17 @@ def test_order_table_is_nxds_module_order() -> None:
     assert nxd_param_order(names, "nxd-llama", pp=2) is None
     assert nxd_param_order([*names, "model.layers.0.self_attn.q_norm.weight"], "nxd-llama") is None
     assert nxd_param_order(names, "nxd-qwen3") is None
+
+
+def test_qkv_biases_follow_nxds_registration() -> None:
+    """Qwen2-style q/k/v biases: HF lists each bias after its weight; NxD's ``GQAQKVColumnParallelLinear``
+    registers ``weight_q, weight_k, weight_v`` then ``bias_q, bias_k, bias_v`` (NxD 2.29 ``modules/qkv_linear.py``),
+    so a single group taken over from HF order would put bias moments on K/V weights; the writer reorders them."""
+    p = "model.layers.0.self_attn."
+    hf_mapped = [f"{p}qkv_proj.{w}_{x}" for x in "qkv" for w in ("weight", "bias")]
+    assert nxd_param_order([*hf_mapped, f"{p}o_proj.weight", f"{p}o_proj.bias"], "nxd-llama") == [
+        *(f"{p}qkv_proj.weight_{x}" for x in "qkv"),
+        *(f"{p}qkv_proj.bias_{x}" for x in "qkv"),
+        f"{p}o_proj.weight",
+        f"{p}o_proj.bias",
+    ]

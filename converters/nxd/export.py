@@ -139,9 +139,10 @@ def _nxd_ordered(conv: Conversion, groups: list[dict[str, Any]]) -> list[dict[st
     """Each param group's names in the order NxD's live model lists them, so that NxD's positional
     ``optimizer.load_state_dict`` puts every moment on its own parameter (:mod:`ckpt.layouts.nxd_order`).
 
-    Where that order is not known: a Neuron-layout source with the same pipeline size keeps its groups' order (it
-    is the order of the optimizer that saved them); a single group keeps the source's order, as before; several
-    groups are refused, never guessed.
+    Where that order is not known: an NxD tag with the same pipeline size keeps its groups' order (the order of
+    the NxD optimizer that saved them, which its reader named from ``param_names`` or NxD's own model files); a
+    single group keeps the source's order, as before; several groups from anything else (an HF Trainer, or one of
+    our Neuron-layout checkpoints, which may have been converted from CUDA) are refused, never guessed.
     """
     f = conv.flags
     assert f is not None
@@ -150,7 +151,7 @@ def _nxd_ordered(conv: Conversion, groups: list[dict[str, Any]]) -> list[dict[st
     if all(o is not None for o in ordered):
         return [{**g, "params": o} for g, o in zip(groups, ordered, strict=True)]
     src = conv.source
-    if len(groups) <= 1 or (src.layout == "neuron" and src.flags is not None and src.flags.pp == f.pp):
+    if len(groups) <= 1 or (src.format == "nxd" and src.flags is not None and src.flags.pp == f.pp):
         return groups
     raise LayoutError(
         f"{src.path}: an optimizer with {len(groups)} param groups cannot be written as an NxD tag of rule set "
