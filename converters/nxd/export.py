@@ -181,12 +181,9 @@ class NxdExport:
         self.dp_size = conv.flags.dp if self.zero1 else 1
         self.storage_options = storage_options
         self.verify = verify
-        if (
-            conv.trees.optimizer is not None
-        ):  # refuse an optimizer NxD could not load before anything is written
-            _nxd_ordered(
-                conv, [{"params": list(g["params"])} for g in conv.trees.optimizer.get("param_groups", [])]
-            )
+        opt = conv.trees.optimizer
+        if opt is not None:  # an optimizer NxD could not load is refused before anything is written
+            _nxd_ordered(conv, [{"params": list(g["params"])} for g in opt.get("param_groups", [])])
         by_rank = rank_parts(conv)
         self.ranks = sorted(by_rank)
         self.parts = [by_rank[r] for r in self.ranks]
