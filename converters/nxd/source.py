@@ -29,7 +29,7 @@ from ckpt import treecodec
 from ckpt.dtypes import dtype_name
 from ckpt.errors import CkptError, CorruptionError, LayoutError
 from ckpt.layouts import LayoutSpec, Piece, plan_nxd_to_full
-from ckpt.layouts.families import family_for_rule_set, rule_set_for_config
+from ckpt.layouts.families import family_for_rule_set, get_family, rule_set_for_config
 from ckpt.layouts.names import EXPERT_STACKED, nxd_to_hf_names
 from ckpt.layouts.partition import partition_entry
 from ckpt.layouts.pipeline import layer_index, layers_of_pp_rank
@@ -213,6 +213,10 @@ class NxdTagSource(Source):
             else frozenset()
         )
         if ep > 1 and not self._stacked:
+            if self.config and self.config.get("model_type"):
+                get_family(
+                    str(self.config["model_type"])
+                )  # an unknown family: refused with the supported ones
             raise LayoutError(
                 f"{self.path}: rank files carry ep_rank (ep={ep}) but no NxD expert tensors "
                 f"(rule set {rule_set}); expert parallelism needs an MoE model: pass its --config"

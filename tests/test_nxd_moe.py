@@ -1,0 +1,309 @@
+"""NxD tags of MoE models (Mixtral, Qwen3-MoE) with expert parallelism, both ways, against NxD's own layers.
+
+Ground truth: ``fixtures/nxd_layers`` (NxD 2.29's ``RouterTopK`` / ``Experts`` / GQA layers run on CPU gloo ranks; see
+its README), trn1 and trn2.  An NxD tag holding exactly those rank tensors (``model/dp_rank_00_ep_rank_EE_tp_rank_TT_
+pp_rank_PP.pt``, as NxD's ``save_checkpoint`` names them with EP) converts to the HF truth tensor for tensor and to a
+model ``transformers`` loads with the truth's logits; HF -> NxD tag writes exactly NxD's rank tensors (plain and xser,
+xser keeping non-expert tensors once under ``ep_rank_00`` like NxD); neuron -> cuda -> neuron is bit-exact over
+dims / TP / EP / trn1 / trn2 (hypothesis).  What is not converted is refused in one line with nothing written.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from ckpt.converters.convert import convert
+from ckpt.converters.nxd.reader import read_tag
+from ckpt.converters.nxd.writer import TagWriter
+from ckpt.converters.options import ConvertOptions
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from safetensors.torch import load_file
+
+from ckpt.errors import CkptError, CorruptionError, LayoutError
+from ckpt.layouts import LayoutSpec
+from ckpt.layouts.experts import full_state_to_nxd_ep
+from ckpt.layouts.names import EXPERT_STACKED
+from ckpt.layouts.spec import ModelDims
+
+transformers = pytest.importorskip("transformers")
+FIX = Path(__file__).resolve().parent.parent / "fixtures" / "nxd_layers"
+CASES = {  # fixture -> (hw, NxD rank files per (tp, ep))
+    "mixtral_tp2_ep2": "trn1",
+    "mixtral_tp2_ep2_trn2": "trn2",
+    "qwen3_moe_tp2_ep2_trn1": "trn1",
+    "qwen3_moe_tp2_ep2_trn2": "trn2",
+}
+TP, EP = 2, 2
+REPLICATED = ("layernorm.weight", "model.norm.weight", "q_norm.weight", "k_norm.weight")
+pytestmark = pytest.mark.filterwarnings("ignore:.*records no training step:UserWarning")
+
+
+def truth(case: str):
+    d = FIX / case
+    cfg = json.loads((d / "hf" / "config.json").read_text())
+    hf = load_file(str(d / "hf" / "model.safetensors"))
+    ranks = {
+        (t, 0, e): load_file(str(d / f"rank_tp{t}_ep{e}.safetensors")) for t in range(TP) for e in range(EP)
+    }
+    return cfg, hf, ranks
+
+
+def model_file(tp: int, pp: int, ep: int) -> str:
+    return f"dp_rank_00_ep_rank_{ep:02d}_tp_rank_{tp:02d}_pp_rank_{pp:02d}.pt"
+
+
+def write_nxd_tag(dst: Path, ranks, hf, *, xser: bool) -> None:
+    """An NxD tag of NxD's layers' rank tensors plus the norms (plain HF modules in NxD's models: whole on every
+    rank).  Plain: ``torch.save`` at NxD's file names, written here; xser: ckpt's writer (checked against NxD's
+    naming in test_hf_to_nxd_tag_is_nxd_layers_state)."""
+    norms = {n: t for n, t in hf.items() if n.endswith(REPLICATED)}
+    if xser:
+        experts = {n for sd in ranks.values() for n in sd if EXPERT_STACKED.match(n)}
+        with TagWriter(dst, xser=True, zero1=False, ep_size=EP, expert_tensors=experts) as w:
+            for rank, sd in sorted(ranks.items()):
+                w.write_rank(rank, {**sd, **norms})
+            w.finish()
+        return
+    (dst / "model").mkdir(parents=True)
+    (dst / "checkpoint").write_text("1")
+    for (t, p, e), sd in ranks.items():
+        torch.save({**sd, **norms}, dst / "model" / model_file(t, p, e))
+    (dst / "done").write_text("1")
+
+
+def load_hf(folder: Path) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        out |= load_file(str(f))
+    return out
+
+
+#: each family on trn1 and trn2, each with one of the two file forms
+FORMS = [("mixtral_tp2_ep2", False), ("mixtral_tp2_ep2_trn2", True), ("qwen3_moe_tp2_ep2_trn1", True),
+         ("qwen3_moe_tp2_ep2_trn2", False)]  # fmt: skip
+
+
+@pytest.mark.parametrize("case, xser", FORMS)
+def test_nxd_tag_to_hf_equals_truth(case, xser, tmp_path):
+    cfg, hf, ranks = truth(case)
+    tag = tmp_path / "step_3"
+    write_nxd_tag(tag, ranks, hf, xser=xser)
+    out = tmp_path / "hf"
+    convert(
+        str(tag),
+        str(out),
+        ConvertOptions(to="cuda", format="hf", config=cfg, source_flags={"hw": CASES[case]}),
+    )
+    got = load_hf(out)
+    assert got.keys() == hf.keys()
+    for name, t in hf.items():
+        assert torch.equal(got[name], t), name
+    if not xser:  # the export is a model transformers loads, with the truth model's logits
+        want = transformers.AutoModelForCausalLM.from_pretrained(FIX / case / "hf").eval()
+        mine = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+        ids = torch.randint(0, cfg["vocab_size"], (2, 7), generator=torch.Generator().manual_seed(1))
+        with torch.no_grad():
+            assert torch.equal(mine(ids).logits, want(ids).logits)
+
+
+@pytest.mark.parametrize("case, xser", [(c, not x) for c, x in FORMS])
+def test_hf_to_nxd_tag_is_nxd_layers_state(case, xser, tmp_path):
+    cfg, hf, ranks = truth(case)
+    tag = tmp_path / "step_3"
+    layout = {"tp": TP, "ep": EP, "qkv_linear": True, "hw": CASES[case]}
+    convert(
+        str(FIX / case / "hf"), str(tag), ConvertOptions(to="neuron", format="nxd", xser=xser, layout=layout)
+    )
+    names = sorted(p.name for p in (tag / "model").iterdir() if p.suffix == ".pt" and ".info" not in p.name)
+    assert names == sorted(
+        model_file(t, 0, e) for t in range(TP) for e in range(EP)
+    )  # NxD's _get_path(ep=True)
+    got = read_tag(tag).per_rank_model
+    assert got.keys() == ranks.keys()
+    for rank, theirs in ranks.items():
+        mine = got[rank]
+        assert {n for n in mine if not n.endswith(REPLICATED)} == set(theirs), rank
+        for name, t in theirs.items():
+            assert torch.equal(mine[name], t), (rank, name)
+        for name in mine.keys() - theirs.keys():
+            assert torch.equal(mine[name], hf[name]), (rank, name)
+    if (
+        xser
+    ):  # NxD keeps each non-expert tensor once, under ep_rank_00, and marks the experts expert_model_parallel
+        for t in range(TP):
+            f = tag / "model" / model_file(t, 0, 1)
+            info = torch.load(f"{f}.info.pt", weights_only=True)
+            refs = torch.load(f, weights_only=False)
+            experts = {r.tid for n, r in refs.items() if EXPERT_STACKED.match(n)}
+            assert {tid for tid, i in info.items() if i["expert_model_parallel"]} == experts
+            assert {int(p.stem.split("_")[1]) for p in Path(f"{f}.tensors").iterdir()} == experts
+
+
+def test_nxd_experts_forward_on_written_shards_is_the_hf_experts(tmp_path):
+    """NxD's own Experts.forward output (fixture) is what each HF expert computes on the expert weights ckpt wrote
+    for that EP rank (Qwen3-MoE, trn2): the functional proof of the expert order over EP ranks."""
+    case = "qwen3_moe_tp2_ep2_trn2"
+    cfg, hf, _ = truth(case)
+    tag = tmp_path / "t"
+    layout = {"tp": TP, "ep": EP, "qkv_linear": True, "hw": "trn2"}
+    convert(str(FIX / case / "hf"), str(tag), ConvertOptions(to="neuron", format="nxd", layout=layout))
+    got = read_tag(tag).per_rank_model
+    per = cfg["num_local_experts"] // EP
+    inter = cfg["moe_intermediate_size"] // TP
+    for k in range(EP):
+        f = load_file(str(FIX / case / f"experts_forward_ep{k}.safetensors"))
+        x = f["input"][0].double()
+        out = torch.zeros_like(f["output"]).double()
+        for t in range(TP):
+            gu = got[(t, 0, k)]["model.layers.0.mlp.expert_mlps.mlp_op.gate_up_proj.weight"].double()
+            dn = got[(t, 0, k)]["model.layers.0.mlp.expert_mlps.mlp_op.down_proj.weight"].double()
+            for s in range(per):
+                h = x @ gu[s]
+                out[s] += (torch.nn.functional.silu(h[:, :inter]) * h[:, inter:]) @ dn[s]
+        torch.testing.assert_close(out, f["output"].double(), rtol=1e-5, atol=1e-6)
+
+
+# ------------------------------------------------------------------------------------------------ round trips
+
+
+@st.composite
+def moe_layouts(draw):
+    family = draw(st.sampled_from(["mixtral", "qwen3_moe"]))
+    tp = draw(st.sampled_from([1, 2]))
+    experts = draw(st.sampled_from([2, 4]))
+    ep = draw(st.sampled_from([e for e in (1, 2, 4) if experts % e == 0]))
+    kv = draw(st.sampled_from([1, 2, 4]))
+    hw = draw(st.sampled_from(["trn1", "trn2"]))
+    mult = max(1, tp // kv)
+    cfg = {
+        "model_type": family, "hidden_size": 16, "num_attention_heads": 4, "num_key_value_heads": kv,
+        "num_hidden_layers": draw(st.sampled_from([1, 2])), "vocab_size": 32, "tie_word_embeddings": False,
+        "intermediate_size": draw(st.sampled_from([4, 8])), "num_experts_per_tok": 1, "num_local_experts": experts,
+    }  # fmt: skip
+    if family == "qwen3_moe":
+        cfg |= {"head_dim": draw(st.sampled_from([4, 8])), "moe_intermediate_size": cfg["intermediate_size"]}
+    layout = {"tp": tp, "ep": ep, "qkv_linear": True, "kv_size_multiplier": mult, "hw": hw}
+    return cfg, layout, draw(st.booleans()), draw(st.integers(0, 2**16))
+
+
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(case=moe_layouts())
+def test_round_trip_nxd_to_hf_to_nxd_is_bit_exact(case, tmp_path_factory):
+    cfg, layout, xser, seed = case
+    tmp = tmp_path_factory.mktemp("rt")
+    g = torch.Generator().manual_seed(seed)
+    spec = LayoutSpec.from_hf_config(cfg, **layout)
+    state = {n: torch.randn(s, generator=g) for n, s in ModelDims.from_hf_config(cfg).hf_shapes().items()}
+    shards = full_state_to_nxd_ep(state, spec)
+    experts = {n for sd in shards.values() for n in sd if EXPERT_STACKED.match(n)}
+    with TagWriter(tmp / "a", xser=xser, zero1=False, ep_size=spec.ep, expert_tensors=experts) as w:
+        for rank, sd in sorted(shards.items()):
+            w.write_rank(rank, sd)
+        w.finish()
+    src_flags = {"hw": layout["hw"]}
+    convert(
+        str(tmp / "a"),
+        str(tmp / "hf"),
+        ConvertOptions(to="cuda", format="hf", config=cfg, source_flags=src_flags),
+    )
+    back = load_hf(tmp / "hf")
+    assert back.keys() == state.keys() and all(torch.equal(back[n], t) for n, t in state.items())
+    convert(
+        str(tmp / "hf"), str(tmp / "b"), ConvertOptions(to="neuron", format="nxd", xser=xser, layout=layout)
+    )
+    a, b = read_tag(tmp / "a").per_rank_model, read_tag(tmp / "b").per_rank_model
+    assert a.keys() == b.keys() == shards.keys()
+    for rank, sd in a.items():
+        assert list(sd) == list(b[rank]), rank
+        for name, t in sd.items():
+            assert t.dtype == b[rank][name].dtype and torch.equal(t, b[rank][name]), (rank, name)
+    files = sorted(p.relative_to(tmp / "a").as_posix() for p in (tmp / "a").rglob("*") if p.is_file())
+    assert files == sorted(p.relative_to(tmp / "b").as_posix() for p in (tmp / "b").rglob("*") if p.is_file())
+
+
+def test_nxd_tag_to_ckpt_neuron_and_back_keeps_ep(tmp_path):
+    """NxD tag (ep 2) -> our Neuron manifest keeps EP (layout.ep, partition.ep) -> NxD tag: the same rank files."""
+    cfg, hf, ranks = truth("mixtral_tp2_ep2")
+    write_nxd_tag(tmp_path / "a", ranks, hf, xser=False)
+    convert(str(tmp_path / "a"), str(tmp_path / "ck"), ConvertOptions(to="neuron", config=cfg))
+    from ckpt.reader import CheckpointReader
+
+    m = CheckpointReader(str(tmp_path / "ck")).manifest
+    assert (m.layout.tp, m.layout.ep) == (TP, EP)
+    assert m.tensors["model.layers.0.mlp.expert_mlps.mlp_op.down_proj.weight"].desc.partition["ep"] == EP
+    convert(str(tmp_path / "ck"), str(tmp_path / "b"), ConvertOptions(to="neuron", format="nxd"))
+    a, b = read_tag(tmp_path / "a").per_rank_model, read_tag(tmp_path / "b").per_rank_model
+    assert a.keys() == b.keys()
+    assert all(torch.equal(t, b[r][n]) for r, sd in a.items() for n, t in sd.items())
+
+
+# ------------------------------------------------------------------------------------------------ refusals
+
+
+def test_ep_tag_with_optimizer_is_refused(tmp_path):
+    cfg, hf, ranks = truth("mixtral_tp2_ep2")
+    tag = tmp_path / "step_3"
+    write_nxd_tag(tag, ranks, hf, xser=False)
+    (tag / "optim").mkdir()
+    for t, p, e in ranks:
+        torch.save(
+            {"state": {}, "param_groups": [{"lr": 0.1, "params": []}]}, tag / "optim" / model_file(t, p, e)
+        )
+    out = tmp_path / "out"
+    with pytest.raises(LayoutError, match=r"optimizer state of an NxD tag with expert parallelism \(ep=2"):
+        convert(str(tag), str(out), ConvertOptions(to="cuda", format="hf", config=cfg))
+    assert not out.exists()
+
+
+def test_xser_ep_rank_without_its_own_expert_file_is_refused(tmp_path):
+    """NxD's loader reads a tensor not marked expert_model_parallel from ep_rank_00's folder: an EP rank whose
+    expert file is missing must not silently get EP rank 0's experts."""
+    cfg, hf, ranks = truth("mixtral_tp2_ep2")
+    tag = tmp_path / "step_3"
+    write_nxd_tag(tag, ranks, hf, xser=True)
+    f = tag / "model" / model_file(1, 0, 1)
+    refs = torch.load(f, weights_only=False)
+    tid = refs["model.layers.0.mlp.expert_mlps.mlp_op.down_proj.weight"].tid
+    Path(f"{f}.tensors/tensor_{tid}.pt").unlink()
+    with pytest.raises(
+        CorruptionError, match=rf"tensor_{tid}\.pt: expert tensor .*down_proj.weight of tp 1 pp 0 ep 1"
+    ):
+        convert(str(tag), str(tmp_path / "out"), ConvertOptions(to="cuda", format="hf", config=cfg))
+    assert not (tmp_path / "out").exists()
+
+
+def test_ep_rank_files_of_a_dense_model_are_refused(tmp_path):
+    _, hf, ranks = truth("mixtral_tp2_ep2")
+    write_nxd_tag(tmp_path / "t", ranks, hf, xser=False)
+    cfg = json.loads((FIX / "llama_tp2_trn1_m1" / "hf" / "config.json").read_text())
+    with pytest.raises(CkptError, match="ep_rank|rule set"):
+        convert(
+            str(tmp_path / "t"), str(tmp_path / "out"), ConvertOptions(to="cuda", format="hf", config=cfg)
+        )
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
+    "extra, match",
+    [
+        ({"model_type": "qwen3_moe", "mlp_only_layers": [1]}, r"mlp_only_layers=\[1\] \(dense layers"),
+        ({"model_type": "qwen3_moe", "decoder_sparse_step": 2}, r"decoder_sparse_step=2 \(dense layers"),
+        ({"model_type": "qwen2_moe"}, r"model_type 'qwen2_moe' is not supported \(supported: .*qwen3_moe"),
+    ],
+)
+def test_mixed_dense_sparse_layers_and_shared_experts_are_refused(extra, match, tmp_path):
+    """Qwen3-MoE with dense layers between sparse ones, and Qwen2-MoE (shared expert + its gate), are refused in one
+    line before anything is written (docs/layouts.md says why)."""
+    cfg, hf, ranks = truth("qwen3_moe_tp2_ep2_trn1")
+    write_nxd_tag(tmp_path / "t", ranks, hf, xser=False)
+    with pytest.raises(LayoutError, match=match):
+        convert(
+            str(tmp_path / "t"),
+            str(tmp_path / "out"),
+            ConvertOptions(to="cuda", format="hf", config=cfg | extra),
+        )
+    assert not (tmp_path / "out").exists()
