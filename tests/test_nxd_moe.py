@@ -241,21 +241,97 @@ def test_nxd_tag_to_ckpt_neuron_and_back_keeps_ep(tmp_path):
     assert all(torch.equal(t, b[r][n]) for r, sd in a.items() for n, t in sd.items())
 
 
+# ------------------------------------------------------------------------------------------------ optimizer
+
+
+def trained_tag(tag: Path, case: str, ep: int) -> tuple[dict, dict[str, torch.Tensor], dict[str, dict]]:
+    """An NxD tag after one AdamW step of a plain (non-ZeRO) optimizer per (tp, pp, ep) rank, as NxD saves it without
+    ZeRO-1 (``optim/dp_rank_00_ep_rank_EE_tp_rank_TT_pp_rank_PP.pt``, pids in the rank's parameter order), and the
+    truth: the same step of AdamW on the whole HF model (AdamW is elementwise, so each rank's state is a shard of
+    it).  Replicated tensors get identical gradients on every rank, as a synchronised run gives them."""
+    cfg, hf, _ = truth(case)
+    spec = LayoutSpec.from_hf_config(cfg, tp=TP, ep=ep, qkv_linear=True, hw=CASES[case])
+    g = torch.Generator().manual_seed(0)
+    grads = {n: torch.randn(t.shape, generator=g) for n, t in hf.items()}
+    full = {n: torch.nn.Parameter(t.clone()) for n, t in hf.items()}
+    opt = torch.optim.AdamW(list(full.values()), lr=0.1)
+    for n, q in full.items():
+        q.grad = grads[n].clone()
+    opt.step()
+    want = {n: opt.state[q] for n, q in full.items()}
+    shard_grads = full_state_to_nxd_ep(grads, spec)
+    (tag / "model").mkdir(parents=True)
+    (tag / "optim").mkdir()
+    (tag / "checkpoint").write_text("1")
+    for (t, p, e), sd in full_state_to_nxd_ep(hf, spec).items():
+        params = [torch.nn.Parameter(v.clone()) for v in sd.values()]
+        rank_opt = torch.optim.AdamW(params, lr=0.1)
+        for n, q in zip(sd, params, strict=True):
+            q.grad = shard_grads[(t, p, e)][n].clone()
+        rank_opt.step()
+        name = model_file(t, p, e) if ep > 1 else f"dp_rank_00_tp_rank_{t:02d}_pp_rank_{p:02d}.pt"
+        torch.save({n: q.detach() for n, q in zip(sd, params, strict=True)}, tag / "model" / name)
+        torch.save(rank_opt.state_dict(), tag / "optim" / name)
+    (tag / "done").write_text("1")
+    return cfg, {n: q.detach() for n, q in full.items()}, want
+
+
+@pytest.mark.parametrize("ep", [1, 2])
+def test_moe_plain_optimizer_per_ep_rank_converts_exactly(ep, tmp_path):
+    """Expert moments follow their expert: NxD tag -> our CUDA checkpoint gives AdamW's state of the whole HF model,
+    moment for moment (and the weights after the step); back to an NxD tag gives the same rank files' state."""
+    from ckpt.reader import CheckpointReader
+    from ckpt.state import optim_name
+
+    cfg, weights, want = trained_tag(tmp_path / "a", "mixtral_tp2_ep2", ep)
+    convert(str(tmp_path / "a"), str(tmp_path / "cuda"), ConvertOptions(to="cuda", config=cfg))
+    r = CheckpointReader(str(tmp_path / "cuda"))
+    for name, state in want.items():
+        assert torch.equal(r.read(name), weights[name]), name
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(r.read(optim_name(name, key)), state[key]), (name, key)
+    layout = {"tp": TP, "ep": ep, "qkv_linear": True}
+    convert(
+        str(tmp_path / "cuda"), str(tmp_path / "b"), ConvertOptions(to="neuron", format="nxd", layout=layout)
+    )
+    a, b = read_tag(tmp_path / "a"), read_tag(tmp_path / "b")
+    assert a.per_rank_optimizer.keys() == b.per_rank_optimizer.keys() == a.per_rank_model.keys()
+    for rank, oa in a.per_rank_optimizer.items():
+        ob = b.per_rank_optimizer[rank]
+        assert oa["param_groups"] == ob["param_groups"], rank
+        assert list(oa["state"]) == list(ob["state"]), rank
+        for n, per in oa["state"].items():
+            for key, v in per.items():
+                assert torch.equal(v, ob["state"][n][key]), (rank, n, key)
+
+
 # ------------------------------------------------------------------------------------------------ refusals
 
 
-def test_ep_tag_with_optimizer_is_refused(tmp_path):
+def test_ep_tag_with_zero1_optimizer_is_refused(tmp_path):
     cfg, hf, ranks = truth("mixtral_tp2_ep2")
     tag = tmp_path / "step_3"
     write_nxd_tag(tag, ranks, hf, xser=False)
     (tag / "optim").mkdir()
-    for t, p, e in ranks:
-        torch.save(
-            {"state": {}, "param_groups": [{"lr": 0.1, "params": []}]}, tag / "optim" / model_file(t, p, e)
-        )
+    for dp in range(2):  # NeuronEPZero1Optimizer: one file per DP rank, no ep field
+        for t in range(TP):
+            d = {"state": {}, "param_groups": [{"lr": 0.1, "params": []}], "base_state": {}, "shape_info": {},
+                 "ep_param_id_offset": 1, "ep_param_group_offset": 1, "ep_base_state_offset": 1,
+                 "ep_shape_info_offset": 1}  # fmt: skip
+            torch.save(d, tag / "optim" / f"dp_rank_{dp:02d}_tp_rank_{t:02d}_pp_rank_00.pt")
     out = tmp_path / "out"
-    with pytest.raises(LayoutError, match=r"optimizer state of an NxD tag with expert parallelism \(ep=2"):
+    with pytest.raises(LayoutError, match=r"ZeRO-1 optimizer state with expert parallelism \(ep=2"):
         convert(str(tag), str(out), ConvertOptions(to="cuda", format="hf", config=cfg))
+    assert not out.exists()
+
+
+def test_writing_zero1_optimizer_with_ep_is_refused(tmp_path):
+    cfg, _, _ = trained_tag(tmp_path / "a", "mixtral_tp2_ep2", 2)
+    convert(str(tmp_path / "a"), str(tmp_path / "cuda"), ConvertOptions(to="cuda", config=cfg))
+    out = tmp_path / "out"
+    layout = {"tp": TP, "ep": EP, "dp": 2, "qkv_linear": True}
+    with pytest.raises(LayoutError, match="ZeRO-1 optimizer state with expert parallelism"):
+        convert(str(tmp_path / "cuda"), str(out), ConvertOptions(to="neuron", format="nxd", layout=layout))
     assert not out.exists()
 
 

@@ -137,6 +137,31 @@ def ep_split(
     return out
 
 
+def ep_split_optimizer(
+    optim: dict[str, Any] | None, ep: int, stacked: frozenset[str] | set[str]
+) -> list[dict[str, Any] | None]:
+    """A (tp, pp) rank's named optimizer -> its ``ep`` EP ranks' (the moments and master weights of stacked expert
+    tensors split like the tensors, everything else the same on every EP rank)."""
+    if optim is None or ep == 1:
+        return [optim] * ep
+    states = [
+        ep_split(per, ep, {key for key, v in per.items() if isinstance(v, torch.Tensor) and v.dim() > 0})
+        if n in stacked
+        else [per] * ep
+        for n, per in optim["state"].items()
+    ]
+    master = optim.get("master_weights")
+    masters = ep_split(master, ep, stacked) if master else [master] * ep
+    return [
+        {
+            **optim,
+            "state": {n: per[k] for n, per in zip(optim["state"], states, strict=True)},
+            "master_weights": masters[k],
+        }
+        for k in range(ep)
+    ]
+
+
 def build_rank(
     conv: Conversion, parts: list[tuple[int, int]], *, verify: bool = True, scratch: Scratch | None = None
 ) -> tuple[dict[str, torch.Tensor], dict[str, Any] | None]:
@@ -222,10 +247,10 @@ class NxdExport:
         self.dp_size = conv.flags.dp if self.zero1 else 1
         self.ep = conv.flags.ep
         self.stacked = frozenset(t.desc.name for t in conv.tensors if EXPERT_STACKED.match(t.desc.name))
-        if self.ep > 1 and conv.trees.optimizer is not None:
+        if self.ep > 1 and self.zero1 and conv.trees.optimizer is not None:
             raise LayoutError(
-                f"--format nxd --ep {self.ep}: writing optimizer state with expert parallelism "
-                "(NeuronEPZero1Optimizer) is not supported yet; convert the model alone"
+                f"--format nxd --ep {self.ep}: writing ZeRO-1 optimizer state with expert parallelism "
+                "(NeuronEPZero1Optimizer) is not supported yet; pass --no-zero1 for a plain optimizer per EP rank"
             )
         self.storage_options = storage_options
         self.verify = verify
@@ -281,9 +306,15 @@ class NxdExport:
                 tp, pp = self.ranks[u]
                 with Scratch() as scratch:
                     model, optim = build_rank(self.conv, self.parts[u], verify=self.verify, scratch=scratch)
-                    for k, shard in enumerate(ep_split(model, self.ep, self.stacked)):
-                        w.write_rank((tp, pp, k), shard, optim, empty=scratch.empty)
-                    del model, optim, shard
+                    for k, (shard, opt) in enumerate(
+                        zip(
+                            ep_split(model, self.ep, self.stacked),
+                            ep_split_optimizer(optim, self.ep, self.stacked),
+                            strict=True,
+                        )
+                    ):
+                        w.write_rank((tp, pp, k), shard, opt, empty=scratch.empty)
+                    del model, optim, shard, opt
                 if progress is not None:
                     progress(self._logical[u])
         finally:
@@ -318,4 +349,4 @@ def export(conv: Conversion, *, xser: bool | None = None, zero1: bool | None = N
     return NxdExport(conv, xser=xser, zero1=zero1, storage_options=storage_options, verify=verify)
 
 
-__all__ = ["NxdExport", "build_rank", "ep_split", "export", "rank_parts"]
+__all__ = ["NxdExport", "build_rank", "ep_split", "ep_split_optimizer", "export", "rank_parts"]

@@ -251,8 +251,8 @@ class NxdTagSource(Source):
                 part = {**part, "ep": ep}
             self.tensors[name] = TensorDesc(name, "parameter", tuple(full), dtype_name(dt), partition=part)
         self._models: OrderedDict[RankKey, dict[str, torch.Tensor]] = OrderedDict()
-        self._optims: OrderedDict[tuple[int, int], dict[str, Any] | None] = OrderedDict()
-        self._loaded: OrderedDict[tuple[tuple[int, int], str], torch.Tensor] = OrderedDict()
+        self._optims: OrderedDict[RankKey, dict[str, Any] | None] = OrderedDict()
+        self._loaded: OrderedDict[tuple[RankKey, str], torch.Tensor] = OrderedDict()
         optimizer, opt_extra = self._describe_optimizer(pp)
         record_kw: dict[str, Any] = {
             "pp_ranks": dict(self._pp_of) if pp > 1 else None,
@@ -300,10 +300,10 @@ class NxdTagSource(Source):
         its own block of experts, everything else a copy (compared bit for bit when read).  With xser, an EP rank's
         expert tensors must be in its own folder: NxD keeps only non-expert tensors once, under ``ep_rank_00``, so
         falling back there for an expert tensor would silently read another rank's experts."""
-        if self.r.files.optim:
+        if self.r.files.optim and self.r.meta.zero1:
             raise LayoutError(
-                f"{self.path}: optimizer state of an NxD tag with expert parallelism (ep={ep}, "
-                "NeuronEPZero1Optimizer) is not converted yet; convert a tag saved without optimizer"
+                f"{self.path}: ZeRO-1 optimizer state with expert parallelism (ep={ep}, NeuronEPZero1Optimizer) is "
+                "not converted yet; convert a tag saved without optimizer, or with a plain optimizer"
             )
         for (t, p), metas in ep0.items():
             for k in range(1, ep):
@@ -318,6 +318,19 @@ class NxdTagSource(Source):
                     )
                 if self.r.meta.xser:
                     self._check_own_expert_files((t, p, k))
+                if self.r.files.optim:  # a plain optimizer per EP rank: same parameters, groups and scalars
+                    mine, first = (
+                        self.r.optimizer((t, p, k), lazy=True),
+                        self.r.optimizer((t, p, 0), lazy=True),
+                    )
+                    if (mine is None) != (first is None) or (
+                        mine is not None
+                        and first is not None
+                        and mine["param_groups"] != first["param_groups"]
+                    ):
+                        raise CorruptionError(
+                            f"{self.path}: optimizer of tp {t} pp {p} ep {k} has other param_groups than ep 0"
+                        )
 
     def _check_own_expert_files(self, rank: RankKey) -> None:
         path = self.r.files.model[rank]
@@ -367,7 +380,7 @@ class NxdTagSource(Source):
         seen = False
         extra: Any = None
         for p in range(pp):
-            opt = self._optim((0, p))
+            opt = self._optim((0, p, 0))
             if opt is None:
                 continue
             seen = True
@@ -424,39 +437,45 @@ class NxdTagSource(Source):
             self._models.move_to_end(rank)
         return d
 
-    def _optim(self, rank: tuple[int, int]) -> dict[str, Any] | None:
+    def _optim(self, rank: RankKey) -> dict[str, Any] | None:
         if rank not in self._optims:
-            self._optims[rank] = self.r.optimizer((*rank, 0), lazy=True)
-            while len(self._optims) > self.r.meta.tp_size:
+            self._optims[rank] = self.r.optimizer(rank, lazy=True)
+            while len(self._optims) > self.r.meta.tp_size * self._ep:
                 self._optims.popitem(last=False)
         else:
             self._optims.move_to_end(rank)
         return self._optims[rank]
 
-    def read(self, piece: Piece) -> torch.Tensor:
-        assert piece.rank is not None
-        desc = self.tensors[piece.name]
+    def _stored(self, rank: RankKey, desc: TensorDesc) -> torch.Tensor:
+        """The tensor ``desc`` names as rank ``(tp, pp, ep)`` stores it (a ZeRO-1 state merged over DP)."""
         if desc.role == "optimizer_state":
-            opt = self._optim(piece.rank)
+            opt = self._optim(rank)
             if opt is None:
-                raise CorruptionError(f"{self.path}: no optimizer for tp {piece.rank[0]} pp {piece.rank[1]}")
+                raise CorruptionError(f"{self.path}: no optimizer for tp {rank[0]} pp {rank[1]} ep {rank[2]}")
             if desc.key == MASTER_KEY:
                 t = (opt.get("master_weights") or {})[desc.param]
             else:
                 t = opt["state"][desc.param][desc.key]
-        elif piece.name in self._stacked and self._ep > 1:
-            return self._expert_piece(piece)
         else:
-            t = self._model((*piece.rank, 0))[piece.name]
+            t = self._model(rank)[desc.name]
         if isinstance(t, Deferred):
-            t = self._merged(piece.rank, piece.name, t)
-        return slice_of(t, piece)
+            t = self._merged(rank, desc.name, t)
+        return t
 
-    def _expert_piece(self, piece: Piece) -> torch.Tensor:
-        """A piece of a stacked expert tensor, whose dim 0 (experts) is spread over the EP ranks' files: a view when
-        it lies in one EP rank (what the converter reads: one expert slot), else the EP ranks' blocks concatenated."""
+    def read(self, piece: Piece) -> torch.Tensor:
         assert piece.rank is not None
-        blocks = [self._model((*piece.rank, k))[piece.name] for k in range(self._ep)]
+        desc = self.tensors[piece.name]
+        param = desc.param if desc.role == "optimizer_state" else piece.name
+        if param in self._stacked and self._ep > 1:
+            return self._expert_piece(piece, desc)
+        return slice_of(self._stored((*piece.rank, 0), desc), piece)
+
+    def _expert_piece(self, piece: Piece, desc: TensorDesc) -> torch.Tensor:
+        """A piece of a stacked expert tensor (or of its moment), whose dim 0 (experts) is spread over the EP ranks'
+        files: a view when it lies in one EP rank (what the converter reads: one expert slot), else the EP ranks'
+        blocks concatenated."""
+        assert piece.rank is not None
+        blocks = [self._stored((*piece.rank, k), desc) for k in range(self._ep)]
         per = blocks[0].shape[0]
         if piece.dim == 0 and piece.length > 0:
             k0, k1 = piece.start // per, (piece.start + piece.length - 1) // per
@@ -479,14 +498,14 @@ class NxdTagSource(Source):
         merged = (self.stored_bytes(p) for p in pieces if self.tensors[p.name].role == "optimizer_state")
         return 2 * max(merged, default=0)
 
-    def _merged(self, rank: tuple[int, int], name: str, d: Deferred) -> torch.Tensor:
+    def _merged(self, rank: RankKey, name: str, d: Deferred) -> torch.Tensor:
         """A ZeRO-1 tensor merged over DP, kept while the next pieces of it are read (a rank tensor split into
         several target tensors, e.g. ``gate_up_proj``) and dropped two tensors later."""
         key = (rank, name)
         t = self._loaded.get(key)
         if t is None:
             t = self._loaded[key] = d.load()
-            while len(self._loaded) > 2:
+            while len(self._loaded) > 2 * self._ep:
                 self._loaded.popitem(last=False)
         return t
 
