@@ -308,29 +308,29 @@ def test_moe_plain_optimizer_per_ep_rank_converts_exactly(ep, tmp_path):
 # ------------------------------------------------------------------------------------------------ refusals
 
 
-def test_ep_tag_with_zero1_optimizer_is_refused(tmp_path):
+def test_ep_tag_with_zero1_optimizer_without_ep_offsets_is_refused(tmp_path):
+    """ZeRO-1 files beside ep_rank model files must be NeuronEPZero1Optimizer's (``ep_*_offset`` keys): a plain
+    NeuronZero1Optimizer dict there cannot say which pids are experts."""
     cfg, hf, ranks = truth("mixtral_tp2_ep2")
     tag = tmp_path / "step_3"
     write_nxd_tag(tag, ranks, hf, xser=False)
     (tag / "optim").mkdir()
-    for dp in range(2):  # NeuronEPZero1Optimizer: one file per DP rank, no ep field
+    for dp in range(2):
         for t in range(TP):
-            d = {"state": {}, "param_groups": [{"lr": 0.1, "params": []}], "base_state": {}, "shape_info": {},
-                 "ep_param_id_offset": 1, "ep_param_group_offset": 1, "ep_base_state_offset": 1,
-                 "ep_shape_info_offset": 1}  # fmt: skip
+            d = {"state": {}, "param_groups": [{"lr": 0.1, "params": []}], "base_state": {}, "shape_info": {}}
             torch.save(d, tag / "optim" / f"dp_rank_{dp:02d}_tp_rank_{t:02d}_pp_rank_00.pt")
     out = tmp_path / "out"
-    with pytest.raises(LayoutError, match=r"ZeRO-1 optimizer state with expert parallelism \(ep=2"):
+    with pytest.raises(CorruptionError, match="lacks NeuronEPZero1Optimizer's ep_\\*_offset keys"):
         convert(str(tag), str(out), ConvertOptions(to="cuda", format="hf", config=cfg))
     assert not out.exists()
 
 
-def test_writing_zero1_optimizer_with_ep_is_refused(tmp_path):
+def test_writing_zero1_with_dp_not_a_multiple_of_ep_is_refused(tmp_path):
     cfg, _, _ = trained_tag(tmp_path / "a", "mixtral_tp2_ep2", 2)
     convert(str(tmp_path / "a"), str(tmp_path / "cuda"), ConvertOptions(to="cuda", config=cfg))
     out = tmp_path / "out"
-    layout = {"tp": TP, "ep": EP, "dp": 2, "qkv_linear": True}
-    with pytest.raises(LayoutError, match="ZeRO-1 optimizer state with expert parallelism"):
+    layout = {"tp": TP, "ep": EP, "dp": 3, "qkv_linear": True}
+    with pytest.raises(LayoutError, match=r"needs --dp \(3\) a multiple of --ep \(2\)"):
         convert(str(tmp_path / "cuda"), str(out), ConvertOptions(to="neuron", format="nxd", layout=layout))
     assert not out.exists()
 
@@ -383,3 +383,110 @@ def test_mixed_dense_sparse_layers_and_shared_experts_are_refused(extra, match, 
             ConvertOptions(to="cuda", format="hf", config=cfg | extra),
         )
     assert not (tmp_path / "out").exists()
+
+
+def zero1_shard(t: torch.Tensor, n: int, i: int) -> torch.Tensor:
+    """torch_xla's ZeRO-1 rule, written out here: pad dim 0 with zeros to a multiple of ``n``, take chunk ``i``."""
+    rows = -(-t.shape[0] // n) * n
+    return torch.cat([t, t.new_zeros((rows - t.shape[0], *t.shape[1:]))]).chunk(n)[i].clone()
+
+
+def ep_zero1_tag(tag: Path, case: str, dp: int) -> tuple[dict, dict[str, dict], dict[tuple[int, int], dict]]:
+    """An NxD tag whose optimizer is NeuronEPZero1Optimizer's state after one AdamW step, built here from NxD's
+    ``state_dict()`` code (zero_redundancy_optimizer.py): per DP rank ``d`` (EP rank ``d % ep``, expert-DP rank
+    ``d // ep``) the non-expert optimizer's shard ``d`` of ``dp`` and the expert optimizer's shard ``d // ep`` of
+    ``dp / ep``, appended under the ``ep_*_offset`` keys.  Returns the config, AdamW's state on the whole HF model
+    (truth) and the files' dicts by (dp, tp)."""
+    cfg, hf, _ = truth(case)
+    spec = LayoutSpec.from_hf_config(cfg, tp=TP, ep=EP, qkv_linear=True, hw=CASES[case])
+    g = torch.Generator().manual_seed(0)
+    full = {n: torch.nn.Parameter(t.clone()) for n, t in hf.items()}
+    opt = torch.optim.AdamW(list(full.values()), lr=0.1)
+    for q in full.values():
+        q.grad = torch.randn(q.shape, generator=g)
+    opt.step()
+    want = {n: opt.state[q] for n, q in full.items()}
+    hyper = {k: v for k, v in opt.state_dict()["param_groups"][0].items() if k != "params"}
+    weights = full_state_to_nxd_ep({n: q.detach() for n, q in full.items()}, spec)
+    moments = {
+        key: full_state_to_nxd_ep({n: s[key] for n, s in want.items()}, spec)
+        for key in ("exp_avg", "exp_avg_sq")
+    }
+    (tag / "model").mkdir(parents=True)
+    (tag / "optim").mkdir()
+    (tag / "checkpoint").write_text("1")
+    for (t, p, e), sd in weights.items():
+        torch.save(sd, tag / "model" / model_file(t, p, e))
+    files = {}
+    for t in range(TP):
+        for d in range(dp):
+            k, e = d % EP, d // EP
+            names = list(weights[(t, 0, k)])
+
+            def sub(expert: bool, n_shards: int, i: int, names=names, k=k, t=t) -> dict:
+                mine = [n for n in names if bool(EXPERT_STACKED.match(n)) == expert]
+                base = {
+                    pid: {"step": want["lm_head.weight"]["step"].clone()}
+                    | {key: zero1_shard(moments[key][(t, 0, k)][n], n_shards, i) for key in moments}
+                    for pid, n in enumerate(mine)
+                }
+                shapes = {pid: list(weights[(t, 0, k)][n].shape) for pid, n in enumerate(mine)}
+                groups = [{**hyper, "params": list(range(len(mine)))}]
+                return {"state": {}, "param_groups": groups, "base_state": base, "shape_info": shapes}
+
+            a, b = sub(False, dp, d), sub(True, dp // EP, e)
+            off = {"ep_param_id_offset": 1, "ep_param_group_offset": 1,  # max(key)+1 of a table, 1 when it is empty
+                   "ep_base_state_offset": len(a["base_state"]), "ep_shape_info_offset": len(a["shape_info"])}  # fmt: skip
+            files[(d, t)] = {
+                **off,
+                "param_groups": a["param_groups"] + b["param_groups"],
+                "state": {},
+                "base_state": {**a["base_state"], **{off["ep_base_state_offset"] + i: v for i, v in b["base_state"].items()}},
+                "shape_info": {**a["shape_info"], **{off["ep_shape_info_offset"] + i: v for i, v in b["shape_info"].items()}},
+            }  # fmt: skip
+            torch.save(files[(d, t)], tag / "optim" / f"dp_rank_{d:02d}_tp_rank_{t:02d}_pp_rank_00.pt")
+    (tag / "done").write_text("1")
+    return cfg, want, files
+
+
+def same(a, b, depth: int = 0) -> bool:
+    """Equal values and types; dict keys in the same order down to the pids (a pid's own state, e.g. Adam's
+    ``step`` / ``exp_avg``, in any order: ckpt keeps tensors before scalars, torch.optim the other way)."""
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, dict):
+        keys = (list(a) == list(b)) if depth < 2 else (sorted(map(str, a)) == sorted(map(str, b)))
+        return isinstance(b, dict) and keys and all(same(v, b[k], depth + 1) for k, v in a.items())
+    if isinstance(a, list | tuple):
+        return (
+            isinstance(b, list | tuple)
+            and len(a) == len(b)
+            and all(same(x, y) for x, y in zip(a, b, strict=True))
+        )
+    return a == b
+
+
+def test_ep_zero1_optimizer_converts_exactly_both_ways(tmp_path):
+    """NeuronEPZero1Optimizer (dp 4 = ep 2 x expert-dp 2): non-expert moments merged over the 4 DP files, expert
+    moments of EP rank k over DP ranks k and k+2; -> our CUDA checkpoint equals AdamW's state of the whole HF model;
+    -> NxD tag (--dp 4 --ep 2) writes every optim file exactly as NxD's state_dict() made it."""
+    from ckpt.reader import CheckpointReader
+    from ckpt.state import optim_name
+
+    cfg, want, files = ep_zero1_tag(tmp_path / "a", "mixtral_tp2_ep2", dp=4)
+    convert(str(tmp_path / "a"), str(tmp_path / "cuda"), ConvertOptions(to="cuda", config=cfg))
+    r = CheckpointReader(str(tmp_path / "cuda"))
+    for name, state in want.items():
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(r.read(optim_name(name, key)), state[key]), (name, key)
+    layout = {"tp": TP, "ep": EP, "dp": 4, "qkv_linear": True}
+    convert(
+        str(tmp_path / "cuda"), str(tmp_path / "b"), ConvertOptions(to="neuron", format="nxd", layout=layout)
+    )
+    got = sorted(p.name for p in (tmp_path / "b" / "optim").iterdir())
+    assert got == sorted(f"dp_rank_{d:02d}_tp_rank_{t:02d}_pp_rank_00.pt" for d, t in files)
+    for (d, t), theirs in files.items():
+        mine = torch.load(
+            tmp_path / "b" / "optim" / f"dp_rank_{d:02d}_tp_rank_{t:02d}_pp_rank_00.pt", weights_only=True
+        )
+        assert same(mine, theirs), (d, t)

@@ -247,10 +247,10 @@ class NxdExport:
         self.dp_size = conv.flags.dp if self.zero1 else 1
         self.ep = conv.flags.ep
         self.stacked = frozenset(t.desc.name for t in conv.tensors if EXPERT_STACKED.match(t.desc.name))
-        if self.ep > 1 and self.zero1 and conv.trees.optimizer is not None:
+        if self.ep > 1 and self.zero1 and conv.trees.optimizer is not None and self.dp_size % self.ep:
             raise LayoutError(
-                f"--format nxd --ep {self.ep}: writing ZeRO-1 optimizer state with expert parallelism "
-                "(NeuronEPZero1Optimizer) is not supported yet; pass --no-zero1 for a plain optimizer per EP rank"
+                f"--format nxd: ZeRO-1 with expert parallelism needs --dp ({self.dp_size}) a multiple of --ep "
+                f"({self.ep}); NxD's expert data parallel size is dp/ep"
             )
         self.storage_options = storage_options
         self.verify = verify

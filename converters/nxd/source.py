@@ -300,11 +300,6 @@ class NxdTagSource(Source):
         its own block of experts, everything else a copy (compared bit for bit when read).  With xser, an EP rank's
         expert tensors must be in its own folder: NxD keeps only non-expert tensors once, under ``ep_rank_00``, so
         falling back there for an expert tensor would silently read another rank's experts."""
-        if self.r.files.optim and self.r.meta.zero1:
-            raise LayoutError(
-                f"{self.path}: ZeRO-1 optimizer state with expert parallelism (ep={ep}, NeuronEPZero1Optimizer) is "
-                "not converted yet; convert a tag saved without optimizer, or with a plain optimizer"
-            )
         for (t, p), metas in ep0.items():
             for k in range(1, ep):
                 other = self.r.model_metas((t, p, k))

@@ -34,6 +34,7 @@ from ckpt.layouts.zero1 import Empty
 from ckpt.storage import Storage, open_storage
 from ckpt.storage.folder import FolderTxn, begin_folder
 
+from . import zero1_ep
 from .naming import RankKey, rank_file_name
 from .reader import NxdTag
 from .xser import save_nxd_file
@@ -178,15 +179,22 @@ class TagWriter:
                 )  # fmt: skip
             if optimizer is not None:
                 if self.zero1:
-                    if self.ep_size > 1:
-                        raise CkptError(
-                            f"{self.dst}: writing ZeRO-1 optimizers with expert parallelism is not supported"
-                        )
                     where = f"{self.dst}/optim tp {tp} pp {pp} ep {ep}"
                     shapes = {k: tuple(v.shape) for k, v in (model or {}).items()}
-                    for r, d in enumerate(
-                        shard_zero1_optimizer(optimizer, shapes, self.dp_size, where=where, empty=empty)
-                    ):
+                    if self.ep_size > 1:  # NeuronEPZero1Optimizer: this EP rank's DP files (zero1_ep.py)
+                        dicts = zero1_ep.shard(
+                            optimizer, shapes, self.dp_size, self.ep_size, ep, self.expert_tensors.__contains__,
+                            where=where, empty=empty,
+                        )  # fmt: skip
+                    else:
+                        dicts = dict(
+                            enumerate(
+                                shard_zero1_optimizer(
+                                    optimizer, shapes, self.dp_size, where=where, empty=empty
+                                )
+                            )
+                        )
+                    for r, d in dicts.items():
                         save_nxd_file(d, self.storage, f"optim/{rank_file_name(r, tp, pp)}", self.xser)
                 else:
                     fname = rank_file_name(0, tp, pp, ep if self.ep_size > 1 else None)
@@ -280,10 +288,6 @@ def write_tag(
     if dp < 1:
         raise CkptError(f"dp_size must be >= 1, got {dp}")
     ep_size = 1 + max((r[2] for r in tag.per_rank_model), default=0)
-    if zero and ep_size > 1 and tag.per_rank_optimizer:
-        raise CkptError(
-            f"{Path(root) / name}: writing ZeRO-1 optimizers with expert parallelism is not supported"
-        )
     experts = {n for sd in tag.per_rank_model.values() for n in sd if EXPERT_STACKED.match(n)}
     with TagWriter(
         Path(root) / name, xser=xser, dp_size=dp, zero1=zero, ep_size=ep_size, overwrite=overwrite,
