@@ -466,20 +466,21 @@ def same(a, b, depth: int = 0) -> bool:
     return a == b
 
 
-def test_ep_zero1_optimizer_converts_exactly_both_ways(tmp_path):
+@pytest.mark.parametrize("case", ["mixtral_tp2_ep2", "qwen3_moe_tp2_ep2_trn2"])
+def test_ep_zero1_optimizer_converts_exactly_both_ways(case, tmp_path):
     """NeuronEPZero1Optimizer (dp 4 = ep 2 x expert-dp 2): non-expert moments merged over the 4 DP files, expert
     moments of EP rank k over DP ranks k and k+2; -> our CUDA checkpoint equals AdamW's state of the whole HF model;
     -> NxD tag (--dp 4 --ep 2) writes every optim file exactly as NxD's state_dict() made it."""
     from ckpt.reader import CheckpointReader
     from ckpt.state import optim_name
 
-    cfg, want, files = ep_zero1_tag(tmp_path / "a", "mixtral_tp2_ep2", dp=4)
+    cfg, want, files = ep_zero1_tag(tmp_path / "a", case, dp=4)
     convert(str(tmp_path / "a"), str(tmp_path / "cuda"), ConvertOptions(to="cuda", config=cfg))
     r = CheckpointReader(str(tmp_path / "cuda"))
     for name, state in want.items():
         for key in ("exp_avg", "exp_avg_sq"):
             assert torch.equal(r.read(optim_name(name, key)), state[key]), (name, key)
-    layout = {"tp": TP, "ep": EP, "dp": 4, "qkv_linear": True}
+    layout = {"tp": TP, "ep": EP, "dp": 4, "qkv_linear": True, "hw": CASES[case]}
     convert(
         str(tmp_path / "cuda"), str(tmp_path / "b"), ConvertOptions(to="neuron", format="nxd", layout=layout)
     )
