@@ -491,3 +491,32 @@ def test_ep_zero1_optimizer_converts_exactly_both_ways(case, tmp_path):
             tmp_path / "b" / "optim" / f"dp_rank_{d:02d}_tp_rank_{t:02d}_pp_rank_00.pt", weights_only=True
         )
         assert same(mine, theirs), (d, t)
+
+
+def test_ep_zero1_tag_to_xser_tag_and_back_is_the_same_tag(tmp_path):
+    """NxD tag -> NxD tag keeping the layout (plain -> xser -> plain, ZeRO-1 with EP): the same model and optimizer
+    files, dict for dict."""
+    cfg, _, files = ep_zero1_tag(tmp_path / "a", "mixtral_tp2_ep2", dp=4)
+    convert(
+        str(tmp_path / "a"),
+        str(tmp_path / "x"),
+        ConvertOptions(to="neuron", format="nxd", xser=True, config=cfg),
+    )
+    assert (tmp_path / "x" / "model" / f"{model_file(0, 0, 1)}.tensors").is_dir()
+    convert(
+        str(tmp_path / "x"),
+        str(tmp_path / "b"),
+        ConvertOptions(to="neuron", format="nxd", xser=False, config=cfg),
+    )
+    for (d, t), theirs in files.items():
+        mine = torch.load(
+            tmp_path / "b" / "optim" / f"dp_rank_{d:02d}_tp_rank_{t:02d}_pp_rank_00.pt", weights_only=True
+        )
+        assert same(mine, theirs), (d, t)
+    for t in range(TP):
+        for e in range(EP):
+            a = torch.load(tmp_path / "a" / "model" / model_file(t, 0, e), weights_only=True)
+            assert same(torch.load(tmp_path / "b" / "model" / model_file(t, 0, e), weights_only=True), a), (
+                t,
+                e,
+            )
