@@ -520,3 +520,19 @@ def test_ep_zero1_tag_to_xser_tag_and_back_is_the_same_tag(tmp_path):
                 t,
                 e,
             )
+
+
+def test_ep_rank_with_a_different_non_expert_copy_is_refused(tmp_path):
+    """A router (replicated on every rank) that differs on EP rank 1 is a desynchronised run: refused, not dropped."""
+    cfg, hf, ranks = truth("mixtral_tp2_ep2")
+    ranks[(1, 0, 1)]["model.layers.0.mlp.router.linear_router.weight"] = (
+        ranks[(1, 0, 1)]["model.layers.0.mlp.router.linear_router.weight"] + 1
+    )
+    write_nxd_tag(tmp_path / "t", ranks, hf, xser=False)
+    with pytest.raises(
+        LayoutError, match=r"linear_router\.weight of tp 1 pp 0 ep 1 differs from its copy on ep 0"
+    ):
+        convert(
+            str(tmp_path / "t"), str(tmp_path / "out"), ConvertOptions(to="cuda", format="hf", config=cfg)
+        )
+    assert not (tmp_path / "out").exists()

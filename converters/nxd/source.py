@@ -28,7 +28,7 @@ import torch
 from ckpt import treecodec
 from ckpt.dtypes import dtype_name
 from ckpt.errors import CkptError, CorruptionError, LayoutError
-from ckpt.layouts import LayoutSpec, Piece, plan_nxd_to_full
+from ckpt.layouts import LayoutSpec, Piece, bit_equal, plan_nxd_to_full
 from ckpt.layouts.families import family_for_rule_set, get_family, rule_set_for_config
 from ckpt.layouts.names import EXPERT_STACKED, nxd_to_hf_names
 from ckpt.layouts.partition import partition_entry
@@ -463,7 +463,17 @@ class NxdTagSource(Source):
         param = desc.param if desc.role == "optimizer_state" else piece.name
         if param in self._stacked and self._ep > 1:
             return self._expert_piece(piece, desc)
-        return slice_of(self._stored((*piece.rank, 0), desc), piece)
+        out = slice_of(self._stored((*piece.rank, 0), desc), piece)
+        if self._ep > 1 and not (desc.role == "optimizer_state" and self.zero1):
+            # every EP rank stores its own copy (ZeRO-1 states come from the same DP files for all): compared, as
+            # replicated TP copies are, so a desynchronised EP rank is refused rather than silently dropped
+            for k in range(1, self._ep):
+                if not bit_equal(slice_of(self._stored((*piece.rank, k), desc), piece), out):
+                    raise LayoutError(
+                        f"{self.path}: {piece.name} of tp {piece.rank[0]} pp {piece.rank[1]} ep {k} differs from its "
+                        "copy on ep 0; copies of non-expert tensors must be identical on every EP rank"
+                    )
+        return out
 
     def _expert_piece(self, piece: Piece, desc: TensorDesc) -> torch.Tensor:
         """A piece of a stacked expert tensor (or of its moment), whose dim 0 (experts) is spread over the EP ranks'
