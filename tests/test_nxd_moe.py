@@ -190,7 +190,7 @@ def moe_layouts(draw):
     return cfg, layout, draw(st.booleans()), draw(st.integers(0, 2**16))
 
 
-@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(case=moe_layouts())
 def test_round_trip_nxd_to_hf_to_nxd_is_bit_exact(case, tmp_path_factory):
     cfg, layout, xser, seed = case
