@@ -6,7 +6,10 @@ Facts (NxD 2.29 ``optimizer/zero_redundancy_optimizer.py``, ``parallel_layers/pa
 * the optimizer is two ZeRO-1 optimizers: the non-expert parameters sharded over the data-parallel group (size
   ``dp``), the expert parameters (``expert_model_parallel``: NxD's stacked ``expert_mlps`` tensors) over the *expert*
   data-parallel group (size ``dp / ep``).  With NxD's rank layout (``cluster_ranks_exp`` ``[pp, dp/ep, ep, tp]``, TP
-  contiguous) DP rank ``d`` is EP rank ``d mod ep`` and expert-DP rank ``d div ep``;
+  contiguous) DP rank ``d`` is EP rank ``d mod ep`` and expert-DP rank ``d div ep``.  A non-expert shard is padded
+  to a multiple of ``dp`` and reduce-scattered first over the expert-DP group (chunk ``d div ep`` of ``dp/ep``), then
+  over the EP group (chunk ``d mod ep`` of ``ep``; ``_get_sharding_schemes``): that is chunk ``d`` of ``dp``, the
+  plain ZeRO-1 rule.  An expert shard is padded to a multiple of ``dp/ep`` and is chunk ``d div ep`` of ``dp/ep``;
 * each DP rank saves one file, ``optim/dp_rank_DD_tp_rank_TT_pp_rank_PP.pt`` (no ep field), holding
   ``state_dict()``: the non-expert optimizer's dict with the expert one's appended: ``param_groups`` = non-expert
   groups + expert groups (each the user's groups filtered, pids counted per optimizer), ``state`` / ``base_state`` /
