@@ -14,7 +14,7 @@ Facts (torch_xla ``distributed/zero_redundancy_optimizer.py``, NxD ``optimizer/z
   others), so pid order equals model order only with a single group.  :func:`resolve_param_names` names pids from
   ``param_names``, or from NxD's parameter order where ckpt knows it, and refuses otherwise; the files ckpt writes
   always carry ``param_names``, with pids in NxD's order (:mod:`ckpt.layouts.nxd_order`).
-* The MoE variant (``NeuronEPZero1Optimizer``) adds ``ep_*_offset`` keys; it is not supported here.
+* The MoE variant (``NeuronEPZero1Optimizer``) adds ``ep_*_offset`` keys: :mod:`.zero1_ep` splits and joins it.
 """
 
 from __future__ import annotations
