@@ -13,6 +13,7 @@ from typing import Any
 from . import environment
 from .errors import ManifestError
 from .manifest import MANIFEST_NAME, Box, FileEntry, Layout, Manifest, Shard, TensorDesc, TensorEntry
+from .manifest_v2 import DEFAULT_FORMAT_VERSION
 from .storage import Storage
 
 
@@ -133,16 +134,10 @@ def build_manifest(
     )
 
 
-# The format version a commit writes when not told (docs/format.md).  2 keeps the top manifest small at any world
-# size; the default stays 1 until every test that reads manifest.json as v1 JSON has been moved (see
-# docs/performance.md, "Scale": what is left).
-DEFAULT_VERSION = 1
-
-
 def publish(storage: Storage, manifest: Manifest, version: int | None = None) -> None:
     """Write the manifest create-only: the commit point.  Format v2 writes each rank's index first (create-only,
     named after the save attempt of the rank's data files), then the top manifest that seals their checksums."""
-    version = DEFAULT_VERSION if version is None else version
+    version = DEFAULT_FORMAT_VERSION if version is None else version
     if version == 1:
         storage.put_bytes(MANIFEST_NAME, manifest.to_json().encode(), exclusive=True)
         return

@@ -41,6 +41,11 @@ from .manifest import (
 
 INDEX_FORMAT = "ckpt-index"
 
+#: The format version a save or conversion writes when not told (``Checkpointer(format_version=...)``,
+#: ``ckpt.commit.publish(..., version=...)``): the one place that decides it.  2 keeps the top manifest small at any
+#: world size; 1 is still written on request and always read.
+DEFAULT_FORMAT_VERSION = 2
+
 JSON = Any
 
 

@@ -148,7 +148,7 @@ class Checkpointer:
         self.storage_options = storage_options
         self.layout_hook = layout_hook
         self.stager = stager or HostStager()
-        self.format_version = format_version  # None: ckpt.commit.DEFAULT_VERSION
+        self.format_version = format_version  # None: ckpt.manifest_v2.DEFAULT_FORMAT_VERSION
         self._plan_key: list[str] | None = None
         self._plan: dict[tuple[str, Box], int] | None = None
         self._per_rank: list[list[Piece]] | None = None  # the exact path's gathered pieces
