@@ -10,8 +10,9 @@ Call order (every rank calls :meth:`Checkpointer.save` with the same path and st
    (planning.assign_writers);
 3. stage (async only): copy this rank's assigned tensors to host memory.  ``save`` returns here;
 4. write (background thread when async): one safetensors data file per rank under the checkpoint prefix;
-5. commit (collective): ranks send rank 0 their receipts (file sizes, shard offsets, checksums) or their error;
-   rank 0 writes ``manifest.json`` create-only iff every rank succeeded, then tells every rank the outcome.
+5. commit (collective): format v2 (the default): each rank seals its own index and state file and sends rank 0
+   their checksums and the boxes it wrote (ckpt.commit_v2); format v1: its receipt (every chunk) and trees; or its
+   error.  Rank 0 writes ``manifest.json`` create-only iff every rank succeeded, then tells every rank the outcome.
 
 A failure anywhere means no manifest, hence no checkpoint; an async failure is raised at the next
 ``save``/``wait``/``close``.
@@ -124,7 +125,8 @@ class Checkpointer:
     at a time; ``close()`` waits for it.
 
     Replicated state (a box of a tensor that several ranks hold: DDP replicas, TP-replicated norms) is written by one
-    rank only, so its copies are compared first (:func:`ckpt.replicas.check_replicas`, xxh3 digests all-gathered):
+    rank only, so its copies are compared first (:mod:`ckpt.replicas`: an all-reduce of hashes of xxh3 digests within
+    each replica group; the digests are all-gathered only to name a difference):
     on the first save of this checkpointer, and on every save when ``verify_replicas=True`` here or in
     :meth:`save`.  A copy that differs refuses the save on every rank (``ReplicaMismatchError``), nothing written.
     """
