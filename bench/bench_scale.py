@@ -258,7 +258,8 @@ def receipts_for(sim: Sim, plan: Callable[[int], list[Piece]], rng_tree: Any) ->
                 pos += n
         if rec.shards:
             rec.files.append((fname, pos))
-        out.append({"ok": True, "rank": r, "trees": {"rng": rng_tree}, "receipt": rec})
+        descs = [(0, p.desc) for p in plan(r)]  # as Checkpointer._run sends them (v1: every tensor it writes)
+        out.append({"ok": True, "rank": r, "trees": {"rng": rng_tree}, "receipt": rec, "descs": descs})
     return out
 
 
@@ -368,7 +369,19 @@ def after_commit(sim: Sim, rng_tree: Any) -> dict[str, Any]:
         # what each rank sends rank 0 (Checkpointer._run): its summary, the descriptions of what it writes, the
         # digests of its RNG streams
         res["commit_in_bytes"] = sum(
-            len(pickle.dumps({"summary": s, "descs": [(0, p.desc) for p in mine[s.rank]], "rng": digests}))
+            len(
+                pickle.dumps(
+                    {
+                        "ok": True,
+                        "rank": s.rank,
+                        "summary": s,
+                        "descs": [(0, p.desc) for p in mine[s.rank] if not any(p.box.offsets)],
+                        "rng_digests": digests,
+                        "has_data": False,
+                        "data_position": None,
+                    }
+                )
+            )
             for s in summaries
         )
 

@@ -69,23 +69,26 @@ def check_box(
     seen: set[Any],
 ) -> Box:
     """A written box of tensor ``name``: described by some rank, inside its shape, not written before."""
-    if name not in metas:
+    d = metas.get(name)
+    if d is None:
         raise ManifestError(f"rank {rank} wrote tensor {name!r} that no rank described")
-    box = Box(tuple(offs), tuple(lens))
-    shape = metas[name].shape
-    if (
-        len(offs) != len(shape)
-        or len(lens) != len(shape)
-        or any(o < 0 or n < 0 or o + n > d for o, n, d in zip(offs, lens, shape, strict=True))
-    ):
+    shape = d.shape
+    ok = len(offs) == len(shape) == len(lens)
+    if ok:
+        for o, n, s in zip(offs, lens, shape):  # noqa: B905 - lengths checked just above
+            if o < 0 or n < 0 or o + n > s:
+                ok = False
+                break
+    if not ok:
         raise ManifestError(
             f"rank {rank} wrote box {list(offs)}+{list(lens)} of tensor {name!r}, "
             f"which lies outside its shape {list(shape)}"
         )
-    if (name, box.offsets, box.lengths) in seen and box.numel:
+    key = (name, tuple(offs), tuple(lens))
+    if key in seen and 0 not in lens:
         raise ManifestError(f"tensor {name!r}: box {list(offs)}+{list(lens)} was written twice")
-    seen.add((name, box.offsets, box.lengths))
-    return box
+    seen.add(key)
+    return Box(key[1], key[2])
 
 
 def check_covered(name: str, shape: tuple[int, ...], stored: int) -> None:

@@ -106,6 +106,23 @@ def blocks_overlapping(
     yield from rec(0, 0, Box.full(shape))
 
 
+def _block_boxes(
+    shape: tuple[int, ...], levels: list[tuple[int, int]]
+) -> Iterator[tuple[tuple[int, ...], tuple[int, ...]]]:
+    """(offsets, lengths) of every block of a nested split in block order (:func:`blocks`, as plain tuples;
+    a single level computed directly: it is every regular tensor's of FSDP, TP and ZeRO-1)."""
+    if len(levels) != 1:
+        for _, b in blocks(shape, levels):
+            yield b.offsets, b.lengths
+        return
+    d, parts = levels[0]
+    head, tail = shape[:d], shape[d + 1 :]
+    zeros_head, zeros_tail = (0,) * len(head), (0,) * len(tail)
+    for i in range(parts):
+        off, n = split(shape[d], parts, i)
+        yield (*zeros_head, off, *zeros_tail), (*head, n, *tail)
+
+
 def _affine(ranks: list[int], levels: list[tuple[int, int]]) -> dict[str, JSON] | None:
     """``{"start", "steps"}`` when rank = start + sum(i_l * steps[l]) over the mixed-radix digits, else None."""
     if not ranks or any(r < 0 for r in ranks):
@@ -117,6 +134,13 @@ def _affine(ranks: list[int], levels: list[tuple[int, int]]) -> dict[str, JSON] 
         stride //= p
         steps.append(ranks[stride] - ranks[0] if p > 1 else 0)
     start = ranks[0]
+    if len(radices) == 1:  # the common case (FSDP, TP, ZeRO-1): an arithmetic progression
+        step = steps[0]
+        return (
+            {"start": start, "steps": steps}
+            if ranks == list(range(start, start + step * len(ranks), step) if step else [start] * len(ranks))
+            else None
+        )
     for b, r in enumerate(ranks):
         rem, expect = b, start
         for p, s in zip(reversed(radices), reversed(steps), strict=True):
@@ -161,7 +185,7 @@ def describe_boxes(shape: tuple[int, ...], pieces: list[tuple[Box, int]]) -> dic
     }
     if not pieces:
         return {"split": [], "ranks": []}
-    at = {b: r for b, r in pieces}
+    at = {(b.offsets, b.lengths): r for b, r in pieces}
     if len(at) != len(pieces):
         return explicit
     varying = [d for d in range(len(shape)) if len({b.offsets[d] for b, _ in pieces}) > 1]
@@ -179,11 +203,11 @@ def describe_boxes(shape: tuple[int, ...], pieces: list[tuple[Box, int]]) -> dic
     for levels in candidates:
         ranks = []
         hit = 0
-        for _, box in blocks(shape, levels):
-            if box.numel == 0:
+        for offs, lens in _block_boxes(shape, levels):
+            if 0 in lens:
                 ranks.append(-1)
                 continue
-            r = at.get(box)
+            r = at.get((offs, lens))
             if r is None:
                 break
             ranks.append(r)

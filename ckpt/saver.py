@@ -433,6 +433,10 @@ class Checkpointer:
                     {"step": str(job.step), "rank": str(rank)},
                 )
             if v2:  # this rank's own index and state file; rank 0 gets their checksums and its boxes
+                # a tensor is described by the writer of its first element only (T descriptions in all, not N x T;
+                # the ranks agreed on every description in planning: plan_check / assign_writers)
+                origin = {n for n, b in job.written or () if not any(b.offsets)}
+                report["descs"] = [(pos, d) for pos, d in job.descs if d.name in origin]
                 rng = job.rank_trees.get("rng")
                 report["summary"] = write_rank_files(
                     job.storage, receipt, job.attempt, job.written or [], rng, job.rank_trees.get("data")
