@@ -298,7 +298,7 @@ def before(sim: Sim, repeat: int) -> dict[str, Any]:
         )
         return m.to_json()
 
-    res["commit_s"], text = best(commit, 1)
+    res["commit_s"], text = best(commit, repeat)
     raw = text.encode()
     res["manifest_bytes"] = len(raw)
     res["shards"] = sum(len(rep["receipt"].shards) for rep in reports)
@@ -309,7 +309,7 @@ def before(sim: Sim, repeat: int) -> dict[str, Any]:
             m = Manifest.from_json(raw)
             return sum(len(overlapping(m.tensors[p.name], p.box)) for p in want)
 
-        res[f"restore_{label}_s"], _ = best(plan_restore, 1)
+        res[f"restore_{label}_s"], _ = best(plan_restore, repeat)
     return res
 
 
@@ -341,7 +341,7 @@ def after(sim: Sim, repeat: int) -> dict[str, Any]:
     return res
 
 
-def after_commit(sim: Sim, rng_tree: Any) -> dict[str, Any]:
+def after_commit(sim: Sim, rng_tree: Any, repeat: int) -> dict[str, Any]:
     """Commit and restore with format v2 as the saver runs it (ckpt.commit_v2): each writer seals its own index and
     state file (timed per rank, slowest reported), rank 0 checks the written boxes and writes the top manifest;
     writers from the local planning (every rank planned once)."""
@@ -397,7 +397,7 @@ def after_commit(sim: Sim, rng_tree: Any) -> dict[str, Any]:
                 env={},
             )
 
-        res["commit_s"], (top, _) = best(commit, 1)
+        res["commit_s"], (top, _) = best(commit, repeat)
         res["manifest_bytes"] = len(top.encode())
         res["index_bytes_max"] = max(s.index.size for s in summaries if s.index is not None)
         res["state_bytes_max"] = max(s.state.size for s in summaries if s.state is not None)
@@ -416,7 +416,7 @@ def after_commit(sim: Sim, rng_tree: Any) -> dict[str, Any]:
                 loc.rank_trees(min(rank2, sim.world - 1))  # the restoring rank's RNG: one state file
                 return n, len(loc.layout.loaded)
 
-            res[f"restore_{label}_s"], (_, res[f"restore_{label}_indexes"]) = best(plan_restore, 1)
+            res[f"restore_{label}_s"], (_, res[f"restore_{label}_indexes"]) = best(plan_restore, repeat)
     return res
 
 
@@ -463,7 +463,7 @@ def run(
                 if "after" in modes:
                     row["after"] = after(sim, repeat)
                     if pieces <= max_pieces_after or len(ref_after.get((kind, t), [])) < 2:
-                        row["after_commit"] = after_commit(sim, rng_mod.capture())
+                        row["after_commit"] = after_commit(sim, rng_mod.capture(), repeat)
                         ref_after.setdefault((kind, t), []).append((n, row["after_commit"]))
                     else:
                         row["after_commit"] = extrapolate(ref_after[(kind, t)], n)

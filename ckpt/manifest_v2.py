@@ -1,17 +1,19 @@
-"""Format v2: a top manifest that stays small at thousands of ranks, and one sealed index per rank (docs/format.md,
+"""Format v2: a top manifest that stays small at thousands of ranks, and sealed per-rank files (docs/format.md,
 "Version 2").
 
 v1 lists every stored chunk in ``manifest.json`` and every rank's RNG and data-loader trees: about 180 bytes per
 chunk and 16 kB per rank, so an FSDP checkpoint of 8,192 ranks x 1,000 tensors is 1.5 GB of JSON that every
-restoring rank parses.  v2 moves both into per-rank index files (``r<rank>-<attempt>.index.json``, sealed like the
-manifest, their checksums in the top manifest) and describes where each tensor's pieces are once, as a regular
-nested split with an affine rank formula when the sharding is regular (FSDP, HSDP, TP, ZeRO-1), or as an explicit
-list of boxes otherwise.  A restoring rank reads the top manifest and only the indexes of ranks holding pieces
-that overlap its boxes (:class:`Locator`); tools that want everything (``ckpt verify``, converters) load all
-indexes into the same in-memory :class:`~ckpt.manifest.Manifest` as v1 (:func:`materialize`).
+restoring rank parses.  v2 moves the chunks into per-rank index files (``r<rank>-<attempt>.index.json``) and the
+trees into per-rank state files (``r<rank>-<attempt>.state.json``), both sealed like the manifest, their checksums
+in the top manifest, and describes where each tensor's pieces are once, as a regular nested split with an affine
+rank formula when the sharding is regular (FSDP, HSDP, TP, ZeRO-1), or as an explicit list of boxes otherwise.  A
+restoring rank reads the top manifest, only the indexes of ranks holding pieces that overlap its boxes
+(:class:`Locator`) and only its own state file; tools that want everything (``ckpt verify``, converters) load
+every file into the same in-memory :class:`~ckpt.manifest.Manifest` as v1 (:func:`materialize`).
 
-The in-memory model is unchanged: v2 is an encoding of a v1 :class:`Manifest`, produced from it at commit
-(:func:`encode`) after ``build_manifest`` validated coverage, so both versions hold exactly the same facts.
+Writing: the training-loop saver has each rank write its own index and state file (:mod:`ckpt.commit_v2`);
+writers holding every shard in one process encode an in-memory manifest (:func:`encode`).  Either way both versions
+hold exactly the same facts.
 """
 
 from __future__ import annotations
