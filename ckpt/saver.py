@@ -626,13 +626,18 @@ def _storage_key(t: torch.Tensor) -> tuple[str, int]:
 def _owned_storages(optimizer: Any) -> set[tuple[str, int]]:
     """Storages that only ``optimizer.step()`` mutates in a training loop: its parameters and its state tensors."""
     owned: set[tuple[str, int]] = set()
-    for g in optimizer.param_groups:
-        for p in g["params"]:
-            owned.add(_storage_key(p))
-    for per_param in optimizer.state.values():
-        for v in per_param.values():
-            if isinstance(v, torch.Tensor):
-                owned.add(_storage_key(v))
+    # ZeRO-1 wrappers keep the sharded master weights and moments in their base optimizer, which their own step()
+    # (the hooked call) steps
+    for opt in (optimizer, getattr(optimizer, "base_optimizer", None)):
+        if opt is None:
+            continue
+        for g in getattr(opt, "param_groups", []):
+            for p in g["params"]:
+                owned.add(_storage_key(p))
+        for per_param in getattr(opt, "state", {}).values():
+            for v in per_param.values():
+                if isinstance(v, torch.Tensor):
+                    owned.add(_storage_key(v))
     return {k for k in owned if k[1] != 0}
 
 
