@@ -178,6 +178,7 @@ class Checkpointer:
         self._base = adapters.BaseTracker()
         self._staged: Staged | None = None  # copies the training thread must wait for before mutating
         self._hooked: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
+        self._hooked_strong: dict[int, tuple[Any, Any]] = {}
         self.last_staging: StagingInfo | None = None
         #: seconds the training thread waited in step / load_state_dict hooks and staged() (benches, tests)
         self.hook_wait_s = 0.0
@@ -374,6 +375,9 @@ class Checkpointer:
                 for h in handles:
                     h.remove()
             self._hooked.clear()
+            for _, h in self._hooked_strong.values():
+                h.remove()
+            self._hooked_strong.clear()
 
     def staged(self) -> None:
         """Return once the in-flight save no longer reads the training tensors: call it before editing saved
@@ -454,12 +458,14 @@ class Checkpointer:
             (model, "register_load_state_dict_pre_hook"),
         ):
             fn = getattr(obj, register, None)
-            if fn is None or obj in self._hooked:
+            if fn is None:
                 continue
             try:
-                self._hooked[obj] = [fn(guard)]
-            except TypeError:  # not weak-referenceable: hook it anyway, once per save
-                fn(guard)
+                if obj not in self._hooked:
+                    self._hooked[obj] = [fn(guard)]
+            except TypeError:  # not weak-referenceable: held (strongly) until close()
+                if id(obj) not in self._hooked_strong:
+                    self._hooked_strong[id(obj)] = (obj, fn(guard))
 
     def _assign(self, pieces: list[Piece], groups: list[Group | None]) -> list[bool]:
         """Which of this rank's pieces it writes (module docstring, step 2).  Collective."""
