@@ -13,6 +13,9 @@ the same loop, saving every ``--every`` steps, then every step:
   for ``staging_completion`` before ``optimizer.step()``, as DCP requires);
 * ``nxd-style``: copy every tensor to CPU in the caller, ``torch.save`` on a thread (NxD's async path).
 
+``CPU in save``: CPU time of the training thread inside the save call (``time.thread_time``): the work itself,
+without the scheduler's delays on a loaded machine.  ``bg CPU/step``: CPU seconds per step of every other thread
+of the process in the save-every-step run (copies, hashing, writes), what competes with training for cores.
 Stall per save: time inside the save call plus every wait the saver imposes on the training thread until the
 next save (ckpt's step hooks, DCP's staging future, waiting for the previous save to finish).  Overhead: mean step
 time with a save every step vs the same loop without checkpoints (measured before and after the savers).
@@ -219,7 +222,9 @@ def loop(
     """Train ``steps`` steps, saving every ``every``; per-step times and per-save stalls."""
     step_s: list[float] = []
     stalls: list[float] = []
+    save_cpu: list[float] = []
     hook0 = getattr(saver, "hook_s", 0.0)
+    p0, c0 = time.process_time(), time.thread_time()
     for i in range(1, steps + 1):
         t0 = time.perf_counter()
         opt.zero_grad(set_to_none=True)
@@ -231,14 +236,22 @@ def loop(
             if stalls:  # hook waits since the previous save belong to it
                 stalls[-1] += hook - hook0
             hook0 = hook
+            t_cpu = time.thread_time()
             stalls.append(saver.save(i))
+            save_cpu.append(time.thread_time() - t_cpu)
         elif stalls:
             stalls[-1] += waited
         sync()
         step_s.append(time.perf_counter() - t0)
     if saver is not None and stalls:
         stalls[-1] += getattr(saver, "hook_s", 0.0) - hook0
-    return {"step_s": step_s, "stalls": stalls}
+    own = time.thread_time() - c0
+    return {
+        "step_s": step_s,
+        "stalls": stalls,
+        "save_cpu": save_cpu,
+        "background_cpu_per_step": (time.process_time() - p0 - own) / steps,
+    }
 
 
 def main() -> int:
@@ -313,6 +326,8 @@ def main() -> int:
             "stalls_s": a["stalls"],
             "step_s_every_step": statistics.mean(b["step_s"][1:]),
             "stall_s_every_step": statistics.median(b["stalls"][1:]),
+            "save_cpu_s": statistics.median(a["save_cpu"]),
+            "background_cpu_s_per_step_every_step": b["background_cpu_per_step"],
             "lazy_bytes": getattr(s, "lazy_bytes", None),
         }
         shutil.rmtree(root, ignore_errors=True)
@@ -321,6 +336,10 @@ def main() -> int:
     base += loop(model, opt, x, args.every * args.saves, 10**9, None, sync)["step_s"]
     step = statistics.mean(base)
     results["step_s_no_checkpoint"] = step
+    results["step_s_no_checkpoint_runs"] = [
+        statistics.mean(base[: len(base) // 2]),
+        statistics.mean(base[len(base) // 2 :]),
+    ]
     ref = rows.get("dcp async_save", {}).get("stall_s")
     for r in rows.values():
         r["overhead_every_step"] = r["step_s_every_step"] / step - 1
@@ -334,12 +353,16 @@ def main() -> int:
             "overhead at a save every step <= 10%": lazy["overhead_every_step"] <= 0.10,
         }
     print(f"state {nbytes / 2**20:.0f} MiB on {args.device}; step without checkpoints {step * 1e3:.0f} ms")
-    print(f"{'saver':20} {'stall/save ms':>14} {'ms/GiB':>8} {'vs DCP':>7} {'every-step ovh':>15}")
+    print(
+        f"{'saver':20} {'stall/save ms':>14} {'ms/GiB':>8} {'vs DCP':>7} {'CPU in save ms':>15} "
+        f"{'every-step ovh':>15} {'bg CPU/step s':>14}"
+    )
     for name, r in rows.items():
         vs = f"{r['stall_vs_dcp']:.3f}" if r["stall_vs_dcp"] is not None else "-"
         print(
             f"{name:20} {r['stall_s'] * 1e3:14.1f} {r['stall_ms_per_gib']:8.1f} {vs:>7} "
-            f"{r['overhead_every_step'] * 100:14.1f}%"
+            f"{r['save_cpu_s'] * 1e3:15.1f} {r['overhead_every_step'] * 100:14.1f}% "
+            f"{r['background_cpu_s_per_step_every_step']:14.3f}"
         )
     if "goals" in results:
         print(json.dumps(results["goals"]))
