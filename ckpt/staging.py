@@ -44,7 +44,6 @@ class Staged:
         self._event: Any = None  # torch.cuda.Event of the side-stream copies
         self._error: BaseException | None = None
         self._sources: list[torch.Tensor] = []  # kept alive until copied
-        self._lock = threading.Lock()
         self._ordered = False  # the current stream already waits on the event
         self.copy_s = 0.0  # seconds the background copy took (CPU thread)
 
