@@ -426,6 +426,10 @@ class Checkpointer:
             reason = "no optimizer= given: no step hook can guard the saved tensors"
         elif not callable(getattr(optimizer, "register_step_pre_hook", None)):
             reason = f"optimizer {type(optimizer).__name__} has no register_step_pre_hook"
+        elif not getattr(type(optimizer).step, "hooked", False):
+            # torch.optim.Optimizer.__init__ wraps the class's step() so that it runs the hooks; a wrapper that
+            # never called it would accept a hook and never run it
+            reason = f"{type(optimizer).__name__}.step() does not run step hooks (Optimizer.__init__ was not called)"
         else:
             owned = _owned_storages(optimizer)
             flags = [_storage_key(t) in owned for t in tensors]

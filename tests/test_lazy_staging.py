@@ -207,6 +207,48 @@ def test_without_an_optimizer_or_with_lazy_false_everything_is_copied_before_ret
     assert saved_digests(str(tmp_path / "b")) == want_after
 
 
+class Wrapper(torch.optim.Optimizer):
+    """An optimizer wrapper that delegates to an inner optimizer without calling Optimizer.__init__ (as some
+    framework wrappers do): it accepts register_step_pre_hook, but its step() never runs the hooks."""
+
+    def __init__(self, inner: torch.optim.Optimizer) -> None:
+        self.inner = inner
+        self._optimizer_step_pre_hooks: dict = {}
+        self._optimizer_step_post_hooks: dict = {}
+
+    @property
+    def param_groups(self) -> list:  # type: ignore[override]
+        return self.inner.param_groups
+
+    @property
+    def state(self) -> Any:  # type: ignore[override]
+        return self.inner.state
+
+    def state_dict(self) -> dict:  # type: ignore[override]
+        return self.inner.state_dict()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.inner.zero_grad(set_to_none)
+
+    def step(self, closure: Any = None) -> None:  # type: ignore[override]
+        self.inner.step()
+
+
+def test_a_wrapper_whose_step_runs_no_hooks_is_staged_eagerly(tmp_path: Path) -> None:
+    m, inner = make()
+    opt = Wrapper(inner)
+    train_step(m, opt, 0)
+    ck = Checkpointer(async_save=True)
+    want = digests(m, inner)
+    ck.save(str(tmp_path / "s"), step=1, model=m, optimizer=opt, rng=False)
+    assert ck.last_staging is not None and ck.last_staging.lazy_bytes == 0
+    assert "does not run step hooks" in (ck.last_staging.reason or "")
+    train_step(m, opt, 1)  # would race a lazy copy: no hook runs
+    mutate_everything(m, inner)
+    ck.close()
+    assert saved_digests(str(tmp_path / "s")) == want
+
+
 def test_manager_restore_waits_for_the_in_flight_copy(tmp_path: Path) -> None:
     m, opt = make()
     train_step(m, opt, 0)
