@@ -17,8 +17,10 @@ from typing import Any
 import torch
 
 from ckpt.errors import CkptError, CorruptionError
+from ckpt.layouts.names import EXPERT_STACKED
 from ckpt.safe_unpickle import TensorReference, load_torch_file
 
+from . import zero1_ep
 from .discovery import TagStatus, tag_status
 from .files import TagFiles, missing_rank_files, scan_tag
 from .naming import RankKey
@@ -253,6 +255,8 @@ class NxdTagReader:
         files = self._optim_files(rank)
         if not files:
             return None
+        if self.meta.zero1 and self.meta.ep_size > 1:  # NeuronEPZero1Optimizer: the files span the EP ranks
+            return self._ep_zero1_optimizer(rank, files, lazy)
         names = self.param_names(rank)
         assert names is not None
         dicts = [
@@ -269,6 +273,25 @@ class NxdTagReader:
         if is_zero1_dict(dicts[0]):
             return merge_zero1_optimizer(dicts, names, where=where, lazy=lazy)
         return merge_plain_optimizer(dicts[0], names, where=where)
+
+    def _ep_zero1_optimizer(self, rank: RankKey, files: list[Path], lazy: bool) -> dict[str, Any]:
+        """The named optimizer of EP rank ``rank[2]`` from every DP rank's file of its (tp, pp) (:mod:`.zero1_ep`)."""
+        dicts = [
+            load_nxd_file(
+                f, self.meta.xser, mmap=self._mmap or lazy, verify=self._verify,
+                context=self._where(f"optimizer dp {dp}", rank),
+            )
+            for dp, f in enumerate(files)
+        ]  # fmt: skip
+        where = str(files[0])
+        if not zero1_ep.is_ep_zero1_dict(dicts[0]):
+            raise CorruptionError(
+                f"{where}: ZeRO-1 optimizer of a tag with ep_rank files lacks NeuronEPZero1Optimizer's ep_*_offset keys"
+            )
+        return zero1_ep.merge(
+            dicts, self.meta.ep_size, rank[2], self.model_shapes(rank), lambda n: bool(EXPERT_STACKED.match(n)),
+            where=where, lazy=lazy,
+        )  # fmt: skip
 
     def scheduler(self) -> dict[str, Any] | None:
         f = self.files.scheduler

@@ -12,7 +12,7 @@ Facts (torch_xla ``distributed/zero_redundancy_optimizer.py``, NxD ``optimizer/z
   NxD's examples build two groups (``get_param_groups_by_weight_decay``: names without "bias"/"norm" first, then
   the others), so pid order equals model order only with a single group.  :func:`resolve_param_names` tries both
   and checks every shape against ``shape_info``.
-* The MoE variant (``NeuronEPZero1Optimizer``) adds ``ep_*_offset`` keys; it is not supported here.
+* The MoE variant (``NeuronEPZero1Optimizer``) adds ``ep_*_offset`` keys: :mod:`.zero1_ep` splits and joins it.
 """
 
 from __future__ import annotations
