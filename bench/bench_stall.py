@@ -124,6 +124,18 @@ class DcpSaver(Saver):
         self.upload: Any = None
         self.staging: Any = None
         self.dirs: list[str] = []
+        self.async_stager: Any = None
+        if stager:  # one stager for the whole run: it keeps its (pinned) staging buffers across saves
+            from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+            self.async_stager = DefaultStager(
+                StagingOptions(
+                    use_pinned_memory=cuda,
+                    use_shared_memory=False,
+                    use_async_staging=True,
+                    use_non_blocking_copy=cuda,
+                )
+            )
 
     def _drain(self) -> float:
         t0 = time.perf_counter()
@@ -143,17 +155,9 @@ class DcpSaver(Saver):
         msd, osd = get_state_dict(self.model, self.opt)
         path = os.path.join(self.root, f"step_{step:08d}")
         self.dirs.append(path)
-        if self.stager:
-            from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-
-            opts = StagingOptions(
-                use_pinned_memory=self.cuda,
-                use_shared_memory=False,
-                use_async_staging=True,
-                use_non_blocking_copy=self.cuda,
-            )
+        if self.async_stager is not None:
             resp = dcp.async_save(
-                {"model": msd, "optim": osd}, checkpoint_id=path, async_stager=DefaultStager(opts)
+                {"model": msd, "optim": osd}, checkpoint_id=path, async_stager=self.async_stager
             )
             self.staging, self.upload = resp.staging_completion, resp.upload_completion
         else:
@@ -169,6 +173,8 @@ class DcpSaver(Saver):
 
     def close(self) -> None:
         self._drain()
+        if self.async_stager is not None:
+            self.async_stager.close()
 
 
 class NxdStyleSaver(Saver):
