@@ -17,9 +17,10 @@ from __future__ import annotations
 import abc
 import contextlib
 import copy
+import functools
 import importlib
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, BinaryIO, NamedTuple
 
 from ckpt.errors import StorageError
@@ -99,6 +100,25 @@ class Storage(abc.ABC):
         after it is read, while it is still in the CPU cache: hashing there costs no second pass over memory.
         """
 
+    def read_many(
+        self, reads: Sequence[Read], on_block: Callable[[int, memoryview], None] | None = None
+    ) -> None:
+        """Fill every ``reads[i].out`` from ``reads[i].rel`` at ``reads[i].start``; several at once where the
+        backend gains from it (ranged GETs in flight on object stores), one after the other on local disk.
+
+        ``on_block(i, block)`` is called, from any thread, on consecutive slices of ``reads[i].out`` that together
+        cover it exactly once, in order, each as soon as it is filled: a checksum can be computed while later
+        reads are still on the wire.  A failure is a :class:`ReadFailed` carrying the index of the read and the
+        error (``FileNotFoundError`` or a ``StorageError`` naming the file); no read is still writing into its
+        ``out`` when this returns or raises.
+        """
+        for i, r in enumerate(reads):
+            cb = None if on_block is None else functools.partial(on_block, i)
+            try:
+                self.read_into(r.rel, r.start, r.out, cb)
+            except (OSError, StorageError) as e:
+                raise ReadFailed(i, e) from e
+
     @abc.abstractmethod
     def size(self, rel: str) -> int | None:
         """Size in bytes, or None when there is no file ``rel`` (missing, or a folder)."""
@@ -133,6 +153,24 @@ class Storage(abc.ABC):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.display()!r})"
+
+
+class Read(NamedTuple):
+    """One read of :meth:`Storage.read_many`: fill all of ``out`` from file ``rel`` at byte ``start``."""
+
+    rel: str
+    start: int
+    out: memoryview
+
+
+class ReadFailed(Exception):
+    """:meth:`Storage.read_many` could not fill ``reads[index]``; ``error`` says why (callers turn it into a
+    one-line error naming the file and what it holds)."""
+
+    def __init__(self, index: int, error: BaseException) -> None:
+        super().__init__(f"read {index}: {error}")
+        self.index = index
+        self.error = error
 
 
 class Backend(NamedTuple):
@@ -248,4 +286,14 @@ def _missing_package(name: str, exc: ImportError) -> str:
     return f"the fsspec implementation of {name}://"
 
 
-__all__ = ["BACKENDS", "FSSPEC", "RETRIES", "Backend", "Storage", "open_storage", "scheme"]
+__all__ = [
+    "BACKENDS",
+    "FSSPEC",
+    "RETRIES",
+    "Backend",
+    "Read",
+    "ReadFailed",
+    "Storage",
+    "open_storage",
+    "scheme",
+]
