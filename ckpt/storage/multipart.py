@@ -83,6 +83,8 @@ class MultipartWriter:
         n = len(view)
         pos = 0
         while pos < n:
+            if self._fill == self._cap:  # full, and more follows (a file of exactly one part stays one PUT)
+                self._submit()
             take = min(n - pos, self._cap - self._fill)
             if len(self._buf) == self._fill:
                 self._buf += view[pos : pos + take]
@@ -90,8 +92,6 @@ class MultipartWriter:
                 self._buf[self._fill : self._fill + take] = view[pos : pos + take]
             self._fill += take
             pos += take
-            if self._fill == self._cap:
-                self._submit()
         return n
 
     def writable(self) -> bool:
