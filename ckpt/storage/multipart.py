@@ -2,9 +2,10 @@
 
 Why not a spool file and ``put_file``: the bytes of a data file are already in host memory (the staged tensors), so
 writing them to a local temp file and reading them back only to upload them costs two passes over memory and a
-disk's worth of bandwidth.  :class:`MultipartWriter` copies what it is given into part buffers (one copy, the
-body S3's client needs as ``bytes``) and hands each full part to one of ``in_flight`` uploader threads while the
-caller keeps writing, so packing, checksumming and uploading overlap.
+disk's worth of bandwidth.  :class:`MultipartWriter` copies what it is given into a part buffer and each full
+part into the ``bytes`` body S3's client takes (two memory copies, no file), and hands it to one of ``in_flight``
+uploader threads while the caller keeps writing, so packing, checksumming and uploading overlap.  Memory held:
+one part being filled plus ``in_flight`` parts on the wire.
 
 Publication is S3's own: the object appears when ``CompleteMultipartUpload`` (create-only: ``If-None-Match: *``)
 succeeds, after every part is in; an object smaller than one part is one create-only PUT.  Any failure (a part
@@ -71,8 +72,7 @@ class MultipartWriter:
         self._buf = bytearray()
         self._cap = part_size(base_part, 1)
         self._fill = 0
-        self._free: list[bytearray] = []  # buffers of finished parts, for reuse
-        self._pending: dict[cf.Future[str], tuple[int, bytearray]] = {}
+        self._pending: dict[cf.Future[str], int] = {}  # parts in flight -> part number
         self._etags: dict[int, str] = {}
         self._pool: cf.ThreadPoolExecutor | None = None
         self.state = "open"  # -> "published" | "aborted"
@@ -110,21 +110,19 @@ class MultipartWriter:
             raise StorageError(f"{self.storage.display(self.rel)}: more than {MAX_PARTS} parts")
         while len(self._pending) >= self.in_flight:
             self._reap(cf.FIRST_COMPLETED)
-        number, buf = self._number, self._buf
-        if self._fill < len(buf):
-            del buf[self._fill :]  # the last part: shrink in place
+        # the body as bytes (botocore and aiohttp spend twice the CPU on a bytearray body); the fill buffer is
+        # free again at once
+        body = bytes(memoryview(self._buf)[: self._fill])
         assert self._pool is not None
-        fut = self._pool.submit(self._upload_part, number, buf)
-        self._pending[fut] = (number, buf)
+        self._pending[self._pool.submit(self._upload_part, self._number, body)] = self._number
         self._number += 1
-        self._cap = part_size(self.base_part, self._number)
-        reuse = [b for b in self._free if len(b) == self._cap]
-        self._buf = reuse[0] if reuse else bytearray(self._cap)
-        if reuse:
-            self._free.remove(reuse[0])
+        cap = part_size(self.base_part, self._number)
+        if cap != self._cap or len(self._buf) != cap:
+            self._cap = cap
+            self._buf = bytearray(cap)
         self._fill = 0
 
-    def _upload_part(self, number: int, body: bytearray) -> str:
+    def _upload_part(self, number: int, body: bytes) -> str:
         resp = self._call(
             f"uploading part {number} of",
             "upload_part",
@@ -140,10 +138,7 @@ class MultipartWriter:
         """Wait for parts in flight (the first one, or all) and record them; raise the first failure."""
         done, _ = cf.wait(list(self._pending), return_when=how)
         for fut in done:
-            number, buf = self._pending.pop(fut)
-            self._etags[number] = fut.result()  # raises the part's StorageError
-            if len(buf) == part_size(self.base_part, number):
-                self._free.append(buf)
+            self._etags[self._pending.pop(fut)] = fut.result()  # raises the part's StorageError
 
     def _call(self, what: str, method: str, **kwargs: Any) -> Any:
         s = self.storage
@@ -202,7 +197,6 @@ class MultipartWriter:
             return
         self.state = "aborted"
         self._buf = bytearray()
-        self._free.clear()
         try:
             for fut in self._pending:
                 fut.cancel()
