@@ -22,6 +22,8 @@ from . import Read, Storage
 from .retry import RETRIES, with_retries
 from .spool import SMALL_FILE_BYTES, Spool
 
+MIN_PIECE = 8 << 20  # read_many splits a batch into ranged GETs no smaller than this (read_piece caps it)
+
 
 class FsspecStorage(Storage):
     """Files under an fsspec URL. ``fs`` is the (cached, shared) fsspec filesystem; ``root`` its path."""
@@ -176,9 +178,11 @@ class FsspecStorage(Storage):
     ) -> None:
         from .ranged import plan_pieces, read_pieces
 
-        read_pieces(
-            self.read_range, reads, plan_pieces(reads, self.read_piece), self.reads_in_flight, on_block
-        )
+        # as few requests as keep every slot busy: the batch split in reads_in_flight pieces of at least MIN_PIECE
+        # and at most read_piece bytes (a piece is held in memory once before it is copied into place)
+        total = sum(len(r.out) for r in reads)
+        piece = min(self.read_piece, max(MIN_PIECE, -(-total // max(1, self.reads_in_flight))))
+        read_pieces(self.read_range, reads, plan_pieces(reads, piece), self.reads_in_flight, on_block)
 
     def size(self, rel: str) -> int | None:
         try:
