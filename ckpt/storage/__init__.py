@@ -65,7 +65,9 @@ class Storage(abc.ABC):
 
     # ------------------------------------------------------------------------------------------------ writing
     @abc.abstractmethod
-    def create(self, rel: str, exclusive: bool = True) -> contextlib.AbstractContextManager[BinaryIO]:
+    def create(
+        self, rel: str, exclusive: bool = True, borrow: bool = False
+    ) -> contextlib.AbstractContextManager[BinaryIO]:
         """A context manager yielding a write-only binary file (only ``write`` is guaranteed).
 
         On clean exit the file is published as ``rel`` atomically: a reader sees the old state or the complete
@@ -74,6 +76,10 @@ class Storage(abc.ABC):
         :class:`~ckpt.errors.CheckpointExistsError` when ``rel`` already exists; otherwise ``rel`` is replaced.
         Create-only is atomic against concurrent writers on local disk (``link``) and S3 (``If-None-Match``);
         on other fsspec backends it is a check followed by the write.  Parent folders are created as needed.
+
+        ``borrow``: the caller promises not to change any buffer it passes to ``write`` until the block has
+        exited; a backend may then keep a reference instead of a copy (S3 builds each part straight from the
+        caller's memory).  Without it, ``write`` behaves like a file's: the buffer may be reused at once.
         """
 
     def put_bytes(self, rel: str, data: bytes, exclusive: bool = True) -> None:

@@ -58,7 +58,7 @@ class FsspecStorage(Storage):
 
     # ------------------------------------------------------------------------------------------------ writing
     @contextlib.contextmanager
-    def create(self, rel: str, exclusive: bool = True) -> Iterator[BinaryIO]:
+    def create(self, rel: str, exclusive: bool = True, borrow: bool = False) -> Iterator[BinaryIO]:
         spool = Spool(self.spool_limit)
         try:
             yield spool  # type: ignore[misc]

@@ -2,10 +2,11 @@
 
 Why not a spool file and ``put_file``: the bytes of a data file are already in host memory (the staged tensors), so
 writing them to a local temp file and reading them back only to upload them costs two passes over memory and a
-disk's worth of bandwidth.  :class:`MultipartWriter` copies what it is given into a part buffer and each full
-part into the ``bytes`` body S3's client takes (two memory copies, no file), and hands it to one of ``in_flight``
-uploader threads while the caller keeps writing, so packing, checksumming and uploading overlap.  Memory held:
-one part being filled plus ``in_flight`` parts on the wire.
+disk's worth of bandwidth.  :class:`MultipartWriter` builds each part's ``bytes`` body (what S3's client takes)
+straight from the buffers the caller wrote when it may borrow them (``create(..., borrow=True)``: data files,
+whose staged tensors do not change until the file is published), else from copies, and hands it to one of
+``in_flight`` uploader threads while the caller keeps writing, so packing, checksumming and uploading overlap.
+Memory held: the parts on the wire (plus, without ``borrow``, copies of the part being filled).
 
 Publication is S3's own: the object appears when ``CompleteMultipartUpload`` (create-only: ``If-None-Match: *``)
 succeeds, after every part is in; an object smaller than one part is one create-only PUT.  Any failure (a part
@@ -54,12 +55,20 @@ def multipart_etag(part_etags: list[str]) -> str:
 class MultipartWriter:
     """A write-only binary file that becomes the S3 object ``rel`` on :meth:`finish`, or nothing on :meth:`abort`.
 
-    ``write`` copies its argument (the caller may reuse its buffer at once).  Failures of parts already in flight
+    ``write`` copies its argument (the caller may reuse its buffer at once) unless ``borrow``.  Failures of parts already in flight
     surface at the next ``write`` or at ``finish``; the caller must then call :meth:`abort` (``S3Storage.create``
     does, on every exception including ``BaseException``).
     """
 
-    def __init__(self, storage: S3Storage, rel: str, exclusive: bool, base_part: int, in_flight: int) -> None:
+    def __init__(
+        self,
+        storage: S3Storage,
+        rel: str,
+        exclusive: bool,
+        base_part: int,
+        in_flight: int,
+        borrow: bool = False,
+    ) -> None:
         self.storage = storage
         self.rel = rel
         self.exclusive = exclusive
@@ -67,9 +76,10 @@ class MultipartWriter:
         self.in_flight = max(1, in_flight)
         self.bucket, _, self.key = storage.path(rel).partition("/")
         self.upload_id: str | None = None
+        self.borrow = borrow
         self._number = 1  # the part being filled
-        # the first part grows as written (a small file never allocates a whole part); later ones are preallocated
-        self._buf = bytearray()
+        # what the part being filled holds: the caller's own buffers (borrow) or copies of them
+        self._pieces: list[memoryview | bytes] = []
         self._cap = part_size(base_part, 1)
         self._fill = 0
         self._pending: dict[cf.Future[str], int] = {}  # parts in flight -> part number
@@ -86,10 +96,8 @@ class MultipartWriter:
             if self._fill == self._cap:  # full, and more follows (a file of exactly one part stays one PUT)
                 self._submit()
             take = min(n - pos, self._cap - self._fill)
-            if len(self._buf) == self._fill:
-                self._buf += view[pos : pos + take]
-            else:
-                self._buf[self._fill : self._fill + take] = view[pos : pos + take]
+            piece = view[pos : pos + take]
+            self._pieces.append(piece if self.borrow else bytes(piece))
             self._fill += take
             pos += take
         return n
@@ -110,16 +118,14 @@ class MultipartWriter:
             raise StorageError(f"{self.storage.display(self.rel)}: more than {MAX_PARTS} parts")
         while len(self._pending) >= self.in_flight:
             self._reap(cf.FIRST_COMPLETED)
-        # the body as bytes (botocore and aiohttp spend twice the CPU on a bytearray body); the fill buffer is
-        # free again at once
-        body = bytes(memoryview(self._buf)[: self._fill])
+        # the body as bytes (botocore and aiohttp spend twice the CPU on a bytearray body), joined straight from
+        # the caller's memory when borrowed
+        body = b"".join(self._pieces)
+        self._pieces = []
         assert self._pool is not None
         self._pending[self._pool.submit(self._upload_part, self._number, body)] = self._number
         self._number += 1
-        cap = part_size(self.base_part, self._number)
-        if cap != self._cap or len(self._buf) != cap:
-            self._cap = cap
-            self._buf = bytearray(cap)
+        self._cap = part_size(self.base_part, self._number)
         self._fill = 0
 
     def _upload_part(self, number: int, body: bytes) -> str:
@@ -148,8 +154,8 @@ class MultipartWriter:
     def finish(self) -> None:
         """Publish: one create-only PUT when everything fits one part, else the last part and the completion."""
         if self.upload_id is None:
-            data = bytes(memoryview(self._buf)[: self._fill])
-            self._buf = bytearray()
+            data = b"".join(self._pieces)
+            self._pieces = []
             self.storage._put_whole(self.rel, data, self.exclusive)
             self.state = "published"
             return
@@ -196,7 +202,7 @@ class MultipartWriter:
         if self.state != "open":
             return
         self.state = "aborted"
-        self._buf = bytearray()
+        self._pieces = []
         try:
             for fut in self._pending:
                 fut.cancel()

@@ -54,8 +54,8 @@ class S3Storage(FsspecStorage):
             self.parts_in_flight = self.reads_in_flight = int(concurrency)
 
     @contextlib.contextmanager
-    def create(self, rel: str, exclusive: bool = True) -> Iterator[BinaryIO]:
-        writer = MultipartWriter(self, rel, exclusive, self.part_size, self.parts_in_flight)
+    def create(self, rel: str, exclusive: bool = True, borrow: bool = False) -> Iterator[BinaryIO]:
+        writer = MultipartWriter(self, rel, exclusive, self.part_size, self.parts_in_flight, borrow)
         try:
             yield writer  # type: ignore[misc]
             writer.finish()
