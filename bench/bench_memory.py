@@ -41,8 +41,9 @@ from torture.memory import MIB, SOURCE_NXD, SOURCES, TARGETS, generate_cuda, mak
 GIB = 1 << 30
 #: a target rank is 1/8 of the model (NxD's file unit, which the NxD writer builds whole)
 TARGET_NXD = {"tp": 4, "pp": 2, "dp": 2}
-#: the order sources are measured in (DCP, whose reader changed last, at the end)
-ORDER = ("ckpt", "hf", "nxd", "nxd_xser", "dcp")
+#: the order sources are measured in: DCP (the last reader made to stream) and NxD (the headline) first, so that a run
+#: stopped early has measured them
+ORDER = ("dcp", "nxd", "ckpt", "hf", "nxd_xser")
 DIMS = {
     "hidden_size": 1024,
     "num_attention_heads": 8,
