@@ -14,8 +14,11 @@ own malloc settings).  This process polls the child's ``/proc/<pid>/status`` eve
 * wall: the conversion's own time, and ``vs copy`` = time to copy the source's files byte for byte
   (``shutil.copyfile``, same disk) / conversion time.
 
-Usage: ``python bench/bench_memory.py [--layers 6,28] [--workdir DIR] [--json bench/results/memory.json]``.
-Everything generated is deleted at the end (each output as soon as it is measured).
+Usage: ``python bench/bench_memory.py [--layers 6,52] [--pairs all|SRC:DST,...] [--workdir DIR]
+[--json bench/results/memory.json]``; the model for the run bigger than memory:
+``--layers 195 --pairs ckpt:nxd,nxd:hf --reuse-nxd --copy-limit-gib 4`` (26 GiB; ~2x that on disk at the peak).
+Disk stays bounded: the generated model, one other source format and one output at a time (each output deleted as
+soon as it is measured, each source once its targets are).  Rows are written to the JSON as they are measured.
 """
 
 from __future__ import annotations
