@@ -4,7 +4,7 @@ For each size a Llama-shaped fp32 model with AdamW moments is generated (our for
 unmeasured, into every source format (ckpt, HF, DCP, NxD plain TP 2 PP 2 ZeRO-1 DP 2, NxD xser); then each source is
 converted into every target format (ckpt, HF, DCP, NxD plain and xser at TP 4 PP 2 DP 2), one child process per
 conversion, with the defaults a user gets (64 MiB writer batches, checksums and NxD CRCs verified on read, glibc's
-own malloc settings).  This process polls the child's ``/proc/<pid>/status`` every millisecond
+malloc pinned as the CLI pins it, converters/engine/allocator.py).  This process polls the child's ``/proc/<pid>/status`` every millisecond
 (``tests/torture/memory.py``) for:
 
 * peak anon: the peak ``RssAnon`` growth above the child's own memory right before the conversion (interpreter and
@@ -96,6 +96,7 @@ def run_size(
     *,
     copy_limit: int | None = None,
     reuse_nxd: bool = False,
+    cli_malloc: bool = True,
 ) -> None:
     """Measure ``pairs`` on a model of ``layers`` decoder layers, calling ``record`` with each row as it is measured.
 
@@ -130,13 +131,14 @@ def run_size(
             (peak,) = measure(
                 [{"src": src, "dst": dst, "target": t, "config": cfg, "src_name": s, "nxd": TARGET_NXD}],
                 exact_malloc=False,
+                cli_malloc=cli_malloc,
                 timeout=6 * 3600,
             )
             row = {
                 "layers": layers, "model_bytes": total if s != "hf" else total // 3, "source": s, "target": t,
                 "peak_anon": peak.anon, "peak_rss": peak.rss, "base_anon": peak.base_anon,
                 "estimate": peak.estimate, "wall": peak.wall, "copy": copy, "src_bytes": _bytes(src),
-                "copy_scaled": copy_limit is not None, "nxd_source": (TARGET_NXD if s in made else SOURCE_NXD) if s.startswith("nxd") else None,
+                "copy_scaled": copy_limit is not None, "malloc": "cli" if cli_malloc else "glibc default", "nxd_source": (TARGET_NXD if s in made else SOURCE_NXD) if s.startswith("nxd") else None,
             }  # fmt: skip
             record(row)
             print(
@@ -177,6 +179,9 @@ def main() -> int:
     p.add_argument(
         "--reuse-nxd", action="store_true", help="the measured ckpt -> nxd output is the NxD source"
     )
+    p.add_argument(
+        "--default-malloc", action="store_true", help="glibc's adaptive malloc, not the CLI's pinned one"
+    )
     p.add_argument("--json", default=str(HERE / "results" / "memory.json"))
     args = p.parse_args()
     os.environ.setdefault("PJRT_DEVICE", "CPU")
@@ -195,7 +200,15 @@ def main() -> int:
         for n in args.layers.split(","):
             bytes_ = 4 * 3 * _params(int(n))
             sizes.append({"layers": int(n), "bytes": bytes_, "rows": []})
-            run_size(work, int(n), pairs, record, copy_limit=limit, reuse_nxd=args.reuse_nxd)
+            run_size(
+                work,
+                int(n),
+                pairs,
+                record,
+                copy_limit=limit,
+                reuse_nxd=args.reuse_nxd,
+                cli_malloc=not args.default_malloc,
+            )
     finally:
         shutil.rmtree(work, ignore_errors=True)
     print(f"wrote {out}")
