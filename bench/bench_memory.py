@@ -168,6 +168,30 @@ def _pairs(spec: str) -> list[tuple[str, str]]:
     return out
 
 
+def table(paths: list[str]) -> str:
+    """The markdown table of docs/performance.md "Memory" from result files (one column group per model size)."""
+    sizes = [size for path in paths for size in json.loads(Path(path).read_text())]
+    cells: dict[tuple[str, str], list[str]] = {(s, t): [] for s in SOURCES for t in TARGETS}
+    for size in sizes:
+        rows = {(r["source"], r["target"]): r for r in size["rows"]}
+        for key, out in cells.items():
+            r = rows.get(key)
+            if r is None:
+                out += ["not measured", "-"]
+                continue
+            mib = [round(r[k] / MIB) for k in ("peak_anon", "peak_rss", "estimate")]
+            out += [
+                f"{mib[0]} / {mib[1]} / {mib[2]} MiB",
+                f"{r['wall']:.1f} s ({r['copy'] / r['wall']:.2f}x)",
+            ]
+    head = "| source -> target | " + " | ".join(
+        f"{size['bytes'] / GIB:.2f} GiB: peak anon / peak RSS / est | wall (vs copy)" for size in sizes
+    )
+    lines = [head + " |", "|---" * (1 + 2 * len(sizes)) + "|"]
+    lines += [f"| {s} -> {t} | " + " | ".join(v) + " |" for (s, t), v in cells.items()]
+    return "\n".join(lines)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--layers", default="6,28", help="model sizes, as numbers of decoder layers")
@@ -183,7 +207,13 @@ def main() -> int:
         "--default-malloc", action="store_true", help="glibc's adaptive malloc, not the CLI's pinned one"
     )
     p.add_argument("--json", default=str(HERE / "results" / "memory.json"))
+    p.add_argument(
+        "--table", default=None, help="print the docs table of these result files (comma-separated)"
+    )
     args = p.parse_args()
+    if args.table:
+        print(table(args.table.split(",")))
+        return 0
     os.environ.setdefault("PJRT_DEVICE", "CPU")
     pairs = _pairs(args.pairs)
     limit = int(args.copy_limit_gib * GIB) if args.copy_limit_gib else None
