@@ -306,9 +306,9 @@ class NxdExport:
         self._writer: TagWriter | None = None
 
     def held_bytes(self, retained: Callable[[OutPart], int]) -> int:
-        """A target rank is built whole before its files are written (NxD's file unit), but its large tensors and
-        ZeRO-1 shards live in file-backed :class:`~.scratch.Scratch` memory: what stays in process memory is its
-        small tensors (and their shards), plus the copy into scratch of one part."""
+        """A target rank is built whole before its files are written (NxD's file unit), but its tensors and ZeRO-1
+        shards live in file-backed :class:`~.scratch.Scratch` memory: what stays in process memory is the tensors
+        under ``MIN_BYTES`` (none by default) and their shards; the part being copied in counts in its own cost."""
         worst = 0
         for parts in self.parts:
             small = 0
