@@ -56,7 +56,12 @@ def nxd_env(nxd_src: str, tp: int, pp: int, platform: str = "trn1") -> Any:
     return parallel_state
 
 
-def full_weights() -> dict[str, torch.Tensor]:
+def config(kv: int = KV) -> dict[str, Any]:
+    """The model's ``config.json`` with ``kv`` KV heads."""
+    return dict(CONFIG, num_key_value_heads=kv)
+
+
+def full_weights(kv: int = KV) -> dict[str, torch.Tensor]:
     """The logical (HF-named) initial weights, the same on every rank: each NxD layer's init_method copies its master."""
     g = torch.Generator().manual_seed(0)
     hd = H // HEADS
@@ -73,8 +78,8 @@ def full_weights() -> dict[str, torch.Tensor]:
         p = f"model.layers.{i}."
         w |= {
             p + "input_layernorm.weight": 1 + rnd(H), p + "post_attention_layernorm.weight": 1 + rnd(H),
-            p + "self_attn.q_proj.weight": rnd(HEADS * hd, H), p + "self_attn.k_proj.weight": rnd(KV * hd, H),
-            p + "self_attn.v_proj.weight": rnd(KV * hd, H), p + "self_attn.o_proj.weight": rnd(H, HEADS * hd),
+            p + "self_attn.q_proj.weight": rnd(HEADS * hd, H), p + "self_attn.k_proj.weight": rnd(kv * hd, H),
+            p + "self_attn.v_proj.weight": rnd(kv * hd, H), p + "self_attn.o_proj.weight": rnd(H, HEADS * hd),
             p + "mlp.gate_proj.weight": rnd(INTER, H), p + "mlp.up_proj.weight": rnd(INTER, H),
             p + "mlp.down_proj.weight": rnd(H, INTER),
         }  # fmt: skip
@@ -101,14 +106,14 @@ def stage_layers(pp_rank: int, pp: int) -> range:
     return range(pp_rank * per, (pp_rank + 1) * per)
 
 
-def build(ps: Any, kv_size_multiplier: int = 1) -> torch.nn.Module:
+def build(ps: Any, kv: int = KV, kv_size_multiplier: int = 1) -> torch.nn.Module:
     """This rank's stage of the model, on the XLA device, every parallel parameter cut by NxD's layers."""
     import torch_xla
     from neuronx_distributed.modules.qkv_linear import GQAQKVColumnParallelLinear
     from neuronx_distributed.parallel_layers import layers
     from neuronx_distributed.utils.model_utils import move_model_to_device
 
-    full = full_weights()
+    full = full_weights(kv)
     pp_rank, pp = ps.get_pipeline_model_parallel_rank(), ps.get_pipeline_model_parallel_size()
     hd = H // HEADS
     root, model = torch.nn.Module(), torch.nn.Module()
@@ -133,7 +138,7 @@ def build(ps: Any, kv_size_multiplier: int = 1) -> torch.nn.Module:
         attn.add_module(
             "qkv_proj",
             GQAQKVColumnParallelLinear(
-                H, [HEADS * hd, KV * hd], bias=False, gather_output=False, kv_size_multiplier=kv_size_multiplier,
+                H, [HEADS * hd, kv * hd], bias=False, gather_output=False, kv_size_multiplier=kv_size_multiplier,
                 fuse_qkv=False, init_method=lambda w, it=qkv: _copy(next(it))(w),
             ),
         )  # fmt: skip
@@ -181,11 +186,11 @@ def _rms(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5) * w
 
 
-def _layer(layer: torch.nn.Module, x: torch.Tensor, tp: int, mult: int) -> torch.Tensor:
+def _layer(layer: torch.nn.Module, x: torch.Tensor, tp: int, kv: int, mult: int) -> torch.Tensor:
     hd = H // HEADS
     q, k, v = layer.self_attn.qkv_proj(_rms(x, layer.input_layernorm.weight))
     b, s, _ = q.shape
-    nq, nkv = HEADS // tp, KV * mult // tp
+    nq, nkv = HEADS // tp, kv * mult // tp
     q = q.view(b, s, nq, hd).transpose(1, 2)
     k = k.view(b, s, nkv, hd).transpose(1, 2).repeat_interleave(nq // nkv, dim=1)
     v = v.view(b, s, nkv, hd).transpose(1, 2).repeat_interleave(nq // nkv, dim=1)
@@ -203,7 +208,7 @@ def batch(step: int, dp_rank: int) -> torch.Tensor:
 
 
 def train_step(
-    ps: Any, root: torch.nn.Module, opt: Any, step: int, sched: Any = None, mult: int = 1
+    ps: Any, root: torch.nn.Module, opt: Any, step: int, sched: Any = None, kv: int = KV, mult: int = 1
 ) -> float | None:
     """One step (forward, backward through the PP stages, NxD's ZeRO-1 step); the loss on the last stage."""
     import torch.distributed as dist
@@ -224,7 +229,7 @@ def train_step(
         x_in = host.to(dev).requires_grad_()
         x = x_in
     for i in stage_layers(pp_rank, pp):
-        x = _layer(root.model.layers[str(i)], x, tp, mult)
+        x = _layer(root.model.layers[str(i)], x, tp, kv, mult)
     loss_value = None
     if pp_rank == pp - 1:
         logits = root.lm_head(_rms(x, root.model.norm.weight))
@@ -270,5 +275,5 @@ def host_state(root: torch.nn.Module, opt: Any) -> dict[str, torch.Tensor]:
     return out
 
 
-def config_json(path: Path) -> None:
-    path.write_text(json.dumps(CONFIG))
+def config_json(path: Path, kv: int = KV) -> None:
+    path.write_text(json.dumps(config(kv)))

@@ -2,7 +2,8 @@
 holds the optimizer state, its ``save_checkpoint`` and ``checkpoint_converter`` are the reference.
 
 Four gloo processes on the XLA CPU device (``tests/_nxd_real.py``; NxD unmodified from ``tests/vendor/``, stand-ins in
-``tests/nxd_shim/``), two layouts: TP2 x DP2 with ZeRO-1 and TP2 x PP2.  One run trains 4 steps, saving after step 2
+``tests/nxd_shim/``), three layouts: TP2 x DP2 with ZeRO-1, TP2 x PP2, and TP2 x DP2 with one KV head replicated by
+NxD's ``GQAQKVColumnParallelLinear`` (``kv_size_multiplier=2``).  One run trains 4 steps, saving after step 2
 with :class:`NeuronCheckpointer` *and* with NxD's ``save_checkpoint`` (same live state); a second run in fresh
 processes restores the ckpt checkpoint and trains steps 3-4.  Proven:
 
@@ -27,7 +28,9 @@ from conftest import run_ranks
 
 pytest.importorskip("torch_xla", reason="NxD's NeuronZero1Optimizer needs torch_xla (PJRT_DEVICE=CPU)")
 
-LAYOUTS = {"tp2_dp2_zero1": (2, 1), "tp2_pp2": (2, 2)}  # name: (tp, pp); dp = 4 / (tp * pp)
+# name: (tp, pp, KV heads, kv_size_multiplier); dp = 4 / (tp * pp).  The last one: one KV head replicated on both TP
+# ranks by NxD's GQAQKVColumnParallelLinear (trn1 order), what NxD's converter handles (tp == kv * multiplier).
+LAYOUTS = {"tp2_dp2_zero1": (2, 1, 2, 1), "tp2_pp2": (2, 2, 2, 1), "tp2_dp2_mqa_kvx2": (2, 1, 1, 2)}
 SAVE_AT, STEPS = 2, 4
 
 
@@ -38,9 +41,10 @@ def _rank_run(rank: int, world: int, nxd_src: str, root: str, mode: str) -> dict
     from ckpt.neuron import NeuronCheckpointer, restore
 
     out: dict[str, Any] = {}
-    for name, (tp, pp) in LAYOUTS.items():
+    for name, (tp, pp, kv, mult) in LAYOUTS.items():
         ps = R.nxd_env(nxd_src, tp, pp)
-        model = R.build(ps)
+        model = R.build(ps, kv, mult)
+        cfg = R.config(kv)
         opt = R.make_optimizer(ps, model)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
         if mode == "first":
@@ -52,13 +56,15 @@ def _rank_run(rank: int, world: int, nxd_src: str, root: str, mode: str) -> dict
             with torch.no_grad():  # a different state than the saved one: the restore must replace all of it
                 for p in model.parameters():
                     p.add_(0.5)
-            restore(str(base / "ckpt"), model=model, optimizer=opt, scheduler=sched, config=R.CONFIG)
+            restore(str(base / "ckpt"), model=model, optimizer=opt, scheduler=sched, config=cfg)
             torch.save(R.host_state(model, opt), base / f"restored_r{rank}.pt")
             start = SAVE_AT
         for step in range(start, STEPS):
             if mode == "first" and step == SAVE_AT:
                 torch.save(R.host_state(model, opt), base / f"saved_r{rank}.pt")
-                ck = NeuronCheckpointer(config=R.CONFIG)  # ranks and sizes from NxD's parallel_state
+                ck = NeuronCheckpointer(
+                    config=cfg, kv_size_multiplier=mult
+                )  # ranks, sizes: NxD's parallel_state
                 ck.save(
                     str(base / "ckpt"), step=SAVE_AT, model=model, optimizer=opt, scheduler=sched
                 ).result()
@@ -70,10 +76,13 @@ def _rank_run(rank: int, world: int, nxd_src: str, root: str, mode: str) -> dict
                     user_content={"step": SAVE_AT},
                 )  # fmt: skip
                 if rank == 0:  # NxD is imported here already: its converter runs here, not in another process
-                    _nxd_convert_to_full(nxd_src, base, tp, pp)
-            losses[step] = R.train_step(ps, model, opt, step, sched)
+                    _nxd_convert_to_full(nxd_src, base, tp, pp, kv, mult)
+            losses[step] = R.train_step(ps, model, opt, step, sched, kv, mult)
         out[name] = losses
         ps.destroy_model_parallel()
+        # NxD's destroy_model_parallel keeps the KV-shared group (one process, one training); the next layout of this
+        # process may replicate KV differently, so its group is cleared here as a fresh process would have it
+        ps._KV_SHARED_GROUP = ps._KV_SHARED_GROUP_SPMD = ps._KV_SHARED_GROUP_SIZE = None
     return out
 
 
@@ -91,7 +100,7 @@ def runs(nxd_src: str, tmp_path_factory: pytest.TempPathFactory) -> dict[str, An
 def test_manifest_partitions_come_from_nxd_layers(runs: dict[str, Any], name: str) -> None:
     from ckpt.reader import CheckpointReader
 
-    tp, pp = LAYOUTS[name]
+    tp, pp, _, mult = LAYOUTS[name]
     m = CheckpointReader(str(runs["root"] / name / "ckpt")).manifest
     assert (m.layout.kind, m.layout.tp, m.layout.pp, m.layout.dp, m.layout.zero_stage) == (
         "nxd", tp, pp, 4 // (tp * pp), 1,
@@ -106,7 +115,7 @@ def test_manifest_partitions_come_from_nxd_layers(runs: dict[str, Any], name: st
         assert m.tensors[n].partition == {"dim": dim, "stride": stride, "tp": tp, "source": "attributes"}, n
     assert m.tensors["model.norm.weight"].partition is None
     assert m.tensors["model.layers.0.mlp.gate_up_proj.weight"].shape == (2 * 48, 32)
-    assert m.extra["nxd"]["qkv_linear"] is True
+    assert m.extra["nxd"]["qkv_linear"] is True and m.extra["nxd"]["kv_size_multiplier"] == mult
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
@@ -116,7 +125,7 @@ def test_nxd_layer_attributes_agree_with_ckpt_rules(runs: dict[str, Any], name: 
         assert runs["first"][rank][f"{name}:rules"] == [], rank
 
 
-def _nxd_convert_to_full(nxd_src: str, base: Path, tp: int, pp: int) -> None:
+def _nxd_convert_to_full(nxd_src: str, base: Path, tp: int, pp: int, kv: int, mult: int) -> None:
     """NxD's own converter command line (``examples/training/llama/convert_checkpoints.py``, i.e.
     ``checkpoint_converter``) on NxD's own tag: ``--convert_to_full_state``, output ``base/nxd_full/checkpoint.pt``."""
     import runpy
@@ -125,11 +134,11 @@ def _nxd_convert_to_full(nxd_src: str, base: Path, tp: int, pp: int) -> None:
 
     out = base / "nxd_full"
     out.mkdir()
-    R.config_json(out / "config.json")
+    R.config_json(out / "config.json", kv)
     argv = [
         "convert_checkpoints.py", "--convert_to_full_state", "--input_dir", str(base / "nxd" / f"step_{SAVE_AT}" / "model"),
         "--output_dir", str(out), "--config", str(out / "config.json"), "--tp_size", str(tp), "--pp_size", str(pp),
-        "--qkv_linear", "1", "--kv_size_multiplier", "1", "--hw_backend", "trn1", "--n_layers", str(R.LAYERS),
+        "--qkv_linear", "1", "--kv_size_multiplier", str(mult), "--hw_backend", "trn1", "--n_layers", str(R.LAYERS),
     ]  # fmt: skip
     saved, sys.argv = sys.argv, argv
     try:
@@ -158,6 +167,7 @@ def _rules_disagree(model: torch.nn.Module) -> list[str]:
     return bad
 
 
+@pytest.mark.filterwarnings("ignore:not written to")  # an HF folder holds no optimizer state: expected
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_hf_export_equals_nxd_converter_on_nxd_tag(runs: dict[str, Any], name: str, tmp_path: Path) -> None:
     import _nxd_real as R
@@ -170,7 +180,7 @@ def test_hf_export_equals_nxd_converter_on_nxd_tag(runs: dict[str, Any], name: s
     convert(
         str(runs["root"] / name / "ckpt"),
         str(tmp_path / "hf"),
-        ConvertOptions(to="cuda", format="hf", config=R.CONFIG),
+        ConvertOptions(to="cuda", format="hf", config=R.config(LAYOUTS[name][2])),
     )
     ours: dict[str, torch.Tensor] = {}
     for f in sorted((tmp_path / "hf").glob("*.safetensors")):
@@ -185,7 +195,8 @@ def test_hf_export_equals_nxd_converter_on_nxd_tag(runs: dict[str, Any], name: s
     assert diff == []
     # and the saved weights are the trained ones, not the initial ones
     assert not torch.equal(
-        ours["model.layers.0.mlp.down_proj.weight"], R.full_weights()["model.layers.0.mlp.down_proj.weight"]
+        ours["model.layers.0.mlp.down_proj.weight"],
+        R.full_weights(LAYOUTS[name][2])["model.layers.0.mlp.down_proj.weight"],
     )
 
 
