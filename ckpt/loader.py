@@ -95,7 +95,8 @@ class Restorer:
     def read_into(self, name: str, box: Box, local: torch.Tensor) -> None:
         e = self.reader.entry(name)
         if local.device.type == "cpu" and local.is_contiguous() and local.dtype == dtype_from_name(e.dtype):
-            self.reader.read_box_into(name, box, local.detach())
+            # filled when the enclosing reader.deferred() block ends (with every other tensor, in parallel)
+            self.reader.read_box_into(name, box, local.detach(), defer=True)
             return
         if self._upload(name, box, local.detach()):
             return
@@ -121,9 +122,10 @@ class Restorer:
             raise StateMismatchError(
                 f"{self.reader.path}: model does not match the checkpoint: {'; '.join(parts)}"
             )
-        for nt in targets:
-            if nt.name in saved:
-                self.fill(nt, nt.name)
+        with self.reader.deferred():
+            for nt in targets:
+                if nt.name in saved:
+                    self.fill(nt, nt.name)
         return missing, unexpected
 
     # ------------------------------------------------------------------------------------------------ optimizer
@@ -160,12 +162,13 @@ class Restorer:
                 by_param.setdefault(t.param, {})[t.key] = n
         scalars = meta.get("state", {})
         state: dict[int, dict[str, Any]] = {}
-        for i, pname in enumerate(names):
-            per: dict[str, Any] = {k: treecodec.decode(v) for k, v in scalars.get(pname, {}).items()}
-            for key, ename in by_param.get(pname, {}).items():
-                per[key] = self._optimizer_tensor(ename, params[pname])
-            if per:
-                state[i] = per
+        with self.reader.deferred():
+            for i, pname in enumerate(names):
+                per: dict[str, Any] = {k: treecodec.decode(v) for k, v in scalars.get(pname, {}).items()}
+                for key, ename in by_param.get(pname, {}).items():
+                    per[key] = self._optimizer_tensor(ename, params[pname])
+                if per:
+                    state[i] = per
         optimizer.load_state_dict({"state": state, "param_groups": groups})
 
     def _optimizer_tensor(self, ename: str, param: torch.Tensor) -> torch.Tensor:
@@ -180,7 +183,9 @@ class Restorer:
                 self._upload(ename, box, buf)
             else:
                 buf = torch.empty(box.lengths, dtype=dtype)
-                self.reader.read_box_into(ename, box, buf)
+                # on the CPU ``buf`` itself becomes the state (``.to`` and ``from_local`` do not copy): it may be
+                # filled when the optimizer's deferred() block ends
+                self.reader.read_box_into(ename, box, buf, defer=local.device.type == "cpu")
             if isinstance(param, DTensor):
                 return DTensor.from_local(
                     buf.to(local.device),

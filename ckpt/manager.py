@@ -244,7 +244,7 @@ class CheckpointManager:
         if newest_info is not None and newest_info.manifest is not None:
             sub = self.storage.child(newest_info.name)
             m = newest_info.manifest
-            indexes = {e.path for e in m.v2.indexes.values()} if m.v2 is not None else set()
+            indexes = {e.path for e in m.v2.sealed_files()} if m.v2 is not None else set()
             referenced = set(m.files) | indexes | {MANIFEST_NAME}
             for name in sub.listdir():
                 if name not in referenced:

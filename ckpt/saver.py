@@ -13,8 +13,9 @@ Call order (every rank calls :meth:`Checkpointer.save` with the same path and st
    a ``register_step_pre_hook`` on that optimizer holds the next ``step()`` until they are copied.  Everything
    else (buffers, frozen weights, XLA tensors) is copied before ``save`` returns (see :meth:`Checkpointer.staged`);
 4. write (background thread when async): one safetensors data file per rank under the checkpoint prefix;
-5. commit (collective): ranks send rank 0 their receipts (file sizes, shard offsets, checksums) or their error;
-   rank 0 writes ``manifest.json`` create-only iff every rank succeeded, then tells every rank the outcome.
+5. commit (collective): format v2 (the default): each rank seals its own index and state file and sends rank 0
+   their checksums and the boxes it wrote (ckpt.commit_v2); format v1: its receipt (every chunk) and trees; or its
+   error.  Rank 0 writes ``manifest.json`` create-only iff every rank succeeded, then tells every rank the outcome.
 
 A failure anywhere means no manifest, hence no checkpoint; an async failure is raised at the next
 ``save``/``wait``/``close``.
@@ -39,10 +40,12 @@ from . import data as data_mod
 from . import rng as rng_mod
 from . import tokenizer as tokenizer_mod
 from .commit import Receipt, build_manifest, data_file_name, publish, write_data_file
+from .commit_v2 import build_top, write_rank_files
 from .distributed import Collective
 from .dtypes import dtype_name
 from .errors import AsyncSaveError, CheckpointExistsError, CkptError, StateMismatchError
 from .manifest import MANIFEST_NAME, Box, Layout, Manifest, TensorDesc
+from .manifest_v2 import DEFAULT_FORMAT_VERSION
 from .planning import (
     DEFAULT_CHUNK_BYTES,
     Group,
@@ -56,7 +59,7 @@ from .planning import (
     plan_local,
     world_group,
 )
-from .replicas import check_replicas, replicated_keys
+from .replicas import check_replica_groups, check_replicas, replicated_keys
 from .staging import HostStager, Staged
 from .state import NamedTensor, model_tensors, optimizer_capture, state_dict_of
 from .storage import Storage, open_storage
@@ -105,6 +108,7 @@ class _Job:
     blocking_s: float
     on_commit: Callable[[SaveResult], None] | None = None
     rng_seed: int | None = None
+    written: list[tuple[str, Box]] | None = None  # the boxes this rank writes, before chunking (format v2)
     staged: Staged | None = None
 
 
@@ -139,7 +143,8 @@ class Checkpointer:
     copies everything before returning).  One save is in flight at a time; ``close()`` waits for it.
 
     Replicated state (a box of a tensor that several ranks hold: DDP replicas, TP-replicated norms) is written by one
-    rank only, so its copies are compared first (:func:`ckpt.replicas.check_replicas`, xxh3 digests all-gathered):
+    rank only, so its copies are compared first (:mod:`ckpt.replicas`: an all-reduce of hashes of xxh3 digests within
+    each replica group; the digests are all-gathered only to name a difference):
     on the first save of this checkpointer, and on every save when ``verify_replicas=True`` here or in
     :meth:`save`.  A copy that differs refuses the save on every rank (``ReplicaMismatchError``), nothing written.
     """
@@ -158,6 +163,10 @@ class Checkpointer:
         format_version: int | None = None,
         lazy: bool = True,
     ) -> None:
+        if format_version not in (None, 1, 2):
+            raise CkptError(
+                f"format_version={format_version!r}: expected 1 or 2 (default: ckpt.manifest_v2.DEFAULT_FORMAT_VERSION)"
+            )
         self.async_save = async_save
         self.lazy = lazy
         self.verify_replicas = verify_replicas
@@ -168,7 +177,7 @@ class Checkpointer:
         self.storage_options = storage_options
         self.layout_hook = layout_hook
         self.stager = stager or HostStager()
-        self.format_version = format_version  # None: ckpt.commit.DEFAULT_VERSION
+        self.format_version = format_version  # None: ckpt.manifest_v2.DEFAULT_FORMAT_VERSION
         self._plan_key: list[str] | None = None
         self._plan: dict[tuple[str, Box], int] | None = None
         self._per_rank: list[list[Piece]] | None = None  # the exact path's gathered pieces
@@ -291,14 +300,10 @@ class Checkpointer:
         if (check or not self._replicas_checked) and self.coll.world_size > 1:
             if self.last_plan == "exact":
                 assert self._per_rank is not None
-                keys = replicated_keys(self._per_rank)
-            else:  # the local plan's groups say which pieces have replicas
-                keys = {
-                    (p.name, p.box)
-                    for p, g in zip(pieces, groups, strict=True)
-                    if g is not None and g.size > 1
-                }
-            check_replicas(self.coll, keys, local)
+                check_replicas(self.coll, replicated_keys(self._per_rank), local)
+            else:  # the local plan's groups say which pieces have replicas, and with whom
+                held = [(p, g) for p, g in zip(pieces, groups, strict=True) if g is not None and g.size > 1]
+                check_replica_groups(self.coll, held, local)
             self._replicas_checked = True
         if info["exists"] and self.coll.rank == 0:
             storage.delete(MANIFEST_NAME)
@@ -335,6 +340,7 @@ class Checkpointer:
             blocking_s=0.0,
             on_commit=on_commit,
             rng_seed=rng_seed,
+            written=[(p.name, p.box) for p, _ in mine],
             staged=staged,
         )
         fut: Future = Future()
@@ -536,14 +542,9 @@ class Checkpointer:
 
     def _run(self, job: _Job) -> SaveResult:
         rank = self.coll.rank
+        v2 = (self.format_version or DEFAULT_FORMAT_VERSION) == 2
         receipt = Receipt(rank)
-        report: dict[str, Any] = {
-            "ok": True,
-            "rank": rank,
-            "trees": job.rank_trees,
-            "receipt": receipt,
-            "descs": job.descs,
-        }
+        report: dict[str, Any] = {"ok": True, "rank": rank, "descs": job.descs}
         try:
             if job.staged is not None:
                 job.staged.wait()  # lazy copies land in the arena before the writer reads it
@@ -556,6 +557,22 @@ class Checkpointer:
                     job.codec,
                     {"step": str(job.step), "rank": str(rank)},
                 )
+            if v2:  # this rank's own index and state file; rank 0 gets their checksums and its boxes
+                # a tensor is described by the writer of its first element only (T descriptions in all, not N x T;
+                # the ranks agreed on every description in planning: plan_check / assign_writers)
+                origin = {n for n, b in job.written or () if not any(b.offsets)}
+                report["descs"] = [(pos, d) for pos, d in job.descs if d.name in origin]
+                rng = job.rank_trees.get("rng")
+                report["summary"] = write_rank_files(
+                    job.storage, receipt, job.attempt, job.written or [], rng, job.rank_trees.get("data")
+                )
+                report["rng_digests"] = rng_rule.stream_digests(rng) if rng is not None else None
+                report["has_data"] = "data" in job.rank_trees
+                report["data_position"] = job.rank_trees.get("data_position")
+                if rank == 0:
+                    report["rng"] = rng
+            else:
+                report.update(trees=job.rank_trees, receipt=receipt)
         except Exception as e:  # noqa: BLE001 - reported to rank 0 so that it does not commit
             report = {"ok": False, "rank": rank, "error": f"rank {rank}: {type(e).__name__}: {e}"}
         reports = self.coll.gather(report)
@@ -567,9 +584,14 @@ class Checkpointer:
                 outcome = {"ok": False, "error": "; ".join(failed)}
             else:
                 try:
-                    manifest = self._manifest(job, reports)
-                    publish(job.storage, manifest, self.format_version)
-                    outcome = {"ok": True, "bytes": manifest.total_bytes}
+                    if v2:
+                        top, nbytes = self._top_v2(job, reports)
+                        job.storage.put_bytes(MANIFEST_NAME, top.encode(), exclusive=True)
+                    else:
+                        manifest = self._manifest(job, reports)
+                        publish(job.storage, manifest, 1)
+                        nbytes = manifest.total_bytes
+                    outcome = {"ok": True, "bytes": nbytes}
                 except Exception as e:  # noqa: BLE001
                     outcome = {"ok": False, "error": f"rank 0 commit: {type(e).__name__}: {e}"}
         outcome = self.coll.broadcast(outcome)
@@ -591,9 +613,10 @@ class Checkpointer:
                 warnings.warn(f"after committing step {job.step}: {type(e).__name__}: {e}", stacklevel=1)
         return result
 
-    def _manifest(self, job: _Job, reports: list[dict[str, Any]]) -> Manifest:
-        # tensors in the order the ranks hold them (position in the writer's state, then rank): the model's order
-        # for DDP/FSDP/HSDP/TP, where every rank holds the same names in the same order
+    @staticmethod
+    def _metas(reports: list[dict[str, Any]]) -> list[TensorDesc]:
+        """Every written tensor's description, in the order the ranks hold them (position in the writer's state,
+        then rank): the model's order for DDP/FSDP/HSDP/TP, where every rank holds the same names in one order."""
         metas: dict[str, tuple[tuple[int, int], TensorDesc]] = {}
         for r in reports:
             for pos, d in r["descs"]:
@@ -605,6 +628,10 @@ class Checkpointer:
                         f"tensor {d.name!r}: rank {r['rank']} has shape {list(d.shape)} {d.dtype}, rank "
                         f"{seen[0][1]} has {list(seen[1].shape)} {seen[1].dtype}"
                     )
+        return [d for _, d in sorted(metas.values(), key=lambda v: v[0])]
+
+    def _manifest(self, job: _Job, reports: list[dict[str, Any]]) -> Manifest:
+        """Format v1: the whole manifest from every rank's receipt and trees."""
         receipts = [r["receipt"] for r in reports]
         trees = dict(job.trees)
         by_rank = sorted(reports, key=lambda r: r["rank"])
@@ -618,10 +645,35 @@ class Checkpointer:
             step=job.step,
             backend=job.backend,
             layout=job.layout,
-            metas=[d for _, d in sorted(metas.values(), key=lambda v: v[0])],
+            metas=self._metas(reports),
             receipts=receipts,
             trees=trees,
             rank_trees={r["receipt"].rank: r["trees"] for r in reports},
+        )
+
+    def _top_v2(self, job: _Job, reports: list[dict[str, Any]]) -> tuple[str, int]:
+        """Format v2: the top manifest from every rank's summary (ckpt.commit_v2), and the bytes of data."""
+        trees = dict(job.trees)
+        by_rank = sorted(reports, key=lambda r: r["rank"])
+        if any(r["has_data"] for r in by_rank):
+            trees["data_position"] = data_mod.merge_json(
+                [r["data_position"] for r in by_rank], trees.get("progress", {})
+            )
+        digests = [r["rng_digests"] for r in by_rank if r["rng_digests"] is not None]
+        if digests:
+            first = next(r for r in by_rank if r["rng_digests"] is not None)
+            if (
+                first["rank"] != 0
+            ):  # only rank 0 sends its whole record; the lowest rank holding one is 0 in practice
+                raise CkptError(f"rank 0 saved no RNG state but rank {first['rank']} did")
+            trees["rng_base"] = rng_rule.base_record_of(first["rng"], digests, job.rng_seed)
+        return build_top(
+            step=job.step,
+            backend=job.backend,
+            layout=job.layout,
+            metas=self._metas(reports),
+            summaries=[r["summary"] for r in by_rank],
+            trees=trees,
         )
 
 
