@@ -48,7 +48,9 @@ def write_data_file(
     from .shardfile import Chunk, write_shard_file
 
     keys = [f"{name}@{','.join(map(str, box.offsets))}" for name, box, _ in chunks]
-    with storage.create(fname) as f:
+    # the chunks are staged host tensors that stay unchanged until the file is published: lend them to the
+    # storage (S3 builds its upload parts straight from them)
+    with storage.create(fname, borrow=True) as f:
         written, size = write_shard_file(
             f, [Chunk(k, t, codec) for k, (_, _, t) in zip(keys, chunks, strict=True)], metadata
         )

@@ -110,6 +110,10 @@ class CheckpointManager:
     def wait(self) -> SaveResult | None:
         return self.checkpointer.wait()
 
+    def staged(self) -> None:
+        """Wait until the in-flight save no longer reads training tensors (see :meth:`Checkpointer.staged`)."""
+        self.checkpointer.staged()
+
     def close(self) -> None:
         self.checkpointer.close()
 
@@ -129,6 +133,7 @@ class CheckpointManager:
 
     # ------------------------------------------------------------------------------------------------ restoring
     def restore(self, step: int, **state: Any) -> RestoreResult:
+        self.checkpointer.staged()  # a lazily staged save must have read the tensors this restore overwrites
         t0 = time.perf_counter()
         result = restore(
             self.path_for(step), storage_options=self.storage_options, layout_hook=self.layout_hook, **state
@@ -151,6 +156,7 @@ class CheckpointManager:
         optimizer the checkpoint does not hold) raises :class:`StateMismatchError` on every rank at once: an older
         step would not fit either, and returning None would silently restart training from scratch.
         """
+        self.checkpointer.staged()
         t0 = time.perf_counter()
         candidates = None
         if self.coll.rank == 0:

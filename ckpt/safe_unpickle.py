@@ -29,7 +29,9 @@ import io
 import os
 import pickle
 import re
+import struct
 import threading
+import zipfile
 from collections.abc import Iterator, Mapping
 from typing import IO, Any
 
@@ -41,6 +43,7 @@ __all__ = [
     "XSER_TENSOR_REFERENCE",
     "TensorReference",
     "load_pickle",
+    "load_torch_buffer",
     "load_torch_file",
 ]
 
@@ -174,6 +177,122 @@ def load_torch_file(
             raise CorruptionError(
                 f"{os.fspath(name)}: not a readable torch.save file ({first[:200]})"
             ) from None
+
+
+class _ViewFile(io.RawIOBase):
+    """A read-only, seekable file over a buffer (``zipfile`` reads the archive's directory through it, no copy)."""
+
+    def __init__(self, view: memoryview) -> None:
+        self.view = view
+        self.pos = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self.pos
+
+    def seek(self, pos: int, whence: int = 0) -> int:
+        self.pos = max(0, pos + (0, self.pos, len(self.view))[whence])
+        return self.pos
+
+    def readinto(self, b: Any) -> int:
+        n = max(0, min(len(b), len(self.view) - self.pos))
+        b[:n] = self.view[self.pos : self.pos + n]
+        self.pos += n
+        return n
+
+
+def load_torch_buffer(
+    buf: Any,
+    offset: int,
+    length: int,
+    *,
+    where: str,
+    extra_allowed: Mapping[tuple[str, str], Any] | None = None,
+) -> Any:
+    """Load the ``torch.save`` zip held in bytes ``[offset, offset + length)`` of ``buf`` (a writable buffer: a
+    private ``mmap`` of a file), its tensors as views of ``buf``: nothing is copied, so a tensor stored inside a
+    bigger file (a DCP ``.distcp`` item) costs no memory until its pages are read, and then page cache.
+
+    Same safety as :func:`load_torch_file`: the pickle is run by torch's restricted ``weights_only`` unpickler (the
+    one ``torch.load`` uses) with the same allow-list; only its storages come from ``buf`` instead of fresh
+    allocations.  Records must be stored uncompressed (``torch.save`` never compresses) and little-endian."""
+    from ckpt.errors import CorruptionError
+
+    view = memoryview(buf)[offset : offset + length]
+    if len(view) != length:
+        raise CorruptionError(f"{where}: truncated ({length} bytes at {offset} needed)")
+    try:
+        zf = zipfile.ZipFile(_ViewFile(view))
+        pkl = [n for n in zf.namelist() if n == "data.pkl" or n.endswith("/data.pkl")]
+        if len(pkl) != 1:
+            raise CorruptionError(f"{where}: not a torch.save archive (no single data.pkl)")
+        prefix = pkl[0][: -len("data.pkl")]
+        if prefix + "byteorder" in zf.namelist() and zf.read(prefix + "byteorder") != b"little":
+            raise CorruptionError(f"{where}: big-endian torch.save data; expected little-endian")
+        data_pkl = zf.read(pkl[0])
+    except (zipfile.BadZipFile, zipfile.LargeZipFile, KeyError, EOFError, ValueError, OSError) as e:
+        raise CorruptionError(f"{where}: not a readable torch.save archive ({str(e)[:200]})") from None
+
+    def record(key: str, nbytes: int) -> int:
+        try:
+            info = zf.getinfo(f"{prefix}data/{key}")
+        except KeyError:
+            raise CorruptionError(f"{where}: storage record data/{key} missing") from None
+        if info.compress_type != zipfile.ZIP_STORED or info.file_size < nbytes:
+            raise CorruptionError(
+                f"{where}: storage record data/{key} is compressed or shorter than {nbytes} bytes"
+            )
+        head = info.header_offset
+        if view[head : head + 4] != b"PK\x03\x04":
+            raise CorruptionError(f"{where}: bad local header of data/{key}")
+        name_len, extra_len = struct.unpack_from("<HH", view, head + 26)
+        start = head + 30 + name_len + extra_len
+        if start + info.file_size > length:
+            raise CorruptionError(f"{where}: storage record data/{key} runs past the archive")
+        return start
+
+    storages: dict[str, Any] = {}
+
+    def persistent_load(pid: Any) -> Any:
+        if not (isinstance(pid, tuple) and len(pid) == 5):
+            raise pickle.UnpicklingError(f"unexpected persistent id {pid!r:.80}")
+        _, storage_type, key, _location, numel = pid
+        key = key.decode("ascii") if isinstance(key, bytes) else str(key)
+        if key not in storages:
+            dtype = torch.uint8 if storage_type is torch.UntypedStorage else storage_type.dtype
+            nbytes = int(numel) * torch._utils._element_size(dtype)
+            start = record(key, nbytes)
+            raw = (
+                torch.frombuffer(buf, dtype=torch.uint8, count=nbytes, offset=offset + start)
+                if nbytes
+                else torch.empty(0, dtype=torch.uint8)
+            )
+            storages[key] = torch.storage.TypedStorage(
+                wrap_storage=raw.untyped_storage(), dtype=dtype, _internal=True
+            )
+        return storages[key]
+
+    from torch import _weights_only_unpickler
+
+    allowed = dict(_DEFAULT_ALLOWED)
+    if extra_allowed:
+        allowed.update(extra_allowed)
+    with _allowlisted(allowed):
+        try:
+            unpickler = _weights_only_unpickler.Unpickler(io.BytesIO(data_pkl), encoding="utf-8")
+            unpickler.persistent_load = persistent_load  # type: ignore[method-assign]
+            return unpickler.load()
+        except pickle.UnpicklingError as e:
+            raise UnsafePickleError(
+                f"{where}: refused to unpickle {_refused(str(e))} (not on the allow-list; nothing was executed)"
+            ) from None
+        except (RuntimeError, EOFError, ValueError, TypeError, AttributeError, IndexError, struct.error) as e:
+            raise CorruptionError(f"{where}: not a readable torch.save archive ({str(e)[:200]})") from None
 
 
 class _AllowListUnpickler(pickle.Unpickler):

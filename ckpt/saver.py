@@ -8,7 +8,10 @@ Call order (every rank calls :meth:`Checkpointer.save` with the same path and st
    a piece has no derivable group or the check fails, the exact path runs: digests all-gathered, and when they
    changed since the last save the descriptions too, each rank computing the same assignment
    (planning.assign_writers);
-3. stage (async only): copy this rank's assigned tensors to host memory.  ``save`` returns here;
+3. stage (async only): record this rank's assigned tensors for the host copy.  ``save`` returns here.  Lazy
+   staging (the async default) copies the tensors the optimizer owns in the background while training continues;
+   a ``register_step_pre_hook`` on that optimizer holds the next ``step()`` until they are copied.  Everything
+   else (buffers, frozen weights, XLA tensors) is copied before ``save`` returns (see :meth:`Checkpointer.staged`);
 4. write (background thread when async): one safetensors data file per rank under the checkpoint prefix;
 5. commit (collective): format v2 (the default): each rank seals its own index and state file and sends rank 0
    their checksums and the boxes it wrote (ckpt.commit_v2); format v1: its receipt (every chunk) and trees; or its
@@ -24,6 +27,7 @@ import threading
 import time
 import uuid
 import warnings
+import weakref
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -56,7 +60,7 @@ from .planning import (
     world_group,
 )
 from .replicas import check_replica_groups, check_replicas, replicated_keys
-from .staging import HostStager
+from .staging import HostStager, Staged
 from .state import NamedTensor, model_tensors, optimizer_capture, state_dict_of
 from .storage import Storage, open_storage
 
@@ -74,6 +78,16 @@ class SaveResult:
     blocking_s: float
     total_s: float
     bytes_written: int
+
+
+@dataclass(frozen=True)
+class StagingInfo:
+    """How the last save staged its tensors: bytes copied in the background (``lazy_bytes``) and before
+    ``save`` returned (``eager_bytes``), and why any were copied eagerly (``None`` when all were lazy)."""
+
+    lazy_bytes: int
+    eager_bytes: int
+    reason: str | None
 
 
 @dataclass
@@ -95,6 +109,7 @@ class _Job:
     on_commit: Callable[[SaveResult], None] | None = None
     rng_seed: int | None = None
     written: list[tuple[str, Box]] | None = None  # the boxes this rank writes, before chunking (format v2)
+    staged: Staged | None = None
 
 
 def detect_backend(tensors: list[torch.Tensor]) -> str:
@@ -121,8 +136,11 @@ def check_step(step: Any) -> int:
 class Checkpointer:
     """Saves checkpoints from a training loop. Construct on every rank (it creates the checkpoint process group).
 
-    ``async_save=True`` returns from :meth:`save` once tensors are staged in host memory; one save is in flight
-    at a time; ``close()`` waits for it.
+    ``async_save=True`` returns from :meth:`save` without copying the state the optimizer owns (``lazy=True``, the
+    default): a helper thread (CPU) or a side CUDA stream copies it while the next forward and backward run, and a
+    step pre-hook installed on the optimizer holds its next ``step()`` until the copy is done.  Code that edits
+    saved tensors outside ``optimizer.step()`` calls :meth:`staged` first (or saves with ``lazy=False``, which
+    copies everything before returning).  One save is in flight at a time; ``close()`` waits for it.
 
     Replicated state (a box of a tensor that several ranks hold: DDP replicas, TP-replicated norms) is written by one
     rank only, so its copies are compared first (:mod:`ckpt.replicas`: an all-reduce of hashes of xxh3 digests within
@@ -143,12 +161,14 @@ class Checkpointer:
         stager: Any = None,
         verify_replicas: bool = False,
         format_version: int | None = None,
+        lazy: bool = True,
     ) -> None:
         if format_version not in (None, 1, 2):
             raise CkptError(
                 f"format_version={format_version!r}: expected 1 or 2 (default: ckpt.manifest_v2.DEFAULT_FORMAT_VERSION)"
             )
         self.async_save = async_save
+        self.lazy = lazy
         self.verify_replicas = verify_replicas
         self._replicas_checked = False
         self.coll = Collective(process_group)
@@ -165,6 +185,12 @@ class Checkpointer:
         self._inflight: Future | None = None
         self._thread: threading.Thread | None = None
         self._base = adapters.BaseTracker()
+        self._staged: Staged | None = None  # copies the training thread must wait for before mutating
+        self._hooked: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
+        self._hooked_strong: dict[int, tuple[Any, Any]] = {}
+        self.last_staging: StagingInfo | None = None
+        #: seconds the training thread waited in step / load_state_dict hooks and staged() (benches, tests)
+        self.hook_wait_s = 0.0
 
     # ------------------------------------------------------------------------------------------------ public
     def save(
@@ -189,6 +215,7 @@ class Checkpointer:
         verify_replicas: bool | None = None,
         adapter_only: bool = False,
         base_source: str | None = None,
+        lazy: bool | None = None,
     ) -> Future:
         """Save one checkpoint to ``path`` (its own directory/prefix). Returns a future of :class:`SaveResult`.
 
@@ -204,6 +231,8 @@ class Checkpointer:
         only, with their optimizer state, and records the frozen base by identity in ``manifest.adapter``
         (:mod:`ckpt.adapters`; ``base_source`` says where the base was loaded from, default: its config's
         ``_name_or_path``).  Save the base itself once with a plain save when it is not on storage already.
+        ``lazy`` (async saves; default: the checkpointer's ``lazy``): copy the optimizer's tensors in the background
+        (class docstring); ``last_staging`` says what was copied how, and why anything was copied eagerly.
         """
         check_step(step)
         self.wait()
@@ -287,8 +316,11 @@ class Checkpointer:
                 sub = t[b.relative_to(p.box)[0]] if b != p.box else t
                 chunks.append((p.name, b, sub))
         backend = detect_backend([t for _, _, t in chunks] or [n.tensor for n in named])
+        staged: Staged | None = None
         if self.async_save or backend != "cpu":
-            host = self.stager.stage([t for _, _, t in chunks])
+            want = self.async_save and (self.lazy if lazy is None else lazy)
+            staged = self._stage([t for _, _, t in chunks], backend, want, optimizer, model)
+            host = staged.hosts
         else:
             host = [t.detach().contiguous() for _, _, t in chunks]
         chunks = [(n, b, h) for (n, b, _), h in zip(chunks, host, strict=True)]
@@ -309,6 +341,7 @@ class Checkpointer:
             on_commit=on_commit,
             rng_seed=rng_seed,
             written=[(p.name, p.box) for p, _ in mine],
+            staged=staged,
         )
         fut: Future = Future()
         job.blocking_s = time.perf_counter() - started
@@ -330,6 +363,7 @@ class Checkpointer:
         if self._thread is not None:
             self._thread.join()
             self._thread = None
+        self._staged = None
         exc = fut.exception()
         if exc is not None:
             if isinstance(exc, CkptError) and not isinstance(exc, AsyncSaveError):
@@ -343,6 +377,29 @@ class Checkpointer:
             self.wait()
         finally:
             self.stager.release()
+            for handles in self._hooked.values():
+                for h in handles:
+                    h.remove()
+            self._hooked.clear()
+            for _, h in self._hooked_strong.values():
+                h.remove()
+            self._hooked_strong.clear()
+
+    def staged(self) -> None:
+        """Return once the in-flight save no longer reads the training tensors: call it before editing saved
+        tensors outside ``optimizer.step()`` (EMA updates, weight surgery, ``param.data.copy_``).
+
+        On CPU it waits for the background copy; on CUDA it makes the current stream wait on the copy's event
+        (later kernels on that stream run after the copy; the host does not block).  ``optimizer.step()`` and
+        ``model.load_state_dict`` do this themselves through the hooks lazy staging installs."""
+        s = self._staged
+        if s is None:
+            return
+        t0 = time.perf_counter()
+        s.before_mutation()
+        self.hook_wait_s += time.perf_counter() - t0
+        if not s.pending:
+            self._staged = None
 
     def check_state(self, named: list[NamedTensor]) -> None:
         """Refuse state this checkpointer cannot describe without guessing (an extension point; raises CkptError).
@@ -354,6 +411,72 @@ class Checkpointer:
         return optimizer_capture(optimizer, model)
 
     # ------------------------------------------------------------------------------------------------ internals
+    def _stage(
+        self, tensors: list[torch.Tensor], backend: str, lazy: bool, optimizer: Any, model: Any
+    ) -> Staged:
+        """Start the host copy of ``tensors``: in the background for those the optimizer owns when ``lazy`` and a
+        step hook can guard them, before returning for the rest (the reason lands in ``last_staging``)."""
+        sizes = [t.numel() * t.element_size() for t in tensors]
+        begin = getattr(self.stager, "begin", None)
+        flags = [False] * len(tensors)
+        reason: str | None = None
+        if not lazy:
+            reason = "lazy staging off (lazy=False or a synchronous save)"
+        elif begin is None:
+            reason = f"{type(self.stager).__name__} copies eagerly (it has no background begin())"
+        elif backend == "neuron":
+            reason = (
+                "XLA tensors: a held alias follows later in-place edits, so they are copied before returning"
+            )
+        elif optimizer is None:
+            reason = "no optimizer= given: no step hook can guard the saved tensors"
+        elif not callable(getattr(optimizer, "register_step_pre_hook", None)):
+            reason = f"optimizer {type(optimizer).__name__} has no register_step_pre_hook"
+        elif not getattr(type(optimizer).step, "hooked", False):
+            # torch.optim.Optimizer.__init__ wraps the class's step() so that it runs the hooks; a wrapper that
+            # never called it would accept a hook and never run it
+            reason = f"{type(optimizer).__name__}.step() does not run step hooks (Optimizer.__init__ was not called)"
+        else:
+            owned = _owned_storages(optimizer)
+            flags = [_storage_key(t) in owned for t in tensors]
+            rest = sum(s for s, f in zip(sizes, flags, strict=True) if not f)
+            if rest:
+                n = flags.count(False)
+                reason = f"{n} tensor(s), {rest} bytes, not owned by the optimizer (buffers, frozen weights)"
+        if begin is None:
+            staged = Staged(self.stager.stage(tensors))
+        else:
+            staged = begin(tensors, flags)
+        lazy_bytes = sum(s for s, f in zip(sizes, flags, strict=True) if f)
+        self.last_staging = StagingInfo(lazy_bytes, sum(sizes) - lazy_bytes, reason)
+        if any(flags):
+            self._install_hooks(optimizer, model)
+            self._staged = staged
+        return staged
+
+    def _install_hooks(self, optimizer: Any, model: Any) -> None:
+        """Step pre-hook on the optimizer (and a load_state_dict pre-hook on the model): both call staged()."""
+        ref = weakref.ref(self)
+
+        def guard(*_: Any, **__: Any) -> None:
+            me = ref()
+            if me is not None:
+                me.staged()
+
+        for obj, register in (
+            (optimizer, "register_step_pre_hook"),
+            (model, "register_load_state_dict_pre_hook"),
+        ):
+            fn = getattr(obj, register, None)
+            if fn is None:
+                continue
+            try:
+                if obj not in self._hooked:
+                    self._hooked[obj] = [fn(guard)]
+            except TypeError:  # not weak-referenceable: held (strongly) until close()
+                if id(obj) not in self._hooked_strong:
+                    self._hooked_strong[id(obj)] = (obj, fn(guard))
+
     def _assign(self, pieces: list[Piece], groups: list[Group | None]) -> list[bool]:
         """Which of this rank's pieces it writes (module docstring, step 2).  Collective."""
         if not self.coll.active:
@@ -423,6 +546,8 @@ class Checkpointer:
         receipt = Receipt(rank)
         report: dict[str, Any] = {"ok": True, "rank": rank, "descs": job.descs}
         try:
+            if job.staged is not None:
+                job.staged.wait()  # lazy copies land in the arena before the writer reads it
             if job.chunks:
                 write_data_file(
                     job.storage,
@@ -550,6 +675,32 @@ class Checkpointer:
             summaries=[r["summary"] for r in by_rank],
             trees=trees,
         )
+
+
+def _storage_key(t: torch.Tensor) -> tuple[str, int]:
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(t, DTensor):
+        t = t._local_tensor
+    return (str(t.device), t.untyped_storage().data_ptr())
+
+
+def _owned_storages(optimizer: Any) -> set[tuple[str, int]]:
+    """Storages that only ``optimizer.step()`` mutates in a training loop: its parameters and its state tensors."""
+    owned: set[tuple[str, int]] = set()
+    # ZeRO-1 wrappers keep the sharded master weights and moments in their base optimizer, which their own step()
+    # (the hooked call) steps
+    for opt in (optimizer, getattr(optimizer, "base_optimizer", None)):
+        if opt is None:
+            continue
+        for g in getattr(opt, "param_groups", []):
+            for p in g["params"]:
+                owned.add(_storage_key(p))
+        for per_param in getattr(opt, "state", {}).values():
+            for v in per_param.values():
+                if isinstance(v, torch.Tensor):
+                    owned.add(_storage_key(v))
+    return {k for k in owned if k[1] != 0}
 
 
 def _loader_state(loader: Any) -> Any:

@@ -171,6 +171,9 @@ def convert(
     from ckpt.converters.options import ConvertOptions, RunOptions, load_config
 
     refuse_idle_flags(fmt, xser=xser)
+    from ckpt.converters.engine.allocator import pin_malloc
+
+    pin_malloc()  # freed buffers back to the OS: peak memory that does not creep up with the model
     layout = {k: v for k, v in flags.items() if not k.startswith("source_") and v is not None}
     source_flags = {
         k[len("source_") :]: v for k, v in flags.items() if k.startswith("source_") and v is not None

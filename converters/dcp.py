@@ -11,11 +11,14 @@ merges their storage entries into ``.metadata``: DCP's own multi-rank layout.  `
 DCP's ``FileSystemWriter.finish`` pickles it; that it loads with the DCP of every supported torch (2.6 to 2.9) is
 checked by ``.ci/dcp_compat.sh`` (docs/convert.md, "DCP compatibility").
 
-Reader (:func:`open_dcp`): ``.metadata`` is unpickled through :func:`ckpt.safe_unpickle.load_pickle` with an
-explicit allow-list of DCP metadata classes (never plain pickle), each chunk is read by its offset/length and
-loaded with the ``weights_only`` loader.  Memory: one full tensor plus one stored chunk.  Where DCP's format does
-not allow bounding memory: nothing for tensors; a checkpoint that stores a whole tensor as a single chunk of
-``n`` bytes needs ``n`` bytes, as any reader would.  Transformed (e.g. compressed) DCP streams are refused.
+Reader (:class:`DCPSource`): ``.metadata`` is unpickled through :func:`ckpt.safe_unpickle.load_pickle` with an
+explicit allow-list of DCP metadata classes (never plain pickle).  Each ``.distcp`` file is memory-mapped (private,
+copy-on-write) and a chunk is loaded where it lies (storage entry: file, offset, length) by
+:func:`ckpt.safe_unpickle.load_torch_buffer`: torch's ``weights_only`` unpickler over the item's small pickle, the
+tensor a view of the mapped bytes.  A requested slice inside one chunk (DCP's default: one chunk per tensor, or per
+FSDP shard) is a view: no anonymous memory, only the page cache of the bytes used; a slice spanning chunks is one new
+tensor of the slice, copied from the chunks' overlaps.  Never the whole tensor, unless it is what is asked for.
+Transformed (e.g. compressed) DCP streams are refused.
 """
 
 from __future__ import annotations
@@ -23,11 +26,14 @@ from __future__ import annotations
 import dataclasses
 import gc
 import io
+import math
+import mmap
+import os
 import pathlib
 import pickle
 import uuid
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +44,7 @@ from ckpt.dtypes import dtype_from_name, dtype_name
 from ckpt.errors import CkptError, CorruptionError, LayoutError
 from ckpt.layouts import Piece
 from ckpt.manifest import TensorDesc
-from ckpt.safe_unpickle import load_pickle, load_torch_file
+from ckpt.safe_unpickle import load_pickle, load_torch_buffer, load_torch_file
 from ckpt.storage import open_storage
 from ckpt.storage.folder import FolderTxn, begin_folder
 
@@ -52,7 +58,6 @@ from .engine import (
     UnitReceipt,
     check_cover,
     produce,
-    slice_of,
 )
 from .engine.export import Progress
 
@@ -127,14 +132,14 @@ class DCPSource(Source):
         md = read_metadata(self.root)
         self._md = md
         mapping: dict[str, tuple[Any, ...]] = dict(md.planner_data or {})
-        self._chunks: dict[str, list[tuple[tuple[int, ...], tuple[int, ...], Any]]] = {}
         by_fqn: dict[str, dict[tuple[int, ...] | None, Any]] = {}
         for idx, info in (md.storage_data or {}).items():
             off = tuple(idx.offset) if idx.offset is not None else None
             by_fqn.setdefault(idx.fqn, {})[off] = info
         self._by_fqn = by_fqn
         self.tensors = {}
-        self._cache: OrderedDict[str, torch.Tensor] = OrderedDict()
+        self._maps: dict[Path, mmap.mmap | None] = {}
+        self._chunks_loaded: OrderedDict[tuple[str, tuple[int, ...]], torch.Tensor] = OrderedDict()
         self._fqn_of: dict[str, str] = {}
         groups: dict[int, dict[str, Any]] = {}
         scalars: dict[str, dict[str, Any]] = {}
@@ -181,7 +186,8 @@ class DCPSource(Source):
             name, role, tuple(item.size), dtype_name(item.properties.dtype), param, key
         )
 
-    def _blob(self, fqn: str, offset: tuple[int, ...] | None) -> bytes:
+    def _storage(self, fqn: str, offset: tuple[int, ...] | None) -> tuple[Any, Path]:
+        """The storage entry of item ``fqn`` at ``offset`` (a chunk's offsets; ``None`` for a bytes item), checked."""
         info = self._by_fqn.get(fqn, {}).get(offset)
         if info is None:
             raise CorruptionError(f"{self.path}: no storage entry for {fqn} at {offset}")
@@ -192,59 +198,122 @@ class DCPSource(Source):
         rel = Path(info.relative_path)
         if rel.is_absolute() or ".." in rel.parts:
             raise CorruptionError(f"{self.path}/{METADATA_NAME}: unsafe file name {info.relative_path!r}")
-        with open(self.root / rel, "rb") as f:
+        return info, self.root / rel
+
+    def _map(self, file: Path) -> mmap.mmap | None:
+        """A private (copy-on-write) map of a ``.distcp`` file, opened once; ``None`` for an empty file."""
+        if file not in self._maps:
+            with open(file, "rb") as f:
+                size = os.fstat(f.fileno()).st_size
+                self._maps[file] = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY) if size else None
+        return self._maps[file]
+
+    def _blob(self, fqn: str, offset: tuple[int, ...] | None) -> bytes:
+        """The bytes of a (small) bytes item: ``param_groups`` entries, pickled scalars."""
+        info, file = self._storage(fqn, offset)
+        with open(file, "rb") as f:
             f.seek(info.offset)
             data = f.read(info.length)
         if len(data) != info.length:
-            raise CorruptionError(
-                f"{self.root / rel}: truncated ({fqn} needs {info.length} bytes at {info.offset})"
-            )
+            raise CorruptionError(f"{file}: truncated ({fqn} needs {info.length} bytes at {info.offset})")
         return data
 
     def _read_any(self, fqn: str, item: Any) -> Any:
         if type(item).__name__ == "TensorStorageMetadata":
-            return self._read_fqn(fqn, item)
+            return self._region(fqn, item, (0,) * len(item.size), tuple(int(n) for n in item.size)).clone()
         return load_torch_file(io.BytesIO(self._blob(fqn, None)))
 
-    def _read_fqn(self, fqn: str, item: Any) -> torch.Tensor:
+    def _chunk(self, fqn: str, item: Any, offs: tuple[int, ...], sizes: tuple[int, ...]) -> torch.Tensor:
+        """One stored chunk as a view of its memory-mapped ``.distcp`` file (nothing read until it is used)."""
+        key = (fqn, offs)
+        t = self._chunks_loaded.get(key)
+        if t is not None:
+            self._chunks_loaded.move_to_end(key)
+            return t
+        info, file = self._storage(fqn, offs)
+        mm = self._map(file)
+        size = len(mm) if mm is not None else 0
+        if info.offset + info.length > size:
+            raise CorruptionError(f"{file}: truncated ({fqn} needs {info.length} bytes at {info.offset})")
         dtype = item.properties.dtype
-        out = torch.empty(tuple(item.size), dtype=dtype)
+        where = f"{file} ({fqn} at {list(offs)})"
+        if bytes(mm[info.offset : info.offset + 2]) == b"PK":  # type: ignore[index]
+            t = load_torch_buffer(mm, info.offset, info.length, where=where)
+        else:  # raw bytes (no torch.save framing)
+            n = torch.Size(sizes).numel() * dtype.itemsize
+            if info.length != n:
+                raise CorruptionError(f"{where}: {info.length} raw bytes, expected {n} for {list(sizes)}")
+            t = torch.frombuffer(mm, dtype=torch.uint8, count=n, offset=info.offset).view(dtype)
+        if not isinstance(t, torch.Tensor) or t.numel() != torch.Size(sizes).numel() or t.dtype != dtype:
+            got = f"{list(t.shape)} {t.dtype}" if isinstance(t, torch.Tensor) else type(t).__name__
+            raise CorruptionError(f"{where}: holds {got}, expected {list(sizes)} {dtype}")
+        t = self._chunks_loaded[key] = t.reshape(sizes)
+        while len(self._chunks_loaded) > 16:
+            self._chunks_loaded.popitem(last=False)
+        return t
+
+    def _cover(
+        self, item: Any, offs: tuple[int, ...], lengths: tuple[int, ...]
+    ) -> list[tuple[Any, list[slice]]]:
+        """The stored chunks overlapping the box ``offs``/``lengths``, each with its overlap (box coordinates)."""
+        out = []
         for chunk in item.chunks:
-            offs = tuple(int(x) for x in chunk.offsets)
-            sizes = tuple(int(x) for x in chunk.sizes)
-            raw = self._blob(fqn, offs)
-            if raw[:2] == b"PK":
-                t = load_torch_file(io.BytesIO(raw))
-            else:
-                t = torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(dtype)
-            if not isinstance(t, torch.Tensor) or t.numel() != torch.Size(sizes).numel():
-                raise CorruptionError(
-                    f"{self.path}: chunk of {fqn} at {list(offs)} does not hold {list(sizes)}"
-                )
-            idx = tuple(slice(o, o + s) for o, s in zip(offs, sizes, strict=True))
-            out[idx] = t.reshape(sizes)
+            co = tuple(int(x) for x in chunk.offsets)
+            cs = tuple(int(x) for x in chunk.sizes)
+            lo = [max(a, b) for a, b in zip(co, offs, strict=True)]
+            hi = [min(a + n, b + m) for a, n, b, m in zip(co, cs, offs, lengths, strict=True)]
+            if all(h > lo_ for lo_, h in zip(lo, hi, strict=True)):
+                out.append(((co, cs), [slice(a, b) for a, b in zip(lo, hi, strict=True)]))
         return out
 
+    def _region(self, fqn: str, item: Any, offs: tuple[int, ...], lengths: tuple[int, ...]) -> torch.Tensor:
+        """The box of tensor ``fqn``: a view of the one chunk holding it, else assembled from the chunks' overlaps."""
+        cover = self._cover(item, offs, lengths)
+        if len(cover) == 1:
+            (co, cs), ov = cover[0]
+            if all(s.stop - s.start == n for s, n in zip(ov, lengths, strict=True)):
+                t = self._chunk(fqn, item, co, cs)
+                for d, (s, c) in enumerate(zip(ov, co, strict=True)):
+                    if s.start != c or s.stop - s.start != t.shape[d]:
+                        t = t.narrow(d, s.start - c, s.stop - s.start)
+                return t
+        out = torch.empty(lengths, dtype=item.properties.dtype)
+        filled = 0
+        for (co, cs), ov in cover:
+            t = self._chunk(fqn, item, co, cs)
+            src = tuple(slice(s.start - c, s.stop - c) for s, c in zip(ov, co, strict=True))
+            dst = tuple(slice(s.start - o, s.stop - o) for s, o in zip(ov, offs, strict=True))
+            out[dst] = t[src]
+            filled += math.prod(s.stop - s.start for s in ov)
+        if filled != out.numel():
+            raise CorruptionError(
+                f"{self.path}: the chunks of {fqn} cover {filled} of the {out.numel()} elements of "
+                f"{list(lengths)} at {list(offs)}"
+            )
+        return out
+
+    def _box(self, piece: Piece) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        shape = self.tensors[piece.name].shape
+        offs, lengths = [0] * len(shape), list(shape)
+        if piece.dim is not None:
+            offs[piece.dim], lengths[piece.dim] = piece.start, piece.length
+        return tuple(offs), tuple(lengths)
+
     def read(self, piece: Piece) -> torch.Tensor:
-        """A slice of one tensor; the tensor is assembled from its chunks once and kept while its slices are read
-        (a small LRU: DCP stores chunks in the saver's boxes, not ours)."""
-        t = self._cache.get(piece.name)
-        if t is None:
-            fqn = self._fqn_of[piece.name]
-            t = self._cache[piece.name] = self._read_fqn(fqn, self._md.state_dict_metadata[fqn])
-            while len(self._cache) > 2:
-                self._cache.popitem(last=False)
-        return slice_of(t, piece)
+        """A slice of one tensor: a view of the memory-mapped chunk that holds it (DCP's default, one chunk per
+        tensor or per FSDP shard), or, when the slice spans chunks, a new tensor of the slice copied from them."""
+        fqn = self._fqn_of[piece.name]
+        return self._region(fqn, self._md.state_dict_metadata[fqn], *self._box(piece))
 
     def read_anon(self, piece: Piece) -> int:
-        """The whole tensor, assembled from its chunks, each read as bytes and copied (or unpickled) once more."""
-        return 3 * self.stored_bytes(piece)
-
-    def cache_bytes(self, pieces: Iterable[Piece]) -> int:
-        return 2 * max((self.stored_bytes(p) for p in pieces), default=0)
+        """Nothing for a slice inside one chunk (a view of the mapped file); the slice when it spans chunks."""
+        fqn = self._fqn_of[piece.name]
+        cover = self._cover(self._md.state_dict_metadata[fqn], *self._box(piece))
+        return self.piece_bytes(piece) if len(cover) != 1 else 0
 
     def close(self) -> None:
-        self._cache.clear()
+        self._chunks_loaded.clear()
+        self._maps.clear()  # each map closes when the last view of it goes
 
 
 def open_source(

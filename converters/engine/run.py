@@ -54,6 +54,9 @@ def _leave_sigint_to_parent() -> None:
     warnings.simplefilter("ignore")
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+    from .allocator import pin_malloc
+
+    pin_malloc()  # as the CLI process that started it (converters/engine/allocator.py)
 
 
 @contextmanager

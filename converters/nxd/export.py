@@ -21,6 +21,7 @@ from ckpt import treecodec
 from ckpt.dtypes import dtype_from_name
 from ckpt.errors import CkptError, LayoutError
 from ckpt.layouts.names import EXPERT_STACKED
+from ckpt.layouts.nxd_order import nxd_param_order
 
 from ..engine import Conversion, OutPart, Rank, Staging, UnitReceipt, check_cover, produce
 from ..engine.export import Progress
@@ -198,6 +199,11 @@ def build_rank(
                 states.setdefault(d.param, {})[d.key] = data
         else:
             model[d.name] = data
+    assert conv.flags is not None
+    rule_set = conv.record.rule_set if conv.record is not None else None
+    in_order = nxd_param_order(model, rule_set, pp=conv.flags.pp)
+    if in_order is not None:  # NxD loads by name; its own files list the live model's order, so ours do too
+        model = {n: model[n] for n in in_order}
     opt = conv.trees.optimizer
     if opt is None:
         if states or master:
@@ -216,6 +222,7 @@ def build_rank(
     for p, per in opt.get("state", {}).items():
         if p in names:
             states.setdefault(p, {}).update({k: treecodec.decode(v) for k, v in per.items()})
+    groups = _nxd_ordered(conv, groups)
     order = [n for g in groups for n in g["params"]]
     extra = conv.record.optimizer_extra if conv.record is not None else None
     return model, {
@@ -224,6 +231,31 @@ def build_rank(
         "master_weights": {n: master[n] for n in order if n in master} or None,
         "extra": dict(treecodec.decode(extra)) if extra is not None else {},
     }
+
+
+def _nxd_ordered(conv: Conversion, groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each param group's names in the order NxD's live model lists them, so that NxD's positional
+    ``optimizer.load_state_dict`` puts every moment on its own parameter (:mod:`ckpt.layouts.nxd_order`).
+
+    Where that order is not known: an NxD tag with the same pipeline size keeps its groups' order (the order of
+    the NxD optimizer that saved them, which its reader named from ``param_names`` or NxD's own model files); a
+    single group keeps the source's order, as before; several groups from anything else (an HF Trainer, or one of
+    our Neuron-layout checkpoints, which may have been converted from CUDA) are refused, never guessed.
+    """
+    f = conv.flags
+    assert f is not None
+    rule_set = conv.record.rule_set if conv.record is not None else None
+    ordered = [nxd_param_order(g["params"], rule_set, pp=f.pp) for g in groups]
+    if all(o is not None for o in ordered):
+        return [{**g, "params": o} for g, o in zip(groups, ordered, strict=True)]
+    src = conv.source
+    if len(groups) <= 1 or (src.format == "nxd" and src.flags is not None and src.flags.pp == f.pp):
+        return groups
+    raise LayoutError(
+        f"{src.path}: an optimizer with {len(groups)} param groups cannot be written as an NxD tag of rule set "
+        f"{rule_set} with pp={f.pp}: NxD loads optimizer state by position and ckpt does not know NxD's parameter "
+        "order for this layout; write --format ckpt --to neuron instead"
+    )
 
 
 class NxdExport:
@@ -254,6 +286,9 @@ class NxdExport:
             )
         self.storage_options = storage_options
         self.verify = verify
+        opt = conv.trees.optimizer
+        if opt is not None:  # an optimizer NxD could not load is refused before anything is written
+            _nxd_ordered(conv, [{"params": list(g["params"])} for g in opt.get("param_groups", [])])
         by_rank = rank_parts(conv)
         self.ranks = sorted(by_rank)
         self.parts = [by_rank[r] for r in self.ranks]
@@ -271,9 +306,9 @@ class NxdExport:
         self._writer: TagWriter | None = None
 
     def held_bytes(self, retained: Callable[[OutPart], int]) -> int:
-        """A target rank is built whole before its files are written (NxD's file unit), but its large tensors and
-        ZeRO-1 shards live in file-backed :class:`~.scratch.Scratch` memory: what stays in process memory is its
-        small tensors (and their shards), plus the copy into scratch of one part."""
+        """A target rank is built whole before its files are written (NxD's file unit), but its tensors and ZeRO-1
+        shards live in file-backed :class:`~.scratch.Scratch` memory: what stays in process memory is the tensors
+        under ``MIN_BYTES`` (none by default) and their shards; the part being copied in counts in its own cost."""
         worst = 0
         for parts in self.parts:
             small = 0

@@ -3,8 +3,8 @@
 NxD stores one ``torch.save`` file per (tp, pp) rank (and one per DP rank of its ZeRO-1 optimizer), and
 ``torch.save`` needs every tensor of the file at once, so a writer holds a whole rank: with a fixed TP x PP, a rank
 grows with the model (1/8 of a 70B model at TP 4 PP 2 is 35 GB with Adam).  Held in anonymous memory, that is what
-a memory cap kills.  :class:`Scratch` allocates each large tensor of the rank in its own shared mapping of an
-unlinked temp file instead: the kernel can write those pages back and drop them under memory pressure, exactly like
+a memory cap kills.  :class:`Scratch` allocates the rank's tensors in shared mappings of unlinked temp files instead
+(a large tensor one of its own, small ones packed into slabs: small tensors too add up with the model's depth): the kernel can write those pages back and drop them under memory pressure, exactly like
 the page cache of the source files, so the process's anonymous memory stays at a few tensors whatever the rank's
 size.  ``torch.save`` writes a mapped tensor's bytes like any other (same files byte for byte).  The files live in
 the temp folder (``TMPDIR``) and are gone when the tensors are freed; most pages are never written to disk at all.
@@ -12,6 +12,7 @@ the temp folder (``TMPDIR``) and are gone when the tensors are freed; most pages
 
 from __future__ import annotations
 
+import mmap
 import os
 import shutil
 import tempfile
@@ -19,35 +20,56 @@ from collections.abc import Sequence
 
 import torch
 
-#: tensors smaller than this stay in ordinary memory (a file and a mapping each would cost more than they save)
-MIN_BYTES = 1 << 20
+#: tensors smaller than this stay in ordinary memory (none by default: a rank's many small tensors, e.g. the KV
+#: projections' TP slices and their ZeRO-1 shards, add up with the model's depth)
+MIN_BYTES = 0
+#: small tensors share slabs of this size (one file and mapping each); bigger ones get their own
+SLAB_BYTES = 64 << 20
+_ALIGN = 64
 
 
 class Scratch:
-    """An allocator of file-backed CPU tensors (see the module docstring); :meth:`close` removes its folder."""
+    """An allocator of file-backed CPU tensors (see the module docstring); :meth:`close` removes its folder.
+
+    Each tensor owns exactly its bytes (``torch.save`` writes a tensor's whole storage): a tensor of a quarter slab
+    or more is one shared mapping of its own unlinked file, smaller ones are carved out of a shared 64 MiB slab
+    (``torch.frombuffer`` over the slab's ``mmap``: a storage of exactly the tensor's bytes that keeps the slab
+    mapped).  A slab is unmapped when its last tensor is freed."""
 
     def __init__(self, dir: str | None = None, min_bytes: int = MIN_BYTES) -> None:
         self.dir = tempfile.mkdtemp(prefix="ckpt-nxd-rank-", dir=dir)
         self.min_bytes = min_bytes
+        self._slab: mmap.mmap | None = None
+        self._used = 0
+
+    def _map(self, nbytes: int) -> mmap.mmap:
+        """A shared, writable mapping of a new unlinked file of ``nbytes`` in :attr:`dir`."""
+        fd, path = tempfile.mkstemp(dir=self.dir)
+        try:
+            os.unlink(path)  # the mapping keeps the pages; the name is not needed
+            os.ftruncate(fd, nbytes)
+            return mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(fd)
 
     def empty(self, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
-        """An uninitialised contiguous tensor that owns exactly its bytes (file-backed when it is large)."""
+        """An uninitialised contiguous tensor that owns exactly its bytes (file-backed unless under ``min_bytes``)."""
         n = 1
         for s in shape:
             n *= int(s)
         nbytes = n * dtype.itemsize
-        if nbytes < self.min_bytes:
+        if nbytes == 0 or nbytes < self.min_bytes:
             return torch.empty(tuple(shape), dtype=dtype)
-        fd, path = tempfile.mkstemp(dir=self.dir)
-        try:
-            os.ftruncate(fd, nbytes)
-        finally:
-            os.close(fd)
-        try:
-            storage = torch.UntypedStorage.from_file(path, shared=True, nbytes=nbytes)
-        finally:
-            os.unlink(path)  # the mapping keeps the pages; the name is not needed
-        return torch.empty(0, dtype=dtype).set_(storage, 0, tuple(shape))
+        if nbytes >= SLAB_BYTES // 4:
+            buf, offset = self._map(nbytes), 0
+        else:
+            offset = -(-self._used // _ALIGN) * _ALIGN
+            if self._slab is None or offset + nbytes > SLAB_BYTES:
+                self._slab, offset = self._map(SLAB_BYTES), 0
+            buf = self._slab
+            self._used = offset + nbytes
+        flat = torch.frombuffer(buf, dtype=torch.uint8, count=nbytes, offset=offset)
+        return flat.view(dtype).view(tuple(shape))
 
     def copy(self, t: torch.Tensor) -> torch.Tensor:
         """A file-backed copy of ``t`` (contiguous, owning exactly its bytes)."""
@@ -56,6 +78,7 @@ class Scratch:
         return out
 
     def close(self) -> None:
+        self._slab = None  # unmapped when its last tensor goes
         shutil.rmtree(self.dir, ignore_errors=True)
 
     def __enter__(self) -> Scratch:
@@ -65,4 +88,4 @@ class Scratch:
         self.close()
 
 
-__all__ = ["MIN_BYTES", "Scratch"]
+__all__ = ["MIN_BYTES", "SLAB_BYTES", "Scratch"]

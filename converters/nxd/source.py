@@ -170,7 +170,8 @@ class NxdTagSource(Source):
         self.path = str(path)
         self.config = dict(config) if config is not None else None
         status = check_usable(path, allow_unmarked)
-        self.r = open_tag(path, param_names=param_names, verify=verify, mmap=True)
+        rule_set = rule_set or rule_set_for_config(self.config)  # default: the config's model family
+        self.r = open_tag(path, param_names=param_names, verify=verify, mmap=True, rule_set=rule_set)
         meta = self.r.meta
         self.r.check_complete()
         tp, pp, ep = meta.tp_size, meta.pp_size, meta.ep_size
@@ -205,7 +206,6 @@ class NxdTagSource(Source):
         }
         detected.update(given)
         replicated = tuple(replicated)
-        rule_set = rule_set or rule_set_for_config(self.config)  # default: the config's model family
         family = family_for_rule_set(rule_set)
         self._stacked = (
             frozenset(n for n in names if EXPERT_STACKED.match(n))

@@ -130,6 +130,9 @@ from torture.memory import target_options
 from ckpt.converters import ckpt, dcp, hf, nxd  # every format's module, imported before the baseline
 import safetensors.torch, torch.distributed.checkpoint  # noqa
 libc = ctypes.CDLL("libc.so.6")
+if sys.argv[3] == "cli":  # what `ckpt convert` does first
+    from ckpt.converters.engine.allocator import pin_malloc
+    assert pin_malloc()
 
 def quiet():
     gc.collect()
@@ -177,13 +180,19 @@ class Peak:
 
 
 def measure(
-    jobs: list[dict[str, Any]], *, poll_s: float = 0.001, timeout: float = 600, exact_malloc: bool = True
+    jobs: list[dict[str, Any]],
+    *,
+    poll_s: float = 0.001,
+    timeout: float = 600,
+    exact_malloc: bool = True,
+    cli_malloc: bool = False,
 ) -> list[Peak]:
     """Run ``jobs`` (``{"src", "dst", "target", "config", "src_name"}``, optional ``"flush_bytes"`` for our writer and ``"nxd"``: the NxD targets' flags)
     one after another in one child process and return each one's peak memory (see the module docstring).
 
     ``exact_malloc`` pins glibc's mmap and trim thresholds in the child (tests: measure what the code holds); off,
-    the figures include what the allocator keeps (the bench reports both)."""
+    the figures include what the allocator keeps (the bench reports both).  ``cli_malloc``: the child pins glibc's
+    thresholds itself, as ``ckpt convert`` does (``converters/engine/allocator.py``)."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PJRT_DEVICE="CPU", PYTHONWARNINGS="ignore")
     if exact_malloc:
         # glibc otherwise raises its mmap threshold as big blocks are freed and keeps up to ~64 MiB of freed heap
@@ -191,7 +200,7 @@ def measure(
         env.update(MALLOC_MMAP_THRESHOLD_="131072", MALLOC_TRIM_THRESHOLD_="131072", MALLOC_ARENA_MAX="2")
     payload = [{k: (str(v) if isinstance(v, Path) else v) for k, v in j.items()} for j in jobs]
     proc = subprocess.Popen(
-        [sys.executable, "-c", _CHILD, str(ROOT / "tests"), json.dumps(payload)],
+        [sys.executable, "-c", _CHILD, str(ROOT / "tests"), json.dumps(payload), "cli" if cli_malloc else "-"],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env,
     )  # fmt: skip
     lines: queue.Queue[str | None] = queue.Queue()
