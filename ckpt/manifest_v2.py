@@ -187,7 +187,7 @@ def describe_boxes(shape: tuple[int, ...], pieces: list[tuple[Box, int]]) -> dic
         ]
     }
     if not pieces:
-        return {"split": [], "ranks": []}
+        return {"split": [], "ranks": [-1]}  # an empty tensor: one empty block
     at = {(b.offsets, b.lengths): r for b, r in pieces}
     if len(at) != len(pieces):
         return explicit
