@@ -27,6 +27,7 @@ import torch
 from conftest import run_ranks
 
 pytest.importorskip("torch_xla", reason="NxD's NeuronZero1Optimizer needs torch_xla (PJRT_DEVICE=CPU)")
+pytest.importorskip("tenacity", reason="NxD's save_checkpoint imports it (a dev extra in pyproject.toml)")
 
 # name: (tp, pp, KV heads, kv_size_multiplier); dp = 4 / (tp * pp).  The last one: one KV head replicated on both TP
 # ranks by NxD's GQAQKVColumnParallelLinear (trn1 order), what NxD's converter handles (tp == kv * multiplier).
