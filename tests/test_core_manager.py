@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 import torch
+from manifest_io import sidecars
 
 import ckpt
 from ckpt.discovery import step_dir
@@ -101,8 +102,8 @@ def test_uncommitted_leftovers_are_swept(root: Root) -> None:
     assert root.steps_on_storage() == [step_dir(2), step_dir(4)]
     assert "junk" not in st.child(step_dir(4)).listdir()
     top = json.loads(st.child(step_dir(4)).read_bytes(MANIFEST_NAME))
-    indexes = list(top.get("indexes", {}))  # format v2: the top manifest lists each rank's index file
-    want = [MANIFEST_NAME, data_file(root, 4).split("/")[1], *indexes]
+    # format v2: the top manifest also lists each rank's index and state files
+    want = [MANIFEST_NAME, data_file(root, 4).split("/")[1], *sidecars(top)]
     assert st.child(step_dir(4)).listdir() == sorted(want)
 
 
