@@ -10,6 +10,7 @@ Runs, each in its own process and each next to its baselines measured in the sam
   DCP async_save (plain and DefaultStager) and NxD-style copy-then-thread, one loop, one state;
 * bench_reshard.py: saved by 2 ranks, loaded by 1, 2, 4 — ckpt vs DCP;
 * bench_s3.py: save/load on S3 (moto on 127.0.0.1) vs s3fs put_file/get of the same bytes;
+* bench_load_checksum.py: local load with checksums (hashed on a helper thread) vs a raw read of the same bytes;
 * torture_scale.py: listing 1,000 checkpoints, 100,000-tensor save/verify/load;
 * bench_convert.py (when present): conversion vs raw copy and "load everything, then save".
 
@@ -72,6 +73,7 @@ def main() -> int:
         ("bench_reshard.py", ["--gib", "0.0625" if q else "0.5", "--repeat", "1" if q else "3"]),
         ("bench_stall.py", ["--state-mib", "64" if q else "256", "--saves", "2" if q else "3"]),
         ("bench_s3.py", ["--mib", "32" if q else "256", "--repeat", "1" if q else "3"]),
+        ("bench_load_checksum.py", ["--gib", "0.125" if q else "0.5", "--repeat", "2" if q else "7"]),
         ("torture_scale.py", ["--tensors", "10000" if q else "100000"]),
     ]
     convert_out = ""

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
-from .discovery import CheckpointInfo, list_checkpoints, missing_files, step_dir
+from .discovery import CheckpointInfo, list_checkpoints, missing_files, parse_step, step_dir
 from .distributed import Collective
 from .errors import (
     BaseMismatchError,
@@ -249,5 +249,12 @@ class CheckpointManager:
             for name in sub.listdir():
                 if name not in referenced:
                     sub.delete(name)
-        self.storage.abort_stale_uploads()
+        # uploads under a later step may be that step's save at work on another rank: only older ones are stale
+        self.storage.abort_stale_uploads(live=lambda path: _step_of(path) > newest)
         return deleted
+
+
+def _step_of(path: str) -> int:
+    """The step of the folder ``path`` lies in (``step_<N>/...``), or -1 when it lies in none."""
+    step = parse_step(path.split("/", 1)[0])
+    return -1 if step is None else step

@@ -121,3 +121,15 @@ def test_a_box_outside_the_shape_is_refused(tmp_path: Path) -> None:
     ):
         commit(tmp_path, summaries)
     assert not (tmp_path / MANIFEST_NAME).exists()
+
+
+def test_an_empty_tensor_has_one_empty_block_and_reads_back(tmp_path: Path) -> None:
+    descs = [*DESCS, TensorDesc("empty", "buffer", (0, 4), "F32")]
+    _, summaries = write(tmp_path)
+    summaries[0].pieces.append(("empty", (0, 0), (0, 4)))  # written (nothing) by rank 0
+    top, _ = build_top(
+        step=2, backend="cpu", layout=Layout(world_size=2), metas=descs, summaries=summaries, trees={}, env={}
+    )
+    open_storage(str(tmp_path)).put_bytes(MANIFEST_NAME, top.encode(), exclusive=True)
+    assert assert_valid(tmp_path)["tensors"]["empty"]["pieces"] == {"split": [], "ranks": [-1]}
+    assert CheckpointReader(str(tmp_path), lazy=True).read("empty").shape == (0, 4)

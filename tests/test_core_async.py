@@ -137,10 +137,11 @@ def test_storage_failure_at_commit_commits_nothing(tmp_path: Path, monkeypatch: 
     with pytest.raises(AsyncSaveError, match="rank 0 commit.*SlowDown"):
         saver.close()
     assert not (tmp_path / "c" / MANIFEST_NAME).exists()
-    # data only (and in format v2 the rank's index and state files, written before the top manifest): uncommitted
+    # data only (and in format v2 the rank's index and state file, written before the top manifest): uncommitted
     left = [p.name for p in (tmp_path / "c").iterdir()]
-    sidecar = (".index.json", ".state.json")
-    assert [n for n in left if not n.endswith(sidecar)] == [n for n in left if n.endswith(".safetensors")]
+    assert [n for n in left if not n.endswith((".index.json", ".state.json"))] == [
+        n for n in left if n.endswith(".safetensors")
+    ]
     assert [n for n in left if n.endswith(".safetensors")]
 
 

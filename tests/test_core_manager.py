@@ -11,7 +11,6 @@ from typing import Any
 
 import pytest
 import torch
-from manifest_io import sidecars
 
 import ckpt
 from ckpt.discovery import step_dir
@@ -102,8 +101,9 @@ def test_uncommitted_leftovers_are_swept(root: Root) -> None:
     assert root.steps_on_storage() == [step_dir(2), step_dir(4)]
     assert "junk" not in st.child(step_dir(4)).listdir()
     top = json.loads(st.child(step_dir(4)).read_bytes(MANIFEST_NAME))
-    # format v2: the top manifest also lists each rank's index and state files
-    want = [MANIFEST_NAME, data_file(root, 4).split("/")[1], *sidecars(top)]
+    # format v2: the top manifest lists each rank's index and state file
+    indexes = [*top.get("indexes", {}), *top.get("rank_state", {})]
+    want = [MANIFEST_NAME, data_file(root, 4).split("/")[1], *indexes]
     assert st.child(step_dir(4)).listdir() == sorted(want)
 
 

@@ -215,21 +215,7 @@ def test_v1_and_v2_give_the_same_result(saved: tuple[Path, Any], op: str) -> Non
         assert {f["rank"] for f in got[1]["files"].values()} == {0, 1}
 
 
-@pytest.mark.parametrize(
-    "version",
-    [
-        1,
-        pytest.param(
-            2,
-            marks=pytest.mark.xfail(
-                strict=True,
-                raises=ckpt.ManifestError,
-                reason="format v2 gap: describe_boxes writes pieces {'split': [], 'ranks': []} for a tensor with "
-                "no element, which parse_pieces refuses ('ranks' must list 1 ranks); remove this mark with the fix",
-            ),
-        ),
-    ],
-)
+@pytest.mark.parametrize("version", VERSIONS)
 def test_a_tensor_without_elements_round_trips(tmp_path: Path, version: int) -> None:
     state = {"empty": torch.zeros(0), "cols": torch.zeros(3, 0), "w": torch.arange(4.0)}
     path = str(tmp_path / "c")

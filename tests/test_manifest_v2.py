@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -257,3 +258,29 @@ def test_inspect_shows_a_v2_checkpoint_without_reading_every_index(v2: Path) -> 
     assert "format v2" in r.output and "4 pieces" in r.output and "2 pieces" in r.output
     r = CliRunner().invoke(cli, ["inspect", str(v2), "--json"])  # every chunk: reads every index
     assert r.exit_code == 2 and "r00000-a1b2c3d4.index.json: missing" in r.output
+
+
+@pytest.mark.parametrize(
+    ("edit", "error"),
+    [
+        (lambda c: c.__setitem__(2, [9, 4]), r"chunk 0: box \[0, 0\]\+\[9, 4\] lies outside shape \[10, 3\]"),
+        (lambda c: c.__setitem__(3, "other.safetensors"), r"chunk 0: file 'other.safetensors' is not listed"),
+        (lambda c: c.__setitem__(5, 8), r"chunk 0: nbytes 8 does not match its box \(24 bytes\)"),
+        (lambda c: c.__setitem__(7, "xxh3_64:XYZ"), r"chunk 0: bad checksum 'xxh3_64:XYZ'"),
+        (lambda c: c.__setitem__(4, 10**9), r"chunk 0: bytes 1000000000\.\.1000000024 lie outside"),
+    ],
+    ids=["box", "file", "nbytes", "checksum", "range"],
+)
+def test_a_bad_chunk_in_a_consistently_sealed_index_is_named(v2: Path, edit: Any, error: str) -> None:
+    """An index whose seal and top-manifest checksum agree (written by a buggy tool) is still validated."""
+    p = v2 / "r00000-a1b2c3d4.index.json"
+    doc = json.loads(p.read_text())
+    assert doc["chunks"][0][:3] == ["emb", [0, 0], [2, 3]]
+    edit(doc["chunks"][0])
+    text = seal(doc)
+    p.write_text(text)
+    top = json.loads((v2 / MANIFEST_NAME).read_text())
+    top["indexes"][p.name].update(checksum=text[13:37], size=len(text.encode()))
+    (v2 / MANIFEST_NAME).write_text(seal(top))
+    with pytest.raises(ManifestError, match=error):
+        read_manifest(open_storage(str(v2)))

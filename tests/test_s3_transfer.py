@@ -289,3 +289,14 @@ def test_model_and_optimizer_restore_through_batched_reads(s3: Any) -> None:
     s1, s2 = opt.state_dict()["state"], opt2.state_dict()["state"]
     assert s1.keys() == s2.keys()
     assert all(torch.equal(s1[i][k], s2[i][k]) for i in s1 for k in ("exp_avg", "exp_avg_sq"))
+
+
+@pytest.mark.s3
+def test_retention_aborts_stale_uploads_but_not_a_later_steps(s3: Any) -> None:
+    # step 9's upload may be another rank's save at work: retention after committing step 2 must not abort it
+    client = s3.boto3_client()
+    for key in ("step_00000001/r00000-old.safetensors", "step_00000009/r00001-live.safetensors", "stray.bin"):
+        client.create_multipart_upload(Bucket=s3.bucket, Key=f"{s3.prefix}/{key}")
+    mgr = ckpt.CheckpointManager(s3.url, storage_options=s3.storage_options, async_save=False, keep_last=1)
+    mgr.save(2, model={"w": torch.zeros(4)})
+    assert open_uploads(s3) == [f"{s3.prefix}/step_00000009/r00001-live.safetensors"]

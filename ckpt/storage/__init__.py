@@ -152,9 +152,10 @@ class Storage(abc.ABC):
         """Remove ``rel`` and everything under it (never a sibling that merely shares its name as a prefix);
         nothing happens when it is missing. Not atomic: a crash can leave part of the tree."""
 
-    def abort_stale_uploads(self, rel: str = "") -> int:
+    def abort_stale_uploads(self, rel: str = "", live: Callable[[str], bool] | None = None) -> int:
         """Abort uploads left unfinished (and billed) under ``rel`` by crashed writers; returns how many.
-        Only object stores with multipart uploads have any."""
+        Only object stores with multipart uploads have any.  ``live(path)`` (the path relative to ``rel``) says
+        which may belong to a writer still at work (a later step's save): those are left alone."""
         return 0
 
     def __repr__(self) -> str:

@@ -55,9 +55,9 @@ def multipart_etag(part_etags: list[str]) -> str:
 class MultipartWriter:
     """A write-only binary file that becomes the S3 object ``rel`` on :meth:`finish`, or nothing on :meth:`abort`.
 
-    ``write`` copies its argument (the caller may reuse its buffer at once) unless ``borrow``.  Failures of parts already in flight
-    surface at the next ``write`` or at ``finish``; the caller must then call :meth:`abort` (``S3Storage.create``
-    does, on every exception including ``BaseException``).
+    ``write`` copies its argument (the caller may reuse its buffer at once) unless ``borrow``.  Failures of parts
+    already in flight surface at the next ``write`` or at ``finish``; the caller must then call :meth:`abort`
+    (``S3Storage.create`` does, on every exception including ``BaseException``).
     """
 
     def __init__(
@@ -107,8 +107,8 @@ class MultipartWriter:
 
     # ---------------------------------------------------------------------------------------------- parts
     def _submit(self) -> None:
-        """Hand the full current buffer to an uploader; wait for a slot first (bounds memory to in_flight + 1
-        parts) and raise the first failure of a finished part."""
+        """Hand the part being filled to an uploader; wait for a slot first (at most ``in_flight`` bodies exist)
+        and raise the first failure of a finished part."""
         if self.upload_id is None:
             self.upload_id = self._call(
                 "starting the upload of", "create_multipart_upload", Bucket=self.bucket, Key=self.key

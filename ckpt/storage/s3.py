@@ -15,7 +15,7 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, BinaryIO
 
 from ckpt.errors import StorageError
@@ -83,9 +83,10 @@ class S3Storage(FsspecStorage):
                 return out
             markers = {"KeyMarker": resp["NextKeyMarker"], "UploadIdMarker": resp["NextUploadIdMarker"]}
 
-    def abort_stale_uploads(self, rel: str = "") -> int:
-        bucket = self.path(rel).partition("/")[0]
-        uploads = self.open_uploads(rel)
+    def abort_stale_uploads(self, rel: str = "", live: Callable[[str], bool] | None = None) -> int:
+        bucket, _, base = self.path(rel).partition("/")
+        base = base.rstrip("/") + "/" if base else ""
+        uploads = [(k, u) for k, u in self.open_uploads(rel) if live is None or not live(k[len(base) :])]
         for key, upload_id in uploads:
             self.fs.call_s3("abort_multipart_upload", Bucket=bucket, Key=key, UploadId=upload_id)
         return len(uploads)
