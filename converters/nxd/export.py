@@ -89,9 +89,9 @@ def build_rank(
     for i, j in parts:
         out = conv.tensors[i]
         d = out.desc
-        data = _owned(produce(conv, out.parts[j], verify=verify))
-        if keep is not None:
-            data = keep(data)
+        data = produce(conv, out.parts[j], verify=verify)
+        # the scratch copy is already exactly the part's bytes: no intermediate copy of a view in process memory
+        data = keep(data) if keep is not None else _owned(data)
         if d.role == "optimizer_state":
             assert d.param is not None and d.key is not None
             if d.key == MASTER_KEY:
