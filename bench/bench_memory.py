@@ -169,11 +169,17 @@ def _pairs(spec: str) -> list[tuple[str, str]]:
 
 
 def table(paths: list[str]) -> str:
-    """The markdown table of docs/performance.md "Memory" from result files (one column group per model size)."""
-    sizes = [size for path in paths for size in json.loads(Path(path).read_text())]
+    """The markdown table of docs/performance.md "Memory" from result files (one column group per model size; a
+    later file's row of the same size and pair replaces an earlier one: reruns)."""
+    merged: dict[int, dict] = {}
+    for path in paths:
+        for size in json.loads(Path(path).read_text()):
+            into = merged.setdefault(size["layers"], {"bytes": size["bytes"], "rows": {}})
+            into["rows"].update({(r["source"], r["target"]): r for r in size["rows"]})
+    sizes = list(merged.values())
     cells: dict[tuple[str, str], list[str]] = {(s, t): [] for s in SOURCES for t in TARGETS}
     for size in sizes:
-        rows = {(r["source"], r["target"]): r for r in size["rows"]}
+        rows = size["rows"]
         for key, out in cells.items():
             r = rows.get(key)
             if r is None:

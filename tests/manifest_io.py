@@ -36,9 +36,13 @@ def stored_version(path: str | Path) -> int:
 
 
 def index_files(path: str | Path) -> list[str]:
-    """The v2 index files the top manifest lists (empty for v1)."""
-    doc = json.loads((Path(path) / MANIFEST_NAME).read_text())
-    return sorted(doc.get("indexes") or {})
+    """The files a v2 top manifest lists besides the data files: each rank's index and state file (empty for v1)."""
+    return sorted(sidecars(json.loads((Path(path) / MANIFEST_NAME).read_text())))
+
+
+def sidecars(top: dict[str, Any]) -> list[str]:
+    """The index and state files listed in the top manifest document ``top`` (none in v1)."""
+    return [*(top.get("indexes") or {}), *(top.get("rank_state") or {})]
 
 
 def edit_top(path: str | Path, edit: Callable[[dict[str, Any]], None], *, reseal: bool = True) -> None:
@@ -64,7 +68,7 @@ def rewrite_manifest(path: str | Path, edit: Callable[[dict[str, Any]], None]) -
     from ckpt.manifest_v2 import encode
 
     old = index_files(root)
-    attempt = old[0].split("-", 1)[1].removesuffix(".index.json") if old else "edited"
+    attempt = old[0].split("-", 1)[1].split(".", 1)[0] if old else "edited"
     top, indexes = encode(Manifest.from_json(seal(doc), "edited manifest"), attempt)
     for name in old:
         if name not in indexes:

@@ -213,3 +213,13 @@ def test_v1_and_v2_give_the_same_result(saved: tuple[Path, Any], op: str) -> Non
     elif op == "manifest":
         assert got[1]["step"] == STEP and sorted(got[1]["rng"]) == ["0", "1"]
         assert {f["rank"] for f in got[1]["files"].values()} == {0, 1}
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_a_tensor_without_elements_round_trips(tmp_path: Path, version: int) -> None:
+    state = {"empty": torch.zeros(0), "cols": torch.zeros(3, 0), "w": torch.arange(4.0)}
+    path = str(tmp_path / "c")
+    ckpt.Checkpointer(async_save=False, format_version=version).save(path, step=1, model=state).result()
+    reader = ckpt.open_checkpoint(path)
+    assert reader.read("empty").shape == (0,) and reader.read("cols").shape == (3, 0)
+    assert torch.equal(reader.read("w"), state["w"])

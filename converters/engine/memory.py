@@ -9,6 +9,7 @@ mechanism step by step, so a change there shows up here:
 * a part made of several pieces is allocated once and the pieces are copied in one at a time
   (:func:`~.execute.assemble`); replica variants are read again to be compared;
 * what the part leaves behind for the writer (``retained``) is its bytes unless it is a view of a mapped file;
+* only the tensors the export writes count (an HF target drops the optimizer the plan carries);
 * the source keeps some tensors between parts (:meth:`~.source.Source.cache_bytes`), and the target format holds
   its own buffers (``held_bytes`` of the export: our writer's two batches, one NxD rank, a DCP item being
   serialised).
@@ -69,20 +70,19 @@ def part_cost(source: Source, part: OutPart) -> tuple[int, int]:
 def estimate(conv: Conversion, export: Any = None) -> MemoryEstimate:
     """The peak anonymous memory of running ``conv`` into ``export`` in one worker (see the module docstring)."""
     source = conv.source
+    # an export that writes only some of the plan's tensors (HF: the model, not the optimizer) names them in ``outs``
+    written = getattr(export, "outs", None)
+    tensors = [t for t in conv.tensors if written is None or t.desc.name in written]
     worst, retained = 0, {}
-    for t in conv.tensors:
+    for t in tensors:
         for part in t.parts:
             working, kept = part_cost(source, part)
             worst = max(worst, working)
             retained[id(part)] = kept
     held: Callable[[Callable[[OutPart], int]], int] | None = getattr(export, "held_bytes", None)
-    hold = held(lambda p: retained[id(p)]) if held is not None else 0
+    hold = held(lambda p: retained.get(id(p), 0)) if held is not None else 0
     pieces = (
-        p
-        for t in conv.tensors
-        for part in t.parts
-        for v in (part.plan.pieces, *part.plan.replicas)
-        for p in v
+        p for t in tensors for part in t.parts for v in (part.plan.pieces, *part.plan.replicas) for p in v
     )
     return MemoryEstimate(worst, source.cache_bytes(pieces), hold)
 

@@ -187,10 +187,12 @@ def build_rank(
             data = slots[i].put(out.parts[j], produce(conv, out.parts[j], verify=verify))
             if data is None:
                 continue
+            if keep is not None:
+                data = keep(data)
         else:
-            data = _owned(produce(conv, out.parts[j], verify=verify))
-        if keep is not None:
-            data = keep(data)
+            data = produce(conv, out.parts[j], verify=verify)
+            # the scratch copy is already exactly the part's bytes: no intermediate copy of a view in process memory
+            data = keep(data) if keep is not None else _owned(data)
         if d.role == "optimizer_state":
             assert d.param is not None and d.key is not None
             if d.key == MASTER_KEY:
