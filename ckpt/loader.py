@@ -144,10 +144,12 @@ class Restorer:
             )
         groups = []
         index = 0
+        held = self.held_params()
         for gi, (saved, live) in enumerate(zip(saved_groups, optimizer.param_groups, strict=True)):
             live_names = names[index : index + len(live["params"])]
-            if set(saved["params"]) != set(live_names):
-                diff = sorted(set(saved["params"]) ^ set(live_names))
+            saved_names = [n for n in saved["params"] if held is None or n in held]
+            if set(saved_names) != set(live_names):
+                diff = sorted(set(saved_names) ^ set(live_names))
                 raise StateMismatchError(
                     f"{self.reader.path}: param_groups[{gi}] holds different parameters than the live optimizer: "
                     f"{_names_list(diff)}"
@@ -170,6 +172,12 @@ class Restorer:
                 if per:
                     state[i] = per
         optimizer.load_state_dict({"state": state, "param_groups": groups})
+
+    def held_params(self) -> set[str] | None:
+        """Names of the saved parameters this rank's optimizer holds a share of; None: all of them.  A pipeline
+        stage holds only its stage's (:class:`ckpt.neuron.NeuronRestorer`), while the checkpoint's optimizer record
+        lists every stage's parameters."""
+        return None
 
     def _optimizer_tensor(self, ename: str, param: torch.Tensor) -> torch.Tensor:
         from torch.distributed.tensor import DTensor

@@ -251,6 +251,10 @@ class NeuronRestorer(Restorer):
         hook = self.layout_hook
         return stage_tensors(self.reader.manifest, hook.parallel) if isinstance(hook, NxdLayout) else None
 
+    def held_params(self) -> set[str] | None:
+        """Under PP, the parameters of this rank's stage: the others' optimizer state is theirs to restore."""
+        return self._stage_tensors()
+
     def optimizer(self, optimizer: Any, model: Any) -> None:
         if is_zero1_optimizer(optimizer):
             if not isinstance(self.layout_hook, NxdLayout):
