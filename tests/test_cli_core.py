@@ -255,6 +255,8 @@ def test_ctrl_c_prints_one_line_and_exits_130(tmp_path, when):
         stderr=subprocess.PIPE,
         text=True,
         start_new_session=True,  # its own process group, so that the signal reaches exactly it and its workers
+        # as from a terminal: a runner started in the background (``cmd &``) passes SIGINT down ignored
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     workers: list = []
     try:
