@@ -6,8 +6,11 @@ Runs, each in its own process and each next to its baselines measured in the sam
 
 * bench_save_load.py: async blocking time, sync save, load — ckpt vs DCP (save/async_save/load), torch.save/load,
   one memory copy, raw sequential write/read of the same bytes;
+* bench_stall.py: training-thread stall per save and step-time overhead at a save every step — ckpt lazy/eager vs
+  DCP async_save (plain and DefaultStager) and NxD-style copy-then-thread, one loop, one state;
 * bench_reshard.py: saved by 2 ranks, loaded by 1, 2, 4 — ckpt vs DCP;
 * bench_s3.py: save/load on S3 (moto on 127.0.0.1) vs s3fs put_file/get of the same bytes;
+* bench_load_checksum.py: local load with checksums (hashed on a helper thread) vs a raw read of the same bytes;
 * torture_scale.py: listing 1,000 checkpoints, 100,000-tensor save/verify/load;
 * bench_convert.py (when present): conversion vs raw copy and "load everything, then save".
 
@@ -68,7 +71,9 @@ def main() -> int:
             ["--gib", "0.25" if q else "1.0", "--ranks", "2", "--repeat", "1" if q else "3"],
         ),
         ("bench_reshard.py", ["--gib", "0.0625" if q else "0.5", "--repeat", "1" if q else "3"]),
+        ("bench_stall.py", ["--state-mib", "64" if q else "256", "--saves", "2" if q else "3"]),
         ("bench_s3.py", ["--mib", "32" if q else "256", "--repeat", "1" if q else "3"]),
+        ("bench_load_checksum.py", ["--gib", "0.125" if q else "0.5", "--repeat", "2" if q else "7"]),
         ("torture_scale.py", ["--tensors", "10000" if q else "100000"]),
     ]
     convert_out = ""
@@ -80,6 +85,7 @@ def main() -> int:
             ["--layers", "4", "--small-layers", "2"] if not q else ["--layers", "2", "--small-layers", "1"],
         )
     sl, rs, s3, sc = load("save_load.json"), load("reshard.json"), load("s3.json"), load("scale.json")
+    stall = load("stall.json")
     rows: list[tuple[str, str, str, str]] = []  # (measure, ckpt, baseline, ratio)
     if sl:
         r = sl["seconds"]
@@ -132,6 +138,17 @@ def main() -> int:
                 f"{t['ckpt_s'] / t['dcp_s']:.2f}x",
             )
         )
+    for name, r in stall.get("savers", {}).items():
+        if name == "dcp async_save":
+            continue
+        rows.append(
+            (
+                f"stall per save, {name} (ms)",
+                f"{r['stall_s'] * 1e3:.1f}",
+                f"DCP async_save {stall['savers']['dcp async_save']['stall_s'] * 1e3:.1f}",
+                f"{r['stall_vs_dcp']:.3f}x",
+            )
+        )
     if s3:
         m = s3["seconds"]
         rows.append(
@@ -174,6 +191,7 @@ def main() -> int:
         "rows": [dict(zip(("measure", "ckpt", "baseline", "ratio"), r, strict=True)) for r in rows],
         "save_load": sl,
         "reshard": rs,
+        "stall": stall,
         "s3": s3,
         "scale": sc,
         "convert": conv,

@@ -44,6 +44,7 @@ _EXPORTS = {
     "open_checkpoint": "reader",
     "Checkpointer": "saver",
     "SaveResult": "saver",
+    "StagingInfo": "saver",
 }
 
 if TYPE_CHECKING:
@@ -64,7 +65,7 @@ if TYPE_CHECKING:
     from .manager import CheckpointManager
     from .manifest import FORMAT_VERSION, Box, Layout, Manifest
     from .reader import CheckpointReader, open_checkpoint
-    from .saver import Checkpointer, SaveResult
+    from .saver import Checkpointer, SaveResult, StagingInfo
 
 
 _SUBMODULES = ("dcp", "integrations")
@@ -112,6 +113,7 @@ __all__ = [
     "ManifestError",
     "RestoreResult",
     "SaveResult",
+    "StagingInfo",
     "StateMismatchError",
     "StorageError",
     "UnsafePickleError",

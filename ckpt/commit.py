@@ -13,6 +13,7 @@ from typing import Any
 from . import environment
 from .errors import ManifestError
 from .manifest import MANIFEST_NAME, Box, FileEntry, Layout, Manifest, Shard, TensorDesc, TensorEntry
+from .manifest_v2 import DEFAULT_FORMAT_VERSION
 from .storage import Storage
 
 
@@ -47,7 +48,9 @@ def write_data_file(
     from .shardfile import Chunk, write_shard_file
 
     keys = [f"{name}@{','.join(map(str, box.offsets))}" for name, box, _ in chunks]
-    with storage.create(fname) as f:
+    # the chunks are staged host tensors that stay unchanged until the file is published: lend them to the
+    # storage (S3 builds its upload parts straight from them)
+    with storage.create(fname, borrow=True) as f:
         written, size = write_shard_file(
             f, [Chunk(k, t, codec) for k, (_, _, t) in zip(keys, chunks, strict=True)], metadata
         )
@@ -57,6 +60,44 @@ def write_data_file(
         for (name, box, _), w in zip(chunks, written, strict=True)
     )
     return size
+
+
+def check_box(
+    rank: int,
+    name: str,
+    offs: tuple[int, ...],
+    lens: tuple[int, ...],
+    metas: dict[str, TensorDesc],
+    seen: set[Any],
+) -> Box:
+    """A written box of tensor ``name``: described by some rank, inside its shape, not written before."""
+    d = metas.get(name)
+    if d is None:
+        raise ManifestError(f"rank {rank} wrote tensor {name!r} that no rank described")
+    shape = d.shape
+    ok = len(offs) == len(shape) == len(lens)
+    if ok:
+        for o, n, s in zip(offs, lens, shape):  # noqa: B905 - lengths checked just above
+            if o < 0 or n < 0 or o + n > s:
+                ok = False
+                break
+    if not ok:
+        raise ManifestError(
+            f"rank {rank} wrote box {list(offs)}+{list(lens)} of tensor {name!r}, "
+            f"which lies outside its shape {list(shape)}"
+        )
+    key = (name, tuple(offs), tuple(lens))
+    if key in seen and 0 not in lens:
+        raise ManifestError(f"tensor {name!r}: box {list(offs)}+{list(lens)} was written twice")
+    seen.add(key)
+    return Box(key[1], key[2])
+
+
+def check_covered(name: str, shape: tuple[int, ...], stored: int) -> None:
+    """The boxes written of a tensor (checked by :func:`check_box`) hold as many elements as the tensor."""
+    total = math.prod(shape)
+    if stored != total:
+        raise ManifestError(f"tensor {name!r}: written shards hold {stored} of {total} elements")
 
 
 def build_manifest(
@@ -78,37 +119,46 @@ def build_manifest(
     """
     metas_by_name = {m.name: m for m in metas}
     shards: dict[str, list[Shard]] = {n: [] for n in metas_by_name}
-    seen: set[tuple[str, tuple[int, ...], tuple[int, ...]]] = set()
+    seen: set[Any] = set()
     files: dict[str, FileEntry] = {}
     for r in receipts:
         for fname, size in r.files:
             files[fname] = FileEntry(fname, size, r.rank)
         for name, offs, lens, fname, off, nbytes, codec, csum in r.shards:
-            if name not in shards:
-                raise ManifestError(f"rank {r.rank} wrote tensor {name!r} that no rank described")
-            box = Box(tuple(offs), tuple(lens))
-            shape = metas_by_name[name].shape
-            if (
-                len(offs) != len(shape)
-                or len(lens) != len(shape)
-                or any(o < 0 or n < 0 or o + n > d for o, n, d in zip(offs, lens, shape, strict=True))
-            ):
-                raise ManifestError(
-                    f"rank {r.rank} wrote box {list(offs)}+{list(lens)} of tensor {name!r}, "
-                    f"which lies outside its shape {list(shape)}"
-                )
-            if (name, box.offsets, box.lengths) in seen and box.numel:
-                raise ManifestError(f"tensor {name!r}: box {list(offs)}+{list(lens)} was written twice")
-            seen.add((name, box.offsets, box.lengths))
+            box = check_box(r.rank, name, offs, lens, metas_by_name, seen)
             shards[name].append(Shard(fname, off, nbytes, box, codec, csum))
     tensors = {}
     for n, m in metas_by_name.items():
-        stored = sum(s.box.numel for s in shards[n])
-        total = math.prod(m.shape)
-        if stored != total:
-            raise ManifestError(f"tensor {n!r}: written shards hold {stored} of {total} elements")
+        check_covered(n, m.shape, sum(s.box.numel for s in shards[n]))
         tensors[n] = TensorEntry.of(m, tuple(sorted(shards[n], key=lambda s: s.box.offsets)))
     rank_trees = rank_trees or {}
+    return manifest_of(
+        step=step,
+        backend=backend,
+        layout=layout,
+        tensors=tensors,
+        files=files,
+        trees=trees,
+        rng={str(r): t["rng"] for r, t in sorted(rank_trees.items()) if "rng" in t} or trees.get("rng", {}),
+        data={str(r): t["data"] for r, t in sorted(rank_trees.items()) if "data" in t}
+        or trees.get("data", {}),
+        env=env,
+    )
+
+
+def manifest_of(
+    *,
+    step: int,
+    backend: str,
+    layout: Layout,
+    tensors: dict[str, TensorEntry],
+    files: dict[str, FileEntry],
+    trees: dict[str, Any],
+    rng: dict[str, Any],
+    data: dict[str, Any],
+    env: dict[str, Any] | None,
+) -> Manifest:
+    """The in-memory manifest of a commit (its time stamp and environment taken now unless ``env`` is given)."""
     return Manifest(
         step=step,
         created_at=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -119,10 +169,9 @@ def build_manifest(
         optimizer=trees.get("optimizer"),
         scheduler=trees.get("scheduler"),
         scaler=trees.get("scaler"),
-        rng={str(r): t["rng"] for r, t in sorted(rank_trees.items()) if "rng" in t} or trees.get("rng", {}),
+        rng=rng,
         progress=trees.get("progress", {"step": step}),
-        data={str(r): t["data"] for r, t in sorted(rank_trees.items()) if "data" in t}
-        or trees.get("data", {}),
+        data=data,
         tokenizer=trees.get("tokenizer"),
         environment=env if env is not None else environment.capture(layout.world_size),
         user=trees.get("user"),
@@ -133,16 +182,10 @@ def build_manifest(
     )
 
 
-# The format version a commit writes when not told (docs/format.md).  2 keeps the top manifest small at any world
-# size; the default stays 1 until every test that reads manifest.json as v1 JSON has been moved (see
-# docs/performance.md, "Scale": what is left).
-DEFAULT_VERSION = 1
-
-
 def publish(storage: Storage, manifest: Manifest, version: int | None = None) -> None:
     """Write the manifest create-only: the commit point.  Format v2 writes each rank's index first (create-only,
     named after the save attempt of the rank's data files), then the top manifest that seals their checksums."""
-    version = DEFAULT_VERSION if version is None else version
+    version = DEFAULT_FORMAT_VERSION if version is None else version
     if version == 1:
         storage.put_bytes(MANIFEST_NAME, manifest.to_json().encode(), exclusive=True)
         return

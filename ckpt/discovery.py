@@ -46,7 +46,7 @@ def missing_files(storage: Storage, manifest: Manifest) -> list[str]:
             bad.append(f"{path} (missing)")
         elif size != f.size:
             bad.append(f"{path} ({size} bytes, manifest says {f.size})")
-    for e in manifest.v2.indexes.values() if manifest.v2 is not None else ():
+    for e in manifest.v2.sealed_files() if manifest.v2 is not None else ():
         size = storage.size(e.path)
         if size is None:
             bad.append(f"{e.path} (missing)")
@@ -58,7 +58,11 @@ def missing_files(storage: Storage, manifest: Manifest) -> list[str]:
 def absent_files(storage: Storage, manifest: Manifest) -> list[str]:
     """Files the manifest lists that the folder does not hold (one listing; sizes not checked)."""
     present = set(storage.listdir())
-    return [f"{path} (missing)" for path in manifest.files if path.split("/", 1)[0] not in present]
+    listed = [
+        *manifest.files,
+        *(e.path for e in (manifest.v2.sealed_files() if manifest.v2 is not None else ())),
+    ]
+    return [f"{path} (missing)" for path in listed if path.split("/", 1)[0] not in present]
 
 
 def inspect_dir(root: Storage, name: str, check_files: bool = False) -> CheckpointInfo:

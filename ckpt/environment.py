@@ -6,6 +6,7 @@ different numerics).  Versions come from package metadata so that nothing heavy 
 
 from __future__ import annotations
 
+import functools
 import os
 import platform
 import socket
@@ -36,7 +37,10 @@ ENV_VARS = (
 )
 
 
+@functools.cache
 def _version(pkg: str) -> str | None:
+    """Installed version of ``pkg`` (cached: reading package metadata parses files, ~2 ms per save otherwise,
+    and what a running process imported does not change)."""
     try:
         return metadata.version(pkg)
     except metadata.PackageNotFoundError:

@@ -21,6 +21,7 @@ from .manifest import Box, Manifest
 from .planning import local_box
 from .reader import CheckpointReader
 from .state import NamedTensor, load_state_into, model_tensors, optim_name, param_names_in_optimizer_order
+from .upload import PinnedUploader
 
 MODEL_ROLES = ("parameter", "buffer")
 
@@ -62,6 +63,23 @@ class Restorer:
     def __init__(self, reader: CheckpointReader, layout_hook: Any = None) -> None:
         self.reader = reader
         self.layout_hook = layout_hook
+        self._uploader: PinnedUploader | None = None  # CUDA targets: pinned buffer, batched async copies
+
+    def _upload(self, name: str, box: Box, dst: torch.Tensor) -> bool:
+        """Fill the CUDA tensor ``dst`` (this rank's ``box`` of ``name``) through the pinned uploader; False when
+        it does not apply (not CUDA, or the stored dtype differs and needs a cast on the host)."""
+        if not dst.is_cuda or dst.dtype != dtype_from_name(self.reader.entry(name).dtype):
+            return False
+        if self._uploader is None:
+            self._uploader = PinnedUploader()
+        self._uploader.fill(dst, lambda host: self.reader.read_box_into(name, box, host))
+        return True
+
+    def finish(self) -> None:
+        """Wait for queued host-to-device copies (restore() calls it last) and free the pinned buffer."""
+        if self._uploader is not None:
+            self._uploader.finish()
+            self._uploader = None
 
     def fill(self, nt: NamedTensor, entry_name: str) -> None:
         """Copy the checkpoint's values for this rank's part of ``nt`` into ``nt.tensor`` in place."""
@@ -77,7 +95,10 @@ class Restorer:
     def read_into(self, name: str, box: Box, local: torch.Tensor) -> None:
         e = self.reader.entry(name)
         if local.device.type == "cpu" and local.is_contiguous() and local.dtype == dtype_from_name(e.dtype):
-            self.reader.read_box_into(name, box, local.detach())
+            # filled when the enclosing reader.deferred() block ends (with every other tensor, in parallel)
+            self.reader.read_box_into(name, box, local.detach(), defer=True)
+            return
+        if self._upload(name, box, local.detach()):
             return
         tmp = torch.empty(box.lengths, dtype=dtype_from_name(e.dtype))
         self.reader.read_box_into(name, box, tmp)
@@ -101,9 +122,10 @@ class Restorer:
             raise StateMismatchError(
                 f"{self.reader.path}: model does not match the checkpoint: {'; '.join(parts)}"
             )
-        for nt in targets:
-            if nt.name in saved:
-                self.fill(nt, nt.name)
+        with self.reader.deferred():
+            for nt in targets:
+                if nt.name in saved:
+                    self.fill(nt, nt.name)
         return missing, unexpected
 
     # ------------------------------------------------------------------------------------------------ optimizer
@@ -140,12 +162,13 @@ class Restorer:
                 by_param.setdefault(t.param, {})[t.key] = n
         scalars = meta.get("state", {})
         state: dict[int, dict[str, Any]] = {}
-        for i, pname in enumerate(names):
-            per: dict[str, Any] = {k: treecodec.decode(v) for k, v in scalars.get(pname, {}).items()}
-            for key, ename in by_param.get(pname, {}).items():
-                per[key] = self._optimizer_tensor(ename, params[pname])
-            if per:
-                state[i] = per
+        with self.reader.deferred():
+            for i, pname in enumerate(names):
+                per: dict[str, Any] = {k: treecodec.decode(v) for k, v in scalars.get(pname, {}).items()}
+                for key, ename in by_param.get(pname, {}).items():
+                    per[key] = self._optimizer_tensor(ename, params[pname])
+                if per:
+                    state[i] = per
         optimizer.load_state_dict({"state": state, "param_groups": groups})
 
     def _optimizer_tensor(self, ename: str, param: torch.Tensor) -> torch.Tensor:
@@ -155,8 +178,14 @@ class Restorer:
         dtype = dtype_from_name(e.dtype)
         if tuple(param.shape) == e.shape:
             shape, box, local = local_box(param)
-            buf = torch.empty(box.lengths, dtype=dtype)
-            self.reader.read_box_into(ename, box, buf)
+            if local.is_cuda and torch.cuda.is_available():
+                buf = torch.empty(box.lengths, dtype=dtype, device=local.device)
+                self._upload(ename, box, buf)
+            else:
+                buf = torch.empty(box.lengths, dtype=dtype)
+                # on the CPU ``buf`` itself becomes the state (``.to`` and ``from_local`` do not copy): it may be
+                # filled when the optimizer's deferred() block ends
+                self.reader.read_box_into(ename, box, buf, defer=local.device.type == "cpu")
             if isinstance(param, DTensor):
                 return DTensor.from_local(
                     buf.to(local.device),
@@ -220,6 +249,9 @@ def restore(
         missing, unexpected = r.model(model, strict)
     if optimizer is not None:
         r.optimizer(optimizer, model)
+    finish = getattr(r, "finish", None)
+    if finish is not None:
+        finish()
     if scheduler is not None:
         if m.scheduler is None:
             raise StateMismatchError(f"{reader.path}: checkpoint holds no scheduler state")

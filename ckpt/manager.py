@@ -13,7 +13,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
-from .discovery import CheckpointInfo, list_checkpoints, missing_files, step_dir
+from .discovery import CheckpointInfo, list_checkpoints, missing_files, parse_step, step_dir
 from .distributed import Collective
 from .errors import (
     BaseMismatchError,
@@ -110,6 +110,10 @@ class CheckpointManager:
     def wait(self) -> SaveResult | None:
         return self.checkpointer.wait()
 
+    def staged(self) -> None:
+        """Wait until the in-flight save no longer reads training tensors (see :meth:`Checkpointer.staged`)."""
+        self.checkpointer.staged()
+
     def close(self) -> None:
         self.checkpointer.close()
 
@@ -129,6 +133,7 @@ class CheckpointManager:
 
     # ------------------------------------------------------------------------------------------------ restoring
     def restore(self, step: int, **state: Any) -> RestoreResult:
+        self.checkpointer.staged()  # a lazily staged save must have read the tensors this restore overwrites
         t0 = time.perf_counter()
         result = restore(
             self.path_for(step), storage_options=self.storage_options, layout_hook=self.layout_hook, **state
@@ -151,6 +156,7 @@ class CheckpointManager:
         optimizer the checkpoint does not hold) raises :class:`StateMismatchError` on every rank at once: an older
         step would not fit either, and returning None would silently restart training from scratch.
         """
+        self.checkpointer.staged()
         t0 = time.perf_counter()
         candidates = None
         if self.coll.rank == 0:
@@ -238,10 +244,17 @@ class CheckpointManager:
         if newest_info is not None and newest_info.manifest is not None:
             sub = self.storage.child(newest_info.name)
             m = newest_info.manifest
-            indexes = {e.path for e in m.v2.indexes.values()} if m.v2 is not None else set()
+            indexes = {e.path for e in m.v2.sealed_files()} if m.v2 is not None else set()
             referenced = set(m.files) | indexes | {MANIFEST_NAME}
             for name in sub.listdir():
                 if name not in referenced:
                     sub.delete(name)
-        self.storage.abort_stale_uploads()
+        # uploads under a later step may be that step's save at work on another rank: only older ones are stale
+        self.storage.abort_stale_uploads(live=lambda path: _step_of(path) > newest)
         return deleted
+
+
+def _step_of(path: str) -> int:
+    """The step of the folder ``path`` lies in (``step_<N>/...``), or -1 when it lies in none."""
+    step = parse_step(path.split("/", 1)[0])
+    return -1 if step is None else step

@@ -21,7 +21,9 @@ from .dtypes import itemsize
 from .errors import ManifestError
 
 FORMAT = "ckpt"
-FORMAT_VERSION = 2  # the newest version this ckpt reads (the version written: ckpt.commit.DEFAULT_VERSION)
+FORMAT_VERSION = (
+    2  # the newest version this ckpt reads (the version written: ckpt.manifest_v2.DEFAULT_FORMAT_VERSION)
+)
 MANIFEST_NAME = "manifest.json"
 
 # The manifest's own checksum ("seal"): the file starts with this member, and its value is the xxh3-64 of the

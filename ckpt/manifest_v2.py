@@ -1,28 +1,31 @@
-"""Format v2: a top manifest that stays small at thousands of ranks, and one sealed index per rank (docs/format.md,
+"""Format v2: a top manifest that stays small at thousands of ranks, and sealed per-rank files (docs/format.md,
 "Version 2").
 
 v1 lists every stored chunk in ``manifest.json`` and every rank's RNG and data-loader trees: about 180 bytes per
 chunk and 16 kB per rank, so an FSDP checkpoint of 8,192 ranks x 1,000 tensors is 1.5 GB of JSON that every
-restoring rank parses.  v2 moves both into per-rank index files (``r<rank>-<attempt>.index.json``, sealed like the
-manifest, their checksums in the top manifest) and describes where each tensor's pieces are once, as a regular
-nested split with an affine rank formula when the sharding is regular (FSDP, HSDP, TP, ZeRO-1), or as an explicit
-list of boxes otherwise.  A restoring rank reads the top manifest and only the indexes of ranks holding pieces
-that overlap its boxes (:class:`Locator`); tools that want everything (``ckpt verify``, converters) load all
-indexes into the same in-memory :class:`~ckpt.manifest.Manifest` as v1 (:func:`materialize`).
+restoring rank parses.  v2 moves the chunks into per-rank index files (``r<rank>-<attempt>.index.json``) and the
+trees into per-rank state files (``r<rank>-<attempt>.state.json``), both sealed like the manifest, their checksums
+in the top manifest, and describes where each tensor's pieces are once, as a regular nested split with an affine
+rank formula when the sharding is regular (FSDP, HSDP, TP, ZeRO-1), or as an explicit list of boxes otherwise.  A
+restoring rank reads the top manifest, only the indexes of ranks holding pieces that overlap its boxes
+(:class:`Locator`) and only its own state file; tools that want everything (``ckpt verify``, converters) load
+every file into the same in-memory :class:`~ckpt.manifest.Manifest` as v1 (:func:`materialize`).
 
-The in-memory model is unchanged: v2 is an encoding of a v1 :class:`Manifest`, produced from it at commit
-(:func:`encode`) after ``build_manifest`` validated coverage, so both versions hold exactly the same facts.
+Writing: the training-loop saver has each rank write its own index and state file (:mod:`ckpt.commit_v2`);
+writers holding every shard in one process encode an in-memory manifest (:func:`encode`).  Either way both versions
+hold exactly the same facts.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from .codecs import check_checksum_format, check_codec
+from .codecs import CODECS, check_checksum_format, check_codec
 from .dtypes import itemsize
 from .errors import ManifestError
 from .manifest import (
@@ -32,6 +35,7 @@ from .manifest import (
     FileEntry,
     Manifest,
     Shard,
+    TensorDesc,
     TensorEntry,
     check_relpath,
     manifest_doc,
@@ -40,6 +44,12 @@ from .manifest import (
 )
 
 INDEX_FORMAT = "ckpt-index"
+STATE_FORMAT = "ckpt-rank-state"
+
+#: The format version a save or conversion writes when not told (``Checkpointer(format_version=...)``,
+#: ``ckpt.commit.publish(..., version=...)``): the one place that decides it.  2 keeps the top manifest small at any
+#: world size; 1 is still written on request and always read.
+DEFAULT_FORMAT_VERSION = 2
 
 JSON = Any
 
@@ -99,6 +109,23 @@ def blocks_overlapping(
     yield from rec(0, 0, Box.full(shape))
 
 
+def _block_boxes(
+    shape: tuple[int, ...], levels: list[tuple[int, int]]
+) -> Iterator[tuple[tuple[int, ...], tuple[int, ...]]]:
+    """(offsets, lengths) of every block of a nested split in block order (:func:`blocks`, as plain tuples;
+    a single level computed directly: it is every regular tensor's of FSDP, TP and ZeRO-1)."""
+    if len(levels) != 1:
+        for _, b in blocks(shape, levels):
+            yield b.offsets, b.lengths
+        return
+    d, parts = levels[0]
+    head, tail = shape[:d], shape[d + 1 :]
+    zeros_head, zeros_tail = (0,) * len(head), (0,) * len(tail)
+    for i in range(parts):
+        off, n = split(shape[d], parts, i)
+        yield (*zeros_head, off, *zeros_tail), (*head, n, *tail)
+
+
 def _affine(ranks: list[int], levels: list[tuple[int, int]]) -> dict[str, JSON] | None:
     """``{"start", "steps"}`` when rank = start + sum(i_l * steps[l]) over the mixed-radix digits, else None."""
     if not ranks or any(r < 0 for r in ranks):
@@ -110,6 +137,13 @@ def _affine(ranks: list[int], levels: list[tuple[int, int]]) -> dict[str, JSON] 
         stride //= p
         steps.append(ranks[stride] - ranks[0] if p > 1 else 0)
     start = ranks[0]
+    if len(radices) == 1:  # the common case (FSDP, TP, ZeRO-1): an arithmetic progression
+        step = steps[0]
+        return (
+            {"start": start, "steps": steps}
+            if ranks == list(range(start, start + step * len(ranks), step) if step else [start] * len(ranks))
+            else None
+        )
     for b, r in enumerate(ranks):
         rem, expect = b, start
         for p, s in zip(reversed(radices), reversed(steps), strict=True):
@@ -121,11 +155,9 @@ def _affine(ranks: list[int], levels: list[tuple[int, int]]) -> dict[str, JSON] 
 
 
 def describe_pieces(t: TensorEntry, rank_of: dict[str, int]) -> dict[str, JSON]:
-    """The top-manifest ``pieces`` of a tensor: which rank stores which box (not where inside its files).
+    """The top-manifest ``pieces`` of a tensor held as v1 shards (the converters' path: :func:`encode`).
 
-    Chunks of one rank make one piece (their bounding box, when they fill it).  A regular nested split is looked
-    for among the splits that the pieces' distinct offsets suggest, and kept only if it reproduces the pieces
-    exactly; otherwise the pieces are listed.
+    Chunks of one rank make one piece (their bounding box, when they fill it); otherwise the chunks are listed.
     """
     by_rank: dict[int, list[Shard]] = {}
     for s in t.shards:
@@ -139,17 +171,27 @@ def describe_pieces(t: TensorEntry, rank_of: dict[str, int]) -> dict[str, JSON]:
         if box.numel != sum(s.box.numel for s in shards):
             return {"boxes": [[list(s.box.offsets), list(s.box.lengths), rank_of[s.file]] for s in t.shards]}
         pieces.append((box, r))
+    return describe_boxes(t.shape, pieces)
+
+
+def describe_boxes(shape: tuple[int, ...], pieces: list[tuple[Box, int]]) -> dict[str, JSON]:
+    """The top-manifest ``pieces`` of a tensor from its stored boxes, one ``(box, rank)`` per non-empty box.
+
+    A regular nested split is looked for among the splits that the pieces' distinct offsets suggest, and kept
+    only if it reproduces the pieces exactly; otherwise the pieces are listed.  Cost: a few passes over the
+    tensor's pieces.
+    """
     explicit = {
         "boxes": [
             [list(b.offsets), list(b.lengths), r] for b, r in sorted(pieces, key=lambda p: p[0].offsets)
         ]
     }
     if not pieces:
-        return {"split": [], "ranks": []}
-    at = {b: r for b, r in pieces}
+        return {"split": [], "ranks": [-1]}  # an empty tensor: one empty block
+    at = {(b.offsets, b.lengths): r for b, r in pieces}
     if len(at) != len(pieces):
         return explicit
-    varying = [d for d in range(len(t.shape)) if len({b.offsets[d] for b, _ in pieces}) > 1]
+    varying = [d for d in range(len(shape)) if len({b.offsets[d] for b, _ in pieces}) > 1]
     counts = {d: len({b.offsets[d] for b, _ in pieces}) for d in varying}
     candidates: list[list[tuple[int, int]]] = []
     if not varying:
@@ -164,11 +206,11 @@ def describe_pieces(t: TensorEntry, rank_of: dict[str, int]) -> dict[str, JSON]:
     for levels in candidates:
         ranks = []
         hit = 0
-        for _, box in blocks(t.shape, levels):
-            if box.numel == 0:
+        for offs, lens in _block_boxes(shape, levels):
+            if 0 in lens:
                 ranks.append(-1)
                 continue
-            r = at.get(box)
+            r = at.get((offs, lens))
             if r is None:
                 break
             ranks.append(r)
@@ -289,50 +331,99 @@ def _box(offs: Any, lens: Any, shape: tuple[int, ...], where: str) -> Box:
 # ------------------------------------------------------------------------------------------------ writing
 
 
+def state_name(rank: int, attempt: str) -> str:
+    """The per-rank state file of ``rank`` (its RNG and data-loader trees) for save attempt ``attempt``."""
+    return f"r{rank:05d}-{attempt}.state.json"
+
+
+@dataclass(frozen=True)
+class IndexEntry:
+    """One sealed per-rank file the top manifest lists: an index (chunks) or a state file (RNG/data trees)."""
+
+    path: str
+    rank: int
+    size: int
+    checksum: str
+    holds: tuple[str, ...] = ()  # state files: which trees it holds ("rng", "data")
+
+    def to_json(self) -> dict[str, JSON]:
+        out: dict[str, JSON] = {"rank": self.rank, "size": self.size, "checksum": self.checksum}
+        if self.holds:
+            out["holds"] = list(self.holds)
+        return out
+
+
+def sealed_entry(path: str, rank: int, text: str, holds: tuple[str, ...] = ()) -> IndexEntry:
+    """The table entry of a sealed file (its checksum is its seal: bytes 13..37)."""
+    return IndexEntry(path, rank, len(text.encode()), text[13:37], holds)
+
+
+def chunk_row(
+    name: str, box: Box, file: str, offset: int, nbytes: int, codec: str, checksum: str
+) -> list[JSON]:
+    """One index ``chunks`` entry: ``[tensor, offsets, lengths, file, offset, nbytes, codec, checksum]``."""
+    return [name, list(box.offsets), list(box.lengths), file, offset, nbytes, codec, checksum]
+
+
+def index_text(rank: int, chunks: list[list[JSON]]) -> str:
+    """The sealed index of ``rank``: where each of its chunks lies in its data files."""
+    return seal({"format": INDEX_FORMAT, "format_version": 2, "rank": rank, "chunks": chunks})
+
+
+def state_text(rank: int, rng: JSON, data: JSON) -> str:
+    """The sealed state file of ``rank``: its RNG and data-loader trees (the members it has)."""
+    doc: dict[str, JSON] = {"format": STATE_FORMAT, "format_version": 2, "rank": rank}
+    if rng is not None:
+        doc["rng"] = rng
+    if data is not None:
+        doc["data"] = data
+    return seal(doc)
+
+
+def state_holds(rng: JSON, data: JSON) -> tuple[str, ...]:
+    return tuple(k for k, v in (("rng", rng), ("data", data)) if v is not None)
+
+
+def top_text(
+    m: Manifest, pieces: dict[str, JSON], indexes: list[IndexEntry], states: list[IndexEntry]
+) -> str:
+    """The sealed top manifest: ``m``'s shared members (its tensors' shards and per-rank trees are not used),
+    each tensor's ``pieces``, and the tables of index and state files with their checksums."""
+    doc = manifest_doc(replace(m, rng={}, data={}), version=2)
+    doc["tensors"] = {n: {**_desc_json(t), "pieces": pieces[n]} for n, t in m.tensors.items()}
+    doc["indexes"] = {e.path: e.to_json() for e in sorted(indexes, key=lambda e: e.rank)}
+    doc["rank_state"] = {e.path: e.to_json() for e in sorted(states, key=lambda e: e.rank)}
+    return seal(doc)
+
+
 def encode(m: Manifest, attempt: str) -> tuple[str, dict[str, str]]:
-    """(top manifest JSON, {index path: index JSON}) of manifest ``m`` in format v2 (every rank gets an index:
-    the ranks of its data files and of its RNG/data-loader trees)."""
+    """(top manifest JSON, {file: JSON} of the index and state files) of an in-memory manifest ``m`` in format v2.
+
+    The path of writers that hold every shard in one process (converters, DCP export, ``StreamingWriter``); the
+    training-loop saver has each rank write its own files instead (:mod:`ckpt.commit_v2`)."""
     rank_of = {p: f.rank for p, f in m.files.items()}
-    ranks = set(rank_of.values()) | {int(r) for r in m.rng} | {int(r) for r in m.data}
-    chunks: dict[int, list[list[JSON]]] = {r: [] for r in ranks}
+    chunks: dict[int, list[list[JSON]]] = {r: [] for r in set(rank_of.values())}
     for name, t in m.tensors.items():
         for s in t.shards:
             chunks[rank_of[s.file]].append(
-                [
-                    name,
-                    list(s.box.offsets),
-                    list(s.box.lengths),
-                    s.file,
-                    s.offset,
-                    s.nbytes,
-                    s.codec,
-                    s.checksum,
-                ]
+                chunk_row(name, s.box, s.file, s.offset, s.nbytes, s.codec, s.checksum)
             )
-    indexes: dict[str, str] = {}
-    table: dict[str, dict[str, JSON]] = {}
-    for r in sorted(ranks):
-        doc = {
-            "format": INDEX_FORMAT,
-            "format_version": 2,
-            "rank": r,
-            "chunks": chunks[r],
-            "rng": m.rng.get(str(r)),
-            "data": m.data.get(str(r)),
-        }
-        text = seal(doc)
-        path = index_name(r, attempt)
-        indexes[path] = text
-        table[path] = {"rank": r, "size": len(text.encode()), "checksum": text[13:37]}
-    doc = manifest_doc(replace(m, rng={}, data={}), version=2)
-    doc["tensors"] = {
-        n: {**_desc_json(t), "pieces": describe_pieces(t, rank_of)} for n, t in m.tensors.items()
-    }
-    doc["indexes"] = table
-    return seal(doc), indexes
+    files: dict[str, str] = {}
+    indexes, states = [], []
+    for r in sorted(chunks):
+        text = index_text(r, chunks[r])
+        files[index_name(r, attempt)] = text
+        indexes.append(sealed_entry(index_name(r, attempt), r, text))
+    for key in sorted({int(k) for k in m.rng} | {int(k) for k in m.data}):
+        rng, data = m.rng.get(str(key)), m.data.get(str(key))
+        text = state_text(key, rng, data)
+        files[state_name(key, attempt)] = text
+        states.append(sealed_entry(state_name(key, attempt), key, text, state_holds(rng, data)))
+    pieces = {n: describe_pieces(t, rank_of) for n, t in m.tensors.items()}
+    return top_text(m, pieces, indexes, states), files
 
 
-def _desc_json(t: TensorEntry) -> dict[str, JSON]:
+def _desc_json(t: TensorDesc) -> dict[str, JSON]:
     out: dict[str, JSON] = {"role": t.role, "shape": list(t.shape), "dtype": t.dtype}
     for k in ("param", "key", "partition"):
         if getattr(t, k) is not None:
@@ -343,31 +434,33 @@ def _desc_json(t: TensorEntry) -> dict[str, JSON]:
 # ------------------------------------------------------------------------------------------------ reading
 
 
-@dataclass(frozen=True)
-class IndexEntry:
-    path: str
-    rank: int
-    size: int
-    checksum: str
-
-
 @dataclass
 class Layout2:
-    """What a v2 top manifest says beyond v1's fields: pieces per tensor and the index table."""
+    """What a v2 top manifest says beyond v1's fields: pieces per tensor and the tables of per-rank files."""
 
     pieces: dict[str, PiecesSpec]
     indexes: dict[int, IndexEntry]
+    states: dict[int, IndexEntry] = field(default_factory=dict)
     loaded: dict[int, dict[str, Any]] = field(default_factory=dict)
 
+    def sealed_files(self) -> list[IndexEntry]:
+        """Every index and state file the top manifest lists (retention keeps them, ``ckpt ls`` stats them)."""
+        return [*self.indexes.values(), *self.states.values()]
 
-def parse_top(doc: dict[str, Any], source: str) -> tuple[dict[str, Any], Layout2]:
-    """Check the v2-only members; return a v1-shaped document (tensors without shards) and the :class:`Layout2`."""
-    table = doc.get("indexes")
+
+def _parse_table(doc: dict[str, Any], key: str, source: str) -> dict[int, IndexEntry]:
+    table = doc.get(key)
     if not isinstance(table, dict):
-        raise ManifestError(f"{source}: field 'indexes' must be an object (format_version 2)")
-    indexes: dict[int, IndexEntry] = {}
+        hint = (
+            " (a draft of format 2 written before the per-rank state files: re-save it, or convert it with the "
+            "ckpt that wrote it)"
+            if key == "rank_state" and "indexes" in doc
+            else ""
+        )
+        raise ManifestError(f"{source}: field {key!r} must be an object (format_version 2){hint}")
+    out: dict[int, IndexEntry] = {}
     for path, e in table.items():
-        where = f"{source}: indexes[{path!r}]"
+        where = f"{source}: {key}[{path!r}]"
         check_relpath(path, where)
         if not isinstance(e, dict):
             raise ManifestError(f"{where}: expected an object")
@@ -381,9 +474,29 @@ def parse_top(doc: dict[str, Any], source: str) -> tuple[dict[str, Any], Layout2
             check_checksum_format(csum)
         except ManifestError as exc:
             raise ManifestError(f"{where}: {exc}") from None
-        if rank in indexes:
-            raise ManifestError(f"{where}: rank {rank} has two indexes")
-        indexes[rank] = IndexEntry(path, rank, size, csum)
+        holds: tuple[str, ...] = ()
+        if key == "rank_state":
+            h = e.get("holds")
+            if not (
+                isinstance(h, list) and h and all(x in ("rng", "data") for x in h) and len(set(h)) == len(h)
+            ):
+                raise ManifestError(f"{where}.holds: expected a non-empty list of 'rng', 'data'")
+            holds = tuple(h)
+        if rank in out:
+            raise ManifestError(f"{where}: rank {rank} is listed twice")
+        out[rank] = IndexEntry(path, rank, size, csum, holds)
+    return out
+
+
+def parse_top(doc: dict[str, Any], source: str) -> tuple[dict[str, Any], Layout2]:
+    """Check the v2-only members; return a v1-shaped document (tensors without shards) and the :class:`Layout2`."""
+    indexes = _parse_table(doc, "indexes", source)
+    states = _parse_table(doc, "rank_state", source)
+    for key in ("rng", "data"):
+        if doc.get(key, {}) != {}:
+            raise ManifestError(
+                f"{source}: field {key!r} must be {{}} in format_version 2 (per-rank trees are in state files)"
+            )
     tensors = doc.get("tensors")
     if not isinstance(tensors, dict):
         raise ManifestError(f"{source}: missing field 'tensors'")
@@ -411,16 +524,16 @@ def parse_top(doc: dict[str, Any], source: str) -> tuple[dict[str, Any], Layout2
                 raise ManifestError(f"{where}: pieces name rank {r}, which has no index")
         pieces[name] = spec
         v1_tensors[name] = {k: v for k, v in t.items() if k != "pieces"} | {"shards": []}
-    return {**doc, "tensors": v1_tensors}, Layout2(pieces, indexes)
+    return {**doc, "tensors": v1_tensors}, Layout2(pieces, indexes, states)
 
 
-def load_index(storage: Any, e: IndexEntry, source: str) -> dict[str, Any]:
-    """Read, verify (its seal and the checksum the top manifest holds for it) and parse one rank's index."""
+def load_sealed(storage: Any, e: IndexEntry, source: str, fmt: str, what: str) -> dict[str, Any]:
+    """Read, verify (its seal and the checksum the top manifest holds for it) and parse one per-rank file."""
     where = storage.display(e.path)
     try:
         raw = storage.read_bytes(e.path)
     except FileNotFoundError:
-        raise ManifestError(f"{where}: missing (index of rank {e.rank}, listed in {source})") from None
+        raise ManifestError(f"{where}: missing ({what} of rank {e.rank}, listed in {source})") from None
     m = SEAL_RE.match(raw)
     if m is None or m.group(1).decode() != e.checksum:
         raise ManifestError(
@@ -431,53 +544,117 @@ def load_index(storage: Any, e: IndexEntry, source: str) -> dict[str, Any]:
         doc = json.loads(raw)
     except ValueError as exc:
         raise ManifestError(f"{where}: not valid JSON ({exc})") from None
-    if not isinstance(doc, dict) or doc.get("format") != INDEX_FORMAT or doc.get("rank") != e.rank:
-        raise ManifestError(f"{where}: not the ckpt index of rank {e.rank}")
-    if not isinstance(doc.get("chunks"), list):
-        raise ManifestError(f"{where}: field 'chunks' must be a list")
+    if not isinstance(doc, dict) or doc.get("format") != fmt or doc.get("rank") != e.rank:
+        raise ManifestError(f"{where}: not the ckpt {what} of rank {e.rank}")
     return doc
+
+
+def load_index(storage: Any, e: IndexEntry, source: str) -> dict[str, Any]:
+    """One rank's index, verified (:func:`load_sealed`)."""
+    doc = load_sealed(storage, e, source, INDEX_FORMAT, "index")
+    if not isinstance(doc.get("chunks"), list):
+        raise ManifestError(f"{storage.display(e.path)}: field 'chunks' must be a list")
+    return doc
+
+
+def load_state(storage: Any, e: IndexEntry, source: str) -> tuple[Any, Any]:
+    """(rng, data) trees of one rank's state file, verified; each must be present iff its entry says it holds it."""
+    doc = load_sealed(storage, e, source, STATE_FORMAT, "state file")
+    for k in ("rng", "data"):
+        if (k in doc) != (k in e.holds):
+            raise ManifestError(
+                f"{storage.display(e.path)}: member {k!r} {'missing' if k in e.holds else 'unexpected'} "
+                f"({source} lists it as holding {', '.join(e.holds)})"
+            )
+    return doc.get("rng"), doc.get("data")
+
+
+_CHECKSUM_RE = re.compile(r"xxh3_64:[0-9a-f]{16}")
 
 
 def index_shards(
     doc: dict[str, Any], tensors: dict[str, TensorEntry], files: dict[str, FileEntry], where: str
 ) -> dict[str, list[Shard]]:
-    """The chunks of one index, validated like v1 shards (box inside the tensor, bytes inside the file)."""
+    """The chunks of one index, validated like v1 shards (box inside the tensor, bytes inside the file).
+
+    A restoring DDP rank reads every rank's index, so the common case is checked inline on plain values; any
+    chunk that fails it goes through :func:`_check_chunk`, which names what is wrong.  A chunk's file needs no
+    path check of its own: it must be a key of ``files``, whose names the top manifest's parse checked."""
     out: dict[str, list[Shard]] = {}
+    sizes: dict[str, int] = {}
     for i, c in enumerate(doc["chunks"]):
-        cw = f"{where} chunk {i}"
-        if not (isinstance(c, list) and len(c) == 8 and isinstance(c[0], str)):
-            raise ManifestError(
-                f"{cw}: expected [tensor, offsets, lengths, file, offset, nbytes, codec, checksum]"
-            )
-        name, offs, lens, file, offset, nbytes, codec, csum = c
-        t = tensors.get(name)
-        if t is None:
-            raise ManifestError(f"{cw}: tensor {name!r} is not in the manifest")
-        box = _box(offs, lens, t.shape, cw)
-        check_relpath(file, cw)
-        if file not in files:
-            raise ManifestError(f"{cw}: file {file!r} is not listed in 'files'")
-        for v in (offset, nbytes):
-            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
-                raise ManifestError(f"{cw}: expected a non-negative integer, got {v!r}")
         try:
-            check_codec(codec)
-            if not isinstance(csum, str):
-                raise ManifestError("checksum must be a string")
-            if csum:
-                check_checksum_format(csum)
-        except ManifestError as exc:
-            raise ManifestError(f"{cw}: {exc}") from None
-        if codec == "raw" and nbytes != box.numel * itemsize(t.dtype):
-            raise ManifestError(
-                f"{cw}: nbytes {nbytes} does not match its box ({box.numel * itemsize(t.dtype)} bytes)"
+            name, offs, lens, file, offset, nbytes, codec, csum = c
+            shape = tensors[name].shape
+            ok = (
+                type(offs) is list
+                and type(lens) is list
+                and len(offs) == len(shape) == len(lens)
+                and type(offset) is int
+                and type(nbytes) is int
+                and offset >= 0
+                and nbytes >= 0
+                and codec in CODECS
+                and type(csum) is str
+                and (not csum or _CHECKSUM_RE.fullmatch(csum) is not None)
+                and offset + nbytes <= files[file].size
             )
-        if offset + nbytes > files[file].size:
-            raise ManifestError(
-                f"{cw}: bytes {offset}..{offset + nbytes} lie outside {file} ({files[file].size} bytes)"
-            )
-        out.setdefault(name, []).append(Shard(file, offset, nbytes, box, codec, csum))
+            numel = 1
+            if ok:
+                for o, n, d in zip(offs, lens, shape):  # noqa: B905 - lengths checked just above
+                    if type(o) is not int or type(n) is not int or o < 0 or n < 0 or o + n > d:
+                        ok = False
+                        break
+                    numel *= n
+            if name not in sizes:
+                sizes[name] = itemsize(tensors[name].dtype)
+            ok = ok and (codec != "raw" or nbytes == numel * sizes[name])
+        except (TypeError, ValueError, KeyError):
+            ok = False
+        if not ok:
+            _check_chunk(c, tensors, files, f"{where} chunk {i}")
+            raise AssertionError(f"{where} chunk {i}: refused by the fast check only")  # pragma: no cover
+        out.setdefault(name, []).append(
+            Shard(file, offset, nbytes, Box(tuple(offs), tuple(lens)), codec, csum)
+        )
     return out
+
+
+def _check_chunk(c: Any, tensors: dict[str, TensorEntry], files: dict[str, FileEntry], cw: str) -> None:
+    """Raise the one-line error that says what is wrong with index chunk ``c``."""
+    if not (isinstance(c, list) and len(c) == 8 and isinstance(c[0], str)):
+        raise ManifestError(
+            f"{cw}: expected [tensor, offsets, lengths, file, offset, nbytes, codec, checksum]"
+        )
+    name, offs, lens, file, offset, nbytes, codec, csum = c
+    t = tensors.get(name)
+    if t is None:
+        raise ManifestError(f"{cw}: tensor {name!r} is not in the manifest")
+    box = _box(offs, lens, t.shape, cw)
+    if not isinstance(file, str):
+        raise ManifestError(f"{cw}: file must be a string, got {file!r}")
+    check_relpath(file, cw)
+    if file not in files:
+        raise ManifestError(f"{cw}: file {file!r} is not listed in 'files'")
+    for v in (offset, nbytes):
+        if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+            raise ManifestError(f"{cw}: expected a non-negative integer, got {v!r}")
+    try:
+        check_codec(codec)
+        if not isinstance(csum, str):
+            raise ManifestError("checksum must be a string")
+        if csum:
+            check_checksum_format(csum)
+    except ManifestError as exc:
+        raise ManifestError(f"{cw}: {exc}") from None
+    if codec == "raw" and nbytes != box.numel * itemsize(t.dtype):
+        raise ManifestError(
+            f"{cw}: nbytes {nbytes} does not match its box ({box.numel * itemsize(t.dtype)} bytes)"
+        )
+    if offset + nbytes > files[file].size:
+        raise ManifestError(
+            f"{cw}: bytes {offset}..{offset + nbytes} lie outside {file} ({files[file].size} bytes)"
+        )
 
 
 class Locator:
@@ -486,6 +663,7 @@ class Locator:
     def __init__(self, storage: Any, manifest: Manifest, layout: Layout2, source: str) -> None:
         self.storage, self.manifest, self.layout, self.source = storage, manifest, layout, source
         self._chunks: dict[int, dict[str, list[Shard]]] = {}
+        self._trees: dict[int, tuple[Any, Any]] = {}
 
     def rank_index(self, rank: int) -> dict[str, list[Shard]]:
         if rank not in self.layout.indexes:
@@ -508,34 +686,31 @@ class Locator:
         return out
 
     def trees(self, kind: str) -> Mapping[str, Any]:
-        """Every rank's ``rng`` or ``data`` tree as a mapping that reads a rank's index only when that rank's
-        tree is looked up (keys: the ranks with an index, when rank 0's index holds that kind of tree)."""
-        first = min(self.layout.indexes, default=None)
-        if first is None or self.rank_trees(first)[0 if kind == "rng" else 1] is None:
-            return {}
-        return _LazyTrees(self, kind)
+        """Every rank's ``rng`` or ``data`` tree as a mapping that reads a rank's state file only when that rank's
+        tree is looked up (keys: the ranks whose state file holds that kind of tree: no file read to list them)."""
+        ranks = [r for r, e in sorted(self.layout.states.items()) if kind in e.holds]
+        return _LazyTrees(self, kind, ranks) if ranks else {}
 
     def rank_trees(self, rank: int) -> tuple[Any, Any]:
-        """(rng, data) trees of ``rank`` (None where absent or when the rank has no index)."""
-        if rank not in self.layout.indexes:
+        """(rng, data) trees of ``rank`` (None where absent or when the rank has no state file)."""
+        e = self.layout.states.get(rank)
+        if e is None:
             return None, None
-        self.rank_index(rank)
-        doc = self.layout.loaded[rank]
-        return doc.get("rng"), doc.get("data")
+        if rank not in self._trees:
+            self._trees[rank] = load_state(self.storage, e, self.source)
+        return self._trees[rank]
 
 
 class _LazyTrees(Mapping[str, Any]):
-    def __init__(self, locator: Locator, kind: str) -> None:
+    def __init__(self, locator: Locator, kind: str, ranks: list[int]) -> None:
         self.locator, self.kind = locator, kind
-        self.keys_ = [str(r) for r in sorted(locator.layout.indexes)]
+        self.keys_ = [str(r) for r in ranks]
+        self._keys = set(self.keys_)
 
     def __getitem__(self, key: str) -> Any:
-        if not isinstance(key, str) or not key.isdigit() or int(key) not in self.locator.layout.indexes:
+        if key not in self._keys:
             raise KeyError(key)
-        tree = self.locator.rank_trees(int(key))[0 if self.kind == "rng" else 1]
-        if tree is None:
-            raise KeyError(key)
-        return tree
+        return self.locator.rank_trees(int(key))[0 if self.kind == "rng" else 1]
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.keys_)
@@ -545,19 +720,20 @@ class _LazyTrees(Mapping[str, Any]):
 
 
 def materialize(storage: Any, m: Manifest, layout: Layout2, source: str) -> Manifest:
-    """The full in-memory manifest (every index read): what v1 would have parsed."""
+    """The full in-memory manifest (every index and state file read): what v1 would have parsed."""
     loc = Locator(storage, m, layout, source)
     shards: dict[str, list[Shard]] = {n: [] for n in m.tensors}
-    rng: dict[str, Any] = {}
-    data: dict[str, Any] = {}
     for r in sorted(layout.indexes):
         for n, ss in loc.rank_index(r).items():
             shards[n].extend(ss)
-        doc = layout.loaded[r]
-        if doc.get("rng") is not None:
-            rng[str(r)] = doc["rng"]
-        if doc.get("data") is not None:
-            data[str(r)] = doc["data"]
+    rng: dict[str, Any] = {}
+    data: dict[str, Any] = {}
+    for r in sorted(layout.states):
+        rt, dt = loc.rank_trees(r)
+        if rt is not None:
+            rng[str(r)] = rt
+        if dt is not None:
+            data[str(r)] = dt
     tensors = {
         n: TensorEntry.of(t.desc, tuple(sorted(shards[n], key=lambda s: s.box.offsets)))
         for n, t in m.tensors.items()
@@ -565,4 +741,15 @@ def materialize(storage: Any, m: Manifest, layout: Layout2, source: str) -> Mani
     return replace(m, tensors=tensors, rng=rng, data=data)
 
 
-__all__ = ["FORMAT", "encode", "index_name", "Locator", "materialize", "parse_top", "describe_pieces"]
+__all__ = [
+    "DEFAULT_FORMAT_VERSION",
+    "FORMAT",
+    "encode",
+    "index_name",
+    "state_name",
+    "Locator",
+    "materialize",
+    "parse_top",
+    "describe_boxes",
+    "describe_pieces",
+]

@@ -10,11 +10,13 @@ torch is imported by the methods that make tensors, not here: opening a checkpoi
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
-from .codecs import StreamingChecksum, checksum, decompress
+from .batchread import DirectRead, read_direct
+from .codecs import checksum, decompress
 from .dtypes import dtype_from_name, itemsize
 from .errors import CkptError, CorruptionError, ManifestError, StorageError
 from .manifest import MANIFEST_NAME, Box, Manifest, Shard, TensorEntry
@@ -77,6 +79,7 @@ class CheckpointReader:
         self.storage = path if isinstance(path, Storage) else open_storage(path, storage_options)
         self.manifest = read_manifest(self.storage, full=not lazy)
         self.verify = verify
+        self._queue: list[DirectRead] | None = None  # reads deferred inside deferred()
         self.locator: Any = None
         if self.manifest.v2 is not None and lazy:
             from .manifest_v2 import Locator
@@ -111,21 +114,29 @@ class CheckpointReader:
         self.read_box_into(name, Box.full(e.shape), out)
         return out
 
-    def read_box_into(self, name: str, box: Box, out: torch.Tensor) -> None:
-        """Fill ``out`` (CPU, shape ``box.lengths``) with that box of tensor ``name``."""
+    def read_box_into(self, name: str, box: Box, out: torch.Tensor, defer: bool = False) -> None:
+        """Fill ``out`` (CPU, shape ``box.lengths``) with that box of tensor ``name``.
+
+        The chunks read straight into ``out`` are read together (several ranged GETs in flight on object
+        stores, checksums on another thread).  ``defer``: inside :meth:`deferred`, only queue those reads; they
+        run with everything else queued when the block ends, so ``out`` must not be used before then.
+        """
+        from .shardfile import tensor_bytes
+
         e = self.entry(name)
         if tuple(out.shape) != box.lengths:
             raise CkptError(
                 f"tensor {name!r}: destination shape {list(out.shape)} != box {list(box.lengths)}"
             )
         covered = 0
+        direct: list[DirectRead] = []
         for shard, inter in self.overlapping(e, box):
             covered += inter.numel
             if inter.numel == 0:
                 continue
             target = self._direct_target(e, shard, box, out)
             if target is not None:
-                self._read_direct(e, shard, target)
+                direct.append(DirectRead(e, shard, tensor_bytes(target)))
                 continue
             src = self.read_shard(e, shard)
             out[inter.relative_to(box)] = src[inter.relative_to(shard.box)]
@@ -133,6 +144,25 @@ class CheckpointReader:
             raise CorruptionError(
                 f"{self.path}: tensor {name!r}: shards cover {covered} of the {box.numel} elements requested"
             )
+        if defer and self._queue is not None:
+            self._queue.extend(direct)
+        else:
+            read_direct(self.storage, self.path, direct, self.verify)
+
+    @contextlib.contextmanager
+    def deferred(self) -> Iterator[None]:
+        """Batch the ``read_box_into(..., defer=True)`` calls made inside the block into one parallel read at its
+        end (nothing is read if the block raises).  Nested blocks join the outer one."""
+        if self._queue is not None:
+            yield
+            return
+        self._queue = []
+        try:
+            yield
+            queue, self._queue = self._queue, None
+            read_direct(self.storage, self.path, queue, self.verify)
+        finally:
+            self._queue = None
 
     def overlapping(self, e: TensorEntry, box: Box) -> list[tuple[Shard, Box]]:
         """:func:`overlapping`, reading the indexes it needs first when the manifest is a lazy v2 one."""
@@ -201,20 +231,6 @@ class CheckpointReader:
             raise CorruptionError(f"{self.path}/{shard.file}: missing (holds tensor {e.name!r})") from None
         except StorageError as exc:
             raise CorruptionError(f"{self.path}/{shard.file}: tensor {e.name!r}: {exc}") from None
-
-    def _read_direct(self, e: TensorEntry, shard: Shard, out: torch.Tensor) -> None:
-        from .shardfile import tensor_bytes
-
-        view = tensor_bytes(out)
-        digest = StreamingChecksum() if self.verify and shard.checksum else None
-        try:
-            self.storage.read_into(shard.file, shard.offset, view, digest.update if digest else None)
-        except FileNotFoundError:
-            raise CorruptionError(f"{self.path}/{shard.file}: missing (holds tensor {e.name!r})") from None
-        except (StorageError, OSError) as exc:
-            raise CorruptionError(f"{self.path}/{shard.file}: tensor {e.name!r}: {exc}") from None
-        if digest is not None:
-            self._mismatch(e, shard, digest.hexdigest())
 
     def _check(self, e: TensorEntry, shard: Shard, data: bytes | memoryview) -> None:
         if not self.verify or not shard.checksum:

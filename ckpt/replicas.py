@@ -5,7 +5,11 @@ The saver writes each replicated box (DDP replicas, TP-replicated norms, PP-shar
 wrote would decide what the checkpoint holds, silently.  So every holder hashes its copy (xxh3-128 of the bytes) and
 the small digests are all-gathered; any difference refuses the save on every rank, naming the tensor and which ranks
 hold which value.  Cost: one read of every replicated byte per rank (plus a device->host copy of XLA tensors) and
-one all-gather of 16-byte digests; measured in bench/bench_replicas.py (docs/performance.md).
+one all-reduce of four integers when each piece's replica group is known (:func:`check_replica_groups`: every
+holder adds a hash of (group, box, digest), the group's first member that hash times the group's size, so the two
+sums differ iff some copy differs); the digests are all-gathered (:func:`check_replicas`) only when the groups are
+not known or the sums differ, to name the tensor and the ranks.  Measured in bench/bench_replicas.py
+(docs/performance.md).
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ import xxhash
 from .distributed import Collective
 from .errors import ReplicaMismatchError
 from .manifest import Box
-from .planning import Piece
+from .planning import CHECK_MOD, Group, Piece, _h64
 
 #: how many disagreeing tensors one error names
 _LISTED = 3
@@ -75,4 +79,26 @@ def check_replicas(
         )
 
 
-__all__ = ["check_replicas", "replicated_keys", "tensor_digest"]
+def check_replica_groups(
+    coll: Collective, held: list[tuple[Piece, Group]], local: Mapping[tuple[str, Box], torch.Tensor]
+) -> None:
+    """Collective: :func:`check_replicas` for pieces whose replica groups the local plan derived (``held``: this
+    rank's pieces that have replicas, with their groups), in bytes per rank independent of the world size.
+
+    Two independent hash pairs (each sum modulo ``CHECK_MOD``, as ``ckpt.planning.plan_check``): a differing copy
+    goes unnoticed with probability about 2**-62.  On a difference every rank falls back to the all-gather, which
+    names the tensor and the ranks (ReplicaMismatchError)."""
+    a1 = b1 = a2 = b2 = 0
+    for p, g in held:
+        d = tensor_digest(local[(p.name, p.box)])
+        h1 = _h64(("replica-1", g.key, g.size, p.name, p.box.offsets, p.box.lengths, d)) % CHECK_MOD
+        h2 = _h64(("replica-2", g.key, g.size, p.name, p.box.offsets, p.box.lengths, d)) % CHECK_MOD
+        a1, a2 = (a1 + h1) % CHECK_MOD, (a2 + h2) % CHECK_MOD
+        if g.index == 0:
+            b1, b2 = (b1 + g.size * h1) % CHECK_MOD, (b2 + g.size * h2) % CHECK_MOD
+    t = coll.all_reduce_sum([a1, b1, a2, b2])
+    if (t[0] - t[1]) % CHECK_MOD or (t[2] - t[3]) % CHECK_MOD:
+        check_replicas(coll, {(p.name, p.box) for p, _ in held}, local)
+
+
+__all__ = ["check_replica_groups", "check_replicas", "replicated_keys", "tensor_digest"]

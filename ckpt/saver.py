@@ -8,10 +8,14 @@ Call order (every rank calls :meth:`Checkpointer.save` with the same path and st
    a piece has no derivable group or the check fails, the exact path runs: digests all-gathered, and when they
    changed since the last save the descriptions too, each rank computing the same assignment
    (planning.assign_writers);
-3. stage (async only): copy this rank's assigned tensors to host memory.  ``save`` returns here;
+3. stage (async only): record this rank's assigned tensors for the host copy.  ``save`` returns here.  Lazy
+   staging (the async default) copies the tensors the optimizer owns in the background while training continues;
+   a ``register_step_pre_hook`` on that optimizer holds the next ``step()`` until they are copied.  Everything
+   else (buffers, frozen weights, XLA tensors) is copied before ``save`` returns (see :meth:`Checkpointer.staged`);
 4. write (background thread when async): one safetensors data file per rank under the checkpoint prefix;
-5. commit (collective): ranks send rank 0 their receipts (file sizes, shard offsets, checksums) or their error;
-   rank 0 writes ``manifest.json`` create-only iff every rank succeeded, then tells every rank the outcome.
+5. commit (collective): format v2 (the default): each rank seals its own index and state file and sends rank 0
+   their checksums and the boxes it wrote (ckpt.commit_v2); format v1: its receipt (every chunk) and trees; or its
+   error.  Rank 0 writes ``manifest.json`` create-only iff every rank succeeded, then tells every rank the outcome.
 
 A failure anywhere means no manifest, hence no checkpoint; an async failure is raised at the next
 ``save``/``wait``/``close``.
@@ -23,6 +27,7 @@ import threading
 import time
 import uuid
 import warnings
+import weakref
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -35,10 +40,12 @@ from . import data as data_mod
 from . import rng as rng_mod
 from . import tokenizer as tokenizer_mod
 from .commit import Receipt, build_manifest, data_file_name, publish, write_data_file
+from .commit_v2 import build_top, write_rank_files
 from .distributed import Collective
 from .dtypes import dtype_name
 from .errors import AsyncSaveError, CheckpointExistsError, CkptError, StateMismatchError
 from .manifest import MANIFEST_NAME, Box, Layout, Manifest, TensorDesc
+from .manifest_v2 import DEFAULT_FORMAT_VERSION
 from .planning import (
     DEFAULT_CHUNK_BYTES,
     Group,
@@ -52,8 +59,8 @@ from .planning import (
     plan_local,
     world_group,
 )
-from .replicas import check_replicas, replicated_keys
-from .staging import HostStager
+from .replicas import check_replica_groups, check_replicas, replicated_keys
+from .staging import HostStager, Staged
 from .state import NamedTensor, model_tensors, optimizer_capture, state_dict_of
 from .storage import Storage, open_storage
 
@@ -71,6 +78,16 @@ class SaveResult:
     blocking_s: float
     total_s: float
     bytes_written: int
+
+
+@dataclass(frozen=True)
+class StagingInfo:
+    """How the last save staged its tensors: bytes copied in the background (``lazy_bytes``) and before
+    ``save`` returned (``eager_bytes``), and why any were copied eagerly (``None`` when all were lazy)."""
+
+    lazy_bytes: int
+    eager_bytes: int
+    reason: str | None
 
 
 @dataclass
@@ -91,6 +108,8 @@ class _Job:
     blocking_s: float
     on_commit: Callable[[SaveResult], None] | None = None
     rng_seed: int | None = None
+    written: list[tuple[str, Box]] | None = None  # the boxes this rank writes, before chunking (format v2)
+    staged: Staged | None = None
 
 
 def detect_backend(tensors: list[torch.Tensor]) -> str:
@@ -117,11 +136,15 @@ def check_step(step: Any) -> int:
 class Checkpointer:
     """Saves checkpoints from a training loop. Construct on every rank (it creates the checkpoint process group).
 
-    ``async_save=True`` returns from :meth:`save` once tensors are staged in host memory; one save is in flight
-    at a time; ``close()`` waits for it.
+    ``async_save=True`` returns from :meth:`save` without copying the state the optimizer owns (``lazy=True``, the
+    default): a helper thread (CPU) or a side CUDA stream copies it while the next forward and backward run, and a
+    step pre-hook installed on the optimizer holds its next ``step()`` until the copy is done.  Code that edits
+    saved tensors outside ``optimizer.step()`` calls :meth:`staged` first (or saves with ``lazy=False``, which
+    copies everything before returning).  One save is in flight at a time; ``close()`` waits for it.
 
     Replicated state (a box of a tensor that several ranks hold: DDP replicas, TP-replicated norms) is written by one
-    rank only, so its copies are compared first (:func:`ckpt.replicas.check_replicas`, xxh3 digests all-gathered):
+    rank only, so its copies are compared first (:mod:`ckpt.replicas`: an all-reduce of hashes of xxh3 digests within
+    each replica group; the digests are all-gathered only to name a difference):
     on the first save of this checkpointer, and on every save when ``verify_replicas=True`` here or in
     :meth:`save`.  A copy that differs refuses the save on every rank (``ReplicaMismatchError``), nothing written.
     """
@@ -138,8 +161,14 @@ class Checkpointer:
         stager: Any = None,
         verify_replicas: bool = False,
         format_version: int | None = None,
+        lazy: bool = True,
     ) -> None:
+        if format_version not in (None, 1, 2):
+            raise CkptError(
+                f"format_version={format_version!r}: expected 1 or 2 (default: ckpt.manifest_v2.DEFAULT_FORMAT_VERSION)"
+            )
         self.async_save = async_save
+        self.lazy = lazy
         self.verify_replicas = verify_replicas
         self._replicas_checked = False
         self.coll = Collective(process_group)
@@ -148,7 +177,7 @@ class Checkpointer:
         self.storage_options = storage_options
         self.layout_hook = layout_hook
         self.stager = stager or HostStager()
-        self.format_version = format_version  # None: ckpt.commit.DEFAULT_VERSION
+        self.format_version = format_version  # None: ckpt.manifest_v2.DEFAULT_FORMAT_VERSION
         self._plan_key: list[str] | None = None
         self._plan: dict[tuple[str, Box], int] | None = None
         self._per_rank: list[list[Piece]] | None = None  # the exact path's gathered pieces
@@ -156,6 +185,12 @@ class Checkpointer:
         self._inflight: Future | None = None
         self._thread: threading.Thread | None = None
         self._base = adapters.BaseTracker()
+        self._staged: Staged | None = None  # copies the training thread must wait for before mutating
+        self._hooked: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
+        self._hooked_strong: dict[int, tuple[Any, Any]] = {}
+        self.last_staging: StagingInfo | None = None
+        #: seconds the training thread waited in step / load_state_dict hooks and staged() (benches, tests)
+        self.hook_wait_s = 0.0
 
     # ------------------------------------------------------------------------------------------------ public
     def save(
@@ -180,6 +215,7 @@ class Checkpointer:
         verify_replicas: bool | None = None,
         adapter_only: bool = False,
         base_source: str | None = None,
+        lazy: bool | None = None,
     ) -> Future:
         """Save one checkpoint to ``path`` (its own directory/prefix). Returns a future of :class:`SaveResult`.
 
@@ -195,6 +231,8 @@ class Checkpointer:
         only, with their optimizer state, and records the frozen base by identity in ``manifest.adapter``
         (:mod:`ckpt.adapters`; ``base_source`` says where the base was loaded from, default: its config's
         ``_name_or_path``).  Save the base itself once with a plain save when it is not on storage already.
+        ``lazy`` (async saves; default: the checkpointer's ``lazy``): copy the optimizer's tensors in the background
+        (class docstring); ``last_staging`` says what was copied how, and why anything was copied eagerly.
         """
         check_step(step)
         self.wait()
@@ -262,14 +300,10 @@ class Checkpointer:
         if (check or not self._replicas_checked) and self.coll.world_size > 1:
             if self.last_plan == "exact":
                 assert self._per_rank is not None
-                keys = replicated_keys(self._per_rank)
-            else:  # the local plan's groups say which pieces have replicas
-                keys = {
-                    (p.name, p.box)
-                    for p, g in zip(pieces, groups, strict=True)
-                    if g is not None and g.size > 1
-                }
-            check_replicas(self.coll, keys, local)
+                check_replicas(self.coll, replicated_keys(self._per_rank), local)
+            else:  # the local plan's groups say which pieces have replicas, and with whom
+                held = [(p, g) for p, g in zip(pieces, groups, strict=True) if g is not None and g.size > 1]
+                check_replica_groups(self.coll, held, local)
             self._replicas_checked = True
         if info["exists"] and self.coll.rank == 0:
             storage.delete(MANIFEST_NAME)
@@ -282,8 +316,11 @@ class Checkpointer:
                 sub = t[b.relative_to(p.box)[0]] if b != p.box else t
                 chunks.append((p.name, b, sub))
         backend = detect_backend([t for _, _, t in chunks] or [n.tensor for n in named])
+        staged: Staged | None = None
         if self.async_save or backend != "cpu":
-            host = self.stager.stage([t for _, _, t in chunks])
+            want = self.async_save and (self.lazy if lazy is None else lazy)
+            staged = self._stage([t for _, _, t in chunks], backend, want, optimizer, model)
+            host = staged.hosts
         else:
             host = [t.detach().contiguous() for _, _, t in chunks]
         chunks = [(n, b, h) for (n, b, _), h in zip(chunks, host, strict=True)]
@@ -303,6 +340,8 @@ class Checkpointer:
             blocking_s=0.0,
             on_commit=on_commit,
             rng_seed=rng_seed,
+            written=[(p.name, p.box) for p, _ in mine],
+            staged=staged,
         )
         fut: Future = Future()
         job.blocking_s = time.perf_counter() - started
@@ -324,6 +363,7 @@ class Checkpointer:
         if self._thread is not None:
             self._thread.join()
             self._thread = None
+        self._staged = None
         exc = fut.exception()
         if exc is not None:
             if isinstance(exc, CkptError) and not isinstance(exc, AsyncSaveError):
@@ -337,6 +377,29 @@ class Checkpointer:
             self.wait()
         finally:
             self.stager.release()
+            for handles in self._hooked.values():
+                for h in handles:
+                    h.remove()
+            self._hooked.clear()
+            for _, h in self._hooked_strong.values():
+                h.remove()
+            self._hooked_strong.clear()
+
+    def staged(self) -> None:
+        """Return once the in-flight save no longer reads the training tensors: call it before editing saved
+        tensors outside ``optimizer.step()`` (EMA updates, weight surgery, ``param.data.copy_``).
+
+        On CPU it waits for the background copy; on CUDA it makes the current stream wait on the copy's event
+        (later kernels on that stream run after the copy; the host does not block).  ``optimizer.step()`` and
+        ``model.load_state_dict`` do this themselves through the hooks lazy staging installs."""
+        s = self._staged
+        if s is None:
+            return
+        t0 = time.perf_counter()
+        s.before_mutation()
+        self.hook_wait_s += time.perf_counter() - t0
+        if not s.pending:
+            self._staged = None
 
     def check_state(self, named: list[NamedTensor]) -> None:
         """Refuse state this checkpointer cannot describe without guessing (an extension point; raises CkptError).
@@ -348,6 +411,72 @@ class Checkpointer:
         return optimizer_capture(optimizer, model)
 
     # ------------------------------------------------------------------------------------------------ internals
+    def _stage(
+        self, tensors: list[torch.Tensor], backend: str, lazy: bool, optimizer: Any, model: Any
+    ) -> Staged:
+        """Start the host copy of ``tensors``: in the background for those the optimizer owns when ``lazy`` and a
+        step hook can guard them, before returning for the rest (the reason lands in ``last_staging``)."""
+        sizes = [t.numel() * t.element_size() for t in tensors]
+        begin = getattr(self.stager, "begin", None)
+        flags = [False] * len(tensors)
+        reason: str | None = None
+        if not lazy:
+            reason = "lazy staging off (lazy=False or a synchronous save)"
+        elif begin is None:
+            reason = f"{type(self.stager).__name__} copies eagerly (it has no background begin())"
+        elif backend == "neuron":
+            reason = (
+                "XLA tensors: a held alias follows later in-place edits, so they are copied before returning"
+            )
+        elif optimizer is None:
+            reason = "no optimizer= given: no step hook can guard the saved tensors"
+        elif not callable(getattr(optimizer, "register_step_pre_hook", None)):
+            reason = f"optimizer {type(optimizer).__name__} has no register_step_pre_hook"
+        elif not getattr(type(optimizer).step, "hooked", False):
+            # torch.optim.Optimizer.__init__ wraps the class's step() so that it runs the hooks; a wrapper that
+            # never called it would accept a hook and never run it
+            reason = f"{type(optimizer).__name__}.step() does not run step hooks (Optimizer.__init__ was not called)"
+        else:
+            owned = _owned_storages(optimizer)
+            flags = [_storage_key(t) in owned for t in tensors]
+            rest = sum(s for s, f in zip(sizes, flags, strict=True) if not f)
+            if rest:
+                n = flags.count(False)
+                reason = f"{n} tensor(s), {rest} bytes, not owned by the optimizer (buffers, frozen weights)"
+        if begin is None:
+            staged = Staged(self.stager.stage(tensors))
+        else:
+            staged = begin(tensors, flags)
+        lazy_bytes = sum(s for s, f in zip(sizes, flags, strict=True) if f)
+        self.last_staging = StagingInfo(lazy_bytes, sum(sizes) - lazy_bytes, reason)
+        if any(flags):
+            self._install_hooks(optimizer, model)
+            self._staged = staged
+        return staged
+
+    def _install_hooks(self, optimizer: Any, model: Any) -> None:
+        """Step pre-hook on the optimizer (and a load_state_dict pre-hook on the model): both call staged()."""
+        ref = weakref.ref(self)
+
+        def guard(*_: Any, **__: Any) -> None:
+            me = ref()
+            if me is not None:
+                me.staged()
+
+        for obj, register in (
+            (optimizer, "register_step_pre_hook"),
+            (model, "register_load_state_dict_pre_hook"),
+        ):
+            fn = getattr(obj, register, None)
+            if fn is None:
+                continue
+            try:
+                if obj not in self._hooked:
+                    self._hooked[obj] = [fn(guard)]
+            except TypeError:  # not weak-referenceable: held (strongly) until close()
+                if id(obj) not in self._hooked_strong:
+                    self._hooked_strong[id(obj)] = (obj, fn(guard))
+
     def _assign(self, pieces: list[Piece], groups: list[Group | None]) -> list[bool]:
         """Which of this rank's pieces it writes (module docstring, step 2).  Collective."""
         if not self.coll.active:
@@ -413,15 +542,12 @@ class Checkpointer:
 
     def _run(self, job: _Job) -> SaveResult:
         rank = self.coll.rank
+        v2 = (self.format_version or DEFAULT_FORMAT_VERSION) == 2
         receipt = Receipt(rank)
-        report: dict[str, Any] = {
-            "ok": True,
-            "rank": rank,
-            "trees": job.rank_trees,
-            "receipt": receipt,
-            "descs": job.descs,
-        }
+        report: dict[str, Any] = {"ok": True, "rank": rank, "descs": job.descs}
         try:
+            if job.staged is not None:
+                job.staged.wait()  # lazy copies land in the arena before the writer reads it
             if job.chunks:
                 write_data_file(
                     job.storage,
@@ -431,6 +557,22 @@ class Checkpointer:
                     job.codec,
                     {"step": str(job.step), "rank": str(rank)},
                 )
+            if v2:  # this rank's own index and state file; rank 0 gets their checksums and its boxes
+                # a tensor is described by the writer of its first element only (T descriptions in all, not N x T;
+                # the ranks agreed on every description in planning: plan_check / assign_writers)
+                origin = {n for n, b in job.written or () if not any(b.offsets)}
+                report["descs"] = [(pos, d) for pos, d in job.descs if d.name in origin]
+                rng = job.rank_trees.get("rng")
+                report["summary"] = write_rank_files(
+                    job.storage, receipt, job.attempt, job.written or [], rng, job.rank_trees.get("data")
+                )
+                report["rng_digests"] = rng_rule.stream_digests(rng) if rng is not None else None
+                report["has_data"] = "data" in job.rank_trees
+                report["data_position"] = job.rank_trees.get("data_position")
+                if rank == 0:
+                    report["rng"] = rng
+            else:
+                report.update(trees=job.rank_trees, receipt=receipt)
         except Exception as e:  # noqa: BLE001 - reported to rank 0 so that it does not commit
             report = {"ok": False, "rank": rank, "error": f"rank {rank}: {type(e).__name__}: {e}"}
         reports = self.coll.gather(report)
@@ -442,9 +584,14 @@ class Checkpointer:
                 outcome = {"ok": False, "error": "; ".join(failed)}
             else:
                 try:
-                    manifest = self._manifest(job, reports)
-                    publish(job.storage, manifest, self.format_version)
-                    outcome = {"ok": True, "bytes": manifest.total_bytes}
+                    if v2:
+                        top, nbytes = self._top_v2(job, reports)
+                        job.storage.put_bytes(MANIFEST_NAME, top.encode(), exclusive=True)
+                    else:
+                        manifest = self._manifest(job, reports)
+                        publish(job.storage, manifest, 1)
+                        nbytes = manifest.total_bytes
+                    outcome = {"ok": True, "bytes": nbytes}
                 except Exception as e:  # noqa: BLE001
                     outcome = {"ok": False, "error": f"rank 0 commit: {type(e).__name__}: {e}"}
         outcome = self.coll.broadcast(outcome)
@@ -466,9 +613,10 @@ class Checkpointer:
                 warnings.warn(f"after committing step {job.step}: {type(e).__name__}: {e}", stacklevel=1)
         return result
 
-    def _manifest(self, job: _Job, reports: list[dict[str, Any]]) -> Manifest:
-        # tensors in the order the ranks hold them (position in the writer's state, then rank): the model's order
-        # for DDP/FSDP/HSDP/TP, where every rank holds the same names in the same order
+    @staticmethod
+    def _metas(reports: list[dict[str, Any]]) -> list[TensorDesc]:
+        """Every written tensor's description, in the order the ranks hold them (position in the writer's state,
+        then rank): the model's order for DDP/FSDP/HSDP/TP, where every rank holds the same names in one order."""
         metas: dict[str, tuple[tuple[int, int], TensorDesc]] = {}
         for r in reports:
             for pos, d in r["descs"]:
@@ -480,6 +628,10 @@ class Checkpointer:
                         f"tensor {d.name!r}: rank {r['rank']} has shape {list(d.shape)} {d.dtype}, rank "
                         f"{seen[0][1]} has {list(seen[1].shape)} {seen[1].dtype}"
                     )
+        return [d for _, d in sorted(metas.values(), key=lambda v: v[0])]
+
+    def _manifest(self, job: _Job, reports: list[dict[str, Any]]) -> Manifest:
+        """Format v1: the whole manifest from every rank's receipt and trees."""
         receipts = [r["receipt"] for r in reports]
         trees = dict(job.trees)
         by_rank = sorted(reports, key=lambda r: r["rank"])
@@ -493,11 +645,62 @@ class Checkpointer:
             step=job.step,
             backend=job.backend,
             layout=job.layout,
-            metas=[d for _, d in sorted(metas.values(), key=lambda v: v[0])],
+            metas=self._metas(reports),
             receipts=receipts,
             trees=trees,
             rank_trees={r["receipt"].rank: r["trees"] for r in reports},
         )
+
+    def _top_v2(self, job: _Job, reports: list[dict[str, Any]]) -> tuple[str, int]:
+        """Format v2: the top manifest from every rank's summary (ckpt.commit_v2), and the bytes of data."""
+        trees = dict(job.trees)
+        by_rank = sorted(reports, key=lambda r: r["rank"])
+        if any(r["has_data"] for r in by_rank):
+            trees["data_position"] = data_mod.merge_json(
+                [r["data_position"] for r in by_rank], trees.get("progress", {})
+            )
+        digests = [r["rng_digests"] for r in by_rank if r["rng_digests"] is not None]
+        if digests:
+            first = next(r for r in by_rank if r["rng_digests"] is not None)
+            if (
+                first["rank"] != 0
+            ):  # only rank 0 sends its whole record; the lowest rank holding one is 0 in practice
+                raise CkptError(f"rank 0 saved no RNG state but rank {first['rank']} did")
+            trees["rng_base"] = rng_rule.base_record_of(first["rng"], digests, job.rng_seed)
+        return build_top(
+            step=job.step,
+            backend=job.backend,
+            layout=job.layout,
+            metas=self._metas(reports),
+            summaries=[r["summary"] for r in by_rank],
+            trees=trees,
+        )
+
+
+def _storage_key(t: torch.Tensor) -> tuple[str, int]:
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(t, DTensor):
+        t = t._local_tensor
+    return (str(t.device), t.untyped_storage().data_ptr())
+
+
+def _owned_storages(optimizer: Any) -> set[tuple[str, int]]:
+    """Storages that only ``optimizer.step()`` mutates in a training loop: its parameters and its state tensors."""
+    owned: set[tuple[str, int]] = set()
+    # ZeRO-1 wrappers keep the sharded master weights and moments in their base optimizer, which their own step()
+    # (the hooked call) steps
+    for opt in (optimizer, getattr(optimizer, "base_optimizer", None)):
+        if opt is None:
+            continue
+        for g in getattr(opt, "param_groups", []):
+            for p in g["params"]:
+                owned.add(_storage_key(p))
+        for per_param in getattr(opt, "state", {}).values():
+            for v in per_param.values():
+                if isinstance(v, torch.Tensor):
+                    owned.add(_storage_key(v))
+    return {k for k in owned if k[1] != 0}
 
 
 def _loader_state(loader: Any) -> Any:

@@ -56,7 +56,6 @@ def ls(root: str, check_files: bool, as_json: bool) -> None:
                 if gone:
                     error = f"{storage.child(i.name).display()}: {', '.join(gone[:4])}"
                     infos[k] = dataclasses.replace(i, status="damaged", error=error)
-    damaged = any(i.status == "damaged" for i in infos)
     if as_json:
         rows = [
             {
@@ -72,7 +71,7 @@ def ls(root: str, check_files: bool, as_json: bool) -> None:
             for i in infos
         ]
         click.echo(json.dumps(rows, indent=2))
-        sys.exit(1 if damaged else 0)
+        _exit(infos, root)
     if not infos:
         why = explain_empty_root(root, storage)
         if why is not None:
@@ -99,7 +98,20 @@ def ls(root: str, check_files: bool, as_json: bool) -> None:
     cols = [Col("step", "right"), Col("time"), Col("size", "right"), Col("backend"), Col("layout"),
             Col("status", fold=True)]  # fmt: skip
     print_table(out, cols, rows, title=root)
-    sys.exit(1 if damaged else 0)
+    _exit(infos, root)
+
+
+def _exit(infos: list, root: str) -> None:
+    """Exit 1 when a checkpoint is damaged, saying so on stderr too (scripts that read only stderr and the exit
+    code see why), 0 otherwise."""
+    bad = [i.name for i in infos if i.status == "damaged"]
+    if bad:
+        click.echo(
+            f"ckpt: {len(bad)} of {len(infos)} checkpoints under {root} damaged: {', '.join(bad[:4])}",
+            err=True,
+        )
+        sys.exit(1)
+    sys.exit(0)
 
 
 def _ls_nxd(rows: list[dict], root: str, as_json: bool) -> None:

@@ -13,6 +13,7 @@ share into data files named with the attempt id (:class:`ckpt.writer.StreamingWr
 
 from __future__ import annotations
 
+import dataclasses
 import uuid
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
@@ -68,7 +69,10 @@ class ManifestSource(Source):
                 raise LayoutError(f"{self.path}: Neuron-layout checkpoint without extra.nxd; unknown layout")
             self.layout = "neuron"
             self.record = NxdRecord.from_extra(nxd, self.path)
-            self.flags = self.record.flags(tp=m.layout.tp, pp=m.layout.pp, dp=m.layout.dp)
+            flags = self.record.flags(tp=m.layout.tp, pp=m.layout.pp, dp=m.layout.dp)
+            self.flags = dataclasses.replace(
+                flags, ep=m.layout.ep or 1
+            )  # EP lives in the layout, not extra.nxd
             self.zero1 = m.layout.zero_stage == 1
             self.config = dict(config) if config is not None else self.record.config
         elif m.layout.kind in CUDA_KINDS or m.layout.tp == 1:

@@ -190,3 +190,17 @@ def run_ranks(
     if failures:
         pytest.fail("\n".join(failures), pytrace=False)
     return [out[r] for r in range(world)]
+
+
+# -------------------------------------------------------------------------------------------- NxD source
+
+
+@pytest.fixture(scope="session")
+def nxd_src(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """NxD 2.29's source (``src/`` of the vendored archive, sha256-checked), extracted once per session; the tests that
+    run NxD's own code skip, saying why, when the archive is absent."""
+    from nxd_vendor import ARCHIVE, extract
+
+    if not ARCHIVE.is_file():
+        pytest.skip(f"NxD source archive {ARCHIVE} is absent (see tests/vendor/README.md to rebuild it)")
+    return str(extract(tmp_path_factory.mktemp("nxd_src")))

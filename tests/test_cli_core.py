@@ -231,6 +231,15 @@ def _loaded(pid: int, library: str) -> bool:
         return False
 
 
+def _cmdline(proc) -> str:
+    """A child's command line, or "" when it is gone or not readable yet (a spawn helper can end between the
+    listing and the read)."""
+    try:
+        return " ".join(proc.cmdline())
+    except Exception:  # psutil.NoSuchProcess / AccessDenied, or the OSError psutil lets through
+        return ""
+
+
 @pytest.mark.parametrize("when", ["importing torch", "workers importing torch", "workers writing"])
 def test_ctrl_c_prints_one_line_and_exits_130(tmp_path, when):
     """Ctrl-C (SIGINT to the whole process group, as a terminal sends it) while the command imports torch, while
@@ -253,9 +262,7 @@ def test_ctrl_c_prints_one_line_and_exits_130(tmp_path, when):
             if when == "importing torch" and _loaded(p.pid, "libtorch"):
                 break
             if when != "importing torch":
-                workers = [
-                    c for c in psutil.Process(p.pid).children() if "spawn_main" in " ".join(c.cmdline())
-                ]
+                workers = [c for c in psutil.Process(p.pid).children() if "spawn_main" in _cmdline(c)]
                 if len(workers) == 2 and (
                     all(_loaded(w.pid, "libtorch") for w in workers)
                     if when == "workers importing torch"

@@ -20,11 +20,11 @@ threshold off so that ``RssAnon`` shows what the conversion holds rather than fr
 
 from __future__ import annotations
 
-import json
 import warnings
 from pathlib import Path
 
 import pytest
+from manifest_io import manifest_dict
 from torture.memory import MIB, SOURCES, TARGETS, Peak, config, generate_cuda, make_sources, measure
 
 pytestmark = pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="needs Linux /proc")
@@ -124,7 +124,7 @@ def test_outputs_are_the_same_bytes_from_every_source(converted: dict, target: s
 
 
 def _chunks(path: Path) -> dict[str, list]:
-    m = json.loads((path / "manifest.json").read_text())
+    m = manifest_dict(path)  # the v1 document of the stored manifest, whichever format version it is in
     return {
         n: [(s["offsets"], s["lengths"], s["checksum"]) for s in e["shards"]] for n, e in m["tensors"].items()
     }

@@ -14,7 +14,6 @@ from ckpt.converters.convert import convert
 from ckpt.converters.options import ConvertOptions
 from safetensors.torch import load_file
 
-from ckpt.errors import LayoutError
 from ckpt.layouts import LayoutSpec
 from ckpt.layouts.experts import full_state_to_nxd_ep
 from ckpt.reader import CheckpointReader
@@ -81,11 +80,3 @@ def test_hf_to_neuron_ep_and_back_to_hf(model_type, flags, tmp_path):
     ids = torch.randint(0, 32, (2, 6))
     with torch.no_grad():
         assert torch.equal(loaded(ids).logits, model(ids).logits)
-
-
-def test_moe_to_nxd_tag_format_is_refused(tmp_path):
-    _, _, src = hf_dir("mixtral", tmp_path)
-    dst = tmp_path / "tag"
-    with pytest.raises(LayoutError, match="--format nxd"):
-        convert(str(src), str(dst), ConvertOptions(to="neuron", format="nxd", layout={"tp": 2, "ep": 2}))
-    assert not dst.exists()

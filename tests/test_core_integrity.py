@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import json
-
 import torch
+from manifest_io import rewrite_manifest
 
 import ckpt
 from ckpt.integrity import verify_checkpoint
-from ckpt.manifest import seal
 
 
 def _save(path, chunk_bytes=64):
@@ -18,10 +16,9 @@ def _save(path, chunk_bytes=64):
 
 
 def _edit_manifest(path, fn):
-    """Edit the manifest and re-seal it (an unsealed edit would be refused as damaged before verify sees it)."""
-    doc = json.loads((path / "manifest.json").read_text())
-    fn(doc)
-    (path / "manifest.json").write_text(seal(doc))
+    """Edit the manifest's shards and re-seal it, in the format version it is stored in (an unsealed edit would be
+    refused as damaged before verify sees it)."""
+    rewrite_manifest(path, fn)
 
 
 def test_intact_checkpoint_has_no_problems(tmp_path):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import warnings
 from dataclasses import dataclass
@@ -99,7 +100,11 @@ def test_uncommitted_leftovers_are_swept(root: Root) -> None:
     mgr.save(4, model=state(4), overwrite=True).result()
     assert root.steps_on_storage() == [step_dir(2), step_dir(4)]
     assert "junk" not in st.child(step_dir(4)).listdir()
-    assert st.child(step_dir(4)).listdir() == sorted([MANIFEST_NAME, data_file(root, 4).split("/")[1]])
+    top = json.loads(st.child(step_dir(4)).read_bytes(MANIFEST_NAME))
+    # format v2: the top manifest lists each rank's index and state file
+    indexes = [*top.get("indexes", {}), *top.get("rank_state", {})]
+    want = [MANIFEST_NAME, data_file(root, 4).split("/")[1], *indexes]
+    assert st.child(step_dir(4)).listdir() == sorted(want)
 
 
 # ------------------------------------------------------------------------------------------------ restoring
@@ -313,8 +318,6 @@ def test_committed_step_is_create_only_on_s3(s3: Any) -> None:
 def test_retention_never_deletes_a_checkpoint_it_cannot_read(root: Root) -> None:
     """A manifest this version cannot parse (written by a newer ckpt, or a transient read error) is not a
     leftover: retention must leave it alone, and restore_latest skips it with a warning."""
-    import json
-
     mgr = root.manager(keep_last=3)
     mgr.save(1, model=state(1)).result()
     st = root.storage().child(step_dir(1))

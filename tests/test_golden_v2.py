@@ -40,7 +40,7 @@ def goldens_stay_untouched() -> Iterator[None]:
         }
 
     before = fingerprint()
-    assert len(before) == 13, sorted(before)  # 3 manifests, 5 indexes, 5 data files
+    assert len(before) == 18, sorted(before)  # 3 manifests, 5 indexes, 5 state files, 5 data files
     yield
     assert fingerprint() == before
 
@@ -53,7 +53,10 @@ def test_top_manifest_and_indexes_are_sealed_and_valid(case: str) -> None:
     assert m.format_version == 2 and m.v2 is not None
     doc = assert_valid(path_of("v2", case))
     assert all("shards" not in t for t in doc["tensors"].values())
-    for name, e in doc["indexes"].items():
+    assert doc["rng"] == {} and doc["data"] == {}
+    ranks = sorted(e["rank"] for e in doc["indexes"].values())
+    assert sorted(e["rank"] for e in doc["rank_state"].values()) == ranks  # every rank saved its RNG state
+    for name, e in [*doc["indexes"].items(), *doc["rank_state"].items()]:
         iraw = (path_of("v2", case) / name).read_bytes()
         assert (
             iraw[13:37].decode() == e["checksum"] == "xxh3_64:" + xxhash.xxh3_64_hexdigest(b"{" + iraw[39:])

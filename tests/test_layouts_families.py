@@ -248,12 +248,11 @@ def test_unsupported_family_settings_are_refused():
     [
         ("llama", [], "--ep 2 needs an MoE model"),
         ("mixtral", ["--ep", "3"], "--ep 3 does not divide num_local_experts=4"),
-        ("mixtral", ["--format", "nxd"], "--format nxd: writing NxD tags of MoE models"),
     ],
 )
 def test_cli_ep_flag_is_checked(model_type, args, message, tmp_path):
-    """``ckpt convert --ep``: a dense model, an EP size not dividing the experts and NxD-tag output of an MoE model
-    are refused (exit 2, one line, nothing written); tests/test_convert_moe.py converts MoE models."""
+    """``ckpt convert --ep``: a dense model and an EP size not dividing the experts are refused (exit 2, one line,
+    nothing written); tests/test_convert_moe.py and tests/test_nxd_moe.py convert MoE models."""
     from ckpt.cli.main import cli
     from click.testing import CliRunner
 

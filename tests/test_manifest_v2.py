@@ -1,4 +1,4 @@
-"""Format v2 (docs/format.md, "Version 2"): a small top manifest, one sealed index per rank.
+"""Format v2 (docs/format.md, "Version 2"): a small top manifest, one sealed index and state file per rank.
 
 Checkpoints here are real: several StreamingWriters (one per simulated rank, as ranks under torchrun would) write
 their boxes to disk and one commits every receipt, in v1 and in v2, so the two encodings of the same facts can be
@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -113,8 +114,18 @@ def test_top_manifest_has_no_chunks_and_describes_regular_pieces_once(v2: Path) 
     assert t["norm"]["pieces"] == {"split": [], "ranks": {"start": 2, "steps": []}}
     assert t["odd"]["pieces"] == {"boxes": [[[0, 0], [1, 5], 0], [[1, 0], [2, 5], 3]]}
     index = json.loads((v2 / "r00002-a1b2c3d4.index.json").read_text())
-    assert index["rank"] == 2 and index["rng"] == {"seed": 2} and index["data"] == {"batch": 12}
+    assert index["rank"] == 2 and "rng" not in index and "data" not in index
     assert {c[0] for c in index["chunks"]} == {"emb", "w", "norm"}
+    state = json.loads((v2 / "r00002-a1b2c3d4.state.json").read_text())
+    assert state == {
+        "checksum": doc["rank_state"]["r00002-a1b2c3d4.state.json"]["checksum"],
+        "format": "ckpt-rank-state",
+        "format_version": 2,
+        "rank": 2,
+        "rng": {"seed": 2},
+        "data": {"batch": 12},
+    }
+    assert doc["rank_state"]["r00002-a1b2c3d4.state.json"]["holds"] == ["rng", "data"]
 
 
 def test_a_restoring_rank_reads_only_the_indexes_it_needs(v2: Path) -> None:
@@ -128,9 +139,26 @@ def test_a_restoring_rank_reads_only_the_indexes_it_needs(v2: Path) -> None:
     assert torch.equal(out, value(2, (16, 4))[6:10])
     assert sorted(reader.locator.layout.loaded) == [1, 2]
     assert reader.rank_trees(3) == ({"seed": 3}, {"batch": 13})
+    assert sorted(reader.locator.layout.loaded) == [
+        1,
+        2,
+    ]  # a rank's trees are in its state file, not its index
 
 
-def test_restore_reads_its_rng_from_its_own_index(v2: Path) -> None:
+def test_a_damaged_or_inconsistent_state_file_is_refused(v2: Path) -> None:
+    p = v2 / "r00001-a1b2c3d4.state.json"
+    doc = json.loads(p.read_text())
+    doc["rng"] = {"seed": 99}
+    p.write_text(seal(doc))
+    with pytest.raises(ManifestError, match=r"r00001-a1b2c3d4.state.json is damaged or replaced"):
+        CheckpointReader(str(v2), lazy=True).rank_trees(1)
+    top = json.loads((v2 / MANIFEST_NAME).read_text())
+    del top["rank_state"]
+    with pytest.raises(ManifestError, match=r"field 'rank_state' must be an object .*a draft of format 2"):
+        Manifest.from_json(seal(top))
+
+
+def test_restore_reads_its_rng_from_its_own_state_file(v2: Path) -> None:
     model = {n: torch.zeros(s) for n, s in SHAPES.items()}
     res = ckpt.restore(str(v2), model=model, rng=False)
     assert res.step == 5
@@ -140,8 +168,9 @@ def test_restore_reads_its_rng_from_its_own_index(v2: Path) -> None:
 def test_a_replaced_index_is_refused_even_when_resealed(v2: Path) -> None:
     p = v2 / "r00001-a1b2c3d4.index.json"
     doc = json.loads(p.read_text())
-    doc["chunks"][0][5] += 0  # same facts ...
-    doc["rng"] = {"seed": 99}  # ... but another rng, re-sealed so that the index itself is intact
+    doc["chunks"][0][7] = (
+        "xxh3_64:0000000000000000"  # another checksum, re-sealed: the index itself is intact
+    )
     p.write_text(seal(doc))
     with pytest.raises(ManifestError, match=r"r00001-a1b2c3d4.index.json is damaged or replaced"):
         read_manifest(open_storage(str(v2)))
@@ -182,6 +211,7 @@ def test_verify_and_retention_see_the_indexes(v2: Path) -> None:
     mgr.apply_retention(5)
     assert not (v2 / "leftover.bin").exists()  # swept ...
     assert len(list(v2.glob("*.index.json"))) == WORLD  # ... the indexes kept
+    assert len(list(v2.glob("*.state.json"))) == WORLD  # ... and the state files
     assert verify_checkpoint(ckpt.open_checkpoint(str(v2))) == []
 
 
@@ -220,11 +250,37 @@ def test_inspect_shows_a_v2_checkpoint_without_reading_every_index(v2: Path) -> 
     from ckpt.cli.main import cli
     from click.testing import CliRunner
 
-    for r in (1, 2, 3):  # the table and the rng line need rank 0's index at most
+    for r in (0, 1, 2, 3):  # the table and the rng line need rank 0's state file at most, no index
         p = v2 / f"r{r:05d}-a1b2c3d4.index.json"
         p.rename(p.with_suffix(".moved"))
     r = CliRunner().invoke(cli, ["inspect", str(v2)])
     assert r.exit_code == 0, r.output
     assert "format v2" in r.output and "4 pieces" in r.output and "2 pieces" in r.output
     r = CliRunner().invoke(cli, ["inspect", str(v2), "--json"])  # every chunk: reads every index
-    assert r.exit_code == 2 and "r00001-a1b2c3d4.index.json: missing" in r.output
+    assert r.exit_code == 2 and "r00000-a1b2c3d4.index.json: missing" in r.output
+
+
+@pytest.mark.parametrize(
+    ("edit", "error"),
+    [
+        (lambda c: c.__setitem__(2, [9, 4]), r"chunk 0: box \[0, 0\]\+\[9, 4\] lies outside shape \[10, 3\]"),
+        (lambda c: c.__setitem__(3, "other.safetensors"), r"chunk 0: file 'other.safetensors' is not listed"),
+        (lambda c: c.__setitem__(5, 8), r"chunk 0: nbytes 8 does not match its box \(24 bytes\)"),
+        (lambda c: c.__setitem__(7, "xxh3_64:XYZ"), r"chunk 0: bad checksum 'xxh3_64:XYZ'"),
+        (lambda c: c.__setitem__(4, 10**9), r"chunk 0: bytes 1000000000\.\.1000000024 lie outside"),
+    ],
+    ids=["box", "file", "nbytes", "checksum", "range"],
+)
+def test_a_bad_chunk_in_a_consistently_sealed_index_is_named(v2: Path, edit: Any, error: str) -> None:
+    """An index whose seal and top-manifest checksum agree (written by a buggy tool) is still validated."""
+    p = v2 / "r00000-a1b2c3d4.index.json"
+    doc = json.loads(p.read_text())
+    assert doc["chunks"][0][:3] == ["emb", [0, 0], [2, 3]]
+    edit(doc["chunks"][0])
+    text = seal(doc)
+    p.write_text(text)
+    top = json.loads((v2 / MANIFEST_NAME).read_text())
+    top["indexes"][p.name].update(checksum=text[13:37], size=len(text.encode()))
+    (v2 / MANIFEST_NAME).write_text(seal(top))
+    with pytest.raises(ManifestError, match=error):
+        read_manifest(open_storage(str(v2)))

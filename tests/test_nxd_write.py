@@ -15,6 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ckpt.errors import CheckpointExistsError
+from ckpt.safe_unpickle import load_torch_file
 
 FIX = Path(__file__).resolve().parent.parent / "fixtures" / "nxd" / "llama_gqa_h64"
 PLAIN = FIX / "nxd_train_tp2_dp2_zero1_plain" / "step_3"
@@ -66,12 +67,24 @@ def test_round_trip_matches_nxd_layout(tmp_path: Path, tag: nxd.NxdTag, xser: bo
     assert back.meta.status is nxd.TagStatus.COMPLETE and back.meta.xser is xser and back.meta.dp_size == 2
     _same_content(tag, back)
     # the pickled structures are what NxD wrote, byte for byte (TensorReference global, tids, shape_info lists)
-    for rel in ("model/dp_rank_00_tp_rank_01_pp_rank_00.pt", "optim/dp_rank_01_tp_rank_00_pp_rank_00.pt"):
-        if xser:
-            assert _pickle_bytes(out / rel) == _pickle_bytes(ref / rel)
-            assert _pickle_bytes(out / (rel + ".info.pt")) == _pickle_bytes(ref / (rel + ".info.pt"))
-        else:
-            assert _equal(torch.load(out / rel, weights_only=True), torch.load(ref / rel, weights_only=True))
+    rel = "model/dp_rank_00_tp_rank_01_pp_rank_00.pt"
+    if xser:
+        assert _pickle_bytes(out / rel) == _pickle_bytes(ref / rel)
+        assert _pickle_bytes(out / (rel + ".info.pt")) == _pickle_bytes(ref / (rel + ".info.pt"))
+    else:
+        assert _equal(torch.load(out / rel, weights_only=True), torch.load(ref / rel, weights_only=True))
+    # optimizer files: NxD's structure plus param_names in each group (pid -> name, so no reader has to guess)
+    rel = "optim/dp_rank_01_tp_rank_00_pp_rank_00.pt"
+    got, want = load_torch_file(out / rel), load_torch_file(ref / rel)
+    names = [g.pop("param_names") for g in got["param_groups"]]
+    assert names == [list(tag.per_rank_model[(0, 0, 0)])]  # one group: NxD's model order
+    if xser:
+        assert {k: v.tid for k, v in got["base_state"][3].items() if k != "step"} == {
+            k: v.tid for k, v in want["base_state"][3].items() if k != "step"
+        }
+        got["base_state"], want["base_state"] = {}, {}
+        assert _pickle_bytes(out / (rel + ".info.pt")) == _pickle_bytes(ref / (rel + ".info.pt"))
+    assert _equal(got, want)
     assert (
         b"torch_xla.utils.serialization\nTensorReference"
         in _pickle_bytes(out / "model/dp_rank_00_tp_rank_00_pp_rank_00.pt")

@@ -134,10 +134,12 @@ def test_export_equals_nxd_shards(cuda_ckpt: tuple[Path, Path], tmp_path: Path) 
             for k, v in per.items():
                 assert n["base_state"][p][k].shape == v.shape, (d, p, k)
                 assert bit_equal(n["base_state"][p][k], v), (d, p, k)
+        names = [g.pop("param_names") for g in n["param_groups"]]  # ckpt adds pid -> name to NxD's groups
         assert n["param_groups"] == o["param_groups"]
     om = torch.load(tag / "model" / "dp_rank_00_tp_rank_00_pp_rank_00.pt", weights_only=True)
     nm = torch.load(out / "model" / "dp_rank_00_tp_rank_00_pp_rank_00.pt", weights_only=True)
     assert list(nm) == list(om) and all(bit_equal(nm[k], v) for k, v in om.items())
+    assert names == [list(om)]  # one group, pids in NxD's model order
     assert nxd.read_tag(out).meta.dp_size == DP
 
 

@@ -1,9 +1,12 @@
 """Corruption matrix: damage each kind of file of a committed checkpoint in each way, then check that
 ``ckpt verify`` (the real CLI, a subprocess), loading, and ``restore_latest`` all notice, and say where.
 
-Kinds of file: data shards (safetensors, one per rank) and ``manifest.json``. This format has no per-rank receipt
-files (ranks send receipts to rank 0 over the process group), so there is nothing of that kind to damage; NxD
-files are covered by the NxD reader's own tests, not here (see docs/reliability.md).
+Kinds of file: data shards (safetensors, one per rank), ``manifest.json`` and, in format v2, the per-rank index
+files whose checksums the top manifest seals (they hold the chunks' checksums).  The checkpoints are saved in the
+default format version; each damage is made to the file that holds what it damages in that version, and names
+that file (v1: the chunk checksums are in ``manifest.json``; v2: in the writing rank's index).  This format has
+no per-rank receipt files (ranks send receipts to rank 0 over the process group), so there is nothing of that
+kind to damage; NxD files are covered by the NxD reader's own tests, not here (see docs/reliability.md).
 """
 
 from __future__ import annotations
@@ -19,10 +22,11 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import run_ranks
+from manifest_io import rewrite_manifest
 
 import ckpt
 from ckpt.errors import CkptError, ManifestError
-from ckpt.manifest import Manifest, seal
+from ckpt.manifest import Manifest
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -71,8 +75,20 @@ def data_files(ck: Path) -> list[Path]:
     return sorted(ck.glob("*.safetensors"))
 
 
+def record_of(ck: Path, file: str) -> Path:
+    """The file that records the chunk checksums of data file ``file``: ``manifest.json`` in format v1, the index
+    of the rank that wrote it in v2 (the top manifest holds that index's checksum)."""
+    top = json.loads((ck / "manifest.json").read_text())
+    if top["format_version"] == 1:
+        return ck / "manifest.json"
+    rank = top["files"][file]["rank"]
+    (index,) = [p for p, e in top["indexes"].items() if e["rank"] == rank]
+    return ck / index
+
+
 def damage(ck: Path, how: str) -> tuple[str, str | None]:
-    """Damage checkpoint ``ck``; return (file that must be named, tensor that must be named or None)."""
+    """Damage checkpoint ``ck``; return (file that must be named, tensor that must be named or None: the
+    checkpoint is then refused as a whole, before any tensor is read)."""
     man = ckpt.open_checkpoint(str(ck)).manifest
     shard = man.tensors["head.weight"].shards[0]
     data = ck / shard.file
@@ -100,16 +116,23 @@ def damage(ck: Path, how: str) -> tuple[str, str | None]:
         raw[0] ^= 0x01  # '{' -> 'z'
         manifest.write_bytes(bytes(raw))
         return "manifest.json", None
-    if how in ("manifest-flip-checksum", "manifest-reseal-checksum"):
-        text = manifest.read_text()
+    if (
+        how == "manifest-flip-checksum"
+    ):  # the seal of the file holding it catches it (v2: and the top's record)
+        record = record_of(ck, shard.file)
+        text = record.read_text()
         at = text.index(shard.checksum) + len(shard.checksum) - 1
-        repl = "0" if text[at] != "0" else "1"
-        text = text[:at] + repl + text[at + 1 :]
-        if how == "manifest-flip-checksum":  # the manifest's own checksum catches it
-            manifest.write_text(text)
-            return "manifest.json", None
-        # re-sealed (a buggy tool that rewrote the manifest): the data no longer matches it
-        manifest.write_text(seal(json.loads(text)))
+        text = text[:at] + ("0" if text[at] != "0" else "1") + text[at + 1 :]
+        record.write_text(text)
+        return record.name, None
+    if how == "manifest-reseal-checksum":
+        # re-sealed (a buggy tool that rewrote the manifest, v2: the index and the top): the data no longer
+        # matches it
+        def edit(doc: dict) -> None:
+            s = doc["tensors"]["head.weight"]["shards"][0]
+            s["checksum"] = s["checksum"][:-1] + ("0" if s["checksum"][-1] != "0" else "1")
+
+        rewrite_manifest(ck, edit)
         return data.name, "head.weight"
     if how == "manifest-truncate":
         manifest.write_bytes(manifest.read_bytes()[:-40])
@@ -124,6 +147,9 @@ def damage(ck: Path, how: str) -> tuple[str, str | None]:
         manifest.rename(tmp)
         shutil.copyfile(other, manifest)
         tmp.rename(other)
+        if json.loads(manifest.read_text())["format_version"] == 2:
+            # each top manifest now lists the other folder's indexes: missing here, the checkpoint is refused
+            return sorted(json.loads(manifest.read_text())["indexes"])[0], None
         # each folder's manifest now lists the other folder's data files: they are missing here
         return claimed, "emb.weight"
     raise AssertionError(how)
@@ -157,8 +183,7 @@ def test_damage_is_detected_named_and_skipped(template: Path, tmp_path: Path, ho
     # 1. ckpt verify, as a user runs it: one line per problem, naming file and tensor; no traceback
     r = cli("verify", str(ck))
     assert r.returncode in (1, 2), r.stdout
-    manifest_refused = ("manifest-flip", "manifest-flip-checksum", "manifest-truncate", "manifest-delete")
-    assert r.returncode == (2 if how in manifest_refused else 1)
+    assert r.returncode == (2 if tensor is None else 1)  # refused as a whole (2), or damage found (1)
     assert "Traceback" not in r.stderr
     assert file in r.stderr
     if tensor is not None:
@@ -194,7 +219,7 @@ def test_damage_is_detected_named_and_skipped(template: Path, tmp_path: Path, ho
     else:
         assert any("step 20" in m for m in messages), messages
     if how in ("manifest-flip", "manifest-flip-checksum", "manifest-truncate"):
-        assert any("step 20" in m and "manifest.json" in m for m in messages), messages
+        assert any("step 20" in m and file in m for m in messages), messages
 
 
 def test_every_single_byte_flip_in_a_data_file_is_caught(template: Path, tmp_path: Path) -> None:
@@ -238,11 +263,20 @@ def test_every_byte_flip_in_a_manifest_is_caught(template: Path, tmp_path: Path)
     assert sum(kinds.values()) == 2 * len(pristine) and kinds["checksum"] > len(pristine) // 2
     sampled = len(range(0, len(pristine), 7))
     assert manifest_flip_outcomes(ck, stride=7) == {"refused": sampled, "load_fails": 0, "undetected": 0}
+    # format v2: the chunk checksums are in the ranks' indexes; a flipped index byte is refused the same way
+    record = record_of(ck, sorted(ckpt.open_checkpoint(str(ck)).manifest.files)[0])
+    if record.name != "manifest.json":
+        sampled = len(range(0, record.stat().st_size, 7))
+        got = manifest_flip_outcomes(ck, stride=7, name=record.name)
+        assert got == {"refused": sampled, "load_fails": 0, "undetected": 0}
 
 
-def manifest_flip_outcomes(ck: Path, mask: int = 0x01, stride: int = 1) -> dict[str, int]:
-    """Flip every byte of a manifest on disk in turn; count how each flip is received (also a measurement)."""
-    path = ck / "manifest.json"
+def manifest_flip_outcomes(
+    ck: Path, mask: int = 0x01, stride: int = 1, name: str = "manifest.json"
+) -> dict[str, int]:
+    """Flip every byte of a manifest (or, ``name``, a v2 index) on disk in turn; count how each flip is received
+    (also a measurement)."""
+    path = ck / name
     pristine = path.read_bytes()
     out = {"refused": 0, "load_fails": 0, "undetected": 0}
     for pos in range(0, len(pristine), stride):
@@ -252,7 +286,7 @@ def manifest_flip_outcomes(ck: Path, mask: int = 0x01, stride: int = 1) -> dict[
         try:
             reader = ckpt.open_checkpoint(str(ck))
         except CkptError as e:
-            assert "\n" not in str(e) and "manifest.json" in str(e)
+            assert "\n" not in str(e) and name in str(e)
             out["refused"] += 1
             continue
         try:

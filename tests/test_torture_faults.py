@@ -141,6 +141,29 @@ def test_lost_response_to_the_manifest_put_still_commits(s3: Any) -> None:
     assert "step_00000001/manifest.json" in keys(s3)
 
 
+def test_format_v2_index_faults_commit_or_leave_no_checkpoint(s3: Any) -> None:
+    """Format v2 writes each rank's index (create-only) before the top manifest: a lost response to the index PUT
+    is retried and the save commits; an index PUT that keeps failing leaves no manifest.json (not committed)."""
+    lost = [Fault("drop_response", method="PUT", path=".index.json", nth={1})]
+    with proxied(s3, lost, botocore_retries=True) as (proxy, options):
+        mgr = ckpt.CheckpointManager(s3.url, storage_options=options, async_save=False, format_version=2)
+        m = model()
+        assert mgr.save(1, model=m).result().step == 1
+        assert proxy.count("drop_response") == 1
+        back = ckpt.open_checkpoint(f"{s3.url}/step_00000001", options)
+        assert torch.equal(back.read("0.weight"), m.state_dict()["0.weight"])
+    assert "step_00000001/manifest.json" in keys(s3)
+    assert [k for k in keys(s3) if k.startswith("step_00000001/") and k.endswith(".index.json")]
+    failing = [Fault("error", method="PUT", path=".index.json", status=500)]
+    with proxied(s3, failing) as (proxy, options):
+        mgr = ckpt.CheckpointManager(s3.url, storage_options=options, async_save=False, format_version=2)
+        with pytest.raises(CkptError, match=r"index\.json") as info:
+            mgr.save(2, model=model())
+        assert "\n" not in str(info.value)
+    assert not [k for k in keys(s3) if k.startswith("step_00000002/") and k.endswith("manifest.json")]
+    assert open_uploads(s3) == []
+
+
 def test_connection_reset_mid_upload_is_retried(s3: Any) -> None:
     faults = [Fault("reset", method="PUT", path=".safetensors", nth={1, 2}, body_fraction=0.3)]
     with proxied(s3, faults) as (proxy, options):

@@ -35,6 +35,7 @@ from ckpt.state import NamedTensor, model_tensors, param_names_in_optimizer_orde
 from .parallel import ParallelInfo
 from .partition import NxdLayout
 from .stager import XlaStager
+from .stages import merge_stage_optimizers, stage_tensors
 from .transfer import is_xla, sync, to_device
 from .zero1 import capture_zero1, is_zero1_optimizer, restore_zero1
 
@@ -180,10 +181,15 @@ class NeuronCheckpointer(Checkpointer):
             self.layout_hook.check([nt.name for nt in named if nt.role != "optimizer_state"])
 
     def capture_optimizer(self, optimizer: Any, model: Any) -> tuple[list[NamedTensor], dict[str, Any]]:
+        """This rank's optimizer tensors; its record merged over the PP stages (collective when PP > 1)."""
         if is_zero1_optimizer(optimizer):
             assert isinstance(self.layout_hook, NxdLayout)
-            return capture_zero1(optimizer, model, self.layout_hook)
-        return super().capture_optimizer(optimizer, model)
+            tensors, meta = capture_zero1(optimizer, model, self.layout_hook)
+        else:
+            tensors, meta = super().capture_optimizer(optimizer, model)
+        if self.parallel.pp_size > 1:
+            meta = merge_stage_optimizers(self.coll.all_gather((self.parallel.pp_rank, meta)))
+        return tensors, meta
 
 
 class NeuronRestorer(Restorer):
@@ -223,9 +229,27 @@ class NeuronRestorer(Restorer):
         sync()
 
     def model(self, model: Any, strict: bool) -> tuple[list[str], list[str]]:
-        out = super().model(model, strict)
+        """As the core restorer; under PP a stage's model holds only its stage's tensors, so the tensors that
+        ``extra.nxd.pp_ranks`` places on other stages are not "unexpected" (a strict restore still refuses any
+        tensor this stage should hold and does not, or holds and the checkpoint lacks)."""
+        stage = self._stage_tensors()
+        missing, unexpected = super().model(model, strict and stage is None)
         self.flush()
-        return out
+        if stage is not None:
+            unexpected = [n for n in unexpected if n in stage]
+            if strict and (missing or unexpected):
+                parts = [f"missing from checkpoint: {', '.join(missing[:8])}"] if missing else []
+                if unexpected:
+                    parts.append(f"held by this PP stage but not in the model: {', '.join(unexpected[:8])}")
+                raise StateMismatchError(
+                    f"{self.reader.path}: model does not match the checkpoint: {'; '.join(parts)}"
+                )
+        return missing, unexpected
+
+    def _stage_tensors(self) -> set[str] | None:
+        """Names of the tensors this rank's PP stage holds (None: no PP, or stages unknown)."""
+        hook = self.layout_hook
+        return stage_tensors(self.reader.manifest, hook.parallel) if isinstance(hook, NxdLayout) else None
 
     def optimizer(self, optimizer: Any, model: Any) -> None:
         if is_zero1_optimizer(optimizer):

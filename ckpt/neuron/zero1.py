@@ -22,6 +22,7 @@ from ckpt.manifest import Box
 from ckpt.state import NamedTensor, optim_name, optimizer_meta, param_names_in_optimizer_order
 
 from .partition import NxdLayout
+from .stages import stage_tensors
 from .transfer import is_xla, to_device, to_host
 
 MASTER_KEY = "master_weight"
@@ -112,6 +113,7 @@ def restore_zero1(reader: Any, layout: NxdLayout, optimizer: Any, model: Any) ->
         raise StateMismatchError(f"{reader.path}: checkpoint holds no optimizer state")
     names = param_names_in_optimizer_order(optimizer, model)
     pid_of = {n: i for i, n in enumerate(names)}
+    stage = stage_tensors(m, layout.parallel)  # under PP: this stage's share of the saved optimizer
     live = optimizer.state_dict()
     if len(meta["param_groups"]) != len(live["param_groups"]):
         raise StateMismatchError(
@@ -121,8 +123,9 @@ def restore_zero1(reader: Any, layout: NxdLayout, optimizer: Any, model: Any) ->
     groups = []
     for gi, (saved, g) in enumerate(zip(meta["param_groups"], live["param_groups"], strict=True)):
         live_names = [names[p] for p in g["params"]]
-        if set(saved["params"]) != set(live_names):
-            diff = sorted(set(saved["params"]) ^ set(live_names))
+        saved_names = [n for n in saved["params"] if stage is None or n in stage]
+        if set(saved_names) != set(live_names):
+            diff = sorted(set(saved_names) ^ set(live_names))
             raise StateMismatchError(
                 f"{reader.path}: param_groups[{gi}] holds different parameters than the live optimizer: {diff[:4]}"
             )
@@ -138,6 +141,8 @@ def restore_zero1(reader: Any, layout: NxdLayout, optimizer: Any, model: Any) ->
     host: list[torch.Tensor] = []
     slots: list[tuple[str, int, str]] = []
     for name, keys in by_param.items():
+        if stage is not None and name not in stage and name not in pid_of:
+            continue  # another PP stage's parameter
         if name not in pid_of:
             raise StateMismatchError(
                 f"{reader.path}: optimizer state for {name!r}, which the live optimizer lacks"

@@ -17,9 +17,10 @@ from __future__ import annotations
 import abc
 import contextlib
 import copy
+import functools
 import importlib
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, BinaryIO, NamedTuple
 
 from ckpt.errors import StorageError
@@ -64,7 +65,9 @@ class Storage(abc.ABC):
 
     # ------------------------------------------------------------------------------------------------ writing
     @abc.abstractmethod
-    def create(self, rel: str, exclusive: bool = True) -> contextlib.AbstractContextManager[BinaryIO]:
+    def create(
+        self, rel: str, exclusive: bool = True, borrow: bool = False
+    ) -> contextlib.AbstractContextManager[BinaryIO]:
         """A context manager yielding a write-only binary file (only ``write`` is guaranteed).
 
         On clean exit the file is published as ``rel`` atomically: a reader sees the old state or the complete
@@ -73,6 +76,10 @@ class Storage(abc.ABC):
         :class:`~ckpt.errors.CheckpointExistsError` when ``rel`` already exists; otherwise ``rel`` is replaced.
         Create-only is atomic against concurrent writers on local disk (``link``) and S3 (``If-None-Match``);
         on other fsspec backends it is a check followed by the write.  Parent folders are created as needed.
+
+        ``borrow``: the caller promises not to change any buffer it passes to ``write`` until the block has
+        exited; a backend may then keep a reference instead of a copy (S3 builds each part straight from the
+        caller's memory).  Without it, ``write`` behaves like a file's: the buffer may be reused at once.
         """
 
     def put_bytes(self, rel: str, data: bytes, exclusive: bool = True) -> None:
@@ -98,6 +105,25 @@ class Storage(abc.ABC):
         ``on_block`` is called on consecutive slices of ``out`` that together cover it exactly once, each right
         after it is read, while it is still in the CPU cache: hashing there costs no second pass over memory.
         """
+
+    def read_many(
+        self, reads: Sequence[Read], on_block: Callable[[int, memoryview], None] | None = None
+    ) -> None:
+        """Fill every ``reads[i].out`` from ``reads[i].rel`` at ``reads[i].start``; several at once where the
+        backend gains from it (ranged GETs in flight on object stores), one after the other on local disk.
+
+        ``on_block(i, block)`` is called, from any thread, on consecutive slices of ``reads[i].out`` that together
+        cover it exactly once, in order, each as soon as it is filled: a checksum can be computed while later
+        reads are still on the wire.  A failure is a :class:`ReadFailed` carrying the index of the read and the
+        error (``FileNotFoundError`` or a ``StorageError`` naming the file); no read is still writing into its
+        ``out`` when this returns or raises.
+        """
+        for i, r in enumerate(reads):
+            cb = None if on_block is None else functools.partial(on_block, i)
+            try:
+                self.read_into(r.rel, r.start, r.out, cb)
+            except (OSError, StorageError) as e:
+                raise ReadFailed(i, e) from e
 
     @abc.abstractmethod
     def size(self, rel: str) -> int | None:
@@ -126,13 +152,32 @@ class Storage(abc.ABC):
         """Remove ``rel`` and everything under it (never a sibling that merely shares its name as a prefix);
         nothing happens when it is missing. Not atomic: a crash can leave part of the tree."""
 
-    def abort_stale_uploads(self, rel: str = "") -> int:
+    def abort_stale_uploads(self, rel: str = "", live: Callable[[str], bool] | None = None) -> int:
         """Abort uploads left unfinished (and billed) under ``rel`` by crashed writers; returns how many.
-        Only object stores with multipart uploads have any."""
+        Only object stores with multipart uploads have any.  ``live(path)`` (the path relative to ``rel``) says
+        which may belong to a writer still at work (a later step's save): those are left alone."""
         return 0
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.display()!r})"
+
+
+class Read(NamedTuple):
+    """One read of :meth:`Storage.read_many`: fill all of ``out`` from file ``rel`` at byte ``start``."""
+
+    rel: str
+    start: int
+    out: memoryview
+
+
+class ReadFailed(Exception):
+    """:meth:`Storage.read_many` could not fill ``reads[index]``; ``error`` says why (callers turn it into a
+    one-line error naming the file and what it holds)."""
+
+    def __init__(self, index: int, error: BaseException) -> None:
+        super().__init__(f"read {index}: {error}")
+        self.index = index
+        self.error = error
 
 
 class Backend(NamedTuple):
@@ -248,4 +293,14 @@ def _missing_package(name: str, exc: ImportError) -> str:
     return f"the fsspec implementation of {name}://"
 
 
-__all__ = ["BACKENDS", "FSSPEC", "RETRIES", "Backend", "Storage", "open_storage", "scheme"]
+__all__ = [
+    "BACKENDS",
+    "FSSPEC",
+    "RETRIES",
+    "Backend",
+    "Read",
+    "ReadFailed",
+    "Storage",
+    "open_storage",
+    "scheme",
+]

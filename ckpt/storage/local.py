@@ -58,7 +58,7 @@ class LocalStorage(Storage):
 
     # ------------------------------------------------------------------------------------------------ writing
     @contextlib.contextmanager
-    def create(self, rel: str, exclusive: bool = True) -> Iterator[BinaryIO]:
+    def create(self, rel: str, exclusive: bool = True, borrow: bool = False) -> Iterator[BinaryIO]:
         final = self.path(rel)
         directory = os.path.dirname(final)
         os.makedirs(directory, exist_ok=True)

@@ -5,16 +5,24 @@
   ``412 PreconditionFailed`` (some S3-compatible stores) is recognised here from the botocore error s3fs chains.
 * Multipart uploads left open by a crashed writer are invisible but billed: :meth:`S3Storage.abort_stale_uploads`
   aborts them (retention calls it).
-* s3fs's ``put_file`` uploads parts concurrently, grows the part size past 10,000 parts and aborts its multipart
-  upload on error; s3fs itself is imported by fsspec on first use, so ``import ckpt`` does not need it.
+* Files are uploaded from memory (:mod:`.multipart`): ``part_size`` parts, ``parts_in_flight`` at once, completed
+  create-only when every part is in, aborted on any failure; a file smaller than one part is one PUT.  Reads in
+  batches are ranged GETs, ``reads_in_flight`` at once (:mod:`.ranged`).  The storage option ``max_concurrency``
+  (s3fs's own: transfers in flight per file) sets both; the default is 4.
+* s3fs itself is imported by fsspec on first use, so ``import ckpt`` does not need it.
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any, BinaryIO
+
 from ckpt.errors import StorageError
 
 from .fsspec import FsspecStorage
-from .retry import causes, error_responses
+from .multipart import MultipartWriter
+from .retry import RETRIES, causes, error_responses
 
 
 def precondition_failed(exc: BaseException) -> bool:
@@ -31,6 +39,29 @@ def precondition_failed(exc: BaseException) -> bool:
 
 class S3Storage(FsspecStorage):
     """Files under ``s3://bucket/prefix``; ``fs`` is an ``s3fs.S3FileSystem``."""
+
+    part_size = 32 << 20  # the first 1,000 parts; later ones grow (multipart.part_size)
+    parts_in_flight = 4
+
+    def __init__(
+        self, url: str, storage_options: dict[str, Any] | None = None, retries: int = RETRIES
+    ) -> None:
+        super().__init__(url, storage_options, retries)
+        concurrency = (storage_options or {}).get("max_concurrency")
+        if concurrency is not None:
+            if int(concurrency) < 1:
+                raise StorageError(f"{url}: storage option max_concurrency={concurrency!r}: expected >= 1")
+            self.parts_in_flight = self.reads_in_flight = int(concurrency)
+
+    @contextlib.contextmanager
+    def create(self, rel: str, exclusive: bool = True, borrow: bool = False) -> Iterator[BinaryIO]:
+        writer = MultipartWriter(self, rel, exclusive, self.part_size, self.parts_in_flight, borrow)
+        try:
+            yield writer  # type: ignore[misc]
+            writer.finish()
+        except BaseException:
+            writer.abort()
+            raise
 
     def _refused_as_existing(self, error: StorageError) -> bool:
         return precondition_failed(error)
@@ -52,9 +83,10 @@ class S3Storage(FsspecStorage):
                 return out
             markers = {"KeyMarker": resp["NextKeyMarker"], "UploadIdMarker": resp["NextUploadIdMarker"]}
 
-    def abort_stale_uploads(self, rel: str = "") -> int:
-        bucket = self.path(rel).partition("/")[0]
-        uploads = self.open_uploads(rel)
+    def abort_stale_uploads(self, rel: str = "", live: Callable[[str], bool] | None = None) -> int:
+        bucket, _, base = self.path(rel).partition("/")
+        base = base.rstrip("/") + "/" if base else ""
+        uploads = [(k, u) for k, u in self.open_uploads(rel) if live is None or not live(k[len(base) :])]
         for key, upload_id in uploads:
             self.fs.call_s3("abort_multipart_upload", Bucket=bucket, Key=key, UploadId=upload_id)
         return len(uploads)

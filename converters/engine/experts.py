@@ -11,7 +11,8 @@ out like a dense ``gate_up_proj`` / ``down_proj``.  Here:
   for a Neuron target: one box ``[j, tp-block]`` per expert and TP rank, each made by its view's plan and delivered
   transposed (``TensorPlan.transpose``).
 
-Optimizer state of expert tensors is refused (not converted yet): it would need the same views for every moment.
+Optimizer state of an expert tensor (a moment shaped like it) gets the same views, named after the parameter's view
+(``optim/<stacked>#j/<key>``), so moments follow their parameter through every plan.
 """
 
 from __future__ import annotations
@@ -24,8 +25,9 @@ import torch
 
 from ckpt.errors import LayoutError
 from ckpt.layouts import LayoutSpec, Piece, TensorPlan
-from ckpt.layouts.names import EXPERT_STACKED, expert_view
+from ckpt.layouts.names import EXPERT_STACKED, expert_view, nxd_to_hf_names
 from ckpt.manifest import Box, TensorDesc
+from ckpt.state import optim_name
 
 from .source import MODEL_ROLES, Rank, Source, slice_of
 
@@ -49,11 +51,6 @@ class ExpertViews(Source):
             if stacked is None or not EXPERT_STACKED.match(stacked):
                 self.tensors[name] = desc
                 continue
-            if desc.role not in MODEL_ROLES:
-                raise LayoutError(
-                    f"{self.path}: {name} is optimizer state of MoE expert tensor {stacked}; converting MoE optimizer "
-                    "state is not supported yet (convert the model alone, or keep the Neuron layout)"
-                )
             if len(desc.shape) != 3:
                 raise LayoutError(
                     f"{self.path}: {name} has shape {list(desc.shape)}, expected [experts, rows, cols]"
@@ -70,8 +67,15 @@ class ExpertViews(Source):
                 }
             experts, a, b = desc.shape
             for j in range(experts):
-                view = f"{name}#{j}"
-                self.tensors[view] = TensorDesc(view, desc.role, (b, a), desc.dtype, partition=view_part)
+                if desc.role in MODEL_ROLES:
+                    view = f"{name}#{j}"
+                    self.tensors[view] = TensorDesc(view, desc.role, (b, a), desc.dtype, partition=view_part)
+                else:  # a moment of the stacked tensor: the same view of it, named after the parameter's view
+                    assert desc.key is not None
+                    view = optim_name(f"{stacked}#{j}", desc.key)
+                    self.tensors[view] = TensorDesc(
+                        view, desc.role, (b, a), desc.dtype, f"{stacked}#{j}", desc.key, view_part
+                    )
                 self._views[view] = (name, j)
 
     def _inner_piece(self, piece: Piece) -> Piece | None:
@@ -107,6 +111,20 @@ class ExpertViews(Source):
         return getattr(self.inner, name)
 
 
+def hf_names(name: str, spec: LayoutSpec) -> list[str]:
+    """HF tensors stored in NxD tensor ``name``: every expert's parts for a stacked expert tensor (optimizer
+    param_groups name the stacked tensor), else :func:`~ckpt.layouts.names.nxd_to_hf_names` of the family."""
+    if spec.family.experts is not None and EXPERT_STACKED.match(name):
+        return [h for j in range(spec.model.experts) for h in nxd_to_hf_names(f"{name}#{j}", spec.family)]
+    return list(nxd_to_hf_names(name, spec.family))
+
+
+def stacked_name(name: str) -> str:
+    """The stacked tensor of an expert view name (``X#j`` -> ``X``); any other name as it is."""
+    found = expert_view(name)
+    return found[0] if found is not None else name
+
+
 def with_expert_views(source: Source, spec: LayoutSpec) -> Source:
     """``source`` itself, or wrapped in :class:`ExpertViews` when it is a Neuron layout of an MoE family."""
     if source.layout != "neuron" or spec.family.experts is None or isinstance(source, ExpertViews):
@@ -137,4 +155,4 @@ def stacked_parts(
     return tuple(shape), parts
 
 
-__all__ = ["ExpertViews", "expert_view", "stacked_parts", "with_expert_views"]
+__all__ = ["ExpertViews", "expert_view", "hf_names", "stacked_name", "stacked_parts", "with_expert_views"]

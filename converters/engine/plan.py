@@ -34,7 +34,7 @@ from ckpt.manifest import Box, Layout, TensorDesc
 from ckpt.state import optim_name
 
 from .compose import compose_all, dedup_replicas, rename_plan
-from .experts import expert_view, stacked_parts, with_expert_views
+from .experts import expert_view, hf_names, stacked_name, stacked_parts, with_expert_views
 from .source import MODEL_ROLES, LayoutKind, Rank, Source
 from .trees import Trees, move_xla_rng_in, move_xla_rng_out, rename_optimizer
 
@@ -142,7 +142,7 @@ def full_view(
                     f"{source.path}: {d.name} has shape {list(d.shape)}, its parameter {list(model[param].shape)}; "
                     "only optimizer states shaped like their parameter convert"
                 )
-        for hf in nxd_to_hf_names(param):
+        for hf in nxd_to_hf_names(param, spec.family):
             base = out[hf][1]
             for key, d in keys.items():
                 name = optim_name(hf, key)
@@ -162,8 +162,9 @@ def plan_to_cuda(source: Source, *, config: Mapping[str, Any] | None = None) -> 
     tensors = [OutTensor(desc, (OutPart(Box.full(desc.shape), plan),)) for desc, plan in view.values()]
     trees = copy.deepcopy(source.trees)
     if source.layout == "neuron":
+        spec = source.spec(config)
         trees.optimizer = rename_optimizer(
-            trees.optimizer, lambda n: [h for h in nxd_to_hf_names(n) if h in view] or [n], False, source.path
+            trees.optimizer, lambda n: [h for h in hf_names(n, spec) if h in view] or [n], False, source.path
         )
         nxd = trees.extra.pop("nxd", None)
         trees.extra["converted_from"] = {"layout": "neuron", "format": source.format, "nxd": nxd}
@@ -197,15 +198,11 @@ def _stacked_tensor(
     model: Mapping[str, TensorDesc],
     optim: Mapping[str, Any],
     pp_ranks: dict[str, list[int]],
-) -> OutTensor:
+) -> list[OutTensor]:
     """NxD's stacked MoE expert tensor ``stacked`` of a Neuron target, made of the plans of its per-expert views:
-    one part per expert and TP rank (:func:`.experts.stacked_parts`); EP is recorded in its ``partition``."""
+    one part per expert and TP rank (:func:`.experts.stacked_parts`); EP is recorded in its ``partition``.  Then its
+    optimizer moments, stacked the same way from the experts' moments."""
     parts_hf = [h for j in sorted(views) for h in nxd_to_hf_names(f"{stacked}#{j}", spec.family)]
-    with_state = [h for h in parts_hf if optim.get(h)]
-    if with_state:
-        raise LayoutError(
-            f"{with_state[0]} has optimizer state; converting MoE expert optimizer state is not supported yet"
-        )
     pps = pp_ranks_of(stacked, spec)
     pp_ranks[stacked] = list(pps)
     part = partition_entry(stacked, spec.tp, spec.rule_set, declared)
@@ -218,7 +215,39 @@ def _stacked_tensor(
     shape, parts = stacked_parts(composed, int(part["dim"]), spec.tp, pps)
     first = composed[0][(0, pps[0])]
     desc = TensorDesc(stacked, model[parts_hf[0]].role, shape, dtype_name(first.meta.dtype), partition=part)
-    return OutTensor(desc, tuple(OutPart(box, plan, ranks) for box, plan, ranks in parts))
+    out = [OutTensor(desc, tuple(OutPart(box, plan, ranks) for box, plan, ranks in parts))]
+    keys = [optim.get(h, {}) for h in parts_hf]
+    for key in dict.fromkeys(
+        k for ks in keys for k in ks
+    ):  # moments: the same parts, renamed (like dense tensors)
+        descs = [ks.get(key) for ks in keys]
+        if any(d is None for d in descs):
+            missing = parts_hf[[d is None for d in descs].index(True)]
+            raise StateMismatchError(f"{missing} has no optimizer state {key!r}, but {stacked} stacks it")
+        dtypes = {d.dtype for d in descs if d is not None}
+        if len(dtypes) > 1:
+            raise LayoutError(f"optimizer state {key!r} of {stacked}'s experts has dtypes {sorted(dtypes)}")
+        dt = dtypes.pop()
+        name = optim_name(stacked, key)
+        renamed = {
+            j: {
+                rank: compose_all(
+                    rename_plan(
+                        plan,
+                        optim_name(plan.name, key),
+                        dtype_from_name(dt),
+                        lambda n, k=key: optim_name(n, k),
+                    ),
+                    full_plans,
+                )
+                for rank, plan in per.items()
+            }
+            for j, per in views.items()
+        }
+        _, oparts = stacked_parts(renamed, int(part["dim"]), spec.tp, pps)
+        odesc = TensorDesc(name, "optimizer_state", shape, dt, stacked, key, part)
+        out.append(OutTensor(odesc, tuple(OutPart(box, plan, ranks) for box, plan, ranks in oparts)))
+    return out
 
 
 def _logical(local: tuple[int, ...], dim: int | None, tp: int) -> tuple[int, ...]:
@@ -281,7 +310,7 @@ def plan_to_neuron(
         found = expert_view(nxd)
         if found is not None:
             if found[1] == 0:  # the stacked tensor, where its first expert would be
-                tensors.append(
+                tensors.extend(
                     _stacked_tensor(
                         found[0], views[found[0]], spec, declared, full_plans, model, optim, pp_ranks
                     )
@@ -345,12 +374,13 @@ def plan_to_neuron(
     )
     trees = copy.deepcopy(source.trees)
     if source.layout == "neuron":
+        src_spec = source.spec(config)
         trees.optimizer = rename_optimizer(
-            trees.optimizer, lambda n: list(nxd_to_hf_names(n)), False, source.path
+            trees.optimizer, lambda n: hf_names(n, src_spec), False, source.path
         )
         trees.extra.pop("nxd", None)
     trees.optimizer = rename_optimizer(
-        trees.optimizer, lambda h: [hf_to_nxd_name(h, spec)], True, source.path
+        trees.optimizer, lambda h: [stacked_name(hf_to_nxd_name(h, spec))], True, source.path
     )
     move_xla_rng_in(trees)
     trees.extra.pop("config", None)

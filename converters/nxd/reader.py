@@ -17,8 +17,12 @@ from typing import Any
 import torch
 
 from ckpt.errors import CkptError, CorruptionError
+from ckpt.layouts.names import EXPERT_STACKED
+from ckpt.layouts.nxd_order import nxd_param_order
+from ckpt.layouts.rules import DEFAULT_RULE_SET
 from ckpt.safe_unpickle import TensorReference, load_torch_file
 
+from . import zero1_ep
 from .discovery import TagStatus, tag_status
 from .files import TagFiles, missing_rank_files, scan_tag
 from .naming import RankKey
@@ -83,8 +87,11 @@ class NxdTagReader:
 
     Args:
         path: the tag directory (or the converter's ``model/`` folder, or a legacy directory).
-        param_names: optional explicit pid order per rank (names, index = pid), for optimizers built with a param
-            grouping other than a single group or NxD's weight-decay split.
+        param_names: optional explicit pid order per rank (names, index = pid), for optimizers whose files record no
+            ``param_names`` and whose grouping is neither a single group nor NxD's weight-decay split (or whose
+            layout's NxD parameter order ckpt does not know); checked against the files' own ``param_names``.
+        rule_set: the layout's rule set (the model family), which says NxD's parameter order
+            (:mod:`ckpt.layouts.nxd_order`) used to name the pids of files that record no ``param_names``.
         mmap: memory-map plain files instead of reading them.
         verify: check the zip CRC32 of every member of each ``torch.save`` file before its tensors are loaded
             (:meth:`model`, :meth:`optimizer`, :meth:`scheduler`, :meth:`user_content`; plain files and each xser
@@ -103,9 +110,11 @@ class NxdTagReader:
         param_names: Mapping[RankKey, Sequence[str]] | None = None,
         mmap: bool = False,
         verify: bool = True,
+        rule_set: str | None = DEFAULT_RULE_SET,
     ) -> None:
         self.files: TagFiles = scan_tag(path)
         self._param_names = param_names or {}
+        self._rule_set = rule_set
         self._mmap = mmap
         self._verify = verify
         f = self.files
@@ -223,15 +232,21 @@ class NxdTagReader:
         # names and shapes need no tensor data: xser ref files hold none, plain ones are memory-mapped
         d0 = load_torch_file(opt0[0], mmap=not self.meta.xser and can_mmap(opt0[0]))
         where = str(opt0[0])
+
+        def order(names: Sequence[str]) -> list[str] | None:
+            return nxd_param_order(names, self._rule_set, pp=self.meta.pp_size)
+
         if is_zero1_dict(d0):
             return resolve_param_names(
-                self.model_shapes(rank), d0["param_groups"], d0["shape_info"], where=where, explicit=explicit
-            )
+                self.model_shapes(rank), d0["param_groups"], d0["shape_info"], where=where, explicit=explicit,
+                order=order,
+            )  # fmt: skip
         d0 = load_nxd_file(opt0[0], self.meta.xser, mmap=True)
         shapes, n = plain_optimizer_shapes(d0)
         return resolve_param_names(
-            self.model_shapes(rank), d0["param_groups"], shapes, where=where, num_params=n, explicit=explicit
-        )
+            self.model_shapes(rank), d0["param_groups"], shapes, where=where, num_params=n, explicit=explicit,
+            order=order,
+        )  # fmt: skip
 
     def _optim_files(self, rank: RankKey) -> list[Path]:
         optim = self.files.optim
@@ -253,6 +268,8 @@ class NxdTagReader:
         files = self._optim_files(rank)
         if not files:
             return None
+        if self.meta.zero1 and self.meta.ep_size > 1:  # NeuronEPZero1Optimizer: the files span the EP ranks
+            return self._ep_zero1_optimizer(rank, files, lazy)
         names = self.param_names(rank)
         assert names is not None
         dicts = [
@@ -269,6 +286,25 @@ class NxdTagReader:
         if is_zero1_dict(dicts[0]):
             return merge_zero1_optimizer(dicts, names, where=where, lazy=lazy)
         return merge_plain_optimizer(dicts[0], names, where=where)
+
+    def _ep_zero1_optimizer(self, rank: RankKey, files: list[Path], lazy: bool) -> dict[str, Any]:
+        """The named optimizer of EP rank ``rank[2]`` from every DP rank's file of its (tp, pp) (:mod:`.zero1_ep`)."""
+        dicts = [
+            load_nxd_file(
+                f, self.meta.xser, mmap=self._mmap or lazy, verify=self._verify,
+                context=self._where(f"optimizer dp {dp}", rank),
+            )
+            for dp, f in enumerate(files)
+        ]  # fmt: skip
+        where = str(files[0])
+        if not zero1_ep.is_ep_zero1_dict(dicts[0]):
+            raise CorruptionError(
+                f"{where}: ZeRO-1 optimizer of a tag with ep_rank files lacks NeuronEPZero1Optimizer's ep_*_offset keys"
+            )
+        return zero1_ep.merge(
+            dicts, self.meta.ep_size, rank[2], self.model_shapes(rank), lambda n: bool(EXPERT_STACKED.match(n)),
+            where=where, lazy=lazy,
+        )  # fmt: skip
 
     def scheduler(self) -> dict[str, Any] | None:
         f = self.files.scheduler
@@ -296,17 +332,22 @@ def open_tag(
     param_names: Mapping[RankKey, Sequence[str]] | None = None,
     mmap: bool = False,
     verify: bool = True,
+    rule_set: str | None = DEFAULT_RULE_SET,
 ) -> NxdTagReader:
     """A lazy reader for one tag (see :class:`NxdTagReader`; ``verify`` checks zip CRC32s on load)."""
-    return NxdTagReader(path, param_names=param_names, mmap=mmap, verify=verify)
+    return NxdTagReader(path, param_names=param_names, mmap=mmap, verify=verify, rule_set=rule_set)
 
 
 def read_tag(
-    path: str | Path, *, param_names: Mapping[RankKey, Sequence[str]] | None = None, verify: bool = True
+    path: str | Path,
+    *,
+    param_names: Mapping[RankKey, Sequence[str]] | None = None,
+    verify: bool = True,
+    rule_set: str | None = DEFAULT_RULE_SET,
 ) -> NxdTag:
     """Read a whole tag into memory (see :class:`NxdTag`).
 
     Raises :class:`CorruptionError` for a missing rank file (a gap in the grid the file names imply) and, with
     ``verify`` (default), for a file whose zip CRC32s do not match its bytes (legacy non-zip files are not checked).
     """
-    return NxdTagReader(path, param_names=param_names, verify=verify).read()
+    return NxdTagReader(path, param_names=param_names, verify=verify, rule_set=rule_set).read()

@@ -28,20 +28,23 @@ import torch
 from ckpt import treecodec
 from ckpt.dtypes import dtype_name
 from ckpt.errors import CkptError, CorruptionError, LayoutError
-from ckpt.layouts import Piece, plan_nxd_to_full
-from ckpt.layouts.families import family_for_rule_set, rule_set_for_config
+from ckpt.layouts import LayoutSpec, Piece, bit_equal, plan_nxd_to_full
+from ckpt.layouts.families import family_for_rule_set, get_family, rule_set_for_config
 from ckpt.layouts.names import EXPERT_STACKED, nxd_to_hf_names
 from ckpt.layouts.partition import partition_entry
 from ckpt.layouts.pipeline import layer_index, layers_of_pp_rank
 from ckpt.layouts.record import NxdRecord
 from ckpt.layouts.rules import check_known, rules_with
 from ckpt.manifest import TensorDesc
+from ckpt.safe_unpickle import TensorReference, load_torch_file
 from ckpt.state import optim_name
 
 from ..engine import Source, Trees, slice_of
+from ..engine.experts import with_expert_views
 from .discovery import TagStatus, tag_status
 from .naming import RankKey
 from .reader import open_tag
+from .xser import tensor_file
 from .zero1 import Deferred
 
 NAME = "nxd"
@@ -167,14 +170,12 @@ class NxdTagSource(Source):
         self.path = str(path)
         self.config = dict(config) if config is not None else None
         status = check_usable(path, allow_unmarked)
-        self.r = open_tag(path, param_names=param_names, verify=verify, mmap=True)
+        rule_set = rule_set or rule_set_for_config(self.config)  # default: the config's model family
+        self.r = open_tag(path, param_names=param_names, verify=verify, mmap=True, rule_set=rule_set)
         meta = self.r.meta
-        if meta.ep_size > 1:
-            raise LayoutError(
-                f"{self.path}: expert parallelism (ep={meta.ep_size}) is not supported by the converter"
-            )
         self.r.check_complete()
-        tp, pp = meta.tp_size, meta.pp_size
+        tp, pp, ep = meta.tp_size, meta.pp_size, meta.ep_size
+        self._ep = ep
         per_rank = {(t, p): self.r.model_metas((t, p, 0)) for t in range(tp) for p in range(pp)}
         for (t, p), metas in per_rank.items():
             if metas != per_rank[(0, p)]:
@@ -205,13 +206,23 @@ class NxdTagSource(Source):
         }
         detected.update(given)
         replicated = tuple(replicated)
-        rule_set = rule_set or rule_set_for_config(self.config)  # default: the config's model family
         family = family_for_rule_set(rule_set)
-        if family.experts is not None:
+        self._stacked = (
+            frozenset(n for n in names if EXPERT_STACKED.match(n))
+            if family.experts is not None
+            else frozenset()
+        )
+        if ep > 1 and not self._stacked:
+            if self.config and self.config.get("model_type"):
+                get_family(
+                    str(self.config["model_type"])
+                )  # an unknown family: refused with the supported ones
             raise LayoutError(
-                f"{self.path}: NxD tags of MoE models (model_type {family.model_type!r}) are not read by the converter "
-                "yet; Neuron saver checkpoints (our manifest) of them are"
+                f"{self.path}: rank files carry ep_rank (ep={ep}) but no NxD expert tensors "
+                f"(rule set {rule_set}); expert parallelism needs an MoE model: pass its --config"
             )
+        if ep > 1:
+            self._check_ep_ranks(per_rank, tp, pp, ep)
         check_known(
             (
                 h
@@ -224,7 +235,7 @@ class NxdTagSource(Source):
         )
         record = NxdRecord(rule_set=rule_set, config=self.config, replicated=replicated, **detected)
         if self.config:  # the model the tag holds must be one the rule set covers (model type, dims, flags)
-            record.spec(tp=tp, pp=pp, dp=meta.dp_size, where=self.path)
+            self._with_ep(record.spec(tp=tp, pp=pp, dp=meta.dp_size, where=self.path))
         if self.config and pp > 1 and "virtual_pp" not in given:
             record = self._detect_virtual_pp(record, tp, pp, meta.dp_size)
         self.zero1 = meta.zero1
@@ -234,10 +245,14 @@ class NxdTagSource(Source):
             full = list(shape)
             if part is not None:
                 full[int(part["dim"])] *= tp
+            if name in self._stacked and ep > 1:  # EP rank k holds experts [k*E/ep, (k+1)*E/ep) (experts.py)
+                full[0] *= ep
+                assert part is not None
+                part = {**part, "ep": ep}
             self.tensors[name] = TensorDesc(name, "parameter", tuple(full), dtype_name(dt), partition=part)
-        self._models: OrderedDict[tuple[int, int], dict[str, torch.Tensor]] = OrderedDict()
-        self._optims: OrderedDict[tuple[int, int], dict[str, Any] | None] = OrderedDict()
-        self._loaded: OrderedDict[tuple[tuple[int, int], str], torch.Tensor] = OrderedDict()
+        self._models: OrderedDict[RankKey, dict[str, torch.Tensor]] = OrderedDict()
+        self._optims: OrderedDict[RankKey, dict[str, Any] | None] = OrderedDict()
+        self._loaded: OrderedDict[tuple[RankKey, str], torch.Tensor] = OrderedDict()
         optimizer, opt_extra = self._describe_optimizer(pp)
         record_kw: dict[str, Any] = {
             "pp_ranks": dict(self._pp_of) if pp > 1 else None,
@@ -252,7 +267,7 @@ class NxdTagSource(Source):
             "optimizer_extra": opt_extra or None,
         }
         self.record = dataclasses.replace(record, **record_kw)
-        self.flags = self.record.flags(tp=tp, pp=pp, dp=meta.dp_size)
+        self.flags = dataclasses.replace(self.record.flags(tp=tp, pp=pp, dp=meta.dp_size), ep=ep)
         user = self.r.user_content()
         sched = self.r.scheduler()
         if step is None:
@@ -271,7 +286,67 @@ class NxdTagSource(Source):
         )
         # with a config, every rank tensor must be what the config and flags imply (metadata only, no data read)
         if self.config:
-            plan_nxd_to_full(self.spec(), self.rank_metas())
+            spec = self.spec()
+            plan_nxd_to_full(spec, with_expert_views(self, spec).rank_metas())
+
+    def _check_ep_ranks(
+        self,
+        ep0: Mapping[tuple[int, int], list[tuple[str, tuple[int, ...], torch.dtype]]],
+        tp: int,
+        pp: int,
+        ep: int,
+    ) -> None:
+        """Every EP rank holds the tensors of EP rank 0 (same names, order, shapes, dtypes): the expert tensors are
+        its own block of experts, everything else a copy (compared bit for bit when read).  With xser, an EP rank's
+        expert tensors must be in its own folder: NxD keeps only non-expert tensors once, under ``ep_rank_00``, so
+        falling back there for an expert tensor would silently read another rank's experts."""
+        for (t, p), metas in ep0.items():
+            for k in range(1, ep):
+                other = self.r.model_metas((t, p, k))
+                if [(n, s, d) for n, s, d in other] != metas:
+                    odd = next(
+                        (m for m, n in zip(other, metas, strict=False) if m != n), (other or metas)[-1]
+                    )
+                    raise CorruptionError(
+                        f"{self.path}: rank tp {t} pp {p} ep {k} holds {odd[0]} {list(odd[1])} {odd[2]}, unlike ep 0 "
+                        f"({len(other)} vs {len(metas)} tensors)"
+                    )
+                if self.r.meta.xser:
+                    self._check_own_expert_files((t, p, k))
+                if self.r.files.optim:  # a plain optimizer per EP rank: same parameters, groups and scalars
+                    mine, first = (
+                        self.r.optimizer((t, p, k), lazy=True),
+                        self.r.optimizer((t, p, 0), lazy=True),
+                    )
+                    if (mine is None) != (first is None) or (
+                        mine is not None
+                        and first is not None
+                        and mine["param_groups"] != first["param_groups"]
+                    ):
+                        raise CorruptionError(
+                            f"{self.path}: optimizer of tp {t} pp {p} ep {k} has other param_groups than ep 0"
+                        )
+
+    def _check_own_expert_files(self, rank: RankKey) -> None:
+        path = self.r.files.model[rank]
+        refs = load_torch_file(path)
+        for name, ref in refs.items() if isinstance(refs, dict) else ():
+            if (
+                name in self._stacked
+                and isinstance(ref, TensorReference)
+                and not tensor_file(path, ref.tid).is_file()
+            ):
+                raise CorruptionError(
+                    f"{tensor_file(path, ref.tid)}: expert tensor {name} of tp {rank[0]} pp {rank[1]} ep {rank[2]} is "
+                    "missing (an EP rank's experts are never shared with ep_rank_00)"
+                )
+
+    def _with_ep(self, spec: LayoutSpec) -> LayoutSpec:
+        return dataclasses.replace(spec, ep=self._ep) if self._ep > 1 else spec
+
+    def spec(self, config: Mapping[str, Any] | None = None) -> LayoutSpec:
+        """The tag's layout with its EP degree (the record knows no EP; the file names do)."""
+        return self._with_ep(super().spec(config))
 
     def _detect_virtual_pp(self, record: NxdRecord, tp: int, pp: int, dp: int) -> NxdRecord:
         """The virtual PP degree whose layer placement matches the files (NxD does not record it)."""
@@ -300,7 +375,7 @@ class NxdTagSource(Source):
         seen = False
         extra: Any = None
         for p in range(pp):
-            opt = self._optim((0, p))
+            opt = self._optim((0, p, 0))
             if opt is None:
                 continue
             seen = True
@@ -347,41 +422,71 @@ class NxdTagSource(Source):
     def pp_ranks(self, name: str) -> tuple[int, ...]:
         return tuple(self._pp_of[name])
 
-    def _model(self, rank: tuple[int, int]) -> dict[str, torch.Tensor]:
+    def _model(self, rank: RankKey) -> dict[str, torch.Tensor]:
         d = self._models.get(rank)
         if d is None:
-            d = self._models[rank] = self.r.model((*rank, 0))
-            while len(self._models) > self.r.meta.tp_size:
+            d = self._models[rank] = self.r.model(rank)
+            while len(self._models) > self.r.meta.tp_size * self._ep:
                 self._models.popitem(last=False)
         else:
             self._models.move_to_end(rank)
         return d
 
-    def _optim(self, rank: tuple[int, int]) -> dict[str, Any] | None:
+    def _optim(self, rank: RankKey) -> dict[str, Any] | None:
         if rank not in self._optims:
-            self._optims[rank] = self.r.optimizer((*rank, 0), lazy=True)
-            while len(self._optims) > self.r.meta.tp_size:
+            self._optims[rank] = self.r.optimizer(rank, lazy=True)
+            while len(self._optims) > self.r.meta.tp_size * self._ep:
                 self._optims.popitem(last=False)
         else:
             self._optims.move_to_end(rank)
         return self._optims[rank]
 
-    def read(self, piece: Piece) -> torch.Tensor:
-        assert piece.rank is not None
-        desc = self.tensors[piece.name]
+    def _stored(self, rank: RankKey, desc: TensorDesc) -> torch.Tensor:
+        """The tensor ``desc`` names as rank ``(tp, pp, ep)`` stores it (a ZeRO-1 state merged over DP)."""
         if desc.role == "optimizer_state":
-            opt = self._optim(piece.rank)
+            opt = self._optim(rank)
             if opt is None:
-                raise CorruptionError(f"{self.path}: no optimizer for tp {piece.rank[0]} pp {piece.rank[1]}")
+                raise CorruptionError(f"{self.path}: no optimizer for tp {rank[0]} pp {rank[1]} ep {rank[2]}")
             if desc.key == MASTER_KEY:
                 t = (opt.get("master_weights") or {})[desc.param]
             else:
                 t = opt["state"][desc.param][desc.key]
         else:
-            t = self._model(piece.rank)[piece.name]
+            t = self._model(rank)[desc.name]
         if isinstance(t, Deferred):
-            t = self._merged(piece.rank, piece.name, t)
-        return slice_of(t, piece)
+            t = self._merged(rank, desc.name, t)
+        return t
+
+    def read(self, piece: Piece) -> torch.Tensor:
+        assert piece.rank is not None
+        desc = self.tensors[piece.name]
+        param = desc.param if desc.role == "optimizer_state" else piece.name
+        if param in self._stacked and self._ep > 1:
+            return self._expert_piece(piece, desc)
+        out = slice_of(self._stored((*piece.rank, 0), desc), piece)
+        if self._ep > 1 and not (desc.role == "optimizer_state" and self.zero1):
+            # every EP rank stores its own copy (ZeRO-1 states come from the same DP files for all): compared, as
+            # replicated TP copies are, so a desynchronised EP rank is refused rather than silently dropped
+            for k in range(1, self._ep):
+                if not bit_equal(slice_of(self._stored((*piece.rank, k), desc), piece), out):
+                    raise LayoutError(
+                        f"{self.path}: {piece.name} of tp {piece.rank[0]} pp {piece.rank[1]} ep {k} differs from its "
+                        "copy on ep 0; copies of non-expert tensors must be identical on every EP rank"
+                    )
+        return out
+
+    def _expert_piece(self, piece: Piece, desc: TensorDesc) -> torch.Tensor:
+        """A piece of a stacked expert tensor (or of its moment), whose dim 0 (experts) is spread over the EP ranks'
+        files: a view when it lies in one EP rank (what the converter reads: one expert slot), else the EP ranks'
+        blocks concatenated."""
+        assert piece.rank is not None
+        blocks = [self._stored((*piece.rank, k), desc) for k in range(self._ep)]
+        per = blocks[0].shape[0]
+        if piece.dim == 0 and piece.length > 0:
+            k0, k1 = piece.start // per, (piece.start + piece.length - 1) // per
+            if k0 == k1:
+                return blocks[k0].narrow(0, piece.start - k0 * per, piece.length)
+        return slice_of(torch.cat(blocks, 0), piece)
 
     def read_anon(self, piece: Piece) -> int:
         """Model tensors and plain optimizer states are views of memory-mapped files (a legacy non-zip file is read
@@ -398,14 +503,14 @@ class NxdTagSource(Source):
         merged = (self.stored_bytes(p) for p in pieces if self.tensors[p.name].role == "optimizer_state")
         return 2 * max(merged, default=0)
 
-    def _merged(self, rank: tuple[int, int], name: str, d: Deferred) -> torch.Tensor:
+    def _merged(self, rank: RankKey, name: str, d: Deferred) -> torch.Tensor:
         """A ZeRO-1 tensor merged over DP, kept while the next pieces of it are read (a rank tensor split into
         several target tensors, e.g. ``gate_up_proj``) and dropped two tensors later."""
         key = (rank, name)
         t = self._loaded.get(key)
         if t is None:
             t = self._loaded[key] = d.load()
-            while len(self._loaded) > 2:
+            while len(self._loaded) > 2 * self._ep:
                 self._loaded.popitem(last=False)
         return t
 

@@ -29,10 +29,12 @@ from typing import Any
 import torch
 
 from ckpt.errors import CheckpointExistsError, CkptError
+from ckpt.layouts.names import EXPERT_STACKED
 from ckpt.layouts.zero1 import Empty
 from ckpt.storage import Storage, open_storage
 from ckpt.storage.folder import FolderTxn, begin_folder
 
+from . import zero1_ep
 from .naming import RankKey, rank_file_name
 from .reader import NxdTag
 from .xser import save_nxd_file
@@ -54,6 +56,8 @@ class TagWriter:
         dp_size: the DP size ZeRO-1 optimizers are sharded for.
         zero1: write ZeRO-1 optimizer dicts; otherwise plain torch.optim dicts.
         ep_size: expert-parallel size (file names carry an ep field iff it is > 1).
+        expert_tensors: names of the model tensors that are each EP rank's own (NxD's stacked experts); with xser
+            and ``ep_size > 1`` only ``ep_rank_00`` keeps the other tensors' files, as NxD writes them.
         overwrite: replace an existing local tag at :meth:`finish` (the old one is kept until the new one is in).
         join: the :attr:`url` of another ``TagWriter`` for the same tag, made by a coordinator: this writer only adds
             rank files to it (parallel writers, one process or torchrun rank each, writing disjoint ranks).  It never
@@ -71,6 +75,7 @@ class TagWriter:
         overwrite: bool = False,
         storage_options: dict[str, Any] | None = None,
         join: str | None = None,
+        expert_tensors: frozenset[str] | set[str] = frozenset(),
     ) -> None:
         if dp_size < 1:
             raise CkptError(f"dp_size must be >= 1, got {dp_size}")
@@ -79,6 +84,7 @@ class TagWriter:
         self.dp_size = dp_size
         self.zero1 = zero1
         self.ep_size = ep_size
+        self.expert_tensors = frozenset(expert_tensors)
         #: largest number of tensor bytes (distinct storages) one :meth:`write_rank` call was handed: the state a
         #: streaming producer holds at once, reported so callers and tests can check the bound
         self.max_rank_bytes = 0
@@ -166,18 +172,29 @@ class TagWriter:
         try:
             if model is not None:
                 fname = rank_file_name(0, tp, pp, ep if self.ep_size > 1 else None)
-                save_nxd_file(dict(model), self.storage, f"model/{fname}", self.xser)
+                own = frozenset(id(t) for n, t in model.items() if n in self.expert_tensors)
+                save_nxd_file(
+                    dict(model), self.storage, f"model/{fname}", self.xser,
+                    expert=own if self.ep_size > 1 else frozenset(), shared_elsewhere=self.ep_size > 1 and ep > 0,
+                )  # fmt: skip
             if optimizer is not None:
                 if self.zero1:
-                    if self.ep_size > 1:
-                        raise CkptError(
-                            f"{self.dst}: writing ZeRO-1 optimizers with expert parallelism is not supported"
-                        )
                     where = f"{self.dst}/optim tp {tp} pp {pp} ep {ep}"
                     shapes = {k: tuple(v.shape) for k, v in (model or {}).items()}
-                    for r, d in enumerate(
-                        shard_zero1_optimizer(optimizer, shapes, self.dp_size, where=where, empty=empty)
-                    ):
+                    if self.ep_size > 1:  # NeuronEPZero1Optimizer: this EP rank's DP files (zero1_ep.py)
+                        dicts = zero1_ep.shard(
+                            optimizer, shapes, self.dp_size, self.ep_size, ep, self.expert_tensors.__contains__,
+                            where=where, empty=empty,
+                        )  # fmt: skip
+                    else:
+                        dicts = dict(
+                            enumerate(
+                                shard_zero1_optimizer(
+                                    optimizer, shapes, self.dp_size, where=where, empty=empty
+                                )
+                            )
+                        )
+                    for r, d in dicts.items():
                         save_nxd_file(d, self.storage, f"optim/{rank_file_name(r, tp, pp)}", self.xser)
                 else:
                     fname = rank_file_name(0, tp, pp, ep if self.ep_size > 1 else None)
@@ -271,13 +288,11 @@ def write_tag(
     if dp < 1:
         raise CkptError(f"dp_size must be >= 1, got {dp}")
     ep_size = 1 + max((r[2] for r in tag.per_rank_model), default=0)
-    if zero and ep_size > 1 and tag.per_rank_optimizer:
-        raise CkptError(
-            f"{Path(root) / name}: writing ZeRO-1 optimizers with expert parallelism is not supported"
-        )
+    experts = {n for sd in tag.per_rank_model.values() for n in sd if EXPERT_STACKED.match(n)}
     with TagWriter(
-        Path(root) / name, xser=xser, dp_size=dp, zero1=zero, ep_size=ep_size, overwrite=overwrite
-    ) as w:
+        Path(root) / name, xser=xser, dp_size=dp, zero1=zero, ep_size=ep_size, overwrite=overwrite,
+        expert_tensors=experts,
+    ) as w:  # fmt: skip
         for rank in sorted(set(tag.per_rank_model) | set(tag.per_rank_optimizer)):
             w.write_rank(rank, tag.per_rank_model.get(rank), tag.per_rank_optimizer.get(rank))
         return w.finish(tag.scheduler, tag.user_content)

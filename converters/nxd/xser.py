@@ -268,17 +268,32 @@ def _save(obj: Any, storage: Storage, rel: str, **kw: Any) -> None:
             shutil.copyfileobj(src, dst, 16 << 20)
 
 
-def save_nxd_file(obj: Any, storage: Storage, rel: str, xser: bool, *, write_info: bool = True) -> None:
+def save_nxd_file(
+    obj: Any,
+    storage: Storage,
+    rel: str,
+    xser: bool,
+    *,
+    write_info: bool = True,
+    expert: frozenset[int] = frozenset(),
+    shared_elsewhere: bool = False,
+) -> None:
     """Write ``obj`` as ``rel`` under ``storage`` the way NxD's ``save_checkpoint`` does: one ``torch.save`` file, or
-    xser (the ref file, ``<rel>.tensors/tensor_<tid>.pt`` per tensor, ``<rel>.info.pt``)."""
+    xser (the ref file, ``<rel>.tensors/tensor_<tid>.pt`` per tensor, ``<rel>.info.pt``).
+
+    Expert parallelism (xser only): ``expert`` holds the ``id()`` of the tensors that are this EP rank's own (NxD's
+    ``expert_model_parallel``, recorded in ``.info.pt``); with ``shared_elsewhere`` (EP rank > 0) the other tensors'
+    files are left out, as NxD writes them once under ``ep_rank_00`` and every EP rank loads them from there."""
     if not xser:
         _save(obj, storage, rel)
         return
     ref_obj, tensors = split_tensors(obj)
     info: dict[int, dict[str, Any]] = {}
     for tid, t in enumerate(tensors):
-        _save(compact(t), storage, f"{rel}.tensors/tensor_{tid}.pt")
-        info[tid] = {"dtype": t.dtype, "shape": t.shape, "expert_model_parallel": False}
+        own = id(t) in expert
+        if own or not shared_elsewhere:
+            _save(compact(t), storage, f"{rel}.tensors/tensor_{tid}.pt")
+        info[tid] = {"dtype": t.dtype, "shape": t.shape, "expert_model_parallel": own}
     _save(ref_obj, storage, rel, pickle_module=_xser_pickle_module)
     if write_info:
         _save(info, storage, f"{rel}.info.pt")

@@ -8,11 +8,13 @@ Facts (torch_xla ``distributed/zero_redundancy_optimizer.py``, NxD ``optimizer/z
 * shard rule (:mod:`ckpt.layouts.zero1`): pad dim 0 with zeros to a multiple of the DP size, then
   ``chunk(dp)[dp_rank]``; master weight shards keep their padding too; ``step`` (and any 0-dim value) is
   replicated, not sharded;
-* ``pid`` counts the optimizer's parameters group by group (``get_shape_info``); the file stores no names.
-  NxD's examples build two groups (``get_param_groups_by_weight_decay``: names without "bias"/"norm" first, then
-  the others), so pid order equals model order only with a single group.  :func:`resolve_param_names` tries both
-  and checks every shape against ``shape_info``.
-* The MoE variant (``NeuronEPZero1Optimizer``) adds ``ep_*_offset`` keys; it is not supported here.
+* ``pid`` counts the optimizer's parameters group by group (``get_shape_info``); NxD's files store no names
+  unless the optimizer was built from named parameters (torch >= 2.5: ``param_names`` in each group).  NxD's
+  examples build two groups (``get_param_groups_by_weight_decay``: names without "bias"/"norm" first, then the
+  others), so pid order equals model order only with a single group.  :func:`resolve_param_names` names pids from
+  ``param_names``, or from NxD's parameter order where ckpt knows it, and refuses otherwise; the files ckpt writes
+  always carry ``param_names``, with pids in NxD's order (:mod:`ckpt.layouts.nxd_order`).
+* The MoE variant (``NeuronEPZero1Optimizer``) adds ``ep_*_offset`` keys: :mod:`.zero1_ep` splits and joins it.
 """
 
 from __future__ import annotations
@@ -50,6 +52,49 @@ def _shape(x: Any) -> Shape:
     return tuple(int(s) for s in x)
 
 
+def _hyper(group: Mapping[str, Any]) -> dict[str, Any]:
+    """A param group's hyper-parameters: ``params`` and ``param_names`` are replaced by names in the merged form
+    and written again from them (:func:`_pid_groups`)."""
+    return {k: v for k, v in group.items() if k not in ("params", "param_names")}
+
+
+def _pid_groups(groups: Sequence[Mapping[str, Any]], pid_of: Mapping[str, int]) -> list[dict[str, Any]]:
+    """Named groups as NxD files hold them: ``params`` as pids, ``param_names`` next to them (what a torch >= 2.5
+    optimizer built from named parameters saves), so readers need not guess which pid is which parameter."""
+    out = []
+    for g in groups:
+        d = {
+            k: v for k, v in g.items() if k != "param_names"
+        }  # keys in the source's order (NxD's: params last)
+        d["params"] = [pid_of[n] for n in g["params"]]
+        d["param_names"] = list(g["params"])
+        out.append(d)
+    return out
+
+
+def recorded_param_names(param_groups: Sequence[Mapping[str, Any]], *, where: str) -> list[str] | None:
+    """Name of each pid from the groups' ``param_names`` (torch >= 2.5 optimizers built from named parameters, and
+    every tag ckpt writes); None when no group records them.  Groups that record them only in part, or names that
+    do not pair one to one with the group's pids, are damage."""
+    has = [("param_names" in g) for g in param_groups]
+    if not any(has):
+        return None
+    if not all(has):
+        raise CorruptionError(f"{where}: param group {has.index(False)} has no param_names but others do")
+    by_pid: dict[int, str] = {}
+    for gi, g in enumerate(param_groups):
+        pids, names = list(g.get("params", [])), list(g["param_names"])
+        if len(pids) != len(names):
+            raise CorruptionError(
+                f"{where}: param group {gi} lists {len(pids)} pids but {len(names)} param_names"
+            )
+        for pid, name in zip(pids, names, strict=True):
+            by_pid[int(pid)] = str(name)
+    if sorted(by_pid) != list(range(len(by_pid))) or len(set(by_pid.values())) != len(by_pid):
+        raise CorruptionError(f"{where}: param_names do not name pids 0..{len(by_pid) - 1} once each")
+    return [by_pid[i] for i in range(len(by_pid))]
+
+
 def resolve_param_names(
     model_shapes: Sequence[tuple[str, Shape]],
     param_groups: Sequence[Mapping[str, Any]],
@@ -58,52 +103,82 @@ def resolve_param_names(
     where: str,
     num_params: int | None = None,
     explicit: Sequence[str] | None = None,
+    order: Callable[[Sequence[str]], list[str] | None] | None = None,
 ) -> list[str]:
-    """Name of each pid (index = pid), derived from the model shard's key order and checked against ``shape_info``.
+    """Name of each pid (index = pid), checked against ``shape_info``; refused rather than guessed.
 
-    Candidates, in order: NxD's two-group weight-decay split (when there are exactly two groups of matching sizes),
-    then plain model order.  The first whose every shape matches wins; otherwise the error names the first
-    disagreeing pid.  Pass explicit names to the reader when training used another grouping.  ``num_params`` is for
-    plain torch.optim dicts, where ``shape_info`` is built from the state tensors and may miss pids.  ``explicit``
-    replaces the candidates by one given order (still checked).
+    NxD resumes with ``optimizer.load_state_dict``, which maps pids to parameters by position, so the names are:
+    ``explicit`` (the caller's), else the groups' ``param_names`` (both must agree when both exist), else the model
+    file's key order: NxD saves ``model.state_dict()``, which lists parameters as the live model does.  That order
+    is used only where it is NxD's parameter order for the layout (``order``:
+    :func:`ckpt.layouts.nxd_order.nxd_param_order` of the model shard's names, None where ckpt does not know it);
+    a model file in another order (ckpt's tags before ``param_names``, whose model keys followed the source) is
+    refused.  One group: that order.  Two groups: NxD's examples' weight-decay split
+    (``get_param_groups_by_weight_decay``: names without "bias"/"norm", then the others) of it when the group sizes
+    fit, and only where NxD's order is known; anything else is refused.
+    ``num_params`` is for plain torch.optim dicts, where ``shape_info`` comes from the state tensors and may miss pids.
     """
     n = len(shape_info) if num_params is None else num_params
     if num_params is None and sorted(shape_info) != list(range(n)):
         raise CorruptionError(f"{where}: shape_info pids are not 0..{n - 1}")
     sizes = [len(g.get("params", [])) for g in param_groups]
-    names = [name for name, _ in model_shapes]
+    model_names = [name for name, _ in model_shapes]
     shapes = dict(model_shapes)
-    candidates: list[list[str]] = []
-    if explicit is not None:
-        unknown = [k for k in explicit if k not in shapes]
+    recorded = recorded_param_names(param_groups, where=where)
+    if explicit is not None and recorded is not None and list(explicit) != recorded:
+        bad = next(
+            (i for i, (a, b) in enumerate(zip(explicit, recorded, strict=False)) if a != b), len(recorded)
+        )
+        raise StateMismatchError(
+            f"{where}: param_names given disagree with the file's param_names at pid {bad}"
+        )
+    given = list(explicit) if explicit is not None else recorded
+    if given is not None:
+        unknown = [k for k in given if k not in shapes]
         if unknown:
             raise StateMismatchError(
                 f"{where}: param_names has '{unknown[0]}' which is not in the model shard"
             )
-        names = list(explicit)
-    elif len(param_groups) == 2:
-        decay = [k for k in names if not any(m in k for m in NO_DECAY_MARKERS)]
-        no_decay = [k for k in names if any(m in k for m in NO_DECAY_MARKERS)]
-        if [len(decay), len(no_decay)] == sizes:
-            candidates.append(decay + no_decay)
-    candidates.append(names)
-    first_error = ""
-    for cand in candidates:
-        if len(cand) != n:
-            first_error = first_error or (
-                f"{where}: optimizer has {n} parameters (shape_info) but the model shard has {len(cand)} tensors"
+        cand = given
+    else:
+        nxd = order(model_names) if order is not None else None
+        if nxd is not None and nxd != model_names:
+            bad = next(i for i, (a, b) in enumerate(zip(nxd, model_names, strict=True)) if a != b)
+            raise StateMismatchError(
+                f"{where}: no param_names, and the model file lists '{model_names[bad]}' where NxD's parameter order "
+                f"has '{nxd[bad]}', so the order its pids follow is unknown; pass param_names"
             )
-            continue
-        bad = next(
-            (pid for pid in sorted(shape_info) if _shape(shape_info[pid]) != _shape(shapes[cand[pid]])), None
+        if len(param_groups) <= 1:
+            cand = model_names
+        elif nxd is None:
+            raise StateMismatchError(
+                f"{where}: {len(param_groups)} param groups and no param_names, and NxD's parameter order for this "
+                "layout is not known to ckpt, so its pids cannot be named; pass param_names"
+            )
+        else:
+            decay = [k for k in nxd if not any(m in k for m in NO_DECAY_MARKERS)]
+            no_decay = [k for k in nxd if any(m in k for m in NO_DECAY_MARKERS)]
+            if sizes != [len(decay), len(no_decay)]:
+                raise StateMismatchError(
+                    f"{where}: param groups of {sizes} parameters and no param_names; NxD's weight-decay split of "
+                    f"this shard is [{len(decay)}, {len(no_decay)}]; pass param_names"
+                )
+            cand = decay + no_decay
+    if len(cand) != n:
+        raise StateMismatchError(
+            f"{where}: optimizer has {n} parameters but {len(cand)} names ("
+            + ("param_names" if given is not None else "model shard tensors")
+            + ")"
         )
-        if bad is None:
-            return cand
-        first_error = first_error or (
+    bad = next(
+        (pid for pid in sorted(shape_info) if _shape(shape_info[pid]) != _shape(shapes[cand[pid]])), None
+    )
+    if bad is not None:
+        raise StateMismatchError(
             f"{where}: pid {bad} has shape_info {list(_shape(shape_info[bad]))} but model parameter "
             f"'{cand[bad]}' has shape {list(shapes[cand[bad]])}; pass param_names explicitly"
         )
-    raise StateMismatchError(first_error)
+    return cand
 
 
 class Deferred:
@@ -208,7 +283,7 @@ def merge_zero1_optimizer(
                 f"{where}: master weight pid {pid} ('{name}')",
             )  # fmt: skip
 
-    groups = copy.deepcopy([{k: v for k, v in g.items() if k != "params"} for g in d0["param_groups"]])
+    groups = copy.deepcopy([_hyper(g) for g in d0["param_groups"]])
     for g, g0 in zip(groups, d0["param_groups"], strict=True):
         g["params"] = [param_names[p] for p in g0["params"]]
     extra = {k: v for k, v in d0.items() if k not in _ZERO1_KEYS}
@@ -248,9 +323,7 @@ def shard_zero1_optimizer(
             raise StateMismatchError(f"{where}: optimizer state for '{name}' which is in no param group")
     out: list[dict[str, Any]] = []
     for _ in range(dp_size):
-        groups = [dict(g) for g in merged["param_groups"]]
-        for g in groups:
-            g["params"] = [pid_of[n] for n in g["params"]]
+        groups = _pid_groups(merged["param_groups"], pid_of)
         wrapper_state = merged.get("extra", {}).get("state", {})
         d: dict[str, Any] = {k: v for k, v in merged.get("extra", {}).items() if k != "state"}
         d.update(
@@ -292,7 +365,7 @@ def merge_plain_optimizer(
 ) -> dict[str, Any]:
     """A plain ``torch.optim`` state dict (non-ZeRO NxD run) in the same named form as :func:`merge_zero1_optimizer`."""
     state = {param_names[pid]: dict(v) for pid, v in opt.get("state", {}).items()}
-    groups = copy.deepcopy([{k: v for k, v in g.items() if k != "params"} for g in opt["param_groups"]])
+    groups = copy.deepcopy([_hyper(g) for g in opt["param_groups"]])
     for g, g0 in zip(groups, opt["param_groups"], strict=True):
         g["params"] = [param_names[p] for p in g0["params"]]
     extra = {k: v for k, v in opt.items() if k not in ("state", "param_groups")}
@@ -315,9 +388,7 @@ def unshard_plain_optimizer(merged: Mapping[str, Any]) -> dict[str, Any]:
     """Inverse of :func:`merge_plain_optimizer`: pids back in ``param_groups`` order."""
     order = [name for g in merged["param_groups"] for name in g["params"]]
     pid_of = {name: pid for pid, name in enumerate(order)}
-    groups = copy.deepcopy([dict(g) for g in merged["param_groups"]])
-    for g in groups:
-        g["params"] = [pid_of[n] for n in g["params"]]
+    groups = copy.deepcopy(_pid_groups(merged["param_groups"], pid_of))
     state = {pid_of[n]: dict(v) for n, v in sorted(merged["state"].items(), key=lambda kv: pid_of[kv[0]])}
     out: dict[str, Any] = {"state": state, "param_groups": groups}
     out.update(merged.get("extra", {}))

@@ -52,6 +52,7 @@ class CrashReport:
     final_step: int = 0
     open_multipart_uploads: int | None = None
     leftover_uncommitted: int = 0
+    lazy_saves: int = 0  # saves whose optimizer state was copied in the background (lazy staging)
     problems: list[str] = field(default_factory=list)
     seconds: float = 0.0
 
@@ -166,6 +167,7 @@ def run_trials(
         report.trials += 0 if final else 1
         report.kills += 1
         saves = {e["step"] for e in events if e["ev"] == "save"}
+        report.lazy_saves += sum(1 for e in events if e["ev"] == "staged" and e["lazy_bytes"] > 0)
         committed = {e["step"] for e in events if e["ev"] == "committed"}
         if saves - committed:
             report.kills_during_save += 1

@@ -5,7 +5,8 @@
 On start it calls ``restore_latest`` and logs ``{"ev": "ready", "restored": step|null, "digest": ...}``; then it
 trains forever (until SIGKILL or ``--max-steps``), logging per step ``{"ev": "step", "step": N, "loss": hex}``,
 before each save ``{"ev": "save", "step": N, "digest": ...}`` (a SHA-256 of the exact model + optimizer state being
-saved) and, from the manager's commit callback, ``{"ev": "committed", "step": N}``.
+saved), after it ``{"ev": "staged", "step": N, "lazy_bytes": B}`` (bytes left to the background copy: lazy
+staging lets training mutate the tensors while they are still being copied) and, from the manager's commit callback, ``{"ev": "committed", "step": N}``.
 
 Why it looks like this: the harness must compare what a restart restores against what was *committed*, without
 trusting the code under test, so the process records a digest of the state it hands to ``save`` (async saves stage
@@ -81,6 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--every", type=int, default=1, help="save every N steps")
     p.add_argument("--keep-last", type=int, default=2)
     p.add_argument("--max-steps", type=int, default=10**9)
+    p.add_argument("--eager", dest="lazy", action="store_false", help="copy all state before save() returns")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     log = EventLog(args.log)
@@ -107,7 +109,9 @@ def main(argv: list[str] | None = None) -> int:
         log("step", step=step, loss=float(loss.detach()).hex())
         if step % args.every == 0:
             log("save", step=step, digest=state_digest(model, opt))
-            mgr.save(step, model=model, optimizer=opt)
+            mgr.save(step, model=model, optimizer=opt, lazy=args.lazy)
+            staging = mgr.checkpointer.last_staging
+            log("staged", step=step, lazy_bytes=staging.lazy_bytes if staging else 0)
     mgr.close()
     log("exit", step=step)
     return 0
