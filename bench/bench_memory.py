@@ -200,7 +200,7 @@ def table(paths: list[str]) -> str:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--layers", default="6,28", help="model sizes, as numbers of decoder layers")
+    p.add_argument("--layers", default="6,52", help="model sizes, as numbers of decoder layers")
     p.add_argument("--pairs", default="all", help="'all' or SOURCE:TARGET,... (e.g. ckpt:nxd,nxd:hf)")
     p.add_argument("--workdir", default=None)
     p.add_argument(
