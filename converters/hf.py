@@ -216,8 +216,9 @@ def check_export(conv: Conversion) -> None:
 NOT_WRITTEN_WHY = "a Hugging Face folder holds model weights and config.json only"
 
 
-def not_written(conv: Conversion, kept: Mapping[str, Any]) -> list[str]:
-    """What of ``conv`` an HF folder does not hold, as phrases (empty when nothing is left out)."""
+def not_written(conv: Conversion, kept: Mapping[str, Any], holds: frozenset[str] = frozenset()) -> list[str]:
+    """What of ``conv`` an HF folder does not hold, as phrases (empty when nothing is left out); ``holds`` names
+    the non-tensor state (phrases below) a richer folder does write, e.g. an HF Trainer checkpoint's scheduler."""
     left: dict[str, int] = {}
     for t in conv.tensors:
         if t.desc.name not in kept:
@@ -232,7 +233,7 @@ def not_written(conv: Conversion, kept: Mapping[str, Any]) -> list[str]:
         ("data-loader state", trees.data),
         ("user metadata", trees.user),
     ):
-        if value:
+        if value and what not in holds:
             out.append(what)
     return out
 

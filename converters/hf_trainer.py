@@ -45,12 +45,14 @@ from ckpt.storage import open_storage
 
 from .engine import Conversion, Staging, UnitReceipt, check_cover, produce
 from .engine.export import Progress
-from .hf import DEFAULT_SHARD_BYTES, HFExport, HFSource
+from .hf import DEFAULT_SHARD_BYTES, HFExport, HFSource, not_written
 from .hf import detect as detect_hf
 
 NAME = "hf-trainer"
 STATE_NAME = "trainer_state.json"
 OPTIMIZER_NAME = "optimizer.pt"
+#: why a Trainer checkpoint leaves state out (said with the list of what was left out)
+NOT_WRITTEN_WHY = "an HF Trainer checkpoint holds the model, optimizer.pt, scheduler.pt, rng_state*.pth and trainer_state.json only"
 SCHEDULER_NAME = "scheduler.pt"
 RNG_NAME = "rng_state.pth"
 
@@ -211,6 +213,11 @@ class TrainerExport(HFExport):
         self.groups = self._regroup() if self.optimizer else None
         if self.groups is not None:  # one more unit: optimizer.pt
             self.weights = [*self.weights, sum(t.desc.nbytes for t in self.moments.values()) or 1]
+        kept = {**self.outs, **(self.moments if self.groups is not None else {})}
+        holds = {"scheduler state", "RNG state"} | (
+            {"optimizer param groups"} if self.groups is not None else set()
+        )
+        self.not_written = not_written(conv, kept, frozenset(holds))
 
     def _regroup(self) -> list[dict[str, Any]]:
         """The Trainer's two groups, each with the hyper-parameters of the one source group its params come from."""
