@@ -26,7 +26,8 @@ import torch
 ALIGN = 64
 
 
-def _aligned(n: int) -> int:
+def aligned(n: int) -> int:
+    """``n`` rounded up to a multiple of :data:`ALIGN` (where the next view of a host buffer may start)."""
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
@@ -114,7 +115,7 @@ class HostStager:
         return a
 
     def _views(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        sizes = [_aligned(t.numel() * t.element_size()) for t in tensors]
+        sizes = [aligned(t.numel() * t.element_size()) for t in tensors]
         cuda = any(t.is_cuda for t in tensors)
         arena = self._arena_for(sum(sizes), pinned=cuda and torch.cuda.is_available())
         views = []

@@ -13,8 +13,9 @@ from collections.abc import Callable
 
 import torch
 
+from .staging import aligned
+
 DEFAULT_BUFFER_BYTES = 256 * 2**20
-_ALIGN = 64
 
 
 class PinnedUploader:
@@ -41,7 +42,7 @@ class PinnedUploader:
             self._record()
             self.copies += 1
             return
-        size = (nbytes + _ALIGN - 1) // _ALIGN * _ALIGN
+        size = aligned(nbytes)
         if self._buf is None:
             self._buf = torch.empty(self.buffer_bytes, dtype=torch.uint8, pin_memory=True)
         if self._pos + size > self.buffer_bytes:
