@@ -37,6 +37,10 @@ Examples:
   ckpt convert run/step_1000 out/hf --to cuda --format hf --config config.json
   ckpt convert hf_model/ out/trn --to neuron --tp 8 --qkv-linear --kv-size-multiplier 2 --hw trn2
   ckpt convert out/trn out/nxd_tag --to neuron --format nxd --dp 4    # NxD-native tag, ZeRO-1 over 4 ranks
+  ckpt convert exp/checkpoints/llama--step=10-consumed_samples=1280.0.ckpt out/checkpoint-10 --to cuda \
+      --format hf-trainer --config config.json                       # NxD Training tag -> HF Trainer folder
+  ckpt convert out/checkpoint-10 exp/checkpoints/llama--step=10-consumed_samples=1280.0.ckpt --to neuron \
+      --format nxdt --tp 8 --dp 4 --qkv-linear --consumed-samples 1280  # and back, as NxD Training names it
   ckpt convert big/ out/ --to cuda --workers 4 --dry-run
   ckpt convert peft_adapter/ out/lora_tag --to neuron --format nxd --tp 8 --qkv-linear --config base/config.json
   ckpt convert run/lora_step_500 out/peft --to cuda --format peft --config base/config.json
@@ -82,7 +86,7 @@ def layout_options(fn: Callable[..., Any]) -> Callable[..., Any]:
 @click.option(
     "--format",
     "fmt",
-    type=click.Choice(["ckpt", "dcp", "hf", "hf-trainer", "nxd", "peft"]),
+    type=click.Choice(["ckpt", "dcp", "hf", "hf-trainer", "nxd", "nxdt", "peft"]),
     default="ckpt",
     show_default=True,
     help="Format of DST.",
@@ -109,6 +113,14 @@ def layout_options(fn: Callable[..., Any]) -> Callable[..., Any]:
 )
 @click.option("--step", type=int, default=None, help="Step to record (default: the source's).")
 @click.option(
+    "--consumed-samples",
+    "consumed_samples",
+    type=click.IntRange(min=0),
+    default=None,
+    help="Samples the whole job consumed, recorded as the data position where SRC has none "
+    "(--format nxdt names the tag by it).",
+)
+@click.option(
     "--merge-lora",
     "merge_lora",
     type=str,
@@ -116,7 +128,7 @@ def layout_options(fn: Callable[..., Any]) -> Callable[..., Any]:
     help="LoRA adapter (PEFT folder or NxD LoRA tag) to merge into SRC, the base HF model (--to cuda --format hf).",
 )
 @click.option(
-    "--xser/--no-xser", default=None, help="--format nxd: write torch_xla's xser form (default: SRC's)."
+    "--xser/--no-xser", default=None, help="--format nxd/nxdt: write torch_xla's xser form (default: SRC's)."
 )
 @click.option(
     "--codec",
@@ -153,6 +165,7 @@ def convert(
     fmt: str,
     config_path: str | None,
     step: int | None,
+    consumed_samples: int | None,
     merge_lora: str | None,
     xser: bool | None,
     codec: str,
@@ -186,6 +199,7 @@ def convert(
         source_flags=source_flags,
         config=load_config(config_path),
         step=step,
+        consumed_samples=consumed_samples,
         max_shard_bytes=parse_size(max_shard_size, "--max-shard-size"),
         xser=xser,
         codec=codec,
@@ -250,7 +264,7 @@ def refuse_idle_flags(fmt: str, *, xser: bool | None) -> None:
         for name, flag, only in _FORMAT_ONLY
         if ctx.get_parameter_source(name) is click.core.ParameterSource.COMMANDLINE and fmt != only
     ]
-    if xser is not None and fmt != "nxd":
+    if xser is not None and fmt not in ("nxd", "nxdt"):
         given.insert(0, ("--xser/--no-xser", "nxd"))
     if given:
         flag, only = given[0]

@@ -43,11 +43,11 @@ def open_source(src: str, opts: ConvertOptions, run: RunOptions | None = None) -
     """Open ``src`` in whatever format it is in, and check it has the layout ``--from`` says."""
     run = run or RunOptions()
     fmt = formats.detect(src, run.storage_options)
-    if opts.param_names is not None and fmt.name != "nxd":
+    if opts.param_names is not None and fmt.name not in NXD_TAG_FORMATS:
         raise LayoutError(
             f"param_names: {src} is a {fmt.name} checkpoint; optimizer pid names are for NxD tags only"
         )
-    if opts.source_flags and fmt.name != "nxd":
+    if opts.source_flags and fmt.name not in NXD_TAG_FORMATS:
         flag = next(iter(opts.source_flags))
         raise LayoutError(
             f"--source-{flag.replace('_', '-')}: {src} is a {fmt.name} checkpoint, which records its own layout; "
@@ -83,7 +83,29 @@ def open_source(src: str, opts: ConvertOptions, run: RunOptions | None = None) -
     if opts.step is not None:
         source.trees.step = opts.step
         source.trees.progress["step"] = opts.step
+    if opts.consumed_samples is not None:
+        _record_consumed_samples(source, opts.consumed_samples)
     return source
+
+
+#: formats whose SRC is an NxD tag (the ``--source-*`` flags and ``param_names`` apply)
+NXD_TAG_FORMATS = ("nxd", "nxdt")
+
+
+def _record_consumed_samples(source: Source, samples: int) -> None:
+    """``--consumed-samples``: the data position of a SRC that records none; one that records another is refused."""
+    from .nxd.training import consumed_samples, data_position
+
+    have = consumed_samples(source.trees.data_position)
+    if source.trees.data_position is not None and have != samples:
+        source.close()
+        raise LayoutError(
+            f"--consumed-samples {samples}: {source.path} records "
+            f"{'a data position without a sample count' if have is None else f'{have} consumed samples'}; drop it"
+        )
+    if source.trees.data_position is None:
+        source.trees.data_position = data_position(samples, source.trees.step, 0, 1, "consumed_samples")
+        source.trees.progress["samples"] = samples
 
 
 #: source formats whose folders carry no step (the output's step is ``--step`` or 0)

@@ -208,6 +208,8 @@ class TrainerExport(HFExport):
             raise LayoutError(
                 f"{where}: the model config has parameters the checkpoint lacks ({', '.join(missing[:3])})"
             )
+        # a data position the folder cannot hold is refused before anything is written
+        trainer_data_position(conv.trees.data_position, conv.trees.step, conv.trees.extra.get("hf_trainer_state") or {})
         self.moments = {t.desc.name: t for t in conv.tensors if t.desc.role == "optimizer_state"}
         self.optimizer = treecodec.decode(conv.trees.optimizer) if conv.trees.optimizer else None
         self.groups = self._regroup() if self.optimizer else None
@@ -300,6 +302,7 @@ class TrainerExport(HFExport):
         state = dict(trees.extra.get("hf_trainer_state") or {})
         state.setdefault("log_history", [])
         state["global_step"] = trees.step
+        state.update(trainer_data_position(trees.data_position, trees.step, state))
         storage.put_bytes(STATE_NAME, (json.dumps(state, indent=2) + "\n").encode())
         model_receipts = [
             UnitReceipt(
@@ -312,6 +315,24 @@ class TrainerExport(HFExport):
         return super().commit(staging, dst, model_receipts)
 
 
+def trainer_data_position(position: Mapping[str, Any] | None, step: int, state: Mapping[str, Any]) -> dict[str, Any]:
+    """The ``trainer_state.json`` fields that carry the data position: a Trainer resumed at ``global_step`` skips
+    that many of its batches, so the samples per step (``train_batch_size``) is what says where the data stood.
+
+    Written only when the position says it exactly (its ``global_batch``); a Trainer state that already names
+    another batch size is refused rather than overwritten."""
+    batch = (position or {}).get("global_batch")
+    if not isinstance(batch, int) or step <= 0:
+        return {}
+    have = state.get("train_batch_size")
+    if have is not None and have != batch:
+        raise LayoutError(
+            f"--format hf-trainer: the data position says {batch} samples per step, the Trainer state "
+            f"train_batch_size={have}; a resumed Trainer would skip to another sample"
+        )
+    return {"train_batch_size": batch}
+
+
 def export(conv: Conversion, *, max_shard_bytes: int = DEFAULT_SHARD_BYTES, storage_options: dict[str, Any] | None = None,
            verify: bool = True, **_: Any) -> TrainerExport:  # fmt: skip
     return TrainerExport(
@@ -319,4 +340,12 @@ def export(conv: Conversion, *, max_shard_bytes: int = DEFAULT_SHARD_BYTES, stor
     )
 
 
-__all__ = ["TrainerExport", "TrainerSource", "detect", "export", "open_source", "trainer_param_groups"]
+__all__ = [
+    "TrainerExport",
+    "TrainerSource",
+    "detect",
+    "export",
+    "open_source",
+    "trainer_data_position",
+    "trainer_param_groups",
+]

@@ -18,7 +18,7 @@ from ckpt.layouts.spec import NxdFlags
 
 DEFAULT_FLUSH_BYTES = 64 << 20
 DEFAULT_SHARD_BYTES = 5 << 30
-FORMATS = ("ckpt", "hf", "hf-trainer", "dcp", "nxd", "peft")
+FORMATS = ("ckpt", "hf", "hf-trainer", "dcp", "nxd", "nxdt", "peft")
 
 
 @dataclass(frozen=True)
@@ -57,6 +57,9 @@ class ConvertOptions:
     model_type: str | None = None
     #: a LoRA adapter (PEFT folder or NxD LoRA tag) to merge into SRC, the base HF model (``--merge-lora``)
     merge_lora: str | None = None
+    #: samples the whole job consumed (``--consumed-samples``): the data position to record where SRC has none
+    #: (NxD Training names its tags by it); contradicting SRC's own is refused
+    consumed_samples: int | None = None
 
     def __post_init__(self) -> None:
         if self.model_type is not None and self.config is not None:
@@ -66,6 +69,8 @@ class ConvertOptions:
                     f"--model-type {self.model_type} contradicts config.json model_type {have!r}"
                 )
             object.__setattr__(self, "config", {**self.config, "model_type": self.model_type})
+        if self.consumed_samples is not None and self.consumed_samples < 0:
+            raise CkptError(f"--consumed-samples {self.consumed_samples} must be >= 0")
         if isinstance(self.replicated, str):
             raise CkptError(f"replicated={self.replicated!r}: expected a list of globs, not one string")
         object.__setattr__(self, "replicated", tuple(self.replicated))

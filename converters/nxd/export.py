@@ -251,7 +251,7 @@ def _nxd_ordered(conv: Conversion, groups: list[dict[str, Any]]) -> list[dict[st
     if all(o is not None for o in ordered):
         return [{**g, "params": o} for g, o in zip(groups, ordered, strict=True)]
     src = conv.source
-    if len(groups) <= 1 or (src.format == "nxd" and src.flags is not None and src.flags.pp == f.pp):
+    if len(groups) <= 1 or (src.format in ("nxd", "nxdt") and src.flags is not None and src.flags.pp == f.pp):
         return groups
     raise LayoutError(
         f"{src.path}: an optimizer with {len(groups)} param groups cannot be written as an NxD tag of rule set "
@@ -369,12 +369,16 @@ class NxdExport:
                     f"model/{rank_file_name(0, tp, pp, k if self.ep > 1 else None)}"
                 ):
                     raise CkptError(f"{dst}: rank tp {tp} pp {pp} ep {k} was not written")
+        self._writer.finish(*self.closing_files())
+        return dst
+
+    def closing_files(self) -> tuple[Any, Any]:
+        """The objects of ``scheduler.pt`` and ``user_content.pt`` (None: not written), saved at the commit."""
         trees = self.conv.trees
-        self._writer.finish(
+        return (
             treecodec.decode(trees.scheduler) if trees.scheduler is not None else None,
             treecodec.decode(trees.user) if trees.user is not None else None,
         )
-        return dst
 
     def abort(self, staging: Staging) -> None:
         if self._writer is not None:
