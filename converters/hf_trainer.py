@@ -301,6 +301,10 @@ class TrainerExport(HFExport):
             storage.put_bytes(name, _bytes_of(st))
         state = dict(trees.extra.get("hf_trainer_state") or {})
         state.setdefault("log_history", [])
+        if "stateful_callbacks" not in state:  # the Trainer's next save indexes it by callback class
+            from transformers import TrainerControl
+
+            state["stateful_callbacks"] = {"TrainerControl": TrainerControl().state()}
         state["global_step"] = trees.step
         state.update(trainer_data_position(trees.data_position, trees.step, state))
         storage.put_bytes(STATE_NAME, (json.dumps(state, indent=2) + "\n").encode())

@@ -99,7 +99,7 @@ def test_tag_converts_with_step_scheduler_and_data_position_and_no_warning(tmp_p
     from ckpt.converters.hf_trainer import trainer_param_groups
 
     order = trainer_param_groups(json.loads(CONFIG.read_text()), "test")
-    by_name = {n: opt["state"][i] for g, ns in zip(opt["param_groups"], order) for i, n in zip(g["params"], ns)}
+    by_name = {n: opt["state"][i] for g, ns in zip(opt["param_groups"], order, strict=True) for i, n in zip(g["params"], ns, strict=True)}
     assert len(by_name) == 39
     for n, per in by_name.items():
         assert torch.equal(per["exp_avg"], full[f"{n}.exp_avg"]) and float(per["step"]) == 3.0
