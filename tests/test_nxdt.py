@@ -83,7 +83,13 @@ def test_tag_converts_with_step_scheduler_and_data_position_and_no_warning(tmp_p
     m = json.loads((ck / "manifest.json").read_text())
     assert m["step"] == 3 and m["progress"] == {"step": 3, "samples": 12}
     pos = m["data_position"]
-    assert (pos["adapter"], pos["samples"], pos["global_batch"], pos["prefix"], pos["dp"]) == ("nxdt", 12, 4, True, 2)
+    assert (pos["adapter"], pos["samples"], pos["global_batch"], pos["prefix"], pos["dp"]) == (
+        "nxdt",
+        12,
+        4,
+        True,
+        2,
+    )
     assert m["scheduler"] is not None and m["extra"]["nxdt"]["run"] == "llama_gqa_h64"
 
     run(TAG, hf, "--to", "cuda", "--format", "hf-trainer", "--config", CONFIG)
@@ -99,7 +105,11 @@ def test_tag_converts_with_step_scheduler_and_data_position_and_no_warning(tmp_p
     from ckpt.converters.hf_trainer import trainer_param_groups
 
     order = trainer_param_groups(json.loads(CONFIG.read_text()), "test")
-    by_name = {n: opt["state"][i] for g, ns in zip(opt["param_groups"], order, strict=True) for i, n in zip(g["params"], ns, strict=True)}
+    by_name = {
+        n: opt["state"][i]
+        for g, ns in zip(opt["param_groups"], order, strict=True)
+        for i, n in zip(g["params"], ns, strict=True)
+    }
     assert len(by_name) == 39
     for n, per in by_name.items():
         assert torch.equal(per["exp_avg"], full[f"{n}.exp_avg"]) and float(per["step"]) == 3.0
@@ -128,7 +138,9 @@ def test_megatron_style_names_are_refused_in_one_line(tmp_path: Path) -> None:
     shutil.copytree(TAG, src)
     for f in (src / "model").iterdir():
         sd = torch.load(f, weights_only=True)
-        torch.save({k.replace("model.layers.", "language_model.encoder.layers."): v for k, v in sd.items()}, f)
+        torch.save(
+            {k.replace("model.layers.", "language_model.encoder.layers."): v for k, v in sd.items()}, f
+        )
     out = run(src, tmp_path / "ck", "--to", "cuda", "--format", "ckpt", code=2)
     assert "language_model.encoder.layers.0" in out and "Megatron-style NxD Training checkpoints" in out
     assert len(out.strip().splitlines()) == 1
