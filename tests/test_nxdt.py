@@ -243,3 +243,145 @@ def test_trainer_resumed_from_an_nxdt_tag_continues_the_run(tmp_path: Path) -> N
     want = _losses(straight)
     got = {s: v for s, v in _losses(out).items() if s > 10}
     assert got == {s: want[s] for s in range(11, STEPS + 1)}
+
+
+# ------------------------------------------------------------------ NxD Training's load path takes the written tag
+def _lightning_resume(tag: Path, hf: Path, ck: Path) -> dict:
+    """Resume real Lightning from ``tag`` the way NxD Training does: a CheckpointIO that follows
+    ``NLPCheckpointIO.load_checkpoint`` (nlp_overrides.py:547-570: the user content NxD's ``load_checkpoint`` returns,
+    ``state_dict`` / ``optimizer_states`` put back, ``ptl_version`` 2.5.0 as examples/training.py:46-49 passes it).
+    NxD's own rank loading is stood in for by ckpt's conversions of the same tag (to HF names, and ``ckpt.restore``
+    into the optimizer Lightning builds)."""
+    import lightning.pytorch as pl
+    from lightning.pytorch.plugins.io import CheckpointIO
+    from transformers import LlamaConfig, LlamaForCausalLM, get_cosine_schedule_with_warmup
+
+    from ckpt.loader import restore
+
+    cfg = json.loads(CONFIG.read_text())
+    hp = json.loads((TRUTH / "truth.json").read_text())["training"]
+    seen: dict = {"steps": [], "lrs": [], "losses": [], "moment_steps": []}
+
+    def optimizer_of(model: torch.nn.Module):
+        opt = torch.optim.AdamW(
+            model.parameters(),
+            lr=hp["lr"],
+            betas=tuple(hp["betas"]),
+            eps=hp["eps"],
+            weight_decay=hp["weight_decay"],
+        )
+        return opt, get_cosine_schedule_with_warmup(opt, hp["num_warmup_steps"], hp["num_training_steps"])
+
+    class Module(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = LlamaForCausalLM(LlamaConfig(**cfg)).float()
+
+        def state_dict(self, *a, **k):
+            return self.model.state_dict(*a, **k)
+
+        def load_state_dict(self, sd, strict=True):
+            return self.model.load_state_dict(sd, strict=strict)
+
+        def training_step(self, batch, batch_idx):
+            opt = self.optimizers().optimizer
+            seen["steps"].append(self.trainer.global_step)
+            seen["lrs"].append(opt.param_groups[0]["lr"])
+            seen["moment_steps"].append(float(opt.state[next(iter(self.model.parameters()))]["step"]))
+            loss = self.model(input_ids=batch, labels=batch).loss
+            seen["losses"].append(float(loss.detach()))
+            return loss
+
+        def configure_optimizers(self):
+            opt, sched = optimizer_of(self.model)
+            return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+    class NxdtLoad(CheckpointIO):
+        def load_checkpoint(self, path, map_location=None, weights_only=None):
+            checkpoint = torch.load(Path(path) / "user_content.pt", weights_only=False)  # NxD's load_object
+            if checkpoint is None:
+                checkpoint = {}
+            checkpoint["state_dict"] = load_file(hf / "model-00001-of-00001.safetensors")
+            checkpoint.setdefault("pytorch-lightning_version", "2.5.0")
+            model = LlamaForCausalLM(LlamaConfig(**cfg)).float()
+            opt, _ = optimizer_of(model)
+            restore(str(ck), model=model, optimizer=opt, rng=False)
+            checkpoint["optimizer_states"] = [opt.state_dict()]
+            return checkpoint
+
+        def save_checkpoint(self, checkpoint, path, storage_options=None):
+            pass
+
+        def remove_checkpoint(self, path):
+            pass
+
+    from lightning.pytorch.trainer.connectors.checkpoint_connector import _CheckpointConnector
+
+    def restore_loops(
+        self,
+    ) -> None:  # NLPCheckpointConnector.restore_loops, nlp_overrides.py:643-677 (fitting)
+        if not self._loaded_checkpoint:
+            return
+        fit_loop = self.trainer.fit_loop
+        fit_loop.epoch_loop.automatic_optimization.optim_progress.optimizer.step.total.completed = (
+            self._loaded_checkpoint.get("global_step", 0)
+        )
+        fit_loop.epoch_progress.current.completed = self._loaded_checkpoint.get("epoch", 0)
+        loops = self._loaded_checkpoint.get("loops")
+        if loops is not None:
+            fit_loop.load_state_dict(loops["fit_loop"])
+
+    gen = torch.Generator().manual_seed(99)
+    batches = [torch.randint(0, cfg["vocab_size"], (4, 32), generator=gen) for _ in range(3)]
+    module = Module()
+    trainer = pl.Trainer(
+        max_steps=6, accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
+        enable_model_summary=False, enable_checkpointing=False, plugins=[NxdtLoad()],
+    )  # fmt: skip
+    plain = _CheckpointConnector.restore_loops
+    _CheckpointConnector.restore_loops = restore_loops  # NxD Training's NLPTrainer uses its own connector
+    try:
+        trainer.fit(module, torch.utils.data.DataLoader(batches, batch_size=None), ckpt_path=str(tag))
+    finally:
+        _CheckpointConnector.restore_loops = plain
+    truth_model = LlamaForCausalLM(LlamaConfig(**cfg)).float()
+    truth_model.load_state_dict(load_file(TRUTH / "model.safetensors"))
+    with torch.no_grad():
+        seen["first_loss_truth"] = float(truth_model(input_ids=batches[0], labels=batches[0]).loss)
+    seen["final_step"] = trainer.global_step
+    return seen
+
+
+@pytest.mark.parametrize("dict_from", ["nxdt", "nxd"])
+def test_lightning_resumes_from_the_written_tag(tmp_path: Path, dict_from: str) -> None:
+    """The written ``user_content.pt`` is what NxD Training's restore reads: Lightning resumes at step 3 with the
+    scheduler after 3 steps (the truth's lr for step 4) and AdamW's moments, whether the Lightning dict is carried
+    from an NxD Training tag or made for a plain NxD tag (``user_content`` without Lightning keys)."""
+    pytest.importorskip("lightning")
+    src = TAG if dict_from == "nxdt" else TRUTH / "nxd_train_tp2_dp2_zero1_plain" / "step_3"
+    tag = tmp_path / "checkpoints" / "run--step=3-consumed_samples=12.0.ckpt"
+    run(
+        src,
+        tag,
+        "--to",
+        "neuron",
+        "--format",
+        "nxdt",
+        "--dp",
+        "2",
+        "--consumed-samples",
+        "12",
+        "--config",
+        CONFIG,
+    )
+    user = torch.load(tag / "user_content.pt", weights_only=True)
+    assert ("loops" in user) == (dict_from == "nxdt") and user["global_step"] == 3
+    hf, ck = tmp_path / "hf", tmp_path / "ck"
+    run(tag, hf, "--to", "cuda", "--format", "hf", "--config", CONFIG)
+    run(tag, ck, "--to", "cuda", "--format", "ckpt", "--config", CONFIG)
+    seen = _lightning_resume(tag, hf, ck)
+    truth = json.loads((TRUTH / "truth.json").read_text())
+    assert seen["steps"] == [3, 4, 5] and seen["final_step"] == 6
+    assert seen["lrs"][0] == truth["lr_per_step"]["4"]
+    assert seen["moment_steps"] == [3.0, 4.0, 5.0]
+    assert seen["losses"][0] == seen["first_loss_truth"]  # the weights are the tag's
