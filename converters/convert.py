@@ -349,6 +349,8 @@ def convert(
     if opts.merge_lora is not None or opts.format == "peft" or is_adapter(src, run.storage_options):
         if run.workers > 1 or _dist_env()[1] > 1:
             raise CkptError("LoRA adapters convert in one process; drop --workers / torchrun")
+        if opts.consumed_samples is not None:
+            raise CkptError("--consumed-samples: a LoRA adapter conversion records no data position; drop it")
         r = run_lora(src, dst, opts, run)
         return ConvertResult(r.dst, r.tensors, r.bytes, r.format)
     rank, world = _dist_env()

@@ -385,3 +385,32 @@ def test_lightning_resumes_from_the_written_tag(tmp_path: Path, dict_from: str) 
     assert seen["lrs"][0] == truth["lr_per_step"]["4"]
     assert seen["moment_steps"] == [3.0, 4.0, 5.0]
     assert seen["losses"][0] == seen["first_loss_truth"]  # the weights are the tag's
+
+
+def test_xser_tag_reads_and_writes(tmp_path: Path) -> None:
+    """NxD Training's configs save with xser (``exp_manager.save_xser: True``): the same tag with NxD's xser files."""
+    src = tmp_path / FACTS["tag"]
+    shutil.copytree(TRUTH / "nxd_train_tp2_dp2_zero1_xser" / "step_3", src)
+    (src / "scheduler.pt").unlink()
+    shutil.copy(TAG / "user_content.pt", src / "user_content.pt")
+    hf = tmp_path / "hf"
+    run(src, hf, "--to", "cuda", "--format", "hf-trainer", "--config", CONFIG)
+    _truth_equal(hf)
+    assert json.loads((hf / "trainer_state.json").read_text())["train_batch_size"] == 4
+    tag = tmp_path / "out" / FACTS["tag"]
+    run(src, tag, "--to", "neuron", "--format", "nxdt", "--xser", "--config", CONFIG)
+    assert any(p.name.endswith(".tensors") for p in (tag / "model").iterdir())
+    run(tag, tmp_path / "back", "--to", "cuda", "--format", "hf", "--config", CONFIG)
+    _truth_equal(tmp_path / "back")
+
+
+def test_contradicting_data_positions_are_refused(tmp_path: Path) -> None:
+    out = run(TAG, tmp_path / "ck", "--to", "cuda", "--consumed-samples", "16", "--config", CONFIG, code=2)
+    assert "records 12 consumed samples" in out and not (tmp_path / "ck").exists()
+    hf = tmp_path / "checkpoint-3"
+    run(TAG, hf, "--to", "cuda", "--format", "hf-trainer", "--config", CONFIG)  # train_batch_size 4
+    out = run(
+        hf, tmp_path / "again", "--to", "cuda", "--format", "hf-trainer", "--consumed-samples", "24", code=2
+    )
+    assert "8 samples per step" in out and "train_batch_size=4" in out and not (tmp_path / "again").exists()
+    run(hf, tmp_path / "again", "--to", "cuda", "--format", "hf-trainer", "--consumed-samples", "12")
