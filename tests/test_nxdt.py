@@ -414,3 +414,22 @@ def test_contradicting_data_positions_are_refused(tmp_path: Path) -> None:
     )
     assert "8 samples per step" in out and "train_batch_size=4" in out and not (tmp_path / "again").exists()
     run(hf, tmp_path / "again", "--to", "cuda", "--format", "hf-trainer", "--consumed-samples", "12")
+
+
+def test_plain_nxd_records_count_for_a_tag_named_by_the_template(tmp_path: Path) -> None:
+    """A tag named by NxD Training's template but holding a plain NxD ``user_content`` and ``scheduler.pt``: their
+    steps are records too (and must agree with the name); the name still gives the data position."""
+    plain = (
+        TRUTH / "nxd_train_tp2_dp2_zero1_plain" / "step_3"
+    )  # user_content total_steps=3, scheduler last_epoch=3
+    wrong = tmp_path / "run--step=4-consumed_samples=16.0.ckpt"
+    shutil.copytree(plain, wrong)
+    out = run(wrong, tmp_path / "ck", "--to", "cuda", "--config", CONFIG, code=2)
+    assert "total_steps=3" in out and "tag name step=4" in out
+    right = tmp_path / "run--step=3-consumed_samples=12.0.ckpt"
+    shutil.copytree(plain, right)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        run(right, tmp_path / "ck", "--to", "cuda", "--config", CONFIG)
+    m = json.loads((tmp_path / "ck" / "manifest.json").read_text())
+    assert m["step"] == 3 and m["data_position"]["samples"] == 12 and m["scheduler"] is not None

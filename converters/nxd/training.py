@@ -40,6 +40,7 @@ from . import source as nxd_source
 from .export import NxdExport
 from .files import TagFiles, scan_tag
 from .source import NxdTagSource
+from .step import step_sources
 from .xser import load_checked
 
 NAME = "nxdt"
@@ -168,9 +169,8 @@ class NxdtSource(NxdTagSource):
     def __init__(self, path: str | Path, *, step: int | None = None, verify: bool = True, **kw: Any) -> None:
         files = scan_tag(path)
         self.tag_name = parse_tag_name(files.path.name)
-        lightning = read_user_content(files, verify=verify)
-        if not is_lightning_dict(lightning):
-            lightning = None
+        user = read_user_content(files, verify=verify)
+        lightning = user if is_lightning_dict(user) else None
         first = files.model.get(min(files.model)) if files.model else None
         if first is not None:
             from ckpt.safe_unpickle import load_torch_file
@@ -182,7 +182,7 @@ class NxdtSource(NxdTagSource):
             # the step of an NxD Training tag is decided below from the records that name it
             warnings.filterwarnings("ignore", message=".*sources disagree on the step")
             super().__init__(path, step=step, verify=verify, **kw)
-        self.trees.step = self._step(step, lightning)
+        self.trees.step = self._step(step, files, user)
         self.trees.progress = {"step": self.trees.step}
         if lightning is not None:
             schedulers = lightning.get("lr_schedulers") or []
@@ -206,13 +206,16 @@ class NxdtSource(NxdTagSource):
         }
         self.record = dataclasses.replace(self.record, source={**(self.record.source or {}), "format": NAME})
 
-    def _step(self, given: int | None, lightning: dict[str, Any] | None) -> int:
-        """``--step``, else Lightning's ``global_step`` and the name's ``step=``, which must agree."""
+    def _step(self, given: int | None, files: TagFiles, user: Any) -> int:
+        """``--step``, else the records that name a step, which must agree: Lightning's ``global_step`` (or another
+        step key of ``user_content.pt``, a ``scheduler.pt``, as for any NxD tag) and the name's ``step=``."""
         if given is not None:
             return given
-        said: list[tuple[str, int]] = []
-        if lightning is not None and isinstance(lightning.get("global_step"), int):
-            said.append((f"user_content.pt global_step={lightning['global_step']}", lightning["global_step"]))
+        said = [
+            (w, v)
+            for w, v in step_sources(files, verify=False, user_content=user)
+            if not w.startswith("tag name")
+        ]  # the NxD reader's own guess from a name's digits is not a record
         if self.tag_name is not None:
             said.append((f"tag name step={self.tag_name.step}", self.tag_name.step))
         if len({v for _, v in said}) > 1:
