@@ -1,7 +1,6 @@
 """The formats ``ckpt convert`` reads and writes: one table, one module per format with the same verbs.
 
-Each format module (:mod:`.ckpt`, :mod:`.hf`, :mod:`.hf_trainer`, :mod:`.dcp`, :mod:`.nxd`,
-:mod:`.nxd.training`) provides ``detect(path, storage_options)``,
+Each format module (:mod:`.ckpt`, :mod:`.hf`, :mod:`.hf_trainer`, :mod:`.dcp`, :mod:`.nxd`) provides ``detect(path, storage_options)``,
 ``open_source(path, **options) -> Source`` and ``export(conv, **options) -> Export``.  Adding a format is one module
 and one line here.  Modules are imported only when a format is used.
 """

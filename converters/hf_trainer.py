@@ -209,7 +209,9 @@ class TrainerExport(HFExport):
                 f"{where}: the model config has parameters the checkpoint lacks ({', '.join(missing[:3])})"
             )
         # a data position the folder cannot hold is refused before anything is written
-        trainer_data_position(conv.trees.data_position, conv.trees.step, conv.trees.extra.get("hf_trainer_state") or {})
+        trainer_data_position(
+            conv.trees.data_position, conv.trees.step, conv.trees.extra.get("hf_trainer_state") or {}
+        )
         self.moments = {t.desc.name: t for t in conv.tensors if t.desc.role == "optimizer_state"}
         self.optimizer = treecodec.decode(conv.trees.optimizer) if conv.trees.optimizer else None
         self.groups = self._regroup() if self.optimizer else None
@@ -319,7 +321,9 @@ class TrainerExport(HFExport):
         return super().commit(staging, dst, model_receipts)
 
 
-def trainer_data_position(position: Mapping[str, Any] | None, step: int, state: Mapping[str, Any]) -> dict[str, Any]:
+def trainer_data_position(
+    position: Mapping[str, Any] | None, step: int, state: Mapping[str, Any]
+) -> dict[str, Any]:
     """The ``trainer_state.json`` fields that carry the data position: a Trainer resumed at ``global_step`` skips
     that many of its batches, so the samples per step (``train_batch_size``) is what says where the data stood.
 
@@ -344,12 +348,4 @@ def export(conv: Conversion, *, max_shard_bytes: int = DEFAULT_SHARD_BYTES, stor
     )
 
 
-__all__ = [
-    "TrainerExport",
-    "TrainerSource",
-    "detect",
-    "export",
-    "open_source",
-    "trainer_data_position",
-    "trainer_param_groups",
-]
+__all__ = ["TrainerExport", "TrainerSource", "detect", "export", "open_source", "trainer_param_groups"]

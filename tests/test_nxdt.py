@@ -433,3 +433,10 @@ def test_plain_nxd_records_count_for_a_tag_named_by_the_template(tmp_path: Path)
         run(right, tmp_path / "ck", "--to", "cuda", "--config", CONFIG)
     m = json.loads((tmp_path / "ck" / "manifest.json").read_text())
     assert m["step"] == 3 and m["data_position"]["samples"] == 12 and m["scheduler"] is not None
+
+
+def test_name_step_is_a_strict_parser() -> None:
+    from ckpt.converters.nxd.training import name_step
+
+    assert name_step(FACTS["tag"]) == 3 and name_step(FACTS["last_tag_name"]) == 3
+    assert name_step("step_3") is None and name_step("a--step=3-consumed_samples=1.5.ckpt") is None

@@ -87,6 +87,16 @@ def parse_tag_name(name: str) -> TagName | None:
     return TagName(m["run"], int(m["step"]), int(samples), bool(m["last"]))
 
 
+def name_step(name: str) -> int | None:
+    """The step a tag name records under NxD Training's template, else None (never raises): a strict name parser
+    for the NxD reader's step sources, which take no digits from an arbitrary name."""
+    try:
+        parsed = parse_tag_name(name)
+    except CkptError:
+        return None
+    return parsed.step if parsed is not None else None
+
+
 def is_lightning_dict(obj: Any) -> bool:
     """A Lightning checkpoint dict (what NxD Training leaves in ``user_content.pt``)."""
     return isinstance(obj, dict) and LIGHTNING_VERSION_KEY in obj and "global_step" in obj
@@ -209,6 +219,9 @@ class NxdtSource(NxdTagSource):
     def _step(self, given: int | None, files: TagFiles, user: Any) -> int:
         """``--step``, else the records that name a step, which must agree: Lightning's ``global_step`` (or another
         step key of ``user_content.pt``, a ``scheduler.pt``, as for any NxD tag) and the name's ``step=``."""
+        self.step_recorded = (
+            True  # by --step or a record of the tag (the NxD source's flag: no placeholder shown)
+        )
         if given is not None:
             return given
         said = [
@@ -223,6 +236,7 @@ class NxdtSource(NxdTagSource):
                 f"{self.path}: the NxD Training tag's records disagree on the step ({', '.join(w for w, _ in said)}); "
                 "pass --step N"
             )
+        self.step_recorded = bool(said)
         return said[0][1] if said else self.trees.step
 
 
@@ -312,6 +326,7 @@ __all__ = [
     "export",
     "is_lightning_dict",
     "lightning_dict",
+    "name_step",
     "open_source",
     "parse_tag_name",
     "refuse_megatron",
