@@ -440,3 +440,24 @@ def test_name_step_is_a_strict_parser() -> None:
 
     assert name_step(FACTS["tag"]) == 3 and name_step(FACTS["last_tag_name"]) == 3
     assert name_step("step_3") is None and name_step("a--step=3-consumed_samples=1.5.ckpt") is None
+
+
+def test_fixture_is_what_lightning_writes(tmp_path: Path) -> None:
+    """The committed tag's ``user_content.pt`` and name are remade by the generator with the installed Lightning:
+    the same records (paths of the machine that made it and Lightning's version aside)."""
+    pytest.importorskip("lightning")
+    out = tmp_path / "fx"
+    env = {**os.environ, "NXDT_FIXTURE_OUT": str(out), "USE_TORCH_XLA": "0", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "fixtures" / "nxdt" / "make_fixture.py")], env=env, capture_output=True,
+        text=True, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    made = torch.load(out / "checkpoints" / FACTS["tag"] / "user_content.pt", weights_only=True)
+    have = torch.load(TAG / "user_content.pt", weights_only=True)
+    skip = {"callbacks", "pytorch-lightning_version"}
+    assert {k: v for k, v in made.items() if k not in skip} == {
+        k: v for k, v in have.items() if k not in skip
+    }
+    (cb_made,), (cb_have,) = made["callbacks"].values(), have["callbacks"].values()
+    assert set(cb_made) == set(cb_have) and cb_made["best_model_score"] == cb_have["best_model_score"] == 3
