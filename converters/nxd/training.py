@@ -219,9 +219,7 @@ class NxdtSource(NxdTagSource):
     def _step(self, given: int | None, files: TagFiles, user: Any) -> int:
         """``--step``, else the records that name a step, which must agree: Lightning's ``global_step`` (or another
         step key of ``user_content.pt``, a ``scheduler.pt``, as for any NxD tag) and the name's ``step=``."""
-        self.step_recorded = (
-            True  # by --step or a record of the tag (the NxD source's flag: no placeholder shown)
-        )
+        self.step_recorded = True  # the NxD source's flag: a step some record (or --step) names
         if given is not None:
             return given
         said = [
