@@ -1,0 +1,156 @@
+"""Model digests: one short string per model tensor, cheap to compute from what a checkpoint already stores.
+
+Why: verify-resume must tell whether the weights a run restored are the checkpoint's (and whether a checkpoint holds
+an earlier step's weights) without comparing models byte by byte every time.  A tensor's digest is the xxh3-64 of
+its *boxes* (offsets, lengths) and, for each box, the xxh3-64 of the box's raw bytes in row-major order:
+
+* our format stores exactly that checksum per chunk (``raw`` codec, docs/format.md "Tensor entry"), so a
+  checkpoint's digest comes from its manifest and indexes without reading data (:func:`manifest_digest`); a
+  compressed chunk is read and hashed once decoded;
+* any other format (HF folder, Trainer ``checkpoint-N``, DCP, NxD tag) is hashed through the conversion engine's
+  full view, one whole tensor per box (:func:`source_digest`);
+* a live model is hashed in the boxes of the checkpoint it is compared with (:func:`live_digest`), so the digest of a
+  correctly restored model equals the checkpoint's, whatever the checkpoint's chunking.
+
+Two digests compare per name (:func:`ckpt.converters.diff.compare_digests`); digests made with different boxes
+(two checkpoints saved on different numbers of ranks) say nothing about equality, which :func:`same_boxes` tells.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+import xxhash
+
+from ckpt.codecs import checksum
+from ckpt.dtypes import dtype_from_name
+from ckpt.manifest import Box, Manifest
+
+#: digest name -> digest string ("xxh3_64:<16 hex>")
+ModelDigest = dict[str, str]
+MODEL_ROLES = ("parameter", "buffer")
+
+
+def boxes_digest(items: Iterable[tuple[Box, str]]) -> str:
+    """The digest of one tensor from its boxes and each box's raw-bytes checksum (order-free)."""
+    h = xxhash.xxh3_64()
+    for box, cs in sorted(items, key=lambda it: (it[0].offsets, it[0].lengths)):
+        h.update(f"{list(box.offsets)}:{list(box.lengths)}={cs};".encode())
+    return f"xxh3_64:{h.hexdigest()}"
+
+
+def raw_checksum(t: torch.Tensor) -> str:
+    """xxh3-64 of a tensor's bytes in row-major order (what our writer checksums for a ``raw`` chunk)."""
+    host = t.detach()
+    if host.device.type != "cpu":
+        host = host.cpu()
+    raw = host.contiguous().reshape(-1).view(torch.uint8).numpy()
+    return checksum(memoryview(raw))
+
+
+def tensor_digest(t: torch.Tensor) -> str:
+    """The digest of a whole tensor (one box)."""
+    return boxes_digest([(Box.full(tuple(t.shape)), raw_checksum(t))])
+
+
+def manifest_boxes(m: Manifest) -> dict[str, tuple[Box, ...]]:
+    """Model tensor -> the boxes its chunks hold (a full manifest: format v2 indexes read)."""
+    return {n: tuple(s.box for s in e.shards) for n, e in m.tensors.items() if e.role in MODEL_ROLES}
+
+
+def manifest_digest(reader: Any) -> ModelDigest:
+    """The model digest of a checkpoint of ours (``CheckpointReader`` on a full manifest): from the stored chunk
+    checksums; a compressed chunk is read and hashed decoded."""
+    out: ModelDigest = {}
+    for name, e in reader.manifest.tensors.items():
+        if e.role not in MODEL_ROLES:
+            continue
+        items = []
+        for s in e.shards:
+            if s.codec == "raw":
+                items.append((s.box, s.checksum))
+            else:
+                tmp = torch.empty(s.box.lengths, dtype=dtype_from_name(e.dtype))
+                reader.read_box_into(name, s.box, tmp)
+                items.append((s.box, raw_checksum(tmp)))
+        out[name] = boxes_digest(items)
+    return out
+
+
+def source_digest(path: str, *, config: Mapping[str, Any] | None = None, **open_options: Any) -> ModelDigest:
+    """The model digest of a checkpoint in any format ``ckpt convert`` reads: our format from its manifest, any
+    other through the engine's full (HF-named) view, one tensor at a time."""
+    from .formats import detect
+
+    fmt = detect(path, open_options.get("storage_options"))
+    if fmt.name == "ckpt":
+        from ckpt.reader import CheckpointReader
+
+        reader = CheckpointReader(path, open_options.get("storage_options"))
+        if reader.manifest.layout.kind != "nxd":
+            return manifest_digest(reader)
+    from .diff import open_view
+
+    view = open_view(path, config=config, **open_options)
+    try:
+        return {name: tensor_digest(view.tensor(name)) for name in view.model_names()}
+    finally:
+        view.close()
+
+
+def live_digest(model: Any, like: Manifest | None = None) -> ModelDigest:
+    """The digest of a live model's parameters and buffers (state_dict names), each hashed in the boxes and dtype
+    of the same tensor in ``like`` (the restored checkpoint's full manifest), else whole and as it is.
+
+    A tensor this process does not hold whole (a DTensor shard) is left out: rank 0 alone cannot hash it in the
+    checkpoint's boxes.
+    """
+    from torch.distributed.tensor import DTensor
+
+    from ckpt.state import model_tensors
+
+    out: ModelDigest = {}
+    for nt in model_tensors(model):
+        t = nt.tensor
+        if isinstance(t, DTensor):
+            continue
+        entry = like.tensors.get(nt.name) if like is not None else None
+        these = tuple(s.box for s in entry.shards) if entry is not None else ()
+        if entry is not None and dtype_from_name(entry.dtype) != t.dtype:
+            t = t.detach().to(dtype_from_name(entry.dtype))
+        if not these:
+            out[nt.name] = tensor_digest(t)
+            continue
+        ends = [tuple(o + n for o, n in zip(b.offsets, b.lengths, strict=True)) for b in these]
+        if any(len(e) != t.dim() or any(x > s for x, s in zip(e, t.shape, strict=True)) for e in ends):
+            out[nt.name] = tensor_digest(t)  # shaped otherwise: it cannot be the checkpoint's tensor
+            continue
+        host = t.detach().cpu() if t.device.type != "cpu" else t.detach()
+        out[nt.name] = boxes_digest(
+            (b, raw_checksum(host[b.relative_to(Box.full(tuple(host.shape)))])) for b in these
+        )
+    return out
+
+
+def same_boxes(a: Mapping[str, tuple[Box, ...]], b: Mapping[str, tuple[Box, ...]]) -> bool:
+    """True when two checkpoints chunk every common tensor alike, so their digests compare."""
+    return all(sorted(a[n], key=_key) == sorted(b[n], key=_key) for n in set(a) & set(b))
+
+
+def _key(b: Box) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    return b.offsets, b.lengths
+
+
+__all__ = [
+    "ModelDigest",
+    "boxes_digest",
+    "live_digest",
+    "manifest_boxes",
+    "manifest_digest",
+    "raw_checksum",
+    "same_boxes",
+    "source_digest",
+    "tensor_digest",
+]
