@@ -404,13 +404,16 @@ class DigestComparison:
 
 
 def compare_digests(a: Mapping[str, str], b: Mapping[str, str]) -> DigestComparison:
-    """Compare two model digests name by name (the same boxes assumed: :func:`.digest.same_boxes`)."""
-    differ = tuple(n for n in a if n in b and a[n] != b[n])
+    """Compare two model digests name by name (made in the same boxes: :class:`.digest.CheckpointDigest`); a tensor either
+    side could not hash (:data:`.digest.UNKNOWN`) is not compared."""
+    from .digest import UNKNOWN
+
+    differ = tuple(n for n in a if n in b and a[n] != b[n] and UNKNOWN not in (a[n], b[n]))
     return DigestComparison(
         differ=differ,
         only_a=tuple(n for n in a if n not in b),
         only_b=tuple(n for n in b if n not in a),
-        total=len(a),
+        total=sum(v != UNKNOWN and b.get(n) != UNKNOWN for n, v in a.items()),
     )
 
 

@@ -13,12 +13,14 @@ its *boxes* (offsets, lengths) and, for each box, the xxh3-64 of the box's raw b
   correctly restored model equals the checkpoint's, whatever the checkpoint's chunking.
 
 Two digests compare per name (:func:`ckpt.converters.diff.compare_digests`); digests made with different boxes
-(two checkpoints saved on different numbers of ranks) say nothing about equality, which :func:`same_boxes` tells.
+(two checkpoints saved on different numbers of ranks) say nothing about equality: :class:`CheckpointDigest` carries
+the boxes' signature.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -31,6 +33,8 @@ from ckpt.manifest import Box, Manifest
 #: digest name -> digest string ("xxh3_64:<16 hex>")
 ModelDigest = dict[str, str]
 MODEL_ROLES = ("parameter", "buffer")
+#: the digest of a tensor that could not be hashed (compared as unknown, never as a difference)
+UNKNOWN = "-"
 
 
 def boxes_digest(items: Iterable[tuple[Box, str]]) -> str:
@@ -55,15 +59,29 @@ def tensor_digest(t: torch.Tensor) -> str:
     return boxes_digest([(Box.full(tuple(t.shape)), raw_checksum(t))])
 
 
-def manifest_boxes(m: Manifest) -> dict[str, tuple[Box, ...]]:
-    """Model tensor -> the boxes its chunks hold (a full manifest: format v2 indexes read)."""
-    return {n: tuple(s.box for s in e.shards) for n, e in m.tensors.items() if e.role in MODEL_ROLES}
+@dataclass(frozen=True)
+class CheckpointDigest:
+    """A checkpoint's model digest and the signature of the boxes it was made in (:func:`layout_signature`): two
+    digests compare only when their layouts are equal."""
+
+    tensors: ModelDigest
+    layout: str
 
 
-def manifest_digest(reader: Any) -> ModelDigest:
+def layout_signature(boxes: Mapping[str, Iterable[Box]]) -> str:
+    """xxh3-64 over every tensor's name and boxes: equal for two checkpoints chunked alike."""
+    h = xxhash.xxh3_64()
+    for name in sorted(boxes):
+        for b in sorted(boxes[name], key=lambda b: (b.offsets, b.lengths)):
+            h.update(f"{name}:{list(b.offsets)}:{list(b.lengths)};".encode())
+    return f"xxh3_64:{h.hexdigest()}"
+
+
+def manifest_digest(reader: Any) -> CheckpointDigest:
     """The model digest of a checkpoint of ours (``CheckpointReader`` on a full manifest): from the stored chunk
     checksums; a compressed chunk is read and hashed decoded."""
     out: ModelDigest = {}
+    boxes: dict[str, list[Box]] = {}
     for name, e in reader.manifest.tensors.items():
         if e.role not in MODEL_ROLES:
             continue
@@ -76,10 +94,11 @@ def manifest_digest(reader: Any) -> ModelDigest:
                 reader.read_box_into(name, s.box, tmp)
                 items.append((s.box, raw_checksum(tmp)))
         out[name] = boxes_digest(items)
-    return out
+        boxes[name] = [s.box for s in e.shards]
+    return CheckpointDigest(out, layout_signature(boxes))
 
 
-def source_digest(path: str, *, config: Mapping[str, Any] | None = None, **open_options: Any) -> ModelDigest:
+def source_digest(path: str, *, config: Mapping[str, Any] | None = None, **open_options: Any) -> CheckpointDigest:
     """The model digest of a checkpoint in any format ``ckpt convert`` reads: our format from its manifest, any
     other through the engine's full (HF-named) view, one tensor at a time."""
     from .formats import detect
@@ -95,7 +114,10 @@ def source_digest(path: str, *, config: Mapping[str, Any] | None = None, **open_
 
     view = open_view(path, config=config, **open_options)
     try:
-        return {name: tensor_digest(view.tensor(name)) for name in view.model_names()}
+        names = view.model_names()
+        tensors = {name: tensor_digest(view.tensor(name)) for name in names}
+        full = {name: [Box.full(view.descs[name].shape)] for name in names}
+        return CheckpointDigest(tensors, layout_signature(full))
     finally:
         view.close()
 
@@ -104,8 +126,8 @@ def live_digest(model: Any, like: Manifest | None = None) -> ModelDigest:
     """The digest of a live model's parameters and buffers (state_dict names), each hashed in the boxes and dtype
     of the same tensor in ``like`` (the restored checkpoint's full manifest), else whole and as it is.
 
-    A tensor this process does not hold whole (a DTensor shard) is left out: rank 0 alone cannot hash it in the
-    checkpoint's boxes.
+    A tensor this process does not hold whole (a DTensor shard, a TP rank's part) gets :data:`UNKNOWN`: rank 0 alone
+    cannot hash it in the checkpoint's boxes, and comparisons skip it.
     """
     from torch.distributed.tensor import DTensor
 
@@ -114,18 +136,15 @@ def live_digest(model: Any, like: Manifest | None = None) -> ModelDigest:
     out: ModelDigest = {}
     for nt in model_tensors(model):
         t = nt.tensor
-        if isinstance(t, DTensor):
-            continue
         entry = like.tensors.get(nt.name) if like is not None else None
+        if isinstance(t, DTensor) or (entry is not None and tuple(t.shape) != tuple(entry.shape)):
+            out[nt.name] = UNKNOWN
+            continue
         these = tuple(s.box for s in entry.shards) if entry is not None else ()
         if entry is not None and dtype_from_name(entry.dtype) != t.dtype:
             t = t.detach().to(dtype_from_name(entry.dtype))
         if not these:
             out[nt.name] = tensor_digest(t)
-            continue
-        ends = [tuple(o + n for o, n in zip(b.offsets, b.lengths, strict=True)) for b in these]
-        if any(len(e) != t.dim() or any(x > s for x, s in zip(e, t.shape, strict=True)) for e in ends):
-            out[nt.name] = tensor_digest(t)  # shaped otherwise: it cannot be the checkpoint's tensor
             continue
         host = t.detach().cpu() if t.device.type != "cpu" else t.detach()
         out[nt.name] = boxes_digest(
@@ -134,23 +153,15 @@ def live_digest(model: Any, like: Manifest | None = None) -> ModelDigest:
     return out
 
 
-def same_boxes(a: Mapping[str, tuple[Box, ...]], b: Mapping[str, tuple[Box, ...]]) -> bool:
-    """True when two checkpoints chunk every common tensor alike, so their digests compare."""
-    return all(sorted(a[n], key=_key) == sorted(b[n], key=_key) for n in set(a) & set(b))
-
-
-def _key(b: Box) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    return b.offsets, b.lengths
-
-
 __all__ = [
+    "CheckpointDigest",
     "ModelDigest",
+    "UNKNOWN",
     "boxes_digest",
     "live_digest",
-    "manifest_boxes",
     "manifest_digest",
     "raw_checksum",
-    "same_boxes",
+    "layout_signature",
     "source_digest",
     "tensor_digest",
 ]

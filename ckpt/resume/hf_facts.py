@@ -84,6 +84,37 @@ class TrainerCheckpointFacts:
         self.root = Path(output_dir)
         self.notes: list[str] = []
         self._cache: dict[tuple[int, str | None], CheckpointFacts | None] = {}
+        self._digests: dict[Path, Any] = {}
+
+    def checkpoints(self) -> list[tuple[int, str]]:
+        """(step, folder) of every ``checkpoint-N`` under the output dir, oldest first."""
+        out = []
+        for d in self.root.iterdir() if self.root.is_dir() else ():
+            tail = d.name.removeprefix("checkpoint-")
+            if d.is_dir() and d.name.startswith("checkpoint-") and tail.isdigit():
+                out.append((int(tail), str(d)))
+        return sorted(out)
+
+    def digest(self, step: int, path: str | None) -> Any:
+        """The model digest of ``checkpoint-N``, hashed through the conversion engine's view of its weights (one
+        read of the model, cached); None when it cannot be read."""
+        from ckpt.converters.digest import source_digest
+        from ckpt.errors import CkptError
+
+        cands = [Path(path), self.root / Path(path).name] if path else []
+        cands.append(self.root / f"checkpoint-{step}")
+        for d in dict.fromkeys(cands):
+            if d in self._digests:
+                return self._digests[d]
+            if not d.is_dir():
+                continue
+            try:
+                found = self._digests[d] = source_digest(str(d))
+            except (CkptError, OSError, ValueError) as exc:
+                self.notes.append(f"{d}: weights unreadable ({exc})")
+                return None
+            return found
+        return None
 
     def __call__(self, step: int, path: str | None) -> CheckpointFacts | None:
         key = (step, path)

@@ -1,0 +1,163 @@
+"""The weights check of ``verify-resume`` on real runs: a training loop with ``ckpt.CheckpointManager`` and the run
+ledger, restarted in new sessions (each a new ``LedgerWriter`` and manager, as a new process would make them).
+
+* a restore that loads no tensor (the model was refactored and restored with ``strict=False``) is named: the
+  weights after restore are not the checkpoint's;
+* a checkpoint saved while an earlier step's weights were swapped in (an evaluation of the step-10 "best" weights,
+  the save inside the swap) holds step 10's model at step 30, with the optimizer, scheduler and step current;
+* clean restarts (one, and two in a row) stay continuous, the weights check passing at each boundary.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from ckpt.cli.main import cli
+from click.testing import CliRunner
+from torch import nn
+
+import ckpt
+from ckpt.resume.checks import Cause, Status
+from ckpt.resume.ledger import LedgerWriter, checkpoints_dir, digest_ids
+from ckpt.resume.manifest_facts import ManifestFacts
+from ckpt.resume.sources import load_run
+from ckpt.resume.verify import verify_run
+
+SAVE_EVERY = 10
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(8, 16)
+        self.fc2 = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(torch.tanh(self.fc1(x)))
+
+
+class Refactored(nn.Module):
+    """The same network after a refactor that moved it under ``net.``: its state_dict names all changed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = Net()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+
+def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(step)
+    x = torch.randn(16, 8, generator=g)
+    return x, torch.sin(x[:, :4]) + 0.5 * x[:, 4:]
+
+
+def session(run: Path, stop: int, *, bug: str | None = None) -> int | None:
+    """One process of the run: restore the newest checkpoint, train to ``stop``, save every 10 steps."""
+    torch.manual_seed(0)
+    model: nn.Module = Refactored() if bug == "no_key_matches" else Net()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 5))
+    with LedgerWriter(run, world_size=1, deterministic=True) as ledger:
+        mgr = ckpt.CheckpointManager(str(checkpoints_dir(run)), async_save=False, on_event=ledger.on_event)
+        if bug == "no_key_matches":
+            restored = mgr.restore_latest(model=model, strict=False)  # loads nothing: every name differs
+        else:
+            restored = mgr.restore_latest(model=model, optimizer=opt, scheduler=sched)
+        best: dict[str, torch.Tensor] = {}
+        for step in range((restored or 0) + 1, stop + 1):
+            x, y = batch(step)
+            loss = nn.functional.mse_loss(model(x), y)
+            opt.zero_grad()
+            loss.backward()
+            lr = opt.param_groups[0]["lr"]
+            opt.step()
+            sched.step()
+            ledger.step(step, loss, lr, samples=16 * step, data_digest=digest_ids([step]))
+            if step == 10:
+                best = {k: v.clone() for k, v in model.state_dict().items()}
+            if step % SAVE_EVERY:
+                continue
+            if bug == "save_while_swapped" and step == 30:
+                current = {k: v.clone() for k, v in model.state_dict().items()}
+                model.load_state_dict(best)  # evaluate the step-10 weights ...
+                mgr.save(step, model=model, optimizer=opt, scheduler=sched)  # ... and save inside the swap
+                model.load_state_dict(current)
+            else:
+                mgr.save(step, model=model, optimizer=opt, scheduler=sched)
+        mgr.close()
+    return restored
+
+
+def verify(run: Path):
+    facts = ManifestFacts(checkpoints_dir(run))
+    return verify_run(load_run(run), facts=facts)
+
+
+def test_a_restore_that_loads_no_tensor_is_named(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    session(run, 25)
+    assert session(run, 35, bug="no_key_matches") == 20
+    result = verify(run)
+    (v,) = result.verdicts
+    w = v.check("weights")
+    assert w.status is Status.FAIL and w.cause is Cause.WEIGHTS_NOT_RESTORED, w.summary
+    assert "weights after restore differ from step_00000020's: not restored (4 of 4 tensors differ" in w.summary
+    assert "fc1.weight" in w.summary and w.numbers["not_restored"] == 4
+    assert result.exit_code == 1
+    res = CliRunner().invoke(cli, ["verify-resume", str(run)], terminal_width=200)
+    assert res.exit_code == 1 and "not restored (4 of 4 tensors differ" in res.output, res.output
+
+
+def test_a_checkpoint_holding_an_earlier_steps_weights_is_named(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    session(run, 35, bug="save_while_swapped")
+    assert session(run, 45) == 30
+    result = verify(run)
+    (v,) = result.verdicts
+    w = v.check("weights")
+    assert w.status is Status.FAIL and w.cause is Cause.STALE_CHECKPOINT, w.summary
+    assert w.summary.startswith("step_00000030 holds the same model as step_00000010")
+    assert w.numbers["same_as_step"] == 10
+    # the restore itself was right: the model after it is step_00000030's (stale) weights
+    assert v.check("counters").status is not Status.FAIL
+    assert v.causes == [Cause.STALE_CHECKPOINT]  # the loss jump follows from it, not a second cause
+    res = CliRunner().invoke(cli, ["verify-resume", str(run), "--json"])
+    assert res.exit_code == 1, res.output
+    (b,) = json.loads(res.output)["boundaries"]
+    weights = next(c for c in b["checks"] if c["check"] == "weights")
+    assert weights["cause"] == Cause.STALE_CHECKPOINT.value and weights["basis"] == "checkpoint facts"
+
+
+@pytest.mark.parametrize("restarts", [1, 2])
+def test_clean_restarts_stay_continuous(tmp_path: Path, restarts: int) -> None:
+    run = tmp_path / "run"
+    session(run, 25)
+    assert session(run, 37) == 20
+    if restarts == 2:
+        assert session(run, 45) == 30
+    result = verify(run)
+    assert len(result.verdicts) == restarts
+    for v in result.verdicts:
+        w = v.check("weights")
+        assert w.status is Status.PASS, w.summary
+        assert f"weights after restore equal step_{v.boundary.restored_step:08d}'s (4 tensors)" in w.summary
+        assert "differs from the" in w.summary
+    assert result.exit_code == 0, [(c.name, c.summary) for v in result.verdicts for c in v.checks]
+    res = CliRunner().invoke(cli, ["verify-resume", str(run)], terminal_width=200)
+    assert res.exit_code == 0, res.output
+
+
+def test_restore_event_carries_the_digest_of_the_checkpoint_it_loaded(tmp_path: Path) -> None:
+    """The manager's digest is computed in the checkpoint's chunks: equal to the manifest's own digest."""
+    from ckpt.converters.digest import source_digest
+
+    run = tmp_path / "run"
+    session(run, 20)
+    session(run, 21)
+    (restore,) = load_run(run).sessions[1].restores
+    assert restore.model_digest == source_digest(str(checkpoints_dir(run) / "step_00000020")).tensors
