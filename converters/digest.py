@@ -98,21 +98,24 @@ def manifest_digest(reader: Any) -> CheckpointDigest:
     return CheckpointDigest(out, layout_signature(boxes))
 
 
-def source_digest(path: str, *, config: Mapping[str, Any] | None = None, **open_options: Any) -> CheckpointDigest:
-    """The model digest of a checkpoint in any format ``ckpt convert`` reads: our format from its manifest, any
-    other through the engine's full (HF-named) view, one tensor at a time."""
+def source_digest(
+    path: str, *, config: Mapping[str, Any] | None = None, **run_options: Any
+) -> CheckpointDigest:
+    """The model digest of a checkpoint in any format ``ckpt convert`` reads: our format from its manifest; a Neuron
+    layout (NxD tag) in the boxes its rank files store (no model config needed); any other through the engine's full
+    (HF-named) view.  One tensor at a time."""
     from .formats import detect
 
-    fmt = detect(path, open_options.get("storage_options"))
+    fmt = detect(path, run_options.get("storage_options"))
     if fmt.name == "ckpt":
         from ckpt.reader import CheckpointReader
 
-        reader = CheckpointReader(path, open_options.get("storage_options"))
-        if reader.manifest.layout.kind != "nxd":
-            return manifest_digest(reader)
+        return manifest_digest(CheckpointReader(path, run_options.get("storage_options")))
+    if fmt.name == "nxd":
+        return _stored_digest(path, config, run_options)
     from .diff import open_view
 
-    view = open_view(path, config=config, **open_options)
+    view = open_view(path, config=config, **run_options)
     try:
         names = view.model_names()
         tensors = {name: tensor_digest(view.tensor(name)) for name in names}
@@ -120,6 +123,41 @@ def source_digest(path: str, *, config: Mapping[str, Any] | None = None, **open_
         return CheckpointDigest(tensors, layout_signature(full))
     finally:
         view.close()
+
+
+def _stored_digest(
+    path: str, config: Mapping[str, Any] | None, run_options: Mapping[str, Any]
+) -> CheckpointDigest:
+    """An NxD tag's model digest in its own layout: each TP rank's box of a partitioned tensor, one copy of a
+    replicated one (NxD names; comparable with tags of the same layout, what a run writes)."""
+    from ckpt.layouts import Piece
+
+    from .convert import open_source
+    from .options import ConvertOptions, RunOptions
+
+    source = open_source(path, ConvertOptions(to="neuron", config=dict(config) if config else None),
+                         RunOptions(**run_options))  # fmt: skip
+    try:
+        assert source.flags is not None
+        out: ModelDigest = {}
+        boxes: dict[str, list[Box]] = {}
+        for name, desc in source.tensors.items():
+            if desc.role not in MODEL_ROLES:
+                continue
+            pp = source.pp_ranks(name)[0]
+            local = source.local_shape(desc)
+            items = []
+            for r in range(source.flags.tp if desc.partition is not None else 1):
+                offsets = [0] * len(local)
+                if desc.partition is not None:
+                    offsets[int(desc.partition["dim"])] = r * local[int(desc.partition["dim"])]
+                box = Box(tuple(offsets), tuple(local))
+                items.append((box, raw_checksum(source.read(Piece(name, (r, pp), None)))))
+            out[name] = boxes_digest(items)
+            boxes[name] = [b for b, _ in items]
+        return CheckpointDigest(out, layout_signature(boxes))
+    finally:
+        source.close()
 
 
 def live_digest(model: Any, like: Manifest | None = None) -> ModelDigest:

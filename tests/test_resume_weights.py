@@ -11,6 +11,7 @@ ledger, restarted in new sessions (each a new ``LedgerWriter`` and manager, as a
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -161,3 +162,44 @@ def test_restore_event_carries_the_digest_of_the_checkpoint_it_loaded(tmp_path: 
     session(run, 21)
     (restore,) = load_run(run).sessions[1].restores
     assert restore.model_digest == source_digest(str(checkpoints_dir(run) / "step_00000020")).tensors
+
+
+NXD_TAG = Path(__file__).resolve().parents[1] / "fixtures/nxd/llama_gqa_h64/nxd_train_tp2_dp2_zero1_plain/step_3"
+
+
+def _nxd_run(tmp_path: Path, stale: bool) -> tuple[Path, Path]:
+    """NxD's own training tag as step_3, and as step_6 either unchanged (stale) or with one weight trained on; a
+    ledger of a run that saved both and resumed from step_6."""
+    tags = tmp_path / "tags"
+    shutil.copytree(NXD_TAG, tags / "step_3")
+    shutil.copytree(NXD_TAG, tags / "step_6")
+    if not stale:
+        f = tags / "step_6" / "model" / "dp_rank_00_tp_rank_00_pp_rank_00.pt"
+        sd = torch.load(f, weights_only=True)
+        name = next(n for n, t in sd.items() if t.is_floating_point())
+        sd[name][0] += 1e-3
+        torch.save(sd, f)
+    run = tmp_path / "run"
+    with LedgerWriter(run, world_size=1) as ledger:
+        for step in range(1, 8):
+            ledger.step(step, 2.0 - 0.1 * step, 1e-3)
+            if step in (3, 6):
+                ledger.save(step, tags / f"step_{step}")
+    with LedgerWriter(run, world_size=1) as ledger:
+        ledger.restore(6, tags / "step_6")
+        for step in range(7, 10):
+            ledger.step(step, 2.0 - 0.1 * step, 1e-3)
+    return run, tags
+
+
+@pytest.mark.parametrize("stale", [True, False])
+def test_an_nxd_tag_holding_an_earlier_tags_weights_is_named(tmp_path: Path, stale: bool) -> None:
+    run, tags = _nxd_run(tmp_path, stale)
+    res = CliRunner().invoke(cli, ["verify-resume", str(run), "--checkpoints", str(tags), "--json"])
+    (b,) = json.loads(res.stdout)["boundaries"]  # stderr: the copied tags' user_content.pt says step 3
+    weights = next(c for c in b["checks"] if c["check"] == "weights")
+    if stale:
+        assert res.exit_code == 1 and weights["status"] == "fail", weights
+        assert weights["summary"].startswith("step_6 holds the same model as step_3")
+    else:
+        assert weights["status"] == "pass" and "differs from the 1 earlier checkpoint" in weights["summary"], weights
