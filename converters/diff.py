@@ -18,12 +18,13 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from ckpt.errors import CkptError
 from ckpt.manifest import TensorDesc
+
+if TYPE_CHECKING:
+    import torch
 
 #: elements compared at once (float64 buffers of 4 MiB each)
 SLICE = 1 << 19
@@ -86,6 +87,8 @@ class AdapterView(View):
     as ``optim/<name>/<key>`` when the adapter carries them."""
 
     def __init__(self, path: str, config: Mapping[str, Any] | None, run: Any) -> None:
+        import torch
+
         from .lora import _source_step, read_any
         from .options import ConvertOptions
 
@@ -252,6 +255,8 @@ def compare_tensors(
     name: str, role: str, a: torch.Tensor, b: torch.Tensor, *, atol: float = 0.0, rtol: float = 0.0
 ) -> TensorDiff:
     """Compare two tensors in slices of :data:`SLICE` elements (float64), never a full-size temporary."""
+    import torch
+
     from ckpt.layouts import bit_equal
 
     da, db = _dtype_name(a.dtype), _dtype_name(b.dtype)

@@ -21,14 +21,16 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
 import xxhash
 
 from ckpt.codecs import checksum
 from ckpt.dtypes import dtype_from_name
 from ckpt.manifest import Box, Manifest
+
+if TYPE_CHECKING:
+    import torch
 
 #: digest name -> digest string ("xxh3_64:<16 hex>")
 ModelDigest = dict[str, str]
@@ -47,6 +49,8 @@ def boxes_digest(items: Iterable[tuple[Box, str]]) -> str:
 
 def raw_checksum(t: torch.Tensor) -> str:
     """xxh3-64 of a tensor's bytes in row-major order (what our writer checksums for a ``raw`` chunk)."""
+    import torch
+
     host = t.detach()
     if host.device.type != "cpu":
         host = host.cpu()
@@ -90,6 +94,8 @@ def manifest_digest(reader: Any) -> CheckpointDigest:
             if s.codec == "raw":
                 items.append((s.box, s.checksum))
             else:
+                import torch
+
                 tmp = torch.empty(s.box.lengths, dtype=dtype_from_name(e.dtype))
                 reader.read_box_into(name, s.box, tmp)
                 items.append((s.box, raw_checksum(tmp)))
