@@ -22,7 +22,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from ckpt.resume.facts import CheckpointFacts
+from ckpt.resume.facts import CheckpointFacts, folder_digest
 from ckpt.resume.manifest_facts import _as_int, scheduler_position
 
 MISSING_WHY = {
@@ -98,23 +98,9 @@ class TrainerCheckpointFacts:
     def digest(self, step: int, path: str | None) -> Any:
         """The model digest of ``checkpoint-N``, hashed through the conversion engine's view of its weights (one
         read of the model, cached); None when it cannot be read."""
-        from ckpt.converters.digest import source_digest
-        from ckpt.errors import CkptError
-
         cands = [Path(path), self.root / Path(path).name] if path else []
         cands.append(self.root / f"checkpoint-{step}")
-        for d in dict.fromkeys(cands):
-            if d in self._digests:
-                return self._digests[d]
-            if not d.is_dir():
-                continue
-            try:
-                found = self._digests[d] = source_digest(str(d))
-            except (CkptError, OSError, ValueError) as exc:
-                self.notes.append(f"{d}: weights unreadable ({exc})")
-                return None
-            return found
-        return None
+        return folder_digest(cands, self._digests, self.notes)
 
     def __call__(self, step: int, path: str | None) -> CheckpointFacts | None:
         key = (step, path)

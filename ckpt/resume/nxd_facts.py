@@ -13,7 +13,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from ckpt.resume.facts import CheckpointFacts
+from ckpt.resume.facts import CheckpointFacts, folder_digest
 
 
 def holds_tags(root: str | os.PathLike[str]) -> bool:
@@ -50,20 +50,6 @@ class NxdTagCheckpoints:
 
     def digest(self, step: int, path: str | None) -> Any:
         """The model digest of the tag of ``step`` (cached); None when there is none or it cannot be read."""
-        from ckpt.converters.digest import source_digest
-        from ckpt.errors import CkptError
-
         cands = [Path(path), self.root / Path(path).name] if path else []
         cands += [Path(p) for s, p in self.checkpoints() if s == step]
-        for d in dict.fromkeys(cands):
-            if d in self._digests:
-                return self._digests[d]
-            if not d.is_dir():
-                continue
-            try:
-                found = self._digests[d] = source_digest(str(d), allow_unmarked=True)
-            except (CkptError, OSError, ValueError) as exc:
-                self.notes.append(f"{d}: weights unreadable ({exc})")
-                return None
-            return found
-        return None
+        return folder_digest(cands, self._digests, self.notes, allow_unmarked=True)
