@@ -15,6 +15,7 @@ from ckpt.resume.checks import (
     VerifyOptions,
     worst,
 )
+from ckpt.resume.checks.weights import digests_of
 from ckpt.resume.facts import FactsProvider
 from ckpt.resume.model import Run
 
@@ -125,7 +126,7 @@ def verify_run(
             deterministic=det,
             lr_reference=lr_reference,
             facts=f,
-            weights=facts if callable(getattr(facts, "digest", None)) else None,
+            weights=digests_of(facts),
         )
         results = [check(ctx) for check in ALL_CHECKS]
         _attribute(results)

@@ -26,6 +26,12 @@ NAME = "weights"
 QUOTED = 3
 
 
+def digests_of(facts: Any) -> Any:
+    """The facts provider as the weights check's digest source when it gives digests (``digest``/``checkpoints``:
+    the manifest, Trainer and NxD tag providers), else None."""
+    return facts if callable(getattr(facts, "digest", None)) else None
+
+
 def _label(path: str | None, step: int) -> str:
     return os.path.basename(str(path).rstrip("/")) if path else f"the checkpoint of step {step}"
 
