@@ -153,15 +153,38 @@ def test_clean_restarts_stay_continuous(tmp_path: Path, restarts: int) -> None:
     assert res.exit_code == 0, res.output
 
 
-def test_restore_event_carries_the_digest_of_the_checkpoint_it_loaded(tmp_path: Path) -> None:
-    """The manager's digest is computed in the checkpoint's chunks: equal to the manifest's own digest."""
+@pytest.mark.parametrize("codec", ["raw", "zstd"])
+def test_restore_event_carries_the_digest_of_the_checkpoint_it_loaded(tmp_path: Path, codec: str) -> None:
+    """The manager's digest is computed in the checkpoint's chunks: equal to the manifest's own digest (from the
+    stored checksums for raw chunks, from the decoded data for zstd ones), by ``restore_latest`` (full manifest) and
+    by ``restore(step)`` (format v2 read lazily: the chunks come from the indexes)."""
     from ckpt.converters.digest import source_digest
 
-    run = tmp_path / "run"
-    session(run, 20)
-    session(run, 21)
-    (restore,) = load_run(run).sessions[1].restores
-    assert restore.model_digest == source_digest(str(checkpoints_dir(run) / "step_00000020")).tensors
+    model = Net()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    with LedgerWriter(tmp_path, world_size=1) as ledger:
+        mgr = ckpt.CheckpointManager(str(tmp_path / "ck"), async_save=False, codec=codec, on_event=ledger.on_event)
+        mgr.save(3, model=model, optimizer=opt)
+        assert mgr.restore_latest(model=model, optimizer=opt) == 3
+        mgr.restore(3, model=model, optimizer=opt)
+        with torch.no_grad():
+            model.fc2.bias[1] += 1  # a model that is not the checkpoint's: its digest differs in that tensor
+        ledger.on_event("restore", {"step": 3, "path": None, "model_digest": live_digest(model, mgr.last_restore)})
+        ledger.step(4, 1.0, 1e-2)  # a ledger holds steps
+        mgr.close()
+    want = source_digest(str(tmp_path / "ck" / "step_00000003")).tensors
+    latest, by_step, changed = (r.model_digest for r in load_run(tmp_path).sessions[0].restores)
+    assert latest == by_step == want and len(want) == 4
+    assert [n for n in want if changed[n] != want[n]] == ["fc2.bias"]
+
+
+def live_digest(model: nn.Module, result: ckpt.RestoreResult) -> dict[str, str]:
+    from ckpt.converters.digest import live_digest as digest
+
+    from ckpt.reader import read_manifest
+    from ckpt.storage import open_storage
+
+    return digest(model, read_manifest(open_storage(result.path)))
 
 
 NXD_TAG = Path(__file__).resolve().parents[1] / "fixtures/nxd/llama_gqa_h64/nxd_train_tp2_dp2_zero1_plain/step_3"
