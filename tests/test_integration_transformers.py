@@ -195,3 +195,20 @@ def test_hostile_scheduler_pickle_is_refused_not_run(crashed: Path, tmp_path: Pa
     )
     assert res.exit_code == 2 and "scheduler.pt" in res.output and "posix.system" in res.output
     assert not (tmp_path / "dst").exists()
+
+
+def test_diff_compares_trainer_checkpoints_their_optimizer_and_step(crashed: Path, tmp_path: Path) -> None:
+    """``ckpt diff`` reads Trainer ``checkpoint-N`` folders like any source: weights, Adam moments and step."""
+    import ckpt
+
+    same = tmp_path / "ck10"
+    conv = CliRunner().invoke(cli, ["convert", str(crashed / "checkpoint-10"), str(same), "--to", "cuda"])
+    assert conv.exit_code == 0, conv.output
+    res = ckpt.diff(str(crashed / "checkpoint-10"), str(same))
+    assert res.same and res.optimizer == "compared" and res.step_a == res.step_b == 10
+    assert any(t.role == "optimizer_state" for t in res.tensors)
+    r = CliRunner().invoke(cli, ["diff", str(crashed / "checkpoint-5"), str(crashed / "checkpoint-10"), "--json"])
+    assert r.exit_code == 1, r.output
+    doc = json.loads(r.stdout)
+    assert doc["a"]["step"] == 5 and doc["b"]["step"] == 10 and doc["a"]["format"] == "hf-trainer"
+    assert doc["changed"] and not doc["only_a"] and not doc["only_b"]
