@@ -58,7 +58,9 @@ class CkptCallback(TrainerCallback):
 
     ``run_dir`` defaults to the Trainer's ``output_dir`` so ``ckpt verify-resume OUTPUT_DIR`` finds both the
     ledger and the ``checkpoint-N`` folders.  ``tokenizer_id`` (``ckpt.resume.ledger.tokenizer_id(tok)``)
-    lets the verifier catch a tokenizer change across a restart; ``extra_env`` adds keys to the session.
+    lets the verifier catch a tokenizer change across a restart; ``extra_env`` adds keys to the session;
+    ``digest_restores=False`` leaves the model digest out of the restore event (it costs one read of the model on
+    the main process, device tensors copied to the host one at a time).
     """
 
     def __init__(
@@ -67,8 +69,10 @@ class CkptCallback(TrainerCallback):
         *,
         tokenizer_id: str | None = None,
         extra_env: Mapping[str, object] | None = None,
+        digest_restores: bool = True,
     ) -> None:
         self.run_dir = None if run_dir is None else Path(run_dir)
+        self.digest_restores = digest_restores
         self.tokenizer_id = tokenizer_id
         self.extra_env = dict(extra_env or {})
         self.ledger: LedgerWriter | None = None
@@ -108,7 +112,7 @@ class CkptCallback(TrainerCallback):
         step, path = self._restored
         self._restored = None
         digest = None
-        if model is not None:
+        if model is not None and self.digest_restores:
             from ckpt.converters.digest import live_digest
 
             digest = live_digest(model)
