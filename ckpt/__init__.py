@@ -9,6 +9,7 @@ Library entry points::
     ckpt.save(path, step=..., model=...)          # one synchronous save
     ckpt.restore(path, model=..., optimizer=...)  # restore in place (any number of ranks)
     reader = ckpt.open_checkpoint(path)           # lazy per-tensor reads for tools
+    ckpt.diff(a, b, atol=0)                       # two checkpoints in any formats, tensor by tensor
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ _EXPORTS = {
     "StateMismatchError": "errors",
     "StorageError": "errors",
     "UnsafePickleError": "errors",
+    "diff": "converters.diff",
     "RestoreResult": "loader",
     "restore": "loader",
     "CheckpointManager": "manager",
@@ -48,6 +50,7 @@ _EXPORTS = {
 }
 
 if TYPE_CHECKING:
+    from .converters.diff import diff
     from .discovery import CheckpointInfo, list_checkpoints
     from .errors import (
         AsyncSaveError,
@@ -117,6 +120,7 @@ __all__ = [
     "StateMismatchError",
     "StorageError",
     "UnsafePickleError",
+    "diff",
     "list_checkpoints",
     "open_checkpoint",
     "restore",

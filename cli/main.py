@@ -13,6 +13,7 @@ import click
 from . import demo, inspect_cmd, ls, verify
 from .compare import compare
 from .convert import convert
+from .diff import diff
 from .group import CkptGroup
 from .report import report
 from .verify_resume import verify_resume
@@ -30,6 +31,7 @@ cli.add_command(ls.ls)
 cli.add_command(inspect_cmd.inspect)
 cli.add_command(verify.verify)
 cli.add_command(convert)
+cli.add_command(diff)
 cli.add_command(demo.demo)
 cli.add_command(verify_resume)
 cli.add_command(report)

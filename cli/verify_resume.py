@@ -32,18 +32,20 @@ Exit codes: 0 continuous (warnings allowed), 1 discontinuity found, 2 bad input.
 
 
 def _facts(run: Path, checkpoints: str | None):
-    """The facts provider for RUN's checkpoints: ckpt manifests (``RUN/checkpoints`` when present), or the
-    ``checkpoint-N`` folders of an HF Trainer output dir; None when there are neither."""
+    """The facts provider for RUN's checkpoints: ckpt manifests (``RUN/checkpoints`` when present), the
+    ``checkpoint-N`` folders of an HF Trainer output dir, or NxD tags (``--checkpoints``: model digests only); None
+    when there are none."""
     from ckpt.resume.hf_facts import TrainerCheckpointFacts, is_trainer_output
     from ckpt.resume.ledger import checkpoints_dir
     from ckpt.resume.manifest_facts import ManifestFacts
+    from ckpt.resume.nxd_facts import NxdTagCheckpoints, holds_tags
 
     if checkpoints:
-        return (
-            TrainerCheckpointFacts(checkpoints)
-            if is_trainer_output(checkpoints)
-            else ManifestFacts(checkpoints)
-        )
+        if is_trainer_output(checkpoints):
+            return TrainerCheckpointFacts(checkpoints)
+        if "://" not in checkpoints and holds_tags(checkpoints):
+            return NxdTagCheckpoints(checkpoints)
+        return ManifestFacts(checkpoints)
     root = run if run.is_dir() else run.parent
     if checkpoints_dir(root).is_dir():
         return ManifestFacts(os.fspath(checkpoints_dir(root)))
@@ -66,7 +68,8 @@ def _facts(run: Path, checkpoints: str | None):
 @click.option("--source", type=click.Choice(SOURCES), default="auto", show_default=True, help="Log format.")
 @click.option(
     "--checkpoints",
-    help="Checkpoint root whose manifests give the restored counters (default: RUN/checkpoints if present).",
+    help="Checkpoint root whose manifests give the restored counters, or a folder of NxD tags (model digests "
+    "only) (default: RUN/checkpoints if present).",
 )
 @click.option("--replay", "replay_cmd", help="Re-run this training command from a checkpoint and compare.")
 @click.option("--from-step", type=int, help="Replay from this checkpoint step (default: newest usable).")

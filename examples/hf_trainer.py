@@ -73,6 +73,12 @@ def main(argv: list[str] | None = None) -> int:
         "--resume", nargs="?", const="latest", default=None, help="resume (latest or a checkpoint)"
     )
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--bug",
+        choices=("none", "reinit"),
+        default="none",
+        help="reinit: a callback re-initialises the weights at train begin, also after a resume loaded them",
+    )
     a = p.parse_args(argv)
     torch.set_num_threads(1)
 
@@ -87,6 +93,13 @@ def main(argv: list[str] | None = None) -> int:
             if state.global_step == a.kill_at:
                 os.kill(os.getpid(), signal.SIGKILL)
 
+    class Reinit(TrainerCallback):
+        """A classic mistake: (re)initialise weights when training begins, which a resume reaches after loading
+        checkpoint-N's weights (ckpt verify-resume names it: the weights after restore are not checkpoint-N's)."""
+
+        def on_train_begin(self, args, state, control, model=None, **kw):
+            model.apply(model._init_weights)
+
     from transformers import set_seed
 
     set_seed(a.seed)
@@ -94,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
         model=tiny_llama(),
         args=training_args(a.out, a.steps, a.save_every, a.seed),
         train_dataset=corpus(a.seed),
-        callbacks=[CkptCallback(), KillAt()],
+        callbacks=[CkptCallback(), KillAt()] + ([Reinit()] if a.bug == "reinit" else []),
     )
     resume = True if a.resume == "latest" else a.resume
     trainer.train(resume_from_checkpoint=resume)

@@ -60,12 +60,12 @@ def crashed(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
-def resumed(crashed: Path, dest: Path, delete: str | None = None) -> Path:
+def resumed(crashed: Path, dest: Path, delete: str | None = None, *args: object) -> Path:
     out = dest / "out"
     shutil.copytree(crashed, out)
     if delete:
         (out / "checkpoint-10" / delete).unlink()
-    assert train(out, "--resume") == 0
+    assert train(out, "--resume", *args) == 0
     return out
 
 
@@ -90,6 +90,21 @@ def test_callback_ledger_resume_verifies_and_continues_bit_for_bit(
     assert b["restored_step"] == 10 and checks["counters"]["status"] == "pass"
     assert checks["counters"]["numbers"]["scheduler_last_epoch"] == 10
     assert checks["loss"]["status"] == "pass" and checks["loss"]["basis"] == "overlap"
+    assert checks["weights"]["status"] == "pass", checks["weights"]
+    assert "weights after restore equal checkpoint-10's" in checks["weights"]["summary"]
+
+
+def test_model_reinitialised_after_the_resume_loaded_it_is_named(crashed: Path, tmp_path: Path) -> None:
+    """A callback re-initialises the weights at train begin (after the Trainer loaded checkpoint-10's): the restore
+    event's digest, taken as the first resumed step finds the model, differs from checkpoint-10's."""
+    out = resumed(crashed, tmp_path, None, "--bug", "reinit")
+    res = CliRunner().invoke(cli, ["verify-resume", str(out)], terminal_width=200)
+    assert res.exit_code == 1, res.output
+    assert "weights after restore differ from checkpoint-10's: not restored (" in res.output
+    result = verify_run(load_run(out), facts=TrainerCheckpointFacts(out))
+    (v,) = result.verdicts
+    w = v.check("weights")
+    assert w.cause is Cause.WEIGHTS_NOT_RESTORED and w.numbers["not_restored"] == w.numbers["compared"] > 0
 
 
 def test_checkpoint_without_scheduler_fails_naming_it(crashed: Path, tmp_path: Path) -> None:
@@ -180,3 +195,20 @@ def test_hostile_scheduler_pickle_is_refused_not_run(crashed: Path, tmp_path: Pa
     )
     assert res.exit_code == 2 and "scheduler.pt" in res.output and "posix.system" in res.output
     assert not (tmp_path / "dst").exists()
+
+
+def test_diff_compares_trainer_checkpoints_their_optimizer_and_step(crashed: Path, tmp_path: Path) -> None:
+    """``ckpt diff`` reads Trainer ``checkpoint-N`` folders like any source: weights, Adam moments and step."""
+    import ckpt
+
+    same = tmp_path / "ck10"
+    conv = CliRunner().invoke(cli, ["convert", str(crashed / "checkpoint-10"), str(same), "--to", "cuda"])
+    assert conv.exit_code == 0, conv.output
+    res = ckpt.diff(str(crashed / "checkpoint-10"), str(same))
+    assert res.same and res.optimizer == "compared" and res.step_a == res.step_b == 10
+    assert any(t.role == "optimizer_state" for t in res.tensors)
+    r = CliRunner().invoke(cli, ["diff", str(crashed / "checkpoint-5"), str(crashed / "checkpoint-10"), "--json"])
+    assert r.exit_code == 1, r.output
+    doc = json.loads(r.stdout)
+    assert doc["a"]["step"] == 5 and doc["b"]["step"] == 10 and doc["a"]["format"] == "hf-trainer"
+    assert doc["changed"] and not doc["only_a"] and not doc["only_b"]

@@ -85,6 +85,7 @@ def test_correct_training_function_continues_exactly(tmp_path: Path) -> None:
         "data": "pass",
         "rng": "pass",
         "env": "pass",
+        "weights": "pass",  # the restore event's model digest equals the checkpoint's
         "loss": "pass",
     }
     assert "=" in result.report()

@@ -15,7 +15,10 @@ Usage::
 What is logged, and from which hook:
 
 - ``on_train_begin``: a session (versions, world size, seed, ``full_determinism``); when ``global_step`` is
-  already N > 0 the Trainer has restored ``checkpoint-N``, logged as a restore event.
+  already N > 0 the Trainer has restored ``checkpoint-N``, logged as a restore event at the first
+  ``on_step_begin`` (or ``on_train_end`` when no step runs), with the digest of the model as that first step
+  finds it (after every callback's ``on_train_begin``), so ``verify-resume`` can tell whether the weights are
+  ``checkpoint-N``'s.
 - ``on_step_begin``: the RNG digest taken before the step draws anything.
 - ``on_log``: loss, the LR the update used, grad norm and (with ``include_num_input_tokens_seen``) tokens
   seen, per logged step.  Set ``logging_steps=1`` for a step-by-step ledger; the Trainer averages the loss
@@ -55,7 +58,9 @@ class CkptCallback(TrainerCallback):
 
     ``run_dir`` defaults to the Trainer's ``output_dir`` so ``ckpt verify-resume OUTPUT_DIR`` finds both the
     ledger and the ``checkpoint-N`` folders.  ``tokenizer_id`` (``ckpt.resume.ledger.tokenizer_id(tok)``)
-    lets the verifier catch a tokenizer change across a restart; ``extra_env`` adds keys to the session.
+    lets the verifier catch a tokenizer change across a restart; ``extra_env`` adds keys to the session;
+    ``digest_restores=False`` leaves the model digest out of the restore event (it costs one read of the model on
+    the main process, device tensors copied to the host one at a time).
     """
 
     def __init__(
@@ -64,12 +69,16 @@ class CkptCallback(TrainerCallback):
         *,
         tokenizer_id: str | None = None,
         extra_env: Mapping[str, object] | None = None,
+        digest_restores: bool = True,
     ) -> None:
         self.run_dir = None if run_dir is None else Path(run_dir)
+        self.digest_restores = digest_restores
         self.tokenizer_id = tokenizer_id
         self.extra_env = dict(extra_env or {})
         self.ledger: LedgerWriter | None = None
         self._rng: dict[int, str] = {}
+        #: the restore not yet logged: (step, checkpoint folder), written with the model's digest
+        self._restored: tuple[int, str] | None = None
 
     # -- hooks -------------------------------------------------------------------------------------------
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
@@ -91,12 +100,27 @@ class CkptCallback(TrainerCallback):
             # names it when the user set it there, else it is the output dir's checkpoint of that step.
             given = getattr(args, "resume_from_checkpoint", None)
             path = given if isinstance(given, str) and os.path.isdir(given) else None
-            self.ledger.restore(
-                state.global_step, path or _checkpoint_dir(args.output_dir, state.global_step)
+            self._restored = (
+                state.global_step,
+                path or _checkpoint_dir(args.output_dir, state.global_step),
             )
+
+    def _log_restore(self, model: Any) -> None:
+        """Write the pending restore event, with the digest of ``model`` as training finds it."""
+        if self.ledger is None or self._restored is None:
+            return
+        step, path = self._restored
+        self._restored = None
+        digest = None
+        if model is not None and self.digest_restores:
+            from ckpt.converters.digest import live_digest
+
+            digest = live_digest(model)
+        self.ledger.restore(step, path, model_digest=digest)
 
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self.ledger is not None:
+            self._log_restore(kwargs.get("model"))
             self._rng[state.global_step + 1] = digest_rng()
 
     def on_log(
@@ -122,5 +146,6 @@ class CkptCallback(TrainerCallback):
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self.ledger is not None:
+            self._log_restore(kwargs.get("model"))
             self.ledger.close()
             self.ledger = None

@@ -43,6 +43,7 @@ from typing import Any
 from ckpt.errors import CkptError
 from ckpt.resume.boundaries import Boundary, segments
 from ckpt.resume.checks import ALL_CHECKS, CheckContext, Status, VerifyOptions, check_lost_work
+from ckpt.resume.checks.weights import digests_of
 from ckpt.resume.facts import FactsProvider
 from ckpt.resume.model import Restore, Run, Save, StepRecord
 from ckpt.resume.verify import BoundaryVerdict, Verification, _attribute, _deterministic
@@ -108,7 +109,8 @@ def compare_to_reference(
     det = _deterministic(boundary, options)
     f = facts(restore.step, restore.path) if facts else None
     ctx = CheckContext(
-        run=resumed, boundary=boundary, options=options, deterministic=det, lr_reference=lr_reference, facts=f
+        run=resumed, boundary=boundary, options=options, deterministic=det, lr_reference=lr_reference, facts=f,
+        weights=digests_of(facts),
     )
     results = [check(ctx) for check in REFERENCE_CHECKS]
     _attribute(results)

@@ -7,8 +7,11 @@ check the counters that a log alone cannot show (an optimizer whose ``step`` res
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+import os
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,3 +52,26 @@ def facts_from_mapping(facts: Mapping[int, CheckpointFacts]) -> FactsProvider:
         return facts.get(step)
 
     return provider
+
+
+def folder_digest(
+    candidates: Iterable[str | os.PathLike[str]], cache: dict[Path, Any], notes: list[str], **run_options: Any
+) -> Any:
+    """The model digest (:func:`ckpt.converters.digest.source_digest`) of the first existing folder among
+    ``candidates`` (the logged path, the same name under the root, the step's folder), cached in ``cache``; None
+    (and a note) when it cannot be read.  Shared by the folder-per-checkpoint providers (Trainer, NxD tags)."""
+    from ckpt.converters.digest import source_digest
+    from ckpt.errors import CkptError
+
+    for d in dict.fromkeys(Path(c) for c in candidates):
+        if d in cache:
+            return cache[d]
+        if not d.is_dir():
+            continue
+        try:
+            found = cache[d] = source_digest(str(d), **run_options)
+        except (CkptError, OSError, ValueError) as exc:
+            notes.append(f"{d}: weights unreadable ({exc})")
+            return None
+        return found
+    return None

@@ -22,7 +22,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from ckpt.resume.facts import CheckpointFacts
+from ckpt.resume.facts import CheckpointFacts, folder_digest
 from ckpt.resume.manifest_facts import _as_int, scheduler_position
 
 MISSING_WHY = {
@@ -84,6 +84,23 @@ class TrainerCheckpointFacts:
         self.root = Path(output_dir)
         self.notes: list[str] = []
         self._cache: dict[tuple[int, str | None], CheckpointFacts | None] = {}
+        self._digests: dict[Path, Any] = {}
+
+    def checkpoints(self) -> list[tuple[int, str]]:
+        """(step, folder) of every ``checkpoint-N`` under the output dir, oldest first."""
+        out = []
+        for d in self.root.iterdir() if self.root.is_dir() else ():
+            tail = d.name.removeprefix("checkpoint-")
+            if d.is_dir() and d.name.startswith("checkpoint-") and tail.isdigit():
+                out.append((int(tail), str(d)))
+        return sorted(out)
+
+    def digest(self, step: int, path: str | None) -> Any:
+        """The model digest of ``checkpoint-N``, hashed through the conversion engine's view of its weights (one
+        read of the model, cached); None when it cannot be read."""
+        cands = [Path(path), self.root / Path(path).name] if path else []
+        cands.append(self.root / f"checkpoint-{step}")
+        return folder_digest(cands, self._digests, self.notes)
 
     def __call__(self, step: int, path: str | None) -> CheckpointFacts | None:
         key = (step, path)

@@ -238,9 +238,27 @@ class LedgerWriter:
             if len(self._buffer) >= self._buffer_lines:
                 self._flush_locked(sync=False)
 
-    def restore(self, step: int, path: str | os.PathLike[str] | None, seconds: float | None = None) -> None:
-        """Record that state of step ``step`` was loaded from ``path`` in ``seconds``; log it before training."""
-        self._event("restore", step=int(step), path=None if path is None else str(path), seconds=seconds)
+    def restore(
+        self,
+        step: int,
+        path: str | os.PathLike[str] | None,
+        seconds: float | None = None,
+        *,
+        model_digest: Mapping[str, str] | None = None,
+    ) -> None:
+        """Record that state of step ``step`` was loaded from ``path`` in ``seconds``; log it before training.
+
+        ``model_digest`` (optional, ``ckpt.converters.digest.live_digest`` of the model right after the restore,
+        hashed in the checkpoint's boxes) lets the verifier name weights that were not restored.
+        """
+        fields: dict[str, object] = {
+            "step": int(step),
+            "path": None if path is None else str(path),
+            "seconds": seconds,
+        }
+        if model_digest is not None:
+            fields["model_digest"] = dict(model_digest)
+        self._event("restore", **fields)
 
     def save(
         self,
@@ -265,7 +283,7 @@ class LedgerWriter:
         """Adapter for ``CheckpointManager(on_event=ledger.on_event)``: the manager's own save/restore events.
 
         Why here and not in the manager: the manager stays free of ledger code and emits plain dicts
-        (``save``: step, path, blocking_s, total_s, bytes; ``restore``: step, path, seconds); this maps them
+        (``save``: step, path, blocking_s, total_s, bytes; ``restore``: step, path, seconds, model_digest); this maps them
         to ledger events.  Saves arrive on the async writer thread once committed, which is exactly when the
         ledger wants them.  Unknown kinds are ignored so a newer manager cannot break an older ledger.
         """
@@ -278,7 +296,12 @@ class LedgerWriter:
                 bytes=info.get("bytes"),
             )
         elif kind == "restore":
-            self.restore(int(info["step"]), info.get("path"), seconds=info.get("seconds"))
+            self.restore(
+                int(info["step"]),
+                info.get("path"),
+                seconds=info.get("seconds"),
+                model_digest=info.get("model_digest"),
+            )
 
     def compile(self, seconds: float, what: str | None = None) -> None:
         """Record a graph compilation of ``seconds`` (what: e.g. ``"neuron train graph"``)."""

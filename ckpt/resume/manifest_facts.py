@@ -114,6 +114,38 @@ class ManifestFacts:
         self.storage_options = storage_options
         self.notes: list[str] = []
         self._cache: dict[tuple[int, str | None], CheckpointFacts | None] = {}
+        self._digests: dict[str, Any] = {}
+
+    def checkpoints(self) -> list[tuple[int, str]]:
+        """(step, path) of every committed checkpoint under the root, oldest first (for the weights check)."""
+        from ckpt.discovery import list_checkpoints
+        from ckpt.errors import CkptError
+
+        try:
+            infos = list_checkpoints(self.root, storage_options=self.storage_options)
+        except (CkptError, OSError):
+            return []
+        return [(i.step, f"{self.root}/{i.name}") for i in infos if i.status == "committed"]
+
+    def digest(self, step: int, path: str | None) -> Any:
+        """The model digest (:class:`ckpt.converters.digest.CheckpointDigest`) of the checkpoint of ``step``, from
+        its manifest's chunk checksums (no data read for ``raw`` chunks); None when it cannot be read."""
+        from ckpt.converters.digest import manifest_digest
+        from ckpt.errors import CkptError
+        from ckpt.reader import CheckpointReader
+
+        for cand in self._candidates(step, path):
+            if cand in self._digests:
+                return self._digests[cand]
+            try:
+                reader = CheckpointReader(cand, self.storage_options)
+            except (CkptError, OSError):
+                continue
+            if int(reader.manifest.step) != step:
+                continue
+            found = self._digests[cand] = manifest_digest(reader)
+            return found
+        return None
 
     def _candidates(self, step: int, path: str | None) -> list[str]:
         from ckpt.discovery import step_dir

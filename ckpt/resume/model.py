@@ -41,13 +41,15 @@ class SessionStart:
 
 @dataclass(frozen=True, slots=True)
 class Restore:
-    """State was loaded from the checkpoint of ``step`` at ``path``; ``inferred`` when a reader guessed it."""
+    """State was loaded from the checkpoint of ``step`` at ``path``; ``inferred`` when a reader guessed it.
+    ``model_digest``: the model's digest right after the restore (name -> digest), when the writer logged one."""
 
     time: float | None
     step: int
     path: str | None = None
     seconds: float | None = None
     inferred: bool = False
+    model_digest: dict[str, str] | None = None
 
 
 @dataclass(frozen=True, slots=True)

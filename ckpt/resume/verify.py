@@ -15,6 +15,7 @@ from ckpt.resume.checks import (
     VerifyOptions,
     worst,
 )
+from ckpt.resume.checks.weights import digests_of
 from ckpt.resume.facts import FactsProvider
 from ckpt.resume.model import Run
 
@@ -22,6 +23,8 @@ _LR_CAUSES = {Cause.WARMUP_RESTARTED, Cause.LR_OFF_BY_ONE, Cause.LR_DIFFERENT}
 _VALUE_CHECKS = {"lr", "loss", "data", "rng"}
 """The checks whose failure at a suspected boundary shows a discontinuity in the logged values."""
 _LOSS_CAUSES = {Cause.LOSS_DIVERGED, Cause.MODEL_STATE, Cause.OPTIMIZER_LOST, Cause.LOSS_DROP}
+_WEIGHT_CAUSES = {Cause.WEIGHTS_NOT_RESTORED, Cause.STALE_CHECKPOINT}
+"""Wrong weights explain any loss failure, a spike included (checks/weights.py)."""
 
 
 @dataclass(slots=True)
@@ -92,7 +95,7 @@ def _attribute(results: list[CheckResult]) -> None:
     if not others:
         return
     spiky = loss.cause is Cause.OPTIMIZER_LOST and bool(loss.numbers.get("shifted"))
-    if spiky and not _LR_CAUSES & set(others):
+    if spiky and not (_LR_CAUSES | _WEIGHT_CAUSES) & set(others):
         return
     loss.explained_by = [c for c in dict.fromkeys(others) if c not in _LOSS_CAUSES] or others
 
@@ -117,7 +120,13 @@ def verify_run(
         det = _deterministic(b, options)
         f = facts(b.restored_step, b.restore.path if b.restore else None) if facts else None
         ctx = CheckContext(
-            run=run, boundary=b, options=options, deterministic=det, lr_reference=lr_reference, facts=f
+            run=run,
+            boundary=b,
+            options=options,
+            deterministic=det,
+            lr_reference=lr_reference,
+            facts=f,
+            weights=digests_of(facts),
         )
         results = [check(ctx) for check in ALL_CHECKS]
         _attribute(results)

@@ -139,6 +139,18 @@ def quiet():
     libc.malloc_trim(0)
 
 for job in jobs:
+    if "diff" in job:  # ckpt diff A B instead of a conversion: no estimate; A and B must compare equal
+        from ckpt.converters.diff import diff
+        quiet()
+        print("ready", json.dumps({"estimate": 0}), flush=True)
+        sys.stdin.readline()
+        t0 = time.perf_counter()
+        result = diff(*job["diff"], config=job["config"], allow_unmarked=True)
+        wall = time.perf_counter() - t0
+        assert result.same and result.tensors, result.to_json()["changed"]
+        print("done", json.dumps({"wall": wall}), flush=True)
+        quiet()
+        continue
     opts = target_options(job["target"], job["config"], job.get("nxd"))
     run = RunOptions(allow_unmarked=True, **({"flush_bytes": job["flush_bytes"]} if "flush_bytes" in job else {}))
     src = open_source(job["src"], opts, run)
@@ -187,7 +199,8 @@ def measure(
     exact_malloc: bool = True,
     cli_malloc: bool = False,
 ) -> list[Peak]:
-    """Run ``jobs`` (``{"src", "dst", "target", "config", "src_name"}``, optional ``"flush_bytes"`` for our writer and ``"nxd"``: the NxD targets' flags)
+    """Run ``jobs`` (``{"src", "dst", "target", "config", "src_name"}``, optional ``"flush_bytes"`` for our writer and ``"nxd"``: the NxD targets' flags;
+    or ``{"diff": [A, B], "src": A, "config", "src_name", "target"}``: ``ckpt diff A B``, which must find them equal)
     one after another in one child process and return each one's peak memory (see the module docstring).
 
     ``exact_malloc`` pins glibc's mmap and trim thresholds in the child (tests: measure what the code holds); off,

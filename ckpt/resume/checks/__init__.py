@@ -9,6 +9,7 @@ from ckpt.resume.checks.history import check_env, check_lost_work
 from ckpt.resume.checks.loss import check_loss
 from ckpt.resume.checks.lr import check_lr
 from ckpt.resume.checks.steps import check_counters, check_step
+from ckpt.resume.checks.weights import check_weights
 
 ALL_CHECKS = (
     check_step,
@@ -18,6 +19,7 @@ ALL_CHECKS = (
     check_rng,
     check_lost_work,
     check_env,
+    check_weights,
     check_loss,
 )
 """In report order; the loss check runs last so it can defer to a root cause found by the exact checks."""
@@ -39,5 +41,6 @@ __all__ = [
     "check_lr",
     "check_rng",
     "check_step",
+    "check_weights",
     "worst",
 ]

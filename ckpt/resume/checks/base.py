@@ -37,6 +37,8 @@ class Cause(str, Enum):
     LR_SHIFTED = "LR shifted by several steps"
     LR_FROZEN = "LR constant after resume where the schedule was moving (scheduler not stepping)"
     STATE_MISSING = "checkpoint lacks state the resume needs"
+    WEIGHTS_NOT_RESTORED = "model weights not restored"
+    STALE_CHECKPOINT = "checkpoint holds an earlier step's weights"
 
 
 class Basis(str, Enum):

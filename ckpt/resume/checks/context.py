@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from ckpt.resume.boundaries import Boundary
 from ckpt.resume.facts import CheckpointFacts
@@ -36,3 +37,6 @@ class CheckContext:
     deterministic: bool
     lr_reference: dict[int, float] | None = None
     facts: CheckpointFacts | None = None
+    #: the run's checkpoints' model digests (``digest(step, path)``, ``checkpoints()``: the facts providers of
+    #: :mod:`ckpt.resume.manifest_facts` and :mod:`ckpt.resume.hf_facts`), for the weights check
+    weights: Any = None

@@ -103,8 +103,19 @@ def _add(session: Session, kind: object, rec: dict) -> None:
             raise TypeError("env must be an object")
         session.add_event(SessionStart(time=t, env=env))
     elif kind == "restore":
+        digest = rec.get("model_digest")
+        if digest is not None and not (
+            isinstance(digest, dict) and all(isinstance(v, str) for v in digest.values())
+        ):
+            raise TypeError("model_digest must be an object of digest strings")
         session.add_event(
-            Restore(time=t, step=int(rec["step"]), path=rec.get("path"), seconds=_opt_float(rec, "seconds"))
+            Restore(
+                time=t,
+                step=int(rec["step"]),
+                path=rec.get("path"),
+                seconds=_opt_float(rec, "seconds"),
+                model_digest=digest,
+            )
         )
     elif kind == "save":
         session.add_event(
