@@ -43,11 +43,12 @@ def open_source(src: str, opts: ConvertOptions, run: RunOptions | None = None) -
     """Open ``src`` in whatever format it is in, and check it has the layout ``--from`` says."""
     run = run or RunOptions()
     fmt = formats.detect(src, run.storage_options)
-    if opts.param_names is not None and fmt.name != "nxd":
+    nxd_like = fmt.name in ("nxd", "optimum-neuron")  # an NxD tag, alone or in an optimum-neuron folder
+    if opts.param_names is not None and not nxd_like:
         raise LayoutError(
             f"param_names: {src} is a {fmt.name} checkpoint; optimizer pid names are for NxD tags only"
         )
-    if opts.source_flags and fmt.name != "nxd":
+    if opts.source_flags and not nxd_like:
         flag = next(iter(opts.source_flags))
         raise LayoutError(
             f"--source-{flag.replace('_', '-')}: {src} is a {fmt.name} checkpoint, which records its own layout; "
