@@ -49,6 +49,19 @@ def assert_truth_weights(folder: Path) -> None:
     assert all(torch.equal(got[k], want[k]) for k in want)
 
 
+def assert_truth_optimizer(folder: Path) -> None:
+    """``optimizer.pt`` of a Trainer folder holds the run's AdamW moments, in the Trainer's numbering."""
+    from ckpt.converters.hf_trainer import trainer_param_groups
+
+    opt = torch.load(folder / "optimizer.pt", weights_only=True)
+    full = load_file(TRUTH / "optimizer_full.safetensors")
+    decay, rest = trainer_param_groups(json.loads((TRUTH / "config.json").read_text()), "test")
+    assert len(opt["state"]) == len(decay + rest) == len(full) // 3
+    for i, name in enumerate(decay + rest):
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(opt["state"][i][key], full[f"{name}.{key}"]), (name, key)
+
+
 @pytest.mark.parametrize("variant", ["plain", "xser"])
 def test_the_folder_converts_to_hf_equal_to_the_trained_weights(
     folders: dict[str, Path], tmp_path: Path, variant: str
@@ -66,18 +79,9 @@ def test_to_hf_trainer_carries_optimizer_scheduler_rng_and_step(
     said = ok(src, out, "--to", "cuda", "--format", "hf-trainer")
     assert "optimizer" not in " ".join(ln for ln in said.splitlines() if "not written" in ln), said
     assert_truth_weights(out)
-    opt = torch.load(out / "optimizer.pt", weights_only=True)
-    names = [n for g in json.loads((TRUTH / "truth.json").read_text())["parameters"] for n in [g["name"]]]
-    full = load_file(TRUTH / "optimizer_full.safetensors")
-    from ckpt.converters.hf_trainer import trainer_param_groups
-
-    decay, rest = trainer_param_groups(json.loads((TRUTH / "config.json").read_text()), "test")
-    order = decay + rest
-    assert sorted(order) == sorted(names)
-    for i, name in enumerate(order):
-        for key in ("exp_avg", "exp_avg_sq"):
-            assert torch.equal(opt["state"][i][key], full[f"{name}.{key}"]), (name, key)
+    assert_truth_optimizer(out)
     # the run's one group (weight decay 0.01 on every tensor) keeps its hyper-parameters in both Trainer groups
+    opt = torch.load(out / "optimizer.pt", weights_only=True)
     assert [g["weight_decay"] for g in opt["param_groups"]] == [0.01, 0.01]
     assert json.loads((out / "trainer_state.json").read_text())["global_step"] == 3
     sched = torch.load(out / "scheduler.pt", weights_only=True)
@@ -173,3 +177,21 @@ def test_a_lora_run_folder_is_refused_not_guessed(tmp_path: Path) -> None:
     (ck / "adapter_default" / "adapter_config.json").write_text("{}")
     (ck / "trainer_state.json").write_text(json.dumps({"global_step": 5}))
     assert_one_error(ckpt_cli("convert", ck, tmp_path / "o", "--to", "cuda"), "LoRA", "adapter_default")
+
+
+def test_tp_pp_folder_written_by_workers_reads_back_to_the_truth(
+    folders: dict[str, Path], tmp_path: Path
+) -> None:
+    """TP 2 x PP 2, xser, ranks shared by two worker processes: weights and AdamW moments come back exact."""
+    trn = tmp_path / "checkpoint-3"
+    ok(folders["xser"], trn, "--to", "neuron", "--format", "optimum-neuron", "--tp", "2", "--pp", "2", "--dp", "1",
+       "--workers", "2")  # fmt: skip
+    assert sorted(p.name for p in (trn / "shards" / "model").glob("*_pp_rank_0?.pt")) == [
+        f"dp_rank_00_tp_rank_0{t}_pp_rank_0{p}.pt" for t in range(2) for p in range(2)
+    ]
+    trn_cfg = json.loads((trn / "trn_config.json").read_text())
+    assert (trn_cfg["pipeline_parallel_size"], trn_cfg["use_xser"]) == (2, True)
+    out = tmp_path / "gpu"
+    ok(trn, out, "--to", "cuda", "--format", "hf-trainer")
+    assert_truth_weights(out)
+    assert_truth_optimizer(out)
