@@ -14,8 +14,14 @@ What optimum-neuron 0.1-0.4 writes (its sources: ``trainers.py`` / ``trainers/tr
   ``scheduler.pt`` / ``user_content.pt``), plus ``mp_metadata_pp_rank_P.json`` (the fused-weight transformation
   specs its ``optimum-cli neuron consolidate`` uses).  The tensor names are NxD's (``qkv_proj.weight_q|k|v`` or
   ``weight_qkv``, always-fused ``gate_up_proj``): the rules of :mod:`ckpt.layouts` read them directly.
-* LoRA runs write ``adapter_{name}/adapter_config.json`` and a tag ``adapter_{name}/adapter_shards/`` instead of
-  ``shards/``; those are refused here with a line that says so (not converted yet).
+* LoRA runs write ``adapter_{name}/adapter_config.json`` (a PEFT config, turned back to the original model's module
+  names by ``to_original_peft_config_for_model``) and a tag ``adapter_{name}/adapter_shards/`` instead of
+  ``shards/``: ``save_checkpoint(model=get_peft_model_state_dict(...))``, so its names are PEFT's
+  (``base_model.model.`` + the fused NxD module names: ``qkv_proj.lora_B.weight_q``, ``gate_up_proj.lora_B.weight``)
+  and it holds no optimizer state.  optimum-neuron's LoRA layers (``peft/tuners/lora/layer.py``) use NxD's parallel
+  layers as NxD's own LoRA does (``lora_A`` shared by a fused layer's parts, ``lora_B`` column-parallel, each rank's
+  fused ``lora_B`` ``[gate_r; up_r]``), so :func:`read_lora_checkpoint` reads it with NxD's LoRA layout rules into
+  a PEFT adapter (``--format peft``, exact).
 
 ZeRO-1: optimum-neuron hands NxD its ``NeuronAcceleratedOptimizer`` wrapper, so NxD's ``save_checkpoint`` (which
 tests ``isinstance(optimizer, NeuronZero1Optimizer)``) does not see ZeRO-1 and writes DP rank 0's optimizer state
@@ -53,6 +59,7 @@ from .nxd.export import NxdExport
 from .nxd.source import NxdTagSource
 from .nxd.xser import load_nxd_file
 from .nxd.zero1 import is_zero1_dict
+from .peft import Adapter
 
 NAME = "optimum-neuron"
 #: optimum-neuron's ``MODEL_PARALLEL_SHARDS_DIR_NAME`` / ``ADAPTER_MODEL_PARALLEL_SHARDS_DIR_NAME``
@@ -69,6 +76,76 @@ NOT_WRITTEN_WHY = (
 
 def _adapters(p: Path) -> list[Path]:
     return sorted(d for d in p.glob("adapter_*") if (d / ADAPTER_SHARDS).is_dir())
+
+
+def is_lora_checkpoint(path: str) -> bool:
+    """A NeuronTrainer LoRA ``checkpoint-N``: ``adapter_*/adapter_shards/`` tags and no ``shards/``."""
+    p = Path(path)
+    return detect(path) and not (p / SHARDS / "model").is_dir()
+
+
+#: what ``get_peft_model_state_dict`` puts before a module's name
+PEFT_PREFIX = "base_model.model."
+
+
+def read_lora_checkpoint(
+    path: str, *, config: Mapping[str, Any], adapter: str | None = None, verify: bool = True,
+    allow_unmarked: bool = False,
+) -> Adapter:  # fmt: skip
+    """The adapter ``adapter_{adapter}/`` of a LoRA ``checkpoint-N`` (the only one when ``adapter`` is None) as a
+    PEFT adapter: names without the PEFT prefix, full tensors (every stored copy compared), its PEFT config."""
+    from ckpt.layouts.lora import NXD_LORA, nxd_to_adapter
+    from ckpt.layouts.spec import LayoutSpec
+
+    from .nxd.lora import _dims, _flags
+    from .nxd.source import check_usable
+    from .peft import check_config
+
+    root = Path(path)
+    found = _adapters(root)
+    if adapter is None and len(found) != 1:
+        raise LayoutError(
+            f"{root}: {len(found)} adapters ({', '.join(a.name for a in found)}); convert one folder, e.g. "
+            f"{found[0] / ADAPTER_SHARDS}"
+        )
+    adir = found[0] if adapter is None else root / f"adapter_{adapter}"
+    tag = adir / ADAPTER_SHARDS
+    check_usable(tag, allow_unmarked)
+    from .nxd.files import scan_tag
+
+    files = scan_tag(tag)
+    if files.optim:
+        raise LayoutError(
+            f"{tag}/optim: optimum-neuron saves no optimizer state with an adapter; unknown files"
+        )
+    shards: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
+    for key, f in sorted(files.model.items()):
+        obj = load_nxd_file(f, files.xser, verify=verify, context=f"tp rank {key[0]}, pp rank {key[1]}")
+        if not isinstance(obj, dict):
+            raise CkptError(f"{f}: expected a dict of tensors, got {type(obj).__name__}")
+        for name, t in obj.items():
+            bare = name.removeprefix(PEFT_PREFIX)
+            if not isinstance(t, torch.Tensor) or bare == name or NXD_LORA.match(bare) is None:
+                raise LayoutError(
+                    f"{f}: {name} is not an optimum-neuron LoRA tensor (expected {PEFT_PREFIX}<module>.lora_A|B...)"
+                )
+            shards.setdefault((key[0], key[1]), {})[bare] = t
+    names = sorted({n for sd in shards.values() for n in sd})
+    shapes = {n: tuple(sd[n].shape) for sd in shards.values() for n in sd}
+    flags = _flags(names, shapes, config, files.tp_size, files.pp_size, {})
+    tensors = nxd_to_adapter(shards, LayoutSpec.of(_dims(config), flags))
+    cfg_file = adir / "adapter_config.json"
+    peft_cfg = _json(cfg_file, "the PEFT adapter config") if cfg_file.is_file() else None
+    if not isinstance(peft_cfg, dict):
+        raise CkptError(
+            f"{cfg_file}: no PEFT adapter config (optimum-neuron writes it next to {ADAPTER_SHARDS}/)"
+        )
+    check_config(peft_cfg, str(cfg_file))
+    return Adapter(
+        tensors=tensors, r=int(peft_cfg["r"]), lora_alpha=peft_cfg["lora_alpha"],
+        use_rslora=bool(peft_cfg.get("use_rslora", False)), lora_dropout=float(peft_cfg.get("lora_dropout") or 0.0),
+        peft_config=peft_cfg,
+    )  # fmt: skip
 
 
 def detect(path: str, storage_options: Mapping[str, Any] | None = None) -> bool:
@@ -157,7 +234,7 @@ class OptimumNeuronSource(NxdTagSource):
         if adapters and not (root / SHARDS / "model").is_dir():
             raise LayoutError(
                 f"{root}: an optimum-neuron LoRA checkpoint ({', '.join(a.name for a in adapters)}/{ADAPTER_SHARDS}); "
-                "its adapter shards are not converted yet (only full-model runs, with shards/)"
+                "it converts to --to cuda --format peft --config BASE/config.json"
             )
         if config is None and (root / CONFIG).is_file():
             config = _json(root / CONFIG, "the model config")
@@ -312,6 +389,8 @@ __all__ = [
     "OptimumNeuronSource",
     "check_zero1_files",
     "detect",
+    "is_lora_checkpoint",
+    "read_lora_checkpoint",
     "export",
     "open_source",
     "read_step",

@@ -171,14 +171,6 @@ def test_an_existing_dst_and_the_source_are_left_alone(folders: dict[str, Path],
     assert sorted(p.relative_to(folders["plain"]) for p in folders["plain"].rglob("*")) == before
 
 
-def test_a_lora_run_folder_is_refused_not_guessed(tmp_path: Path) -> None:
-    ck = tmp_path / "checkpoint-5"
-    (ck / "adapter_default" / "adapter_shards" / "model").mkdir(parents=True)
-    (ck / "adapter_default" / "adapter_config.json").write_text("{}")
-    (ck / "trainer_state.json").write_text(json.dumps({"global_step": 5}))
-    assert_one_error(ckpt_cli("convert", ck, tmp_path / "o", "--to", "cuda"), "LoRA", "adapter_default")
-
-
 def test_tp_pp_folder_written_by_workers_reads_back_to_the_truth(
     folders: dict[str, Path], tmp_path: Path
 ) -> None:
@@ -195,3 +187,20 @@ def test_tp_pp_folder_written_by_workers_reads_back_to_the_truth(
     ok(trn, out, "--to", "cuda", "--format", "hf-trainer")
     assert_truth_weights(out)
     assert_truth_optimizer(out)
+
+
+def test_a_lora_run_converts_to_the_peft_adapter_exactly(tmp_path: Path) -> None:
+    """adapter_default/adapter_shards (fused qkv / gate_up LoRA names, TP 2) -> the PEFT folder it was trained as."""
+    lora = ROOT / "fixtures" / "nxd_lora"
+    ck = on_build.build_lora(tmp_path / "run")
+    cfg = lora / "base" / "config.json"
+    ok(ck, tmp_path / "peft", "--to", "cuda", "--format", "peft", "--config", cfg)
+    want = load_file(lora / "adapter" / "adapter_model.safetensors")
+    got = load_file(tmp_path / "peft" / "adapter_model.safetensors")
+    assert sorted(got) == sorted(want)
+    assert all(torch.equal(got[k], want[k]) for k in want)
+    peft_cfg = json.loads((tmp_path / "peft" / "adapter_config.json").read_text())
+    assert (peft_cfg["r"], peft_cfg["lora_alpha"]) == (4, 8)
+    # without the base config its shapes cannot be read: one line, nothing written
+    assert_one_error(ckpt_cli("convert", ck, tmp_path / "o", "--to", "cuda", "--format", "peft"), "--config")
+    assert not (tmp_path / "o").exists()
