@@ -204,3 +204,24 @@ def test_a_lora_run_converts_to_the_peft_adapter_exactly(tmp_path: Path) -> None
     # without the base config its shapes cannot be read: one line, nothing written
     assert_one_error(ckpt_cli("convert", ck, tmp_path / "o", "--to", "cuda", "--format", "peft"), "--config")
     assert not (tmp_path / "o").exists()
+
+
+def test_zero1_state_of_one_dp_rank_that_covers_every_parameter_is_read(
+    folders: dict[str, Path], tmp_path: Path
+) -> None:
+    """A wrapped ZeRO-1 optimizer at DP 1: NxD saves the one DP rank's ZeRO-1 dict, which is the whole state."""
+    from ckpt.converters.convert import ConvertOptions, convert
+    from ckpt.converters.nxd.xser import load_nxd_file
+    from ckpt.converters.nxd.zero1 import is_zero1_dict
+
+    trn = tmp_path / "checkpoint-3"
+    convert(
+        str(folders["plain"]),
+        str(trn),
+        ConvertOptions.neuron(format="optimum-neuron", tp=2, dp=1, zero1=True),
+    )
+    opt0 = load_nxd_file(trn / "shards" / "optim" / "dp_rank_00_tp_rank_00_pp_rank_00.pt", True, mmap=True)
+    assert is_zero1_dict(opt0) and not list((trn / "shards" / "optim").glob("dp_rank_01_*"))
+    ok(trn, tmp_path / "gpu", "--to", "cuda", "--format", "hf-trainer")
+    assert_truth_weights(tmp_path / "gpu")
+    assert_truth_optimizer(tmp_path / "gpu")
