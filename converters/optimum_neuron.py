@@ -324,7 +324,14 @@ class OptimumNeuronExport(NxdExport):
             kw["xser"] = True  # TrainingNeuronConfig.use_xser's default
         super().__init__(conv, **kw)
         self._root: FolderTxn | None = None
-        self.not_written: list[str] = []
+        from .hf import not_written
+
+        #: what the folder cannot hold (NxD's user_content.pt, a GradScaler, data-loader state): said, never dropped
+        self.not_written = not_written(
+            conv,
+            {t.desc.name: t for t in conv.tensors},
+            frozenset({"optimizer param groups", "scheduler state", "RNG state"}),
+        )
 
     def begin(self, dst: str) -> Staging:
         self._root = begin_folder(dst)

@@ -225,3 +225,19 @@ def test_zero1_state_of_one_dp_rank_that_covers_every_parameter_is_read(
     ok(trn, tmp_path / "gpu", "--to", "cuda", "--format", "hf-trainer")
     assert_truth_weights(tmp_path / "gpu")
     assert_truth_optimizer(tmp_path / "gpu")
+
+
+def test_an_nxd_tag_written_as_a_folder_says_what_the_folder_cannot_hold(tmp_path: Path) -> None:
+    """NxD's own tag (user_content.pt, scheduler.pt inside) -> optimum-neuron: the scheduler moves to the root, the
+    user content is named as not written, and the step is the tag's."""
+    tag = TRUTH / "nxd_train_tp2_dp2_zero1_plain" / "step_3"
+    r = ckpt_cli("convert", tag, tmp_path / "checkpoint-3", "--to", "neuron", "--format", "optimum-neuron",
+                 "--config", TRUTH / "config.json")  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "not written" in r.stderr and "user metadata" in r.stderr, r.stderr
+    out = tmp_path / "checkpoint-3"
+    assert torch.load(out / "scheduler.pt", weights_only=True) == torch.load(
+        tag / "scheduler.pt", weights_only=True
+    )
+    assert json.loads((out / "trainer_state.json").read_text())["global_step"] == 3
+    assert json.loads((out / "config.json").read_text())["model_type"] == "llama"
