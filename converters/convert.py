@@ -64,6 +64,7 @@ def open_source(src: str, opts: ConvertOptions, run: RunOptions | None = None) -
         allow_unmarked=run.allow_unmarked,
         param_names=opts.param_names,
         replicated=tuple(opts.replicated),
+        target_format=opts.format,
     )
     if opts.model_type is not None and source.config is not None:
         have = source.config.get("model_type")

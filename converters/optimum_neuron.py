@@ -27,7 +27,8 @@ ZeRO-1: optimum-neuron hands NxD its ``NeuronAcceleratedOptimizer`` wrapper, so 
 tests ``isinstance(optimizer, NeuronZero1Optimizer)``) does not see ZeRO-1 and writes DP rank 0's optimizer state
 only.  The files say which case a folder is: ZeRO-1 dicts (``base_state`` / ``shape_info``) from every DP rank are
 read as NxD's; ZeRO-1 shards of fewer DP ranks than cover each parameter are refused, naming the parameter and
-the files, and never mixed with anything.
+the files, and never mixed with anything (``--format hf``, which holds no optimizer state, converts the weights and
+says why the optimizer is left out).
 
 The step is ``trainer_state.json``'s ``global_step`` (else ``scheduler.pt``'s ``last_epoch``), never the digits of a
 folder name.  Source: an :class:`~.nxd.source.NxdTagSource` over ``shards/`` with the root's state folded in.
@@ -41,6 +42,7 @@ import dataclasses
 import io
 import json
 import math
+import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -68,6 +70,8 @@ ADAPTER_SHARDS = "adapter_shards"
 TRN_CONFIG = "trn_config.json"
 CONFIG = "config.json"
 #: why an optimum-neuron folder leaves state out
+#: target formats that hold no optimizer state
+WEIGHTS_ONLY = frozenset({"hf"})
 NOT_WRITTEN_WHY = (
     "an optimum-neuron checkpoint holds the model and optimizer in shards/, scheduler.pt, rng_state_*.pth and "
     "trainer_state.json only"
@@ -227,6 +231,7 @@ class OptimumNeuronSource(NxdTagSource):
         config: Mapping[str, Any] | None = None,
         flags: Mapping[str, Any] | None = None,
         step: int | None = None,
+        target_format: str | None = None,
         **kw: Any,
     ) -> None:
         root = Path(path)
@@ -243,7 +248,13 @@ class OptimumNeuronSource(NxdTagSource):
 
         files = scan_tag(tag)
         if files.optim:
-            check_zero1_files(tag, files.xser, files.dp_size, files.optim)
+            try:
+                check_zero1_files(tag, files.xser, files.dp_size, files.optim)
+            except LayoutError as e:
+                if target_format not in WEIGHTS_ONLY:
+                    raise
+                # the target holds no optimizer state: the incomplete files are never read
+                warnings.warn(f"{e}; converting the weights only", stacklevel=2)
         scheduler = load_torch_file(root / SCHEDULER_NAME) if (root / SCHEDULER_NAME).is_file() else None
         recorded = read_step(root, scheduler)
         if step is None and recorded is None:
@@ -278,11 +289,14 @@ def open_source(
     verify: bool = True,
     param_names: Any = None,
     replicated: Sequence[str] = (),
+    target_format: str | None = None,
     **_: Any,
 ) -> OptimumNeuronSource:
+    """``target_format``: the format being written; one that holds no optimizer state (``hf``) converts a folder
+    whose ZeRO-1 optimizer files are incomplete (with a warning), any other refuses it."""
     return OptimumNeuronSource(
         path, config=config, flags=source_flags, step=step, allow_unmarked=allow_unmarked, verify=verify,
-        param_names=param_names, replicated=replicated,
+        param_names=param_names, replicated=replicated, target_format=target_format,
     )  # fmt: skip
 
 

@@ -119,9 +119,16 @@ def test_zero1_state_nxd_saved_for_dp_rank_0_only_is_refused_naming_it(
     folders: dict[str, Path], tmp_path: Path
 ) -> None:
     """optimum-neuron's wrapped ZeRO-1 optimizer: NxD saved DP rank 0's shards only.  Never read as if complete."""
-    r = ckpt_cli("convert", folders["zero1_hidden"], tmp_path / "o", "--to", "cuda", "--format", "hf-trainer")
-    assert_one_error(r, "dp_rank_00_tp_rank_00_pp_rank_00.pt", "4096 of the 8192", "DP rank 0's shard only")
-    assert not (tmp_path / "o").exists()
+    for fmt in ("hf-trainer", "ckpt"):
+        r = ckpt_cli("convert", folders["zero1_hidden"], tmp_path / "o", "--to", "cuda", "--format", fmt)
+        assert_one_error(
+            r, "dp_rank_00_tp_rank_00_pp_rank_00.pt", "4096 of the 8192", "DP rank 0's shard only"
+        )
+        assert not (tmp_path / "o").exists()
+    # a Hugging Face folder holds no optimizer: the weights convert (as consolidate would), and the cause is said
+    said = ok(folders["zero1_hidden"], tmp_path / "hf", "--to", "cuda", "--format", "hf")
+    assert "DP rank 0's shard only" in said and "weights only" in said
+    assert_truth_weights(tmp_path / "hf")
 
 
 def test_round_trip_through_our_format_back_to_an_optimum_neuron_folder(
