@@ -11,9 +11,12 @@ from __future__ import annotations
 
 import json
 import shutil
+import sys
 from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "fixtures" / "optimum_neuron"))
 from cli_helpers import ckpt_cli
 from test_integration_transformers import STEPS, crashed, losses, straight, train  # noqa: F401 (fixtures)
 
@@ -45,3 +48,30 @@ def test_trainer_run_through_an_optimum_neuron_folder_resumes_exactly(
     want = losses(straight)
     got = {s: v for s, v in losses(out).items() if s > 10}
     assert got == {s: want[s] for s in range(11, STEPS + 1)}
+
+
+def _continue(*args: object) -> list[float]:
+    import os
+    import subprocess
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "USE_TORCH_XLA": "0", "PYTHONWARNINGS": "ignore"}
+    script = Path(__file__).resolve().parent / "_optimum_continue.py"
+    proc = subprocess.run([sys.executable, str(script), *map(str, args)], env=env, capture_output=True, text=True,
+                          timeout=600)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_a_trainer_resumed_from_the_trainium_run_continues_its_losses(tmp_path: Path) -> None:
+    """The NxD-saved run (3 AdamW steps, TP 2 DP 2 ZeRO-1, xser) as optimum-neuron keeps it -> hf-trainer -> a real
+    Trainer resumes; its steps 4 and 5 are the run's own continuation (same batch) to float rounding: step 5 needs
+    the moments, the step count and the scheduler's lr (without optimizer.pt its loss is off by ~8e-2)."""
+    import build as on_build  # fixtures/optimum_neuron
+    import pytest
+
+    ck = on_build.build(tmp_path / "run", "xser")
+    convert(ck, tmp_path / "checkpoint-3", "--from", "neuron", "--to", "cuda", "--format", "hf-trainer")
+    want = _continue("truth")
+    got = _continue("trainer", tmp_path / "checkpoint-3", tmp_path / "out")
+    assert got == pytest.approx(want, rel=1e-6, abs=0)
+    assert abs(got[1] - got[0]) > 1e-3  # the step between them moved the weights
