@@ -1,4 +1,9 @@
-"""A run moved Trainer -> optimum-neuron ``checkpoint-N`` -> Trainer resumes with the uninterrupted run's losses.
+"""A real ``transformers.Trainer`` resumes from optimum-neuron ``checkpoint-N`` folders converted to Trainer folders.
+
+1. The Trainium run: the NxD fixture's run (3 AdamW steps, saved by NxD's ``save_checkpoint``) in the folder
+   optimum-neuron keeps, -> ``hf-trainer``: the resumed Trainer's next losses are that run's own continuation
+   (``tests/_optimum_continue.py``).
+2. A Trainer run -> optimum-neuron folder (our writer) -> Trainer resumes with the uninterrupted run's losses.
 
 The runs are ``examples/hf_trainer.py`` (a real ``transformers.Trainer`` on CPU, ``USE_TORCH_XLA=0``), shared with
 ``test_integration_transformers.py``: ``straight`` (20 steps) and ``crashed`` (killed after step 12, newest
