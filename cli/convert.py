@@ -86,7 +86,7 @@ def layout_options(fn: Callable[..., Any]) -> Callable[..., Any]:
 @click.option(
     "--format",
     "fmt",
-    type=click.Choice(["ckpt", "dcp", "hf", "hf-trainer", "nxd", "nxdt", "peft"]),
+    type=click.Choice(["ckpt", "dcp", "hf", "hf-trainer", "nxd", "nxdt", "optimum-neuron", "peft"]),
     default="ckpt",
     show_default=True,
     help="Format of DST.",
@@ -128,7 +128,8 @@ def layout_options(fn: Callable[..., Any]) -> Callable[..., Any]:
     help="LoRA adapter (PEFT folder or NxD LoRA tag) to merge into SRC, the base HF model (--to cuda --format hf).",
 )
 @click.option(
-    "--xser/--no-xser", default=None, help="--format nxd/nxdt: write torch_xla's xser form (default: SRC's)."
+    "--xser/--no-xser", default=None,
+    help="--format nxd/nxdt/optimum-neuron: write torch_xla's xser form (default: SRC's; optimum-neuron: on).",
 )
 @click.option(
     "--codec",
@@ -264,7 +265,7 @@ def refuse_idle_flags(fmt: str, *, xser: bool | None) -> None:
         for name, flag, only in _FORMAT_ONLY
         if ctx.get_parameter_source(name) is click.core.ParameterSource.COMMANDLINE and fmt != only
     ]
-    if xser is not None and fmt not in ("nxd", "nxdt"):
+    if xser is not None and fmt not in ("nxd", "nxdt", "optimum-neuron"):
         given.insert(0, ("--xser/--no-xser", "nxd"))
     if given:
         flag, only = given[0]

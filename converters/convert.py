@@ -63,6 +63,7 @@ def open_source(src: str, opts: ConvertOptions, run: RunOptions | None = None) -
         allow_unmarked=run.allow_unmarked,
         param_names=opts.param_names,
         replicated=tuple(opts.replicated),
+        target_format=opts.format,
     )
     if opts.model_type is not None and source.config is not None:
         have = source.config.get("model_type")
@@ -88,8 +89,8 @@ def open_source(src: str, opts: ConvertOptions, run: RunOptions | None = None) -
     return source
 
 
-#: formats whose SRC is an NxD tag (the ``--source-*`` flags and ``param_names`` apply)
-NXD_TAG_FORMATS = ("nxd", "nxdt")
+#: formats whose SRC is an NxD tag, alone or in an optimum-neuron folder (the ``--source-*`` flags and ``param_names`` apply)
+NXD_TAG_FORMATS = ("nxd", "nxdt", "optimum-neuron")
 
 
 def _record_consumed_samples(source: Source, samples: int) -> None:

@@ -1,6 +1,7 @@
 """The formats ``ckpt convert`` reads and writes: one table, one module per format with the same verbs.
 
-Each format module (:mod:`.ckpt`, :mod:`.hf`, :mod:`.hf_trainer`, :mod:`.dcp`, :mod:`.nxd`) provides ``detect(path, storage_options)``,
+Each format module (:mod:`.ckpt`, :mod:`.hf`, :mod:`.hf_trainer`, :mod:`.dcp`, :mod:`.nxd`,
+:mod:`.optimum_neuron`) provides ``detect(path, storage_options)``,
 ``open_source(path, **options) -> Source`` and ``export(conv, **options) -> Export``.  Adding a format is one module
 and one line here.  Modules are imported only when a format is used.
 """
@@ -34,6 +35,7 @@ class Format:
 FORMATS: tuple[Format, ...] = (
     Format("ckpt", ".ckpt", ("cuda", "neuron"), remote=True),
     Format("dcp", ".dcp", ("cuda",)),
+    Format("optimum-neuron", ".optimum_neuron", ("neuron",)),
     Format("hf-trainer", ".hf_trainer", ("cuda",)),
     Format("hf", ".hf", ("cuda",)),
     Format("nxdt", ".nxd.training", ("neuron",)),  # an NxD tag written by NxD Training: before plain "nxd"

@@ -73,6 +73,35 @@ def detect(path: str, storage_options: Mapping[str, Any] | None = None) -> bool:
     return detect_hf(path) and (Path(path) / STATE_NAME).is_file()
 
 
+def read_rng_files(root: Path) -> dict[str, Any]:
+    """The Trainer's ``rng_state.pth`` / ``rng_state_{rank}.pth`` files under ``root`` as our RNG trees, by rank.
+
+    ``cpu`` is stored as ``torch``; ``cuda`` and torch_xla's ``xla`` seed (what a Trainer on XLA adds) are kept."""
+    out: dict[str, Any] = {}
+    for f in sorted(root.glob("rng_state*.pth")):
+        rank = f.stem.rpartition("_")[2] if f.stem != "rng_state" else "0"
+        st = load_torch_file(f, _NUMPY_ALLOWED)
+        rec = {"python": st.get("python"), "numpy": st.get("numpy"), "torch": st.get("cpu")}
+        for key in ("cuda", "xla"):
+            if st.get(key) is not None:
+                rec[key] = st[key]
+        out[rank if rank.isdigit() else "0"] = treecodec.encode(rec, f"rng.{f.name}")
+    return out
+
+
+def rng_file_states(rng: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
+    """Inverse of :func:`read_rng_files`: ``{file name: state dict as the Trainer saves it}``."""
+    out = {}
+    for rank, rec in sorted(rng.items()):
+        r = treecodec.decode(rec)
+        st = {"python": r.get("python"), "numpy": r.get("numpy"), "cpu": r.get("torch")}
+        for key in ("cuda", "xla"):
+            if r.get(key) is not None:
+                st[key] = r[key]
+        out[RNG_NAME if len(rng) == 1 else f"rng_state_{rank}.pth"] = st
+    return out
+
+
 def trainer_param_groups(config: Mapping[str, Any], where: str) -> tuple[list[str], list[str]]:
     """(decay, no-decay) parameter names in the order ``Trainer.create_optimizer`` numbers them."""
     try:
@@ -115,14 +144,7 @@ class TrainerSource(HFSource):
             self._read_optimizer(root / OPTIMIZER_NAME)
         if (root / SCHEDULER_NAME).is_file():
             self.trees.scheduler = treecodec.encode(load_torch_file(root / SCHEDULER_NAME), "scheduler")
-        rng_files = sorted(root.glob("rng_state*.pth"))
-        for f in rng_files:
-            rank = f.stem.rpartition("_")[2] if f.stem != "rng_state" else "0"
-            st = load_torch_file(f, _NUMPY_ALLOWED)
-            rec = {"python": st.get("python"), "numpy": st.get("numpy"), "torch": st.get("cpu")}
-            if st.get("cuda") is not None:
-                rec["cuda"] = st["cuda"]
-            self.trees.rng[rank if rank.isdigit() else "0"] = treecodec.encode(rec, f"rng.{f.name}")
+        self.trees.rng.update(read_rng_files(root))
 
     def _read_optimizer(self, path: Path) -> None:
         opt = load_torch_file(path, mmap=True)
@@ -294,12 +316,7 @@ class TrainerExport(HFExport):
         check_cover(receipts, len(self.weights), dst)
         if trees.scheduler is not None:
             storage.put_bytes(SCHEDULER_NAME, _bytes_of(treecodec.decode(trees.scheduler)))
-        for rank, rec in sorted(trees.rng.items()):
-            r = treecodec.decode(rec)
-            st = {"python": r.get("python"), "numpy": r.get("numpy"), "cpu": r.get("torch")}
-            if r.get("cuda") is not None:
-                st["cuda"] = r["cuda"]
-            name = RNG_NAME if len(trees.rng) == 1 else f"rng_state_{rank}.pth"
+        for name, st in rng_file_states(trees.rng).items():
             storage.put_bytes(name, _bytes_of(st))
         state = dict(trees.extra.get("hf_trainer_state") or {})
         state.setdefault("log_history", [])
@@ -348,4 +365,13 @@ def export(conv: Conversion, *, max_shard_bytes: int = DEFAULT_SHARD_BYTES, stor
     )
 
 
-__all__ = ["TrainerExport", "TrainerSource", "detect", "export", "open_source", "trainer_param_groups"]
+__all__ = [
+    "TrainerExport",
+    "TrainerSource",
+    "detect",
+    "export",
+    "open_source",
+    "read_rng_files",
+    "rng_file_states",
+    "trainer_param_groups",
+]

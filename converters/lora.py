@@ -57,8 +57,13 @@ def _adapter_manifest(src: str, storage_options: dict[str, Any] | None) -> Any:
 
 def is_adapter(src: str, storage_options: dict[str, Any] | None = None) -> bool:
     """True for a PEFT adapter folder, an NxD LoRA tag, or an adapter-only checkpoint of ours."""
+    from .optimum_neuron import is_lora_checkpoint
+
     return (
-        peft.detect(src) or nxd_lora.is_lora_tag(src) or _adapter_manifest(src, storage_options) is not None
+        peft.detect(src)
+        or nxd_lora.is_lora_tag(src)
+        or is_lora_checkpoint(src)
+        or _adapter_manifest(src, storage_options) is not None
     )
 
 
@@ -133,6 +138,15 @@ def read_any(src: str, opts: ConvertOptions, run: RunOptions) -> tuple[peft.Adap
         if opts.source_flags:
             raise LayoutError(f"--source-*: {src} is a ckpt checkpoint, which records its own layout")
         return read_ckpt_adapter(src, run), None
+    from . import optimum_neuron
+
+    if optimum_neuron.is_lora_checkpoint(src):
+        cfg = _need_config(opts, f"reading optimum-neuron LoRA checkpoint {src}")
+        if opts.source_flags:
+            raise LayoutError(f"--source-*: {src}'s adapter shards record their own layout")
+        return optimum_neuron.read_lora_checkpoint(
+            src, config=cfg, verify=run.verify, allow_unmarked=run.allow_unmarked
+        ), None
     if nxd_lora.is_lora_tag(src):
         cfg = _need_config(opts, f"reading NxD LoRA tag {src}")
         adapter, spec = nxd_lora.read_lora_tag(

@@ -18,7 +18,7 @@ from ckpt.layouts.spec import NxdFlags
 
 DEFAULT_FLUSH_BYTES = 64 << 20
 DEFAULT_SHARD_BYTES = 5 << 30
-FORMATS = ("ckpt", "hf", "hf-trainer", "dcp", "nxd", "nxdt", "peft")
+FORMATS = ("ckpt", "hf", "hf-trainer", "dcp", "nxd", "nxdt", "optimum-neuron", "peft")
 
 
 @dataclass(frozen=True)
