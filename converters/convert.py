@@ -245,6 +245,8 @@ class ConvertResult:
     format: str
     not_written: tuple[str, ...] = ()
     why: str | None = None
+    #: summary lines the CLI prints after the result line (e.g. how a LoRA adapter was widened for NxD)
+    notes: tuple[str, ...] = ()
 
 
 def written_tensors(conv: Conversion, export: Export) -> list[Any]:
@@ -328,7 +330,7 @@ def convert(
         if run.workers > 1 or _dist_env()[1] > 1:
             raise CkptError("LoRA adapters convert in one process; drop --workers / torchrun")
         r = run_lora(src, dst, opts, run)
-        return ConvertResult(r.dst, r.tensors, r.bytes, r.format)
+        return ConvertResult(r.dst, r.tensors, r.bytes, r.format, notes=r.notes)
     rank, world = _dist_env()
     source = open_source(src, opts, run)
     try:
