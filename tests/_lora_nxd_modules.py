@@ -154,10 +154,11 @@ def rank_main(rank: int, world: int, nxd_src: str, work: str, flags: dict[str, A
         return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).float(), ids[:, 1:].reshape(-1))
 
     ids = job["ids"]
-    logits = forward(ids)
-    loss = loss_of(logits, ids)
+    with torch.set_grad_enabled(not flags.get("fuse_qkv")):
+        logits = forward(ids)
+        loss = loss_of(logits, ids)
     out: dict[str, Any] = {"logits": logits.detach(), "loss": loss.item()}
-    if opt is not None:
+    if opt is not None and not flags.get("fuse_qkv"):  # NxD's fused-QKV LoRA layer cannot backward (test docstring)
         opt.zero_grad()
         loss.backward()
         opt.step()

@@ -32,12 +32,13 @@ from tests.conftest import run_ranks
 
 pytest.importorskip("peft")
 
+#: layout -> (KV heads of the tiny Llama, flags).  One KV head lets TP 2 replicate it (kv_size_multiplier 2) on trn1
+#: and trn2 with two processes.  NxD's LoraGQAQKVParallelLinear cannot train with fuse_qkv (it adds in place to the
+#: views its fused base layer returns, which autograd refuses), so the fused layout is checked forward only.
 LAYOUTS = {
-    "tp2": dict(tp=2),
-    "tp2_pp2": dict(tp=2, pp=2),
-    "tp2_qkv_trn1": dict(tp=2, qkv_linear=True),
-    "tp4_qkv_m2_trn1": dict(tp=4, qkv_linear=True, kv_size_multiplier=2),
-    "tp4_qkv_m2_trn2_fused": dict(tp=4, qkv_linear=True, kv_size_multiplier=2, hw="trn2", fuse_qkv=True),
+    "tp2": (2, dict(tp=2)),
+    "tp2_qkv_m2_trn2": (1, dict(tp=2, qkv_linear=True, kv_size_multiplier=2, hw="trn2")),
+    "tp2_qkv_m2_trn1_fused": (1, dict(tp=2, qkv_linear=True, kv_size_multiplier=2, fuse_qkv=True)),
 }
 PREFIX = "base_model.model."
 
@@ -55,18 +56,35 @@ def _step(model, opt, ids) -> float:  # noqa: ANN001
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory):  # noqa: ANN201
-    """A tiny Llama + PEFT's all-linear LoRA with PEFT's defaults, 3 AdamW steps on the CPU; saved as a PEFT folder and
-    as an adapter checkpoint of ours (with the AdamW state); and what PEFT's next step gives."""
+def models(tmp_path_factory):  # noqa: ANN201
+    made: dict[int, dict] = {}
+
+    def get(kv: int) -> dict:
+        if kv not in made:
+            made[kv] = _train(tmp_path_factory.mktemp(f"widen_kv{kv}"), kv)
+        return made[kv]
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def trained(models):  # noqa: ANN001, ANN201
+    return models(2)
+
+
+def _train(root: Path, kv: int) -> dict:
+    """A tiny Llama (``kv`` KV heads) + PEFT's all-linear LoRA with PEFT's defaults, 3 AdamW steps on the CPU; saved
+    as a PEFT folder and as an adapter checkpoint of ours (with the AdamW state); and what PEFT's next step gives."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
-    model = get_peft_model(AutoModelForCausalLM.from_config(tiny_config("llama")), LoraConfig(target_modules="all-linear"))
+    config = tiny_config("llama")
+    config.num_key_value_heads = kv
+    model = get_peft_model(AutoModelForCausalLM.from_config(config), LoraConfig(target_modules="all-linear"))
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
     for s in range(3):
         _step(model, opt, _ids(s))
-    root = tmp_path_factory.mktemp("widen")
     base, adapter = save(model, root)
     ckpt.save(str(root / "ckpt_adapter"), step=3, model=model, optimizer=opt, adapter_only=True, base_source="tiny")
     ids = _ids(3)
@@ -92,7 +110,7 @@ def _tensors(folder: Path) -> dict[str, torch.Tensor]:
 
 
 def _run_nxd(trained, layout: str, tag: Path, work: Path, nxd_src: str) -> list[dict]:  # noqa: ANN001
-    flags = LAYOUTS[layout]
+    flags = LAYOUTS[layout][1]
     spec = LayoutSpec.from_hf_config(trained["cfg"], **flags)
     work.mkdir()
     shutil.copytree(tag, work / "tag")
@@ -117,45 +135,77 @@ def _run_nxd(trained, layout: str, tag: Path, work: Path, nxd_src: str) -> list[
     return [torch.load(p, weights_only=True) for p in paths]
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_all_linear_adapter_on_nxd_lora_modules(trained, layout, tmp_path, nxd_src) -> None:  # noqa: ANN001
-    flags = LAYOUTS[layout]
-    cfg = trained["cfg"]
-    tag = tmp_path / "tag"
+def _flag_args(flags: dict) -> list[str]:
+    out = []
+    for k, v in flags.items():
+        out += [f"--{k.replace('_', '-')}"] + ([] if v is True else [str(v)])
+    return out
+
+
+def _to_nxd(trained, flags: dict, tag: Path) -> dict:  # noqa: ANN001
+    """``ckpt convert`` (the CLI) of the adapter checkpoint to an NxD tag; the tag's adapter_config.json."""
     r = CliRunner().invoke(cli, ["convert", str(trained["ckpt"]), str(tag), "--to", "neuron", "--format", "nxd",
-                                 "--config", str(trained["base"] / "config.json"),
-                                 *[a for k, v in flags.items() for a in
-                                   ((f"--{k.replace('_', '-')}",) if v is True else (f"--{k.replace('_', '-')}", str(v)))]])  # fmt: skip
+                                 "--config", str(trained["base"] / "config.json"), *_flag_args(flags)])  # fmt: skip
     assert r.exit_code == 0, r.output
     rank = 24 if flags.get("qkv_linear") else 16
     assert f"LoRA widened for NxD to lora_rank {rank}, lora_alpha {rank} (scaling 1.0 unchanged)" in r.output
     tag_cfg = json.loads((tag / "adapter_config.json").read_text())
     assert tag_cfg["lora_rank"] == tag_cfg["ckpt_widened"]["lora_rank"] == rank
     assert (tag / "optim").is_dir()
+    return tag_cfg
+
+
+def _source(flags: dict) -> dict:
+    return {k: v for k, v in flags.items() if k == "hw"}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_all_linear_adapter_on_nxd_lora_modules(models, layout, tmp_path, nxd_src) -> None:  # noqa: ANN001
+    kv, flags = LAYOUTS[layout]
+    trained = models(kv)
+    cfg = trained["cfg"]
+    tag = tmp_path / "tag"
+    tag_cfg = _to_nxd(trained, flags, tag)
 
     outs = _run_nxd(trained, layout, tag, tmp_path / "work", nxd_src)
     for out in outs:  # NxD's modules give PEFT's logits and loss (fp32; TP sums in another order)
         torch.testing.assert_close(out["logits"], trained["logits"], rtol=1e-5, atol=1e-5)
         assert abs(out["loss"] - trained["loss"]) < 1e-5
-        torch.testing.assert_close(out["logits_after"], outs[0]["logits_after"], rtol=0, atol=1e-6)
+    if "logits_after" in outs[0]:
+        _check_trained_on_nxd(trained, flags, tag, tag_cfg, outs, tmp_path)
 
-    # after one AdamW step on NxD's modules: the off-diagonal blocks trained; back to PEFT as a wider exact adapter
+    # untrained: back to the original PEFT adapter bit for bit, and its AdamW state too
+    back = tmp_path / "back"
+    r = convert(str(tag), str(back), ConvertOptions(to="cuda", format="peft", config=cfg, source_flags=_source(flags)))
+    assert r.notes == ("LoRA: NxD's widened layers returned to the original PEFT adapter (off-diagonal blocks are zero)",)
+    want, have = _tensors(trained["adapter"]), _tensors(back)
+    assert have.keys() == want.keys() and all(bit_equal(have[k], want[k]) for k in want)
+    recorded = ckpt.open_checkpoint(str(trained["ckpt"])).manifest.adapter["lora"]["peft"]
+    assert json.loads((back / "adapter_config.json").read_text()) == json.loads(json.dumps(recorded))
+    convert(str(tag), str(tmp_path / "ck"), ConvertOptions(to="cuda", format="ckpt", config=cfg, step=3,
+                                                          source_flags=_source(flags)))  # fmt: skip
+    _same_optimizer(trained["ckpt"], tmp_path / "ck")
+
+
+def _check_trained_on_nxd(trained, flags, tag, tag_cfg, outs, tmp_path) -> None:  # noqa: ANN001
+    """After one AdamW step on NxD's modules (from the tag's optim/ state): every original block moved as PEFT's own
+    next step moved it; the off-diagonal blocks trained; back to PEFT as an exact wider adapter."""
+    for out in outs:
+        torch.testing.assert_close(out["logits_after"], outs[0]["logits_after"], rtol=0, atol=1e-6)
     after = tmp_path / "after"
     shutil.copytree(tmp_path / "work" / "after", after)
     for f in ("adapter_config.json", "checkpoint", "done"):
         shutil.copy(tag / f, after / f)
     wide = tmp_path / "wide"
-    source = [a for k in ("hw",) if k in flags for a in ("--source-hw", flags[k])]
+    source = [a for k, v in _source(flags).items() for a in ("--source-hw", v)]
     r = CliRunner().invoke(cli, ["convert", str(after), str(wide), "--to", "cuda", "--format", "peft",
                                  "--config", str(trained["base"] / "config.json"), *source])  # fmt: skip
     assert r.exit_code == 0, r.output
     assert "training on NxD filled the off-diagonal blocks of gate_up_proj" in r.output
     got, wide_cfg = _tensors(wide), json.loads((wide / "adapter_config.json").read_text())
-    mods = tag_cfg["ckpt_widened"]["modules"]
-    for mod, m in mods.items():
+    for mod, m in tag_cfg["ckpt_widened"]["modules"].items():
         a, b = got[f"{PREFIX}{mod}.lora_A.weight"], got[f"{PREFIX}{mod}.lora_B.weight"]
-        fused = mod.endswith(("gate_proj", "up_proj")) or (flags.get("qkv_linear") and "self_attn" in mod
-                                                            and not mod.endswith("o_proj"))  # fmt: skip
+        fused = mod.endswith(("gate_proj", "up_proj")) or (flags.get("qkv_linear") and mod.endswith(("q_proj", "k_proj", "v_proj")))  # fmt: skip
         assert wide_cfg["rank_pattern"].get(mod, 8) == (8 * (3 if "self_attn" in mod else 2) if fused else 8), mod
         lo = m["offset"] if fused else 0
         # the original blocks moved exactly as PEFT's own next step moved them (the AdamW moments were carried)
@@ -168,20 +218,8 @@ def test_all_linear_adapter_on_nxd_lora_modules(trained, layout, tmp_path, nxd_s
 
     loaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(trained["base"]), wide).eval()
     with torch.no_grad():
-        torch.testing.assert_close(loaded(input_ids=trained["ids"]).logits, outs[0]["logits_after"], rtol=1e-5, atol=1e-5)
-
-    # untrained: back to the original PEFT adapter bit for bit, and its AdamW state too
-    back = tmp_path / "back"
-    convert(str(tag), str(back), ConvertOptions(to="cuda", format="peft", config=cfg,
-                                                source_flags={k: v for k, v in flags.items() if k == "hw"}))  # fmt: skip
-    want = _tensors(trained["adapter"])
-    have = _tensors(back)
-    assert have.keys() == want.keys() and all(bit_equal(have[k], want[k]) for k in want)
-    recorded = ckpt.open_checkpoint(str(trained["ckpt"])).manifest.adapter["lora"]["peft"]
-    assert json.loads((back / "adapter_config.json").read_text()) == json.loads(json.dumps(recorded))
-    convert(str(tag), str(tmp_path / "ck"), ConvertOptions(to="cuda", format="ckpt", config=cfg, step=3,
-                                                          source_flags={k: v for k, v in flags.items() if k == "hw"}))  # fmt: skip
-    _same_optimizer(trained["ckpt"], tmp_path / "ck")
+        got_logits = loaded(input_ids=trained["ids"]).logits
+    torch.testing.assert_close(got_logits, outs[0]["logits_after"], rtol=1e-5, atol=1e-5)
 
 
 def _same_optimizer(a: Path, b: Path) -> None:
