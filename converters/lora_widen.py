@@ -56,15 +56,30 @@ def alpha_for(scaling: float, rank: int, rslora: bool) -> float | int:
     an integer when one is exact."""
     d = math.sqrt(rank) if rslora else rank
     a = scaling * d
-    cands = [float(round(a)), a]
-    for _ in range(4):
-        cands += [math.nextafter(cands[-2], math.inf), math.nextafter(cands[-1], -math.inf)]
+    cands, up, down = [float(round(a)), a], a, a
+    for _ in range(16):  # the quotient's rounding moves by less than one unit per step of alpha
+        up, down = math.nextafter(up, math.inf), math.nextafter(down, -math.inf)
+        cands += [up, down]
     for c in cands:
         if c > 0 and c / d == scaling:
             return int(c) if c.is_integer() else c
     raise LayoutError(
         f"no lora_alpha gives scaling {scaling!r} at rank {rank}{' (rsLoRA)' if rslora else ''} exactly; "
         "the adapter cannot be widened for NxD without rescaling lora_B"
+    )
+
+
+def rank_and_alpha(scaling: float, least: int, rslora: bool) -> tuple[int, float | int]:
+    """The smallest NxD rank ``>= least`` with an alpha giving ``scaling`` exactly (more zero padding is exact too;
+    with rsLoRA, ``alpha / sqrt(rank)`` cannot hit every scaling at every rank), and that alpha."""
+    for rank in range(least, 2 * least + 8):
+        try:
+            return rank, alpha_for(scaling, rank, rslora)
+        except LayoutError:
+            continue
+    raise LayoutError(
+        f"no lora_rank from {least} with a lora_alpha giving scaling {scaling!r} exactly; the adapter cannot be "
+        "widened for NxD without rescaling lora_B"
     )
 
 
@@ -166,7 +181,9 @@ def _widen_optimizer(
     }
     new: dict[str, dict[str, Any]] = {}
     for key in sorted(moments):
-        wide = _widen_tensors({n: state[n][key] for n in adapter.tensors}, layers, width, spec, adapter.tensors)
+        wide = _widen_tensors(
+            {n: state[n][key] for n in adapter.tensors}, layers, width, spec, adapter.tensors
+        )
         for n, t in wide.items():
             new.setdefault(n, {})[key] = t
     for layer in layers:
@@ -195,8 +212,7 @@ def widen(adapter: Adapter, spec: LayoutSpec) -> tuple[Adapter, dict[str, Any] |
     if not needs_widening(adapter, layers):
         return adapter, None
     scaling = _scaling(adapter)
-    width = max(layer.width for layer in layers)
-    alpha = alpha_for(scaling, width, adapter.use_rslora)
+    width, alpha = rank_and_alpha(scaling, max(layer.width for layer in layers), adapter.use_rslora)
     tensors = _widen_tensors(adapter.tensors, layers, width, spec, adapter.tensors)
     optimizer = (
         _widen_optimizer(adapter.optimizer, adapter, layers, width, spec) if adapter.optimizer else None
@@ -239,6 +255,10 @@ def _off_zero(t: torch.Tensor, lo: int, hi: int) -> bool:
     return not bool(t[:, :lo].any()) and not bool(t[:, hi:].any())
 
 
+def _cut(t: torch.Tensor, dim: int, rows: slice) -> torch.Tensor:
+    return t.narrow(dim, rows.start, rows.stop - rows.start).clone()
+
+
 def narrow(adapter: Adapter, record: Mapping[str, Any], where: str) -> Adapter:
     """Inverse of :func:`widen` for a wide adapter read from an NxD tag (every module rank ``R``, fused parts'
     ``lora_A`` copies of one tensor): the original PEFT adapter where the off-diagonal blocks are still zero, an
@@ -260,7 +280,9 @@ def narrow(adapter: Adapter, record: Mapping[str, Any], where: str) -> Adapter:
     for mod, m in mods.items():
         b = adapter.tensors[_b(mod)]
         lo, hi = m["offset"], m["offset"] + m["r"]
-        b_moments = [v for v in state.get(_b(mod), {}).values() if isinstance(v, torch.Tensor) and v.shape == b.shape]
+        b_moments = [
+            v for v in state.get(_b(mod), {}).values() if isinstance(v, torch.Tensor) and v.shape == b.shape
+        ]
         if _off_zero(b, lo, hi) and all(_off_zero(v, lo, hi) for v in b_moments):
             if not m["r"]:
                 continue  # a part added by the widening, untouched: it was not in the adapter
@@ -269,20 +291,23 @@ def narrow(adapter: Adapter, record: Mapping[str, Any], where: str) -> Adapter:
             keep = used[m["layer"]]
             if b[:, keep:].any() or any(v[:, keep:].any() for v in b_moments):
                 keep = width
+            keep = _exact_rank(scaling, keep, width, adapter.use_rslora)
             rows = slice(0, keep)
             wide[mod] = keep
-        for ab in (_a, _b):
+        for ab, dim in ((_a, 0), (_b, 1)):
             t = adapter.tensors[ab(mod)]
-            cut = (lambda x: x[rows]) if ab is _a else (lambda x: x[:, rows])  # noqa: E731
-            tensors[ab(mod)] = cut(t).clone()
+            tensors[ab(mod)] = _cut(t, dim, rows)
             if ab(mod) in state:
                 new_state[ab(mod)] = {
-                    k: cut(v).clone() if isinstance(v, torch.Tensor) and v.shape == t.shape else v
+                    k: _cut(v, dim, rows) if isinstance(v, torch.Tensor) and v.shape == t.shape else v
                     for k, v in state[ab(mod)].items()
                 }
     optimizer = None
     if adapter.optimizer is not None:
-        groups = [{**g, "params": [n for n in g["params"] if n in tensors]} for g in adapter.optimizer["param_groups"]]
+        groups = [
+            {**g, "params": [n for n in g["params"] if n in tensors]}
+            for g in adapter.optimizer["param_groups"]
+        ]
         optimizer = {"state": new_state, "param_groups": groups}
     peft_cfg = dict(adapter.peft_config)
     if not peft_cfg:
@@ -299,11 +324,25 @@ def narrow(adapter: Adapter, record: Mapping[str, Any], where: str) -> Adapter:
             f"alpha_pattern, scaling {scaling} unchanged), the others with their original rank",
         )
     else:
-        notes = ("LoRA: NxD's widened layers returned to the original PEFT adapter (off-diagonal blocks are zero)",)
+        notes = (
+            "LoRA: NxD's widened layers returned to the original PEFT adapter (off-diagonal blocks are zero)",
+        )
     return Adapter(
         tensors=tensors, r=int(peft_cfg["r"]), lora_alpha=peft_cfg["lora_alpha"], use_rslora=adapter.use_rslora,
         lora_dropout=adapter.lora_dropout, peft_config=peft_cfg, optimizer=optimizer, notes=notes,
     )  # fmt: skip
+
+
+def _exact_rank(scaling: float, least: int, width: int, rslora: bool) -> int:
+    """The smallest rank in ``[least, width]`` whose alpha can give ``scaling`` exactly (``width``, NxD's, can); the
+    columns between are zero padding, exact to keep."""
+    for rank in range(least, width):
+        try:
+            alpha_for(scaling, rank, rslora)
+            return rank
+        except LayoutError:
+            continue
+    return width
 
 
 def _wide_config(
@@ -315,7 +354,7 @@ def _wide_config(
     alphas = dict(cfg.get("alpha_pattern") or {})
     for mod, rank in wide.items():
         ranks[mod] = rank
-        alphas[mod] = alpha_for(scaling, rank, rslora)
+        alphas[mod] = alpha_for(scaling, rank, rslora)  # the rank NxD held it at has one
     out = {**cfg, "rank_pattern": dict(sorted(ranks.items())), "alpha_pattern": dict(sorted(alphas.items()))}
     targets = out.get("target_modules")
     if isinstance(targets, list):
@@ -331,4 +370,13 @@ def _wide_config(
     return out
 
 
-__all__ = ["RECORD_KEY", "alpha_for", "layers_of", "narrow", "needs_widening", "widen", "widen_note"]
+__all__ = [
+    "RECORD_KEY",
+    "alpha_for",
+    "layers_of",
+    "narrow",
+    "needs_widening",
+    "rank_and_alpha",
+    "widen",
+    "widen_note",
+]

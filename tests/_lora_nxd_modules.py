@@ -77,7 +77,10 @@ def rank_main(rank: int, world: int, nxd_src: str, work: str, flags: dict[str, A
                                              kv_size_multiplier=flags.get("kv_size_multiplier", 1),
                                              fuse_qkv=bool(flags.get("fuse_qkv")))  # fmt: skip
             return _module(qkv_proj=qkv, o_proj=o)
-        col = [ColumnParallelLinear(h, n, bias=False, gather_output=False) for n in (heads * hd, kv * hd, kv * hd)]
+        col = [
+            ColumnParallelLinear(h, n, bias=False, gather_output=False)
+            for n in (heads * hd, kv * hd, kv * hd)
+        ]
         return _module(q_proj=col[0], k_proj=col[1], v_proj=col[2], o_proj=o)
 
     top = _module(model=_module(layers=torch.nn.ModuleList(
@@ -143,7 +146,11 @@ def rank_main(rank: int, world: int, nxd_src: str, work: str, flags: dict[str, A
             q, k = _rope(q, cos, sin), _rope(k, cos, sin)
             k, v = k[:, kv_of_q], v[:, kv_of_q]
             s = (q @ k.transpose(-1, -2)) * hd**-0.5 + mask
-            o = (torch.softmax(s, dim=-1, dtype=torch.float32).to(q.dtype) @ v).transpose(1, 2).reshape(b, t, -1)
+            o = (
+                (torch.softmax(s, dim=-1, dtype=torch.float32).to(q.dtype) @ v)
+                .transpose(1, 2)
+                .reshape(b, t, -1)
+            )
             x = x + a.o_proj(o)
             y = rms(x, full[p + "post_attention_layernorm.weight"])
             g, u = layer.mlp.gate_up_proj(y).chunk(2, dim=-1)
@@ -158,7 +165,9 @@ def rank_main(rank: int, world: int, nxd_src: str, work: str, flags: dict[str, A
         logits = forward(ids)
         loss = loss_of(logits, ids)
     out: dict[str, Any] = {"logits": logits.detach(), "loss": loss.item()}
-    if opt is not None and not flags.get("fuse_qkv"):  # NxD's fused-QKV LoRA layer cannot backward (test docstring)
+    if opt is not None and not flags.get(
+        "fuse_qkv"
+    ):  # NxD's fused-QKV LoRA layer cannot backward (test docstring)
         opt.zero_grad()
         loss.backward()
         opt.step()

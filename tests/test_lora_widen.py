@@ -24,7 +24,6 @@ from click.testing import CliRunner
 from safetensors.torch import load_file
 
 import ckpt
-from ckpt.errors import LayoutError
 from ckpt.layouts import bit_equal, full_state_to_nxd, gqa
 from ckpt.layouts.spec import LayoutSpec
 from tests._lora_models import save, tiny_config
@@ -86,7 +85,9 @@ def _train(root: Path, kv: int) -> dict:
     for s in range(3):
         _step(model, opt, _ids(s))
     base, adapter = save(model, root)
-    ckpt.save(str(root / "ckpt_adapter"), step=3, model=model, optimizer=opt, adapter_only=True, base_source="tiny")
+    ckpt.save(
+        str(root / "ckpt_adapter"), step=3, model=model, optimizer=opt, adapter_only=True, base_source="tiny"
+    )
     ids = _ids(3)
     model.eval()
     with torch.no_grad():
@@ -95,10 +96,20 @@ def _train(root: Path, kv: int) -> dict:
     nopt = torch.optim.AdamW([p for p in nxt.parameters() if p.requires_grad], lr=1e-2)
     nopt.load_state_dict(opt.state_dict())
     _step(nxt, nopt, ids)
-    after = {n.replace(".default", "").removeprefix(PREFIX): p.detach().clone() for n, p in nxt.named_parameters() if p.requires_grad}
-    fresh = copy.deepcopy(model).train()  # the same step without the carried moments moves the blocks elsewhere
+    after = {
+        n.replace(".default", "").removeprefix(PREFIX): p.detach().clone()
+        for n, p in nxt.named_parameters()
+        if p.requires_grad
+    }
+    fresh = copy.deepcopy(
+        model
+    ).train()  # the same step without the carried moments moves the blocks elsewhere
     _step(fresh, torch.optim.AdamW([p for p in fresh.parameters() if p.requires_grad], lr=1e-2), ids)
-    moved = {n.replace(".default", "").removeprefix(PREFIX): p.detach() for n, p in fresh.named_parameters() if p.requires_grad}
+    moved = {
+        n.replace(".default", "").removeprefix(PREFIX): p.detach()
+        for n, p in fresh.named_parameters()
+        if p.requires_grad
+    }
     assert max((after[n] - moved[n]).abs().max().item() for n in after) > 1e-3
     cos, sin = model.base_model.model.model.rotary_emb(torch.zeros(1), torch.arange(ids.shape[1])[None])
     return dict(model=model, base=base, adapter=adapter, ckpt=root / "ckpt_adapter", cfg=load_config(str(base)),
@@ -176,8 +187,12 @@ def test_all_linear_adapter_on_nxd_lora_modules(models, layout, tmp_path, nxd_sr
 
     # untrained: back to the original PEFT adapter bit for bit, and its AdamW state too
     back = tmp_path / "back"
-    r = convert(str(tag), str(back), ConvertOptions(to="cuda", format="peft", config=cfg, source_flags=_source(flags)))
-    assert r.notes == ("LoRA: NxD's widened layers returned to the original PEFT adapter (off-diagonal blocks are zero)",)
+    r = convert(
+        str(tag), str(back), ConvertOptions(to="cuda", format="peft", config=cfg, source_flags=_source(flags))
+    )
+    assert r.notes == (
+        "LoRA: NxD's widened layers returned to the original PEFT adapter (off-diagonal blocks are zero)",
+    )
     want, have = _tensors(trained["adapter"]), _tensors(back)
     assert have.keys() == want.keys() and all(bit_equal(have[k], want[k]) for k in want)
     recorded = ckpt.open_checkpoint(str(trained["ckpt"])).manifest.adapter["lora"]["peft"]
@@ -206,13 +221,21 @@ def _check_trained_on_nxd(trained, flags, tag, tag_cfg, outs, tmp_path) -> None:
     for mod, m in tag_cfg["ckpt_widened"]["modules"].items():
         a, b = got[f"{PREFIX}{mod}.lora_A.weight"], got[f"{PREFIX}{mod}.lora_B.weight"]
         fused = mod.endswith(("gate_proj", "up_proj")) or (flags.get("qkv_linear") and mod.endswith(("q_proj", "k_proj", "v_proj")))  # fmt: skip
-        assert wide_cfg["rank_pattern"].get(mod, 8) == (8 * (3 if "self_attn" in mod else 2) if fused else 8), mod
+        assert wide_cfg["rank_pattern"].get(mod, 8) == (
+            8 * (3 if "self_attn" in mod else 2) if fused else 8
+        ), mod
         lo = m["offset"] if fused else 0
         # the original blocks moved exactly as PEFT's own next step moved them (the AdamW moments were carried)
-        torch.testing.assert_close(a[lo : lo + 8], trained["after"][f"{mod}.lora_A.weight"], rtol=0, atol=2e-6)
-        torch.testing.assert_close(b[:, lo : lo + 8], trained["after"][f"{mod}.lora_B.weight"], rtol=0, atol=2e-6)
+        torch.testing.assert_close(
+            a[lo : lo + 8], trained["after"][f"{mod}.lora_A.weight"], rtol=0, atol=2e-6
+        )
+        torch.testing.assert_close(
+            b[:, lo : lo + 8], trained["after"][f"{mod}.lora_B.weight"], rtol=0, atol=2e-6
+        )
         if fused:
-            assert b[:, :lo].abs().sum() + b[:, lo + 8 :].abs().sum() > 0, mod  # the off-diagonal blocks trained
+            assert b[:, :lo].abs().sum() + b[:, lo + 8 :].abs().sum() > 0, (
+                mod
+            )  # the off-diagonal blocks trained
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
@@ -244,15 +267,24 @@ def test_peft_back_bit_exact_same_logits(trained, tmp_path) -> None:  # noqa: AN
     convert(str(trained["ckpt"]), str(tmp_path / "t2"), ConvertOptions.neuron(format="nxd", config=cfg, tp=2,
                                                                               qkv_linear=True))  # fmt: skip
     for f in (tmp_path / "t" / "model").glob("*.pt"):
-        a, b = torch.load(f, weights_only=True), torch.load(tmp_path / "t2" / "model" / f.name, weights_only=True)
+        a, b = (
+            torch.load(f, weights_only=True),
+            torch.load(tmp_path / "t2" / "model" / f.name, weights_only=True),
+        )
         assert a.keys() == b.keys() and all(bit_equal(a[k], b[k]) for k in a if k != "lora_config")
-    r = convert(str(tmp_path / "t"), str(tmp_path / "b"), ConvertOptions(to="cuda", format="peft", config=cfg))
-    assert r.notes == ("LoRA: NxD's widened layers returned to the original PEFT adapter (off-diagonal blocks are zero)",)
+    r = convert(
+        str(tmp_path / "t"), str(tmp_path / "b"), ConvertOptions(to="cuda", format="peft", config=cfg)
+    )
+    assert r.notes == (
+        "LoRA: NxD's widened layers returned to the original PEFT adapter (off-diagonal blocks are zero)",
+    )
     want, have = _tensors(trained["adapter"]), _tensors(tmp_path / "b")
     assert have.keys() == want.keys() and all(bit_equal(have[k], want[k]) for k in want)
     assert json.loads((tmp_path / "b" / "adapter_config.json").read_text()) == json.loads(
         (trained["adapter"] / "adapter_config.json").read_text()
     )
-    loaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(trained["base"]), tmp_path / "b").eval()
+    loaded = PeftModel.from_pretrained(
+        AutoModelForCausalLM.from_pretrained(trained["base"]), tmp_path / "b"
+    ).eval()
     with torch.no_grad():
         assert torch.equal(loaded(input_ids=trained["ids"]).logits, trained["logits"])

@@ -261,7 +261,6 @@ def write_lora_tag(
     from ckpt.storage.folder import begin_folder
 
     from ..lora_optim import to_nxd
-
     from ..lora_widen import RECORD_KEY, widen
 
     check_every_layer(adapter, spec.model.layers)
