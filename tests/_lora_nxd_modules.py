@@ -179,5 +179,8 @@ def rank_main(rank: int, world: int, nxd_src: str, work: str, flags: dict[str, A
         for f in stages:  # NxD's own rank files after the step (save_lora_config_adapter form)
             torch.save({**{n: trained[n].detach().clone() for n in names_of[f.name]}, "lora_config": cfg_in_file},
                        w / "after" / "model" / f.name)  # fmt: skip
+        if len(stages) == 1:  # the optimizer after the step, as NxD's plain optim/ rank file (pids: NxD's order)
+            (w / "after" / "optim").mkdir(exist_ok=True)
+            torch.save(opt.state_dict(), w / "after" / "optim" / stages[0].name)
     torch.save(out, w / f"out_rank{rank}.pt")
     return str(w / f"out_rank{rank}.pt")

@@ -101,9 +101,10 @@ def _train(root: Path, kv: int) -> dict:
         for n, p in nxt.named_parameters()
         if p.requires_grad
     }
-    fresh = copy.deepcopy(
-        model
-    ).train()  # the same step without the carried moments moves the blocks elsewhere
+    names = [n.replace(".default", "").removeprefix(PREFIX) for n, p in nxt.named_parameters() if p.requires_grad]
+    moments = {names[pid]: st for pid, st in nopt.state_dict()["state"].items()}
+    # the same step without the carried moments moves the blocks elsewhere
+    fresh = copy.deepcopy(model).train()
     _step(fresh, torch.optim.AdamW([p for p in fresh.parameters() if p.requires_grad], lr=1e-2), ids)
     moved = {
         n.replace(".default", "").removeprefix(PREFIX): p.detach()
@@ -113,7 +114,7 @@ def _train(root: Path, kv: int) -> dict:
     assert max((after[n] - moved[n]).abs().max().item() for n in after) > 1e-3
     cos, sin = model.base_model.model.model.rotary_emb(torch.zeros(1), torch.arange(ids.shape[1])[None])
     return dict(model=model, base=base, adapter=adapter, ckpt=root / "ckpt_adapter", cfg=load_config(str(base)),
-                ids=ids, logits=out.logits, loss=out.loss.item(), after=after, cos=cos[0], sin=sin[0])  # fmt: skip
+                ids=ids, logits=out.logits, loss=out.loss.item(), after=after, moments=moments, cos=cos[0], sin=sin[0])  # fmt: skip
 
 
 def _tensors(folder: Path) -> dict[str, torch.Tensor]:
@@ -243,6 +244,21 @@ def _check_trained_on_nxd(trained, flags, tag, tag_cfg, outs, tmp_path) -> None:
     with torch.no_grad():
         got_logits = loaded(input_ids=trained["ids"]).logits
     torch.testing.assert_close(got_logits, outs[0]["logits_after"], rtol=1e-5, atol=1e-5)
+    # NxD's optimizer state after the step comes back with the wide tensors: in the original blocks, PEFT's moments
+    from ckpt.converters.nxd.lora import read_lora_tag
+
+    ad, _ = read_lora_tag(str(after), config=trained["cfg"], source_flags=_source(flags))
+    assert ad.optimizer is not None
+    for mod, m in tag_cfg["ckpt_widened"]["modules"].items():
+        lo = m["offset"] if wide_cfg["rank_pattern"].get(mod) else 0
+        for ab, dim in (("A", 0), ("B", 1)):
+            name = f"{mod}.lora_{ab}.weight"
+            st, want = ad.optimizer["state"][name], trained["moments"][name]
+            assert st["exp_avg"].shape == ad.tensors[name].shape and torch.equal(st["step"], want["step"])
+            for key in ("exp_avg", "exp_avg_sq"):
+                torch.testing.assert_close(st[key].narrow(dim, lo, 8), want[key], rtol=1e-4, atol=1e-10)
+    convert(str(after), str(tmp_path / "ck_after"), ConvertOptions(to="cuda", format="ckpt", config=trained["cfg"],
+                                                                  step=4, source_flags=_source(flags)))  # fmt: skip
 
 
 def _same_optimizer(a: Path, b: Path) -> None:
