@@ -22,9 +22,10 @@ right: rows in the same order as the base weight's rows on that rank (``cat[B_ga
 ``gate_up_proj``).  Hence every LoRA placement below is derived from the base weight's placement
 (:func:`ckpt.layouts.plan.placements`), so base and adapter can never disagree.
 
-A PEFT adapter whose fused parts have different ``lora_A`` cannot be held by NxD's shared-A layer: it is refused
-(the separate-projection layout, without ``--qkv-linear``/``--fuse-qkv``, holds it for q/k/v; gate/up are always
-fused in NxD's Llama).  Names matched by no rule here are refused, never replicated by default.
+A PEFT adapter whose fused parts have different ``lora_A`` (every adapter PEFT trains) cannot be held by NxD's
+shared-A layer as it is: :mod:`converters.lora_widen` first widens it to an exact equivalent that can (stacked
+``lora_A``, block-diagonal ``lora_B``); given such parts directly, :func:`adapter_to_nxd` refuses them.
+Names matched by no rule here are refused, never replicated by default.
 """
 
 from __future__ import annotations
