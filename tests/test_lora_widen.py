@@ -256,7 +256,7 @@ def _check_trained_on_nxd(trained, flags, tag, tag_cfg, outs, tmp_path) -> None:
             st, want = ad.optimizer["state"][name], trained["moments"][name]
             assert st["exp_avg"].shape == ad.tensors[name].shape and torch.equal(st["step"], want["step"])
             for key in ("exp_avg", "exp_avg_sq"):
-                torch.testing.assert_close(st[key].narrow(dim, lo, 8), want[key], rtol=1e-4, atol=1e-10)
+                torch.testing.assert_close(st[key].narrow(dim, lo, 8), want[key], rtol=1e-3, atol=1e-9)
     convert(str(after), str(tmp_path / "ck_after"), ConvertOptions(to="cuda", format="ckpt", config=trained["cfg"],
                                                                   step=4, source_flags=_source(flags)))  # fmt: skip
 
