@@ -85,18 +85,39 @@ def rank_and_alpha(scaling: float, least: int, rslora: bool) -> tuple[int, float
 
 @dataclass(frozen=True)
 class Layer:
-    """One NxD LoRA layer and the HF modules it holds (in NxD's order), with the rank each has in the adapter."""
+    """One NxD LoRA layer and the HF modules it holds (in NxD's order), with the rank each has in the adapter and, for
+    a part whose ``lora_A`` (and its optimizer state) is bit-identical to an earlier part's, that part's index: they
+    share one block of rows (a widened adapter that comes back wide, re-laid out, is not widened twice)."""
 
     nxd: str
     parts: tuple[str, ...]
     ranks: tuple[int, ...]
+    shares: tuple[int | None, ...]
 
     @property
     def width(self) -> int:
-        return sum(self.ranks)
+        return sum(r for r, sh in zip(self.ranks, self.shares, strict=True) if sh is None)
 
     def offset(self, i: int) -> int:
-        return sum(self.ranks[:i])
+        if self.shares[i] is not None:
+            return self.offset(self.shares[i])  # type: ignore[arg-type]
+        return sum(r for r, sh in zip(self.ranks[:i], self.shares[:i], strict=True) if sh is None)
+
+
+def _same_a(adapter: Adapter, p: str, q: str) -> bool:
+    """``p`` and ``q`` have bit-identical ``lora_A`` and optimizer state of it."""
+    if not bit_equal(adapter.tensors[_a(p)], adapter.tensors[_a(q)]):
+        return False
+    state = (adapter.optimizer or {}).get("state", {})
+    sp, sq = state.get(_a(p), {}), state.get(_a(q), {})
+    if sp.keys() != sq.keys():
+        return False
+    for k, v in sp.items():
+        w = sq[k]
+        same = bit_equal(v, w) if isinstance(v, torch.Tensor) and isinstance(w, torch.Tensor) else v == w
+        if not same:
+            return False
+    return True
 
 
 def layers_of(adapter: Adapter, spec: LayoutSpec) -> list[Layer]:
@@ -108,7 +129,15 @@ def layers_of(adapter: Adapter, spec: LayoutSpec) -> list[Layer]:
             continue
         parts = tuple(parse_hf(h)[0] for h in hf_lora_names(f"{nxd}.lora_A.weight"))
         ranks = tuple(adapter.rank_of(p) if p in adapter.modules else 0 for p in parts)
-        out[nxd] = Layer(nxd, parts, ranks)
+        shares: list[int | None] = []
+        for i, p in enumerate(parts):
+            same = [
+                j
+                for j in range(i)
+                if ranks[j] and ranks[i] and shares[j] is None and _same_a(adapter, parts[j], p)
+            ]
+            shares.append(same[0] if same else None)
+        out[nxd] = Layer(nxd, parts, ranks, tuple(shares))
     return list(out.values())
 
 
@@ -259,6 +288,17 @@ def _cut(t: torch.Tensor, dim: int, rows: slice) -> torch.Tensor:
     return t.narrow(dim, rows.start, rows.stop - rows.start).clone()
 
 
+def _check_ranks(adapter: Adapter, where: str) -> None:
+    """Every module's tensors have the rank its PEFT config resolves to (the patterns written say what they hold)."""
+    for mod in adapter.modules:
+        got = adapter.tensors[_a(mod)].shape[0]
+        if adapter.rank_of(mod) != got:
+            raise LayoutError(
+                f"{where}: {mod} comes back with rank {got}, but the PEFT config would give it "
+                f"{adapter.rank_of(mod)}; no PEFT config spells this adapter"
+            )
+
+
 def narrow(adapter: Adapter, record: Mapping[str, Any], where: str) -> Adapter:
     """Inverse of :func:`widen` for a wide adapter read from an NxD tag (every module rank ``R``, fused parts'
     ``lora_A`` copies of one tensor): the original PEFT adapter where the off-diagonal blocks are still zero, an
@@ -327,10 +367,12 @@ def narrow(adapter: Adapter, record: Mapping[str, Any], where: str) -> Adapter:
         notes = (
             "LoRA: NxD's widened layers returned to the original PEFT adapter (off-diagonal blocks are zero)",
         )
-    return Adapter(
+    out = Adapter(
         tensors=tensors, r=int(peft_cfg["r"]), lora_alpha=peft_cfg["lora_alpha"], use_rslora=adapter.use_rslora,
         lora_dropout=adapter.lora_dropout, peft_config=peft_cfg, optimizer=optimizer, notes=notes,
     )  # fmt: skip
+    _check_ranks(out, where)
+    return out
 
 
 def _exact_rank(scaling: float, least: int, width: int, rslora: bool) -> int:

@@ -254,6 +254,11 @@ def test_merge_lora_all_linear_and_trained_wide(tmp_path) -> None:
                 )
         torch.save(sd, f)
     _back(tmp_path / "t", tmp_path / "w", cfg)
+    # re-laid out for another TP, the wide adapter is not widened twice: gate/up share their (equal) lora_A block
+    convert(str(tmp_path / "t"), str(tmp_path / "t1"), ConvertOptions.neuron(format="nxd", config=cfg, tp=1))
+    assert json.loads((tmp_path / "t1" / "adapter_config.json").read_text())["lora_rank"] == 16
+    _back(tmp_path / "t1", tmp_path / "w1", cfg)
+    _same_folder(tmp_path / "w", tmp_path / "w1")
     wide = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), tmp_path / "w")
     assert wide.base_model.model.model.layers[0].mlp.up_proj.r["default"] == 16
     want = wide.merge_and_unload().state_dict()
