@@ -32,7 +32,8 @@ PREFIX = "base_model.model."
 
 def _peft(root: Path, seed: int = 0, steps: int = 2, **lora):  # noqa: ANN003, ANN202
     """A tiny Llama + ``LoraConfig(**lora)`` (PEFT's defaults otherwise), ``steps`` AdamW steps so lora_B is
-    non-zero; ``(model, base_dir, adapter_dir, config)``."""
+    non-zero; ``(model, base_dir, adapter_dir, config)``; also saved adapter-only with the AdamW state in
+    ``root/ckpt``."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
@@ -47,6 +48,12 @@ def _peft(root: Path, seed: int = 0, steps: int = 2, **lora):  # noqa: ANN003, A
         opt.step()
     model.eval()
     base, adapter = save(model, root)
+    if steps:
+        import ckpt
+
+        ckpt.save(
+            str(root / "ckpt"), step=steps, model=model, optimizer=opt, adapter_only=True, base_source="t"
+        )
     return model, base, adapter, load_config(str(base))
 
 
@@ -121,6 +128,31 @@ def test_peft_default_q_v_with_qkv_linear(tmp_path) -> None:
     }
     _back(tmp_path / "t", tmp_path / "b", cfg)
     _same_folder(adapter, tmp_path / "b")
+    # with the AdamW state: k's added block gets zero moments in optim/, and q/v's come back bit for bit
+    convert(str(tmp_path / "ckpt"), str(tmp_path / "to"), ConvertOptions.neuron(format="nxd", config=cfg, tp=2,
+                                                                               qkv_linear=True))  # fmt: skip
+    opt0 = torch.load(tmp_path / "to" / "optim" / "dp_rank_00_tp_rank_00_pp_rank_00.pt", weights_only=True)
+    assert (
+        len(opt0["state"]) == 2 * 4
+    )  # per layer, NxD's order: qkv_proj lora_A, lora_B weight_q, weight_k, weight_v
+    k0 = opt0["state"][2]
+    assert (
+        not k0["exp_avg"].any()
+        and not k0["exp_avg_sq"].any()
+        and torch.equal(k0["step"], opt0["state"][1]["step"])
+    )
+    assert opt0["state"][1]["exp_avg"].any()
+    convert(
+        str(tmp_path / "to"),
+        str(tmp_path / "ck"),
+        ConvertOptions(to="cuda", format="ckpt", config=cfg, step=2),
+    )
+    import ckpt
+
+    ra, rb = ckpt.open_checkpoint(str(tmp_path / "ckpt")), ckpt.open_checkpoint(str(tmp_path / "ck"))
+    ta = {n for n, t in ra.manifest.tensors.items() if t.role in ("parameter", "optimizer_state")}
+    tb = {n for n, t in rb.manifest.tensors.items() if t.role in ("parameter", "optimizer_state")}
+    assert ta == tb and len(ta) == 2 * 2 * 2 * 3 and all(bit_equal(ra.read(n), rb.read(n)) for n in ta)
     # fill k's block of layer 0 (as training on Trainium would) -> k_proj returns, exactly
     f = tmp_path / "t" / "model" / "dp_rank_00_tp_rank_00_pp_rank_00.pt"
     sd = torch.load(f, weights_only=True)
