@@ -148,8 +148,7 @@ def needs_widening(adapter: Adapter, layers: list[Layer]) -> bool:
     for layer in layers:
         if 0 in layer.ranks:
             return True
-        first = adapter.tensors[_a(layer.parts[0])]
-        if any(not bit_equal(first, adapter.tensors[_a(p)]) for p in layer.parts[1:]):
+        if any(not _same_a(adapter, layer.parts[0], p) for p in layer.parts[1:]):
             return True
     return False
 
