@@ -201,7 +201,7 @@ def adapter_to_nxd(
         if missing:
             raise LayoutError(
                 f"{nxd}: NxD fuses {', '.join(parts)} into one LoRA layer but {', '.join(missing)} is not in the "
-                "adapter; adapt every fused part (or convert without --qkv-linear/--fuse-qkv for q/k/v)"
+                "adapter (ckpt convert adds a zero part first: converters/lora_widen.py)"
             )
         if ps[0].dim is None:
             out.setdefault(rank, {})[nxd] = adapter[parts[0]].detach().clone()
@@ -220,15 +220,10 @@ def _check_shared(adapter: Mapping[str, torch.Tensor], spec: LayoutSpec) -> None
         for name in parts[1:]:
             if bit_equal(adapter[parts[0]], adapter[name]):
                 continue
-            attn = ".self_attn." in name
-            hint = (
-                "convert without --qkv-linear/--fuse-qkv to keep separate q/k/v LoRA layers"
-                if attn
-                else "NxD's Llama always fuses gate/up, so this adapter has no NxD form"
-            )
             raise LayoutError(
-                f"{name} differs from {parts[0]}: NxD's {'--qkv-linear/--fuse-qkv' if attn else 'gate_up_proj'} "
-                f"LoRA layer {nxd} shares one lora_A between them, so this adapter cannot be represented; {hint}"
+                f"{name} differs from {parts[0]}: NxD's LoRA layer {nxd} shares one lora_A between them, so these "
+                "tensors cannot be laid out as they are (ckpt convert widens such adapters first: "
+                "converters/lora_widen.py)"
             )
 
 
