@@ -331,3 +331,5 @@ def _run(run_convert, src: str, dst: str, opts, run, as_json: bool) -> None:  # 
         f"converted {result.tensors} tensors ({human_bytes(result.bytes)}) -> {result.dst} [{result.format}]",
         markup=False,  # "[hf]" is text, not a style
     )
+    for note in getattr(result, "notes", ()):
+        out.print(note, markup=False)

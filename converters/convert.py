@@ -268,6 +268,8 @@ class ConvertResult:
     format: str
     not_written: tuple[str, ...] = ()
     why: str | None = None
+    #: summary lines the CLI prints after the result line (e.g. how a LoRA adapter was widened for NxD)
+    notes: tuple[str, ...] = ()
 
 
 def written_tensors(conv: Conversion, export: Export) -> list[Any]:
@@ -353,7 +355,7 @@ def convert(
         if opts.consumed_samples is not None:
             raise CkptError("--consumed-samples: a LoRA adapter conversion records no data position; drop it")
         r = run_lora(src, dst, opts, run)
-        return ConvertResult(r.dst, r.tensors, r.bytes, r.format)
+        return ConvertResult(r.dst, r.tensors, r.bytes, r.format, notes=r.notes)
     rank, world = _dist_env()
     source = open_source(src, opts, run)
     try:

@@ -38,6 +38,8 @@ class LoraResult:
     tensors: int
     bytes: int
     format: str
+    #: summary lines (a widening for NxD's fused layers, or how a widened adapter came back)
+    notes: tuple[str, ...] = ()
 
 
 def _adapter_manifest(src: str, storage_options: dict[str, Any] | None) -> Any:
@@ -222,6 +224,7 @@ def convert_adapter(src: str, dst: str, opts: ConvertOptions, run: RunOptions | 
             "lose its base identity)"
         )
     adapter, src_flags = read_any(src, opts, run)
+    notes = adapter.notes
     if opts.format == "peft":
         nbytes = peft.write_adapter(adapter, dst, run.storage_options)
     elif opts.format == "ckpt":
@@ -239,8 +242,8 @@ def convert_adapter(src: str, dst: str, opts: ConvertOptions, run: RunOptions | 
         except TypeError as e:
             raise LayoutError(f"layout flags: {e}") from None
         spec = LayoutSpec.of(ModelDims.from_hf_config(cfg), flags)
-        nbytes = nxd_lora.write_lora_tag(adapter, spec, dst, run.storage_options)
-    return LoraResult(dst, len(adapter.tensors), nbytes, opts.format)
+        nbytes, notes = nxd_lora.write_lora_tag(adapter, spec, dst, run.storage_options)
+    return LoraResult(dst, len(adapter.tensors), nbytes, opts.format, notes)
 
 
 # ------------------------------------------------------------------------------------------------ merge
@@ -265,7 +268,7 @@ def merge_weights(
                 "the adapter was trained on another base"
             )
         w = w.clone()
-        w += peft_delta(a, b, adapter.scaling)
+        w += peft_delta(a, b, adapter.scaling_of(mod))
         out[key] = w
         merged.add(mod)
     return out, merged

@@ -3,14 +3,16 @@
 
 Tensor names are PEFT's: ``base_model.model.<HF module>.lora_A.weight`` / ``lora_B.weight`` (the adapter name is not
 part of them).  ckpt handles plain LoRA only; a config asking for anything ckpt cannot carry to NxD or merge exactly
-(DoRA, per-module rank/alpha patterns, ``fan_in_fan_out``, lora biases, ``modules_to_save``, non-LoRA PEFT types) is
-refused when the folder is opened, naming the key.  A PEFT folder holds no optimizer state.
+(DoRA, ``fan_in_fan_out``, lora biases, ``modules_to_save``, non-LoRA PEFT types) is refused when the folder is
+opened, naming the key.  Per-module ranks and alphas (``rank_pattern``/``alpha_pattern``) are resolved as PEFT
+resolves them (:func:`pattern_key`).  A PEFT folder holds no optimizer state.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -46,11 +48,30 @@ class Adapter:
     #: the adapter's optimizer state, when the source has it: ``{"state": {hf_name: {key: tensor | scalar}},
     #: "param_groups": [{..., "params": [hf_name, ...]}]}`` (torch.optim's form, keyed by HF adapter names)
     optimizer: dict[str, Any] | None = None
+    #: one-line remarks for the summary (e.g. how a widened NxD adapter came back)
+    notes: tuple[str, ...] = ()
 
     @property
     def scaling(self) -> float:
         """NxD's and PEFT's ``scaling``: ``alpha / r``, or ``alpha / sqrt(r)`` with rsLoRA."""
         return self.lora_alpha / (math.sqrt(self.r) if self.use_rslora else self.r)
+
+    def rank_of(self, module: str) -> int:
+        """``module``'s rank: ``rank_pattern`` resolved as PEFT does, else ``r``."""
+        patterns = self.peft_config.get("rank_pattern") or {}
+        key = pattern_key(patterns, module)
+        return int(patterns[key]) if key is not None else self.r
+
+    def alpha_of(self, module: str) -> float:
+        """``module``'s alpha: ``alpha_pattern`` resolved as PEFT does, else ``lora_alpha``."""
+        patterns = self.peft_config.get("alpha_pattern") or {}
+        key = pattern_key(patterns, module)
+        return patterns[key] if key is not None else self.lora_alpha
+
+    def scaling_of(self, module: str) -> float:
+        """``module``'s scaling, computed as PEFT's ``LoraLayer.update_layer`` does."""
+        r = self.rank_of(module)
+        return self.alpha_of(module) / (math.sqrt(r) if self.use_rslora else r)
 
     @property
     def modules(self) -> list[str]:
@@ -80,11 +101,18 @@ class Adapter:
 _REFUSED = {
     "use_dora": (False, "DoRA adapters"),
     "fan_in_fan_out": (False, "fan_in_fan_out (Conv1D-style) adapters"),
-    "rank_pattern": ({}, "per-module ranks (rank_pattern)"),
-    "alpha_pattern": ({}, "per-module alphas (alpha_pattern)"),
     "bias": ("none", "trained biases"),
     "modules_to_save": (None, "modules_to_save (fully trained extra modules)"),
 }
+
+
+def pattern_key(patterns: Mapping[str, Any], module: str) -> str | None:
+    """The ``rank_pattern``/``alpha_pattern`` key that applies to ``module`` (HF name), as PEFT's
+    ``utils.other.get_pattern_key`` picks it (the first key in order whose regex ends the name), or None."""
+    for key in patterns:
+        if re.match(rf"(.*\.)?({key})$", module):
+            return key
+    return None
 
 
 def check_config(cfg: Mapping[str, Any], where: str) -> None:
@@ -99,6 +127,12 @@ def check_config(cfg: Mapping[str, Any], where: str) -> None:
     for key in ("r", "lora_alpha"):
         if not isinstance(cfg.get(key), (int, float)) or isinstance(cfg.get(key), bool):
             raise LayoutError(f"{where}: {key} must be a number, got {cfg.get(key)!r}")
+    for key in ("rank_pattern", "alpha_pattern"):
+        value = cfg.get(key) or {}
+        if not isinstance(value, dict) or any(
+            not isinstance(v, (int, float)) or isinstance(v, bool) or v <= 0 for v in value.values()
+        ):
+            raise LayoutError(f"{where}: {key} must map module patterns to positive numbers, got {value!r}")
 
 
 def read_adapter(path: str) -> Adapter:
@@ -122,18 +156,19 @@ def read_adapter(path: str) -> Adapter:
     except (SafetensorError, OSError) as e:
         raise CorruptionError(f"{p / WEIGHTS_NAME}: not a readable safetensors file ({e})") from None
     tensors: dict[str, torch.Tensor] = {}
+    ranks = Adapter(tensors={}, r=int(cfg["r"]), lora_alpha=cfg["lora_alpha"], peft_config=cfg)
     for name, t in raw.items():
         if not name.startswith(PREFIX):
             raise LayoutError(
                 f"{p / WEIGHTS_NAME}: tensor {name} does not start with {PREFIX!r} (PEFT's naming)"
             )
         hf = name[len(PREFIX) :]
-        _, ab = parse_hf(hf)
+        mod, ab = parse_hf(hf)
         tensors[hf] = t
         r = t.shape[0] if ab == "A" else t.shape[-1]
-        if r != cfg["r"]:
+        if r != ranks.rank_of(mod):
             raise LayoutError(
-                f"{p / WEIGHTS_NAME}: {name} has LoRA rank {r}, adapter_config.json says r={cfg['r']}"
+                f"{p / WEIGHTS_NAME}: {name} has LoRA rank {r}, adapter_config.json says r={ranks.rank_of(mod)}"
             )
     if not tensors:
         raise LayoutError(f"{p / WEIGHTS_NAME}: holds no LoRA tensors")
@@ -171,6 +206,7 @@ __all__ = [
     "WEIGHTS_NAME",
     "check_config",
     "detect",
+    "pattern_key",
     "read_adapter",
     "write_adapter",
 ]

@@ -161,37 +161,45 @@ def test_nxd_layers_holding_the_shards_compute_the_merged_model(case, layout) ->
     assert adapted == {n for _, n in eff}
 
 
-def test_separate_q_k_v_a_refused_for_shared_a_layout(tmp_path) -> None:
+def test_separate_q_k_v_a_widened_for_shared_a_layout(tmp_path) -> None:
+    """Independent q/k/v lora_A (every PEFT adapter has them) with --qkv-linear: widened onto the shared-A layer
+    (tests/test_lora_widen*.py check the arithmetic), and back bit-exact; the separate-projection layout holds it as it
+    is (no widening of q/k/v, gate/up still fused)."""
     model = build("llama", shared=("mlp",), seed=11)
     base, adapter = save(model, tmp_path)
     cfg = load_config(str(base))
-    with pytest.raises(
-        LayoutError,
-        match=r"k_proj\.lora_A\.weight differs from .*q_proj\.lora_A\.weight.*shares one lora_A.*without --qkv-linear",
-    ):
-        convert(
-            str(adapter),
-            str(tmp_path / "t"),
-            ConvertOptions.neuron(format="nxd", config=cfg, tp=2, qkv_linear=True),
-        )
-    assert not (tmp_path / "t").exists()
-    # the separate-projection layout holds it, bit-exact
-    convert(str(adapter), str(tmp_path / "ok"), ConvertOptions.neuron(format="nxd", config=cfg, tp=2))
-    convert(
-        str(tmp_path / "ok"), str(tmp_path / "back"), ConvertOptions(to="cuda", format="peft", config=cfg)
+    r = convert(
+        str(adapter),
+        str(tmp_path / "t"),
+        ConvertOptions.neuron(format="nxd", config=cfg, tp=2, qkv_linear=True),
     )
-    a, b = _tensors(adapter), _tensors(tmp_path / "back")
-    assert set(a) == set(b) and all(bit_equal(a[k], b[k]) for k in a)
+    assert (
+        r.notes
+        and "qkv_proj (q_proj r4 + k_proj r4 + v_proj r4)" in r.notes[0]
+        and "lora_rank 12" in r.notes[0]
+    )
+    convert(str(adapter), str(tmp_path / "ok"), ConvertOptions.neuron(format="nxd", config=cfg, tp=2))
+    assert "ckpt_widened" not in json.loads((tmp_path / "ok" / "adapter_config.json").read_text())
+    for tag in ("t", "ok"):
+        convert(
+            str(tmp_path / tag),
+            str(tmp_path / f"back_{tag}"),
+            ConvertOptions(to="cuda", format="peft", config=cfg),
+        )
+        a, b = _tensors(adapter), _tensors(tmp_path / f"back_{tag}")
+        assert set(a) == set(b) and all(bit_equal(a[k], b[k]) for k in a)
 
 
-def test_separate_gate_up_a_refused(tmp_path) -> None:
+def test_separate_gate_up_a_widened(tmp_path) -> None:
     model = build("llama", shared=(), seed=12)
     base, adapter = save(model, tmp_path)
     r = CliRunner().invoke(cli, ["convert", str(adapter), str(tmp_path / "t"), "--to", "neuron", "--format", "nxd",
                                  "--tp", "2", "--config", str(base / "config.json")])  # fmt: skip
-    assert r.exit_code == 2
-    assert "up_proj.lora_A.weight differs from" in r.output and "gate_up_proj" in r.output
-    assert not (tmp_path / "t").exists()
+    assert r.exit_code == 0, r.output
+    assert (
+        "LoRA widened for NxD to lora_rank 8, lora_alpha 16 (scaling 2.0 unchanged): fused gate_up_proj"
+        in r.output
+    )
 
 
 def test_unknown_lora_target_refused() -> None:

@@ -22,9 +22,10 @@ right: rows in the same order as the base weight's rows on that rank (``cat[B_ga
 ``gate_up_proj``).  Hence every LoRA placement below is derived from the base weight's placement
 (:func:`ckpt.layouts.plan.placements`), so base and adapter can never disagree.
 
-A PEFT adapter whose fused parts have different ``lora_A`` cannot be held by NxD's shared-A layer: it is refused
-(the separate-projection layout, without ``--qkv-linear``/``--fuse-qkv``, holds it for q/k/v; gate/up are always
-fused in NxD's Llama).  Names matched by no rule here are refused, never replicated by default.
+A PEFT adapter whose fused parts have different ``lora_A`` (every adapter PEFT trains) cannot be held by NxD's
+shared-A layer as it is: :mod:`converters.lora_widen` first widens it to an exact equivalent that can (stacked
+``lora_A``, block-diagonal ``lora_B``); given such parts directly, :func:`adapter_to_nxd` refuses them.
+Names matched by no rule here are refused, never replicated by default.
 """
 
 from __future__ import annotations
@@ -200,7 +201,7 @@ def adapter_to_nxd(
         if missing:
             raise LayoutError(
                 f"{nxd}: NxD fuses {', '.join(parts)} into one LoRA layer but {', '.join(missing)} is not in the "
-                "adapter; adapt every fused part (or convert without --qkv-linear/--fuse-qkv for q/k/v)"
+                "adapter (ckpt convert adds a zero part first: converters/lora_widen.py)"
             )
         if ps[0].dim is None:
             out.setdefault(rank, {})[nxd] = adapter[parts[0]].detach().clone()
@@ -219,15 +220,10 @@ def _check_shared(adapter: Mapping[str, torch.Tensor], spec: LayoutSpec) -> None
         for name in parts[1:]:
             if bit_equal(adapter[parts[0]], adapter[name]):
                 continue
-            attn = ".self_attn." in name
-            hint = (
-                "convert without --qkv-linear/--fuse-qkv to keep separate q/k/v LoRA layers"
-                if attn
-                else "NxD's Llama always fuses gate/up, so this adapter has no NxD form"
-            )
             raise LayoutError(
-                f"{name} differs from {parts[0]}: NxD's {'--qkv-linear/--fuse-qkv' if attn else 'gate_up_proj'} "
-                f"LoRA layer {nxd} shares one lora_A between them, so this adapter cannot be represented; {hint}"
+                f"{name} differs from {parts[0]}: NxD's LoRA layer {nxd} shares one lora_A between them, so these "
+                "tensors cannot be laid out as they are (ckpt convert widens such adapters first: "
+                "converters/lora_widen.py)"
             )
 
 

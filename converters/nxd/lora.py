@@ -11,7 +11,8 @@ back from them (:mod:`converters.lora_optim`).
 
 What ckpt writes: the rank files with ``lora_config`` inside (so NxD's ``LoraModel.load_checkpoint`` needs no other
 file), ``adapter_config.json`` in the tag too (NxD's fields, plus ``peft_config``: the PEFT config it came from, so
-that a round trip gives the same PEFT folder, and ``ckpt_layout``: the parallel flags), ``checkpoint`` and ``done``.
+that a round trip gives the same PEFT folder, ``ckpt_layout``: the parallel flags, and ``ckpt_widened`` when the
+adapter was widened to fit NxD's fused layers, :mod:`converters.lora_widen`), ``checkpoint`` and ``done``.
 
 Refused on read: NxD's default ``merge_sharded_lora=True`` form (every rank holds gathered tensors; for
 ``GQAQKVColumnParallelLinear`` NxD also truncates them with ``chunk(kv_size_multiplier)[0]``, losing query rows) is
@@ -185,6 +186,10 @@ def read_lora_tag(
         lora_dropout=float(nxd_cfg.get("lora_dropout") or 0.0),
         peft_config=peft_cfg,
     )
+    from ..lora_widen import RECORD_KEY, narrow
+
+    if isinstance(nxd_cfg.get(RECORD_KEY), dict):
+        adapter = narrow(adapter, nxd_cfg[RECORD_KEY], str(tag))
     return adapter, spec
 
 
@@ -249,22 +254,28 @@ def check_every_layer(adapter: Adapter, layers: int) -> None:
 
 def write_lora_tag(
     adapter: Adapter, spec: LayoutSpec, dst: str, storage_options: dict[str, Any] | None = None
-) -> int:
+) -> tuple[int, tuple[str, ...]]:
     """Write ``adapter`` as an NxD LoRA tag in layout ``spec`` at ``dst`` (checked fully before any byte is
-    written; published whole with ``done`` last).  Returns the bytes of tensor data written."""
+    written; published whole with ``done`` last), widened where NxD's fused layers need it.  Returns the bytes of
+    tensor data written and the summary lines (the widening, when there was one)."""
     from ckpt.storage.folder import begin_folder
 
     from ..lora_optim import to_nxd
+    from ..lora_widen import RECORD_KEY, widen
 
     check_every_layer(adapter, spec.model.layers)
+    original = adapter
+    adapter, record = widen(adapter, spec)
     shards = adapter_to_nxd(adapter.tensors, spec)
     optims = to_nxd(adapter.optimizer, adapter.tensors, spec, shards) if adapter.optimizer else {}
     lora_cfg = nxd_lora_config(adapter, shards)
     tag_cfg = {
         **lora_cfg,
-        "peft_config": adapter.to_peft_config(),
+        "peft_config": original.to_peft_config(),
         "ckpt_layout": {n: getattr(spec, n) for n in NxdFlags.names() if n != "dp"},
     }
+    if record is not None:
+        tag_cfg[RECORD_KEY] = record
     nbytes = 0
     with begin_folder(dst, storage_options) as txn:
         txn.storage.put_bytes("checkpoint", b"1")
@@ -279,7 +290,9 @@ def write_lora_tag(
         txn.commit({"done": b"1"})
     if not shards:
         warnings.warn(f"{dst}: the adapter laid out to no tensors", stacklevel=2)
-    return nbytes
+    from ..lora_widen import widen_note
+
+    return nbytes, ((widen_note(record),) if record is not None else ())
 
 
 __all__ = ["CONFIG_NAME", "is_lora_tag", "nxd_lora_config", "read_lora_tag", "write_lora_tag"]
