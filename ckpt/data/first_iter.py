@@ -1,0 +1,45 @@
+"""The first ``iter(loader)`` after a restore must not draw from torch's global RNG.
+
+A DataLoader draws its base seed (and torch's ``RandomSampler`` with no ``generator=`` its permutation seed) from
+torch's global generator each time an iterator is created.  An uninterrupted run created its iterator at the start
+of the epoch and draws nothing at step N+1; a resumed run creates a fresh one right after ckpt restored the global
+RNG to its step-N state, so one extra draw would shift every later random number (dropout masks, ...).  The loader's
+own position is restored from its saved state (StatefulDataLoader) or by ckpt's adapters, so the seed drawn by that
+first iterator is not needed: :func:`keep_rng_on_next_iter` makes that one ``iter()`` leave torch's global RNG as it
+found it.  Later ``iter()`` calls (new epochs) draw as in the uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+
+from .tracked import TrackedLoader
+
+_MARK = "_ckpt_keeps_rng_on_iter"
+
+
+@functools.cache
+def _keeping_class(cls: type) -> type:
+    """A subclass of ``cls`` whose next ``__iter__`` restores torch's global RNG and then turns back into ``cls``."""
+
+    def __iter__(self: Any) -> Any:
+        object.__setattr__(self, "__class__", cls)
+        state = torch.get_rng_state()
+        try:
+            return cls.__iter__(self)
+        finally:
+            torch.set_rng_state(state)
+
+    return type(cls.__name__, (cls,), {"__iter__": __iter__, _MARK: True, "__module__": cls.__module__})
+
+
+def keep_rng_on_next_iter(loader: Any) -> None:
+    """Make the next ``iter()`` of ``loader`` (of the DataLoader under a tracked loader) consume no global RNG."""
+    inner = loader.loader if isinstance(loader, TrackedLoader) else loader
+    cls = type(inner)
+    if getattr(cls, _MARK, False) or not hasattr(cls, "__iter__"):
+        return
+    object.__setattr__(inner, "__class__", _keeping_class(cls))
