@@ -81,7 +81,9 @@ def _run(root: str, build: Any, every: int, crash_after: int | None = None) -> d
 
 
 @pytest.mark.parametrize("every", [3, 5], ids=["mid-epoch", "epoch-end"])
-@pytest.mark.parametrize("build", [_stateful, _stateful_workers, _tracked], ids=["stateful", "workers", "tracked"])
+@pytest.mark.parametrize(
+    "build", [_stateful, _stateful_workers, _tracked], ids=["stateful", "workers", "tracked"]
+)
 def test_readme_loop_resumes_bit_exact_with_default_loaders(tmp_path, build, every):
     reference = _run(str(tmp_path / "straight"), build, every)
     crashed = str(tmp_path / "crashed")
