@@ -22,6 +22,7 @@ place to extend when a doc gains an example.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import shlex
@@ -328,6 +329,13 @@ def workspace(tmp_path_factory: pytest.TempPathFactory) -> Path:
             cwd=ws, capture_output=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"},
         )  # fmt: skip
     assert (ws / "runs" / "tiny" / "ledger.jsonl").exists()
+    # README's DCP example and the guide's loader example: a checkpoint of the snippets' model, optimizer, loader
+    import ckpt
+
+    user = _namespace(ws, ws)
+    next(iter(user["loader"]))
+    ckpt.save(str(ws / "ckpt" / "step_00001000"), step=1000, model=user["model"], optimizer=user["opt"],
+              dataloader=user["loader"])  # fmt: skip
     return ws
 
 
@@ -409,3 +417,152 @@ def test_documented_command_runs_as_written(
         f"{example.id}: `{example.text}` exited {code} (documented: {want})\n{err[-2000:]}\n{text[-2000:]}"
     )
     assert "Traceback" not in err, err[-2000:]
+    wrong = _bad_plurals(text + err)
+    assert not wrong, f"{example.id}: miscounted words in the output: {wrong}"
+
+
+_PLURAL = re.compile(
+    r"(?<![\d.,])1 (steps|checkpoints|tensors|ranks|files|failures|sessions|restarts|causes|errors|problems|"
+    r"shards|boundaries|resumes|checks|samples|tokens|events|tags|adapters|layers|experts)\b"
+    r"|(?<![\d.,])(?:0|[2-9]|\d\d+) (step|checkpoint|tensor|rank|file|failure|session|restart|cause|error|problem|"
+    r"shard|boundary|resume|check|tag|layer|expert)(?=[,.;:)]|$)"
+    r"|\w\(s\)",
+    re.M,
+)
+
+
+def _bad_plurals(text: str) -> list[str]:
+    """'1 steps', '3 checkpoint', 'step(s)': a count and its noun that disagree (or hedge)."""
+    return sorted({m.group(0) for m in _PLURAL.finditer(text)})
+
+
+# -------------------------------------------------------------------------------------------- python blocks
+
+#: (doc, text in the block) -> why the block is not executed here
+PY_NOT_RUN: dict[tuple[str, str], str] = {
+    ("docs/guide.md", "mgr.staged()"): "`model(batch).loss` and `ema.copy_into` stand for the user's model and EMA",
+    ("docs/run-dir.md", "batch = next(loader)"): (
+        "a template: `next(loader)`, `batch.ids`, `saved_and_committed` stand for the user's loop"
+    ),
+    ("docs/run-dir.md", "samples=loader.samples"): "a template: `loader.samples`, `ids`, `loss` come from the user's loop",
+    ("docs/storage.md", "open_storage(\"s3://bucket/run\""): (
+        "an S3 endpoint `url`; tests/test_storage.py runs these calls on moto's S3"
+    ),
+    ("docs/storage.md", "begin_folder(\"s3://bucket/hf-out\""): (
+        "S3 `options`; tests/test_storage.py runs folder transactions on moto's S3"
+    ),
+    ("docs/nxd.md", "nxd.list_tags(root) -> list[TagInfo]"): "an API signature listing, not code",
+    ("docs/nxd.md", "nxd.import_tag(tag_dir, dest, *,"): "an API signature listing, not code",
+    ("docs/guide.md", "check_continuation(train, steps=40"): (
+        "names the user's own module-level train(); check_continuation runs in tests/test_core_continuation.py"
+    ),
+    ("docs/verify-resume.md", "def train(c: Continuation)"): (
+        "a template around the user's build(); check_continuation runs in tests/test_core_continuation.py"
+    ),
+}
+
+#: text in a python block -> what the workspace uses instead (no S3 endpoint in a doc example: memory://)
+PY_SUBSTITUTE: dict[str, str] = {
+    "s3://bucket/": "memory://bucket/",
+    '"runs/x"': '"runs/small-gpu"',
+    '"runs/gpu"': '"runs/small-gpu"',
+    '"tb/trn"': '"tb_logs/trn"',
+}
+
+#: top-level workspace entries a python block reads; its outputs go to its own folder
+PY_INPUTS = ("runs", "run", "config.json", "hf_model", "big", "base", "peft_adapter", "trn", "tb_logs", "ckpt")
+
+
+@dataclass(frozen=True)
+class Block:
+    doc: str
+    line: int
+    code: str
+
+    @property
+    def id(self) -> str:
+        return f"{self.doc}:{self.line}"
+
+
+def python_blocks(docs: list[Path] = DOCS) -> list[Block]:
+    return [
+        Block(str(path.relative_to(ROOT)), first, "\n".join(body))
+        for path in docs
+        for lang, first, body in _blocks(path)
+        if lang == "python"
+    ]
+
+
+PY_BLOCKS = python_blocks()
+
+
+def _py_not_run(block: Block) -> str | None:
+    return next((why for (doc, text), why in PY_NOT_RUN.items() if doc == block.doc and text in block.code), None)
+
+
+def _namespace(ws: Path, folder: Path) -> dict[str, object]:
+    """The names the docs' snippets take as given (the user's model, optimizer, loader, ...), real and small."""
+    import torch
+    from peft import PeftModel
+    from torch.utils.data import DataLoader, DistributedSampler
+    from torchdata.stateful_dataloader import StatefulDataLoader
+    from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
+
+    import ckpt
+    import ckpt.data
+    from ckpt.resume.ledger import tokenizer_id
+    from ckpt.storage import Backend
+
+    torch.manual_seed(0)
+    model = PeftModel.from_pretrained(
+        AutoModelForCausalLM.from_pretrained(ws / "base"), str(ws / "peft_adapter"), is_trainable=True
+    )
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    ds = [torch.randint(0, 128, (16,)) for _ in range(32)]
+    sampler = DistributedSampler(ds, num_replicas=1, rank=0, shuffle=True, seed=7)
+    loader = StatefulDataLoader(ds, batch_size=4, sampler=sampler)
+    tok = _tokenizer()
+    return {
+        "ckpt": ckpt, "torch": torch, "model": model, "opt": opt, "optimizer": opt, "sched": sched,
+        "scheduler": sched, "loader": loader, "ds": ds, "tok": tok, "total": 1000, "step": 500, "epochs": 2,
+        "dp_size": 1, "dp_rank": 0, "seed": 7, "per_rank_batch": 4, "path": str(ws / "ckpt" / "step_00001000"),
+        "run_dir": folder / "run", "rank": 0, "ws": 1, "tok_id": tokenizer_id(tok),
+        "Trainer": Trainer, "args": TrainingArguments(output_dir=str(folder / "trainer"), use_cpu=True, report_to=[]),
+        "tmp_path": folder / "tmp", "Backend": Backend, "DistributedSampler": DistributedSampler,
+        "StatefulDataLoader": StatefulDataLoader, "DataLoader": DataLoader,
+        "cfg": json.loads((ws / "config.json").read_text()),
+        "make_scheduler": lambda o: torch.optim.lr_scheduler.LambdaLR(o, lambda s: min(1.0, (s + 1) / 50)),
+    }  # fmt: skip
+
+
+def _tokenizer() -> object:
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from transformers import PreTrainedTokenizerFast
+
+    return PreTrainedTokenizerFast(tokenizer_object=Tokenizer(WordLevel({"[UNK]": 0, "a": 1}, unk_token="[UNK]")))
+
+
+@pytest.mark.parametrize("block", PY_BLOCKS, ids=lambda b: b.id)
+def test_documented_python_runs_as_written(block: Block, workspace: Path, tmp_path: Path) -> None:
+    why = _py_not_run(block)
+    if why is not None:
+        pytest.skip(f"not run here: {why}")
+    from ckpt.data import adapters
+
+    code = block.code
+    for text, replacement in PY_SUBSTITUTE.items():
+        code = code.replace(text, replacement)
+    for name in PY_INPUTS:
+        (tmp_path / name).symlink_to(workspace / name)
+    registered = list(adapters._ADAPTERS)
+    namespace = _namespace(workspace, tmp_path)
+    try:
+        with _cwd(tmp_path):
+            exec(compile(code, f"{block.doc}:{block.line}", "exec"), namespace)  # noqa: S102 - the doc's example
+    finally:
+        adapters._ADAPTERS[:] = registered  # an example's ckpt.data.register() must not leak into other tests
+        closer = namespace.get("mgr")
+        if closer is not None:
+            closer.close()
