@@ -440,17 +440,17 @@ def _bad_plurals(text: str) -> list[str]:
 
 #: (doc, text in the block) -> why the block is not executed here
 PY_NOT_RUN: dict[tuple[str, str], str] = {
-    ("docs/guide.md", "mgr.staged()"): "`model(batch).loss` and `ema.copy_into` stand for the user's model and EMA",
+    (
+        "docs/guide.md",
+        "mgr.staged()",
+    ): "`model(batch).loss` and `ema.copy_into` stand for the user's model and EMA",
     ("docs/run-dir.md", "batch = next(loader)"): (
         "a template: `next(loader)`, `batch.ids`, `saved_and_committed` stand for the user's loop"
     ),
-    ("docs/run-dir.md", "samples=loader.samples"): "a template: `loader.samples`, `ids`, `loss` come from the user's loop",
-    ("docs/storage.md", "open_storage(\"s3://bucket/run\""): (
-        "an S3 endpoint `url`; tests/test_storage.py runs these calls on moto's S3"
-    ),
-    ("docs/storage.md", "begin_folder(\"s3://bucket/hf-out\""): (
-        "S3 `options`; tests/test_storage.py runs folder transactions on moto's S3"
-    ),
+    (
+        "docs/run-dir.md",
+        "samples=loader.samples",
+    ): "a template: `loader.samples`, `ids`, `loss` come from the user's loop",
     ("docs/nxd.md", "nxd.list_tags(root) -> list[TagInfo]"): "an API signature listing, not code",
     ("docs/nxd.md", "nxd.import_tag(tag_dir, dest, *,"): "an API signature listing, not code",
     ("docs/guide.md", "check_continuation(train, steps=40"): (
@@ -461,16 +461,28 @@ PY_NOT_RUN: dict[tuple[str, str], str] = {
     ),
 }
 
-#: text in a python block -> what the workspace uses instead (no S3 endpoint in a doc example: memory://)
+#: text in a python block -> what the test uses instead; ``s3://bucket/`` is a moto S3 server's bucket (conftest's
+#: ``s3`` fixture), reached through ``AWS_ENDPOINT_URL`` as a user's environment points boto at an endpoint
 PY_SUBSTITUTE: dict[str, str] = {
-    "s3://bucket/": "memory://bucket/",
+    '.safetensors", ...)': '.safetensors", data)',  # storage.md: `...` for the bytes written
     '"runs/x"': '"runs/small-gpu"',
     '"runs/gpu"': '"runs/small-gpu"',
     '"tb/trn"': '"tb_logs/trn"',
 }
 
 #: top-level workspace entries a python block reads; its outputs go to its own folder
-PY_INPUTS = ("runs", "run", "config.json", "hf_model", "big", "base", "peft_adapter", "trn", "tb_logs", "ckpt")
+PY_INPUTS = (
+    "runs",
+    "run",
+    "config.json",
+    "hf_model",
+    "big",
+    "base",
+    "peft_adapter",
+    "trn",
+    "tb_logs",
+    "ckpt",
+)
 
 
 @dataclass(frozen=True)
@@ -497,7 +509,9 @@ PY_BLOCKS = python_blocks()
 
 
 def _py_not_run(block: Block) -> str | None:
-    return next((why for (doc, text), why in PY_NOT_RUN.items() if doc == block.doc and text in block.code), None)
+    return next(
+        (why for (doc, text), why in PY_NOT_RUN.items() if doc == block.doc and text in block.code), None
+    )
 
 
 def _namespace(ws: Path, folder: Path) -> dict[str, object]:
@@ -532,6 +546,7 @@ def _namespace(ws: Path, folder: Path) -> dict[str, object]:
         "tmp_path": folder / "tmp", "Backend": Backend, "DistributedSampler": DistributedSampler,
         "StatefulDataLoader": StatefulDataLoader, "DataLoader": DataLoader,
         "cfg": json.loads((ws / "config.json").read_text()),
+        "data": b"\x00" * 4096, "manifest": b"{}", "index": b"{}", "offset": 16, "nbytes": 64,
         "make_scheduler": lambda o: torch.optim.lr_scheduler.LambdaLR(o, lambda s: min(1.0, (s + 1) / 50)),
     }  # fmt: skip
 
@@ -541,11 +556,19 @@ def _tokenizer() -> object:
     from tokenizers.models import WordLevel
     from transformers import PreTrainedTokenizerFast
 
-    return PreTrainedTokenizerFast(tokenizer_object=Tokenizer(WordLevel({"[UNK]": 0, "a": 1}, unk_token="[UNK]")))
+    return PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer(WordLevel({"[UNK]": 0, "a": 1}, unk_token="[UNK]"))
+    )
 
 
 @pytest.mark.parametrize("block", PY_BLOCKS, ids=lambda b: b.id)
-def test_documented_python_runs_as_written(block: Block, workspace: Path, tmp_path: Path) -> None:
+def test_documented_python_runs_as_written(
+    block: Block,
+    workspace: Path,
+    tmp_path: Path,
+    request: pytest.FixtureRequest,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     why = _py_not_run(block)
     if why is not None:
         pytest.skip(f"not run here: {why}")
@@ -554,10 +577,16 @@ def test_documented_python_runs_as_written(block: Block, workspace: Path, tmp_pa
     code = block.code
     for text, replacement in PY_SUBSTITUTE.items():
         code = code.replace(text, replacement)
+    extra: dict[str, object] = {}
+    if "s3://bucket/" in code:
+        s3 = request.getfixturevalue("s3")
+        code = code.replace("s3://bucket/", f"s3://{s3.bucket}/")
+        monkeypatch.setenv("AWS_ENDPOINT_URL", s3.endpoint)
+        extra = {"url": s3.endpoint, "options": s3.storage_options}
     for name in PY_INPUTS:
         (tmp_path / name).symlink_to(workspace / name)
     registered = list(adapters._ADAPTERS)
-    namespace = _namespace(workspace, tmp_path)
+    namespace = {**_namespace(workspace, tmp_path), **extra}
     try:
         with _cwd(tmp_path):
             exec(compile(code, f"{block.doc}:{block.line}", "exec"), namespace)  # noqa: S102 - the doc's example
@@ -566,3 +595,12 @@ def test_documented_python_runs_as_written(block: Block, workspace: Path, tmp_pa
         closer = namespace.get("mgr")
         if closer is not None:
             closer.close()
+
+
+def test_python_tables_name_only_real_blocks() -> None:
+    """Every python allow-list entry and substitution still matches a documented block."""
+    assert len(PY_BLOCKS) >= 15
+    for (doc, text), _why in PY_NOT_RUN.items():
+        assert any(b.doc == doc and text in b.code for b in PY_BLOCKS), f"{doc}: {text!r} is no longer there"
+    for text in PY_SUBSTITUTE:
+        assert any(text in b.code for b in PY_BLOCKS), f"substitution {text!r} is no longer used by the docs"
