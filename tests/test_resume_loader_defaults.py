@@ -39,6 +39,14 @@ def _stateful_workers(ds: list[torch.Tensor]) -> tuple[Any, Any]:
     return StatefulDataLoader(ds, batch_size=4, shuffle=True, num_workers=1), None
 
 
+def _stateful_generator(ds: list[torch.Tensor]) -> tuple[Any, Any]:
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    return StatefulDataLoader(
+        ds, batch_size=4, shuffle=True, generator=torch.Generator().manual_seed(3)
+    ), None
+
+
 def _tracked(ds: list[torch.Tensor]) -> tuple[Any, Any]:
     sampler = DistributedSampler(ds, num_replicas=1, rank=0, shuffle=True, seed=3)
     return ckpt.data.track(DataLoader(ds, batch_size=4, sampler=sampler)), sampler
@@ -82,7 +90,9 @@ def _run(root: str, build: Any, every: int, crash_after: int | None = None) -> d
 
 @pytest.mark.parametrize("every", [3, 5], ids=["mid-epoch", "epoch-end"])
 @pytest.mark.parametrize(
-    "build", [_stateful, _stateful_workers, _tracked], ids=["stateful", "workers", "tracked"]
+    "build",
+    [_stateful, _stateful_workers, _stateful_generator, _tracked],
+    ids=["stateful", "workers", "generator", "tracked"],
 )
 def test_readme_loop_resumes_bit_exact_with_default_loaders(tmp_path, build, every):
     reference = _run(str(tmp_path / "straight"), build, every)

@@ -38,8 +38,10 @@ def _keeping_class(cls: type) -> type:
 
 def keep_rng_on_next_iter(loader: Any) -> None:
     """Make the next ``iter()`` of ``loader`` (of the DataLoader under a tracked loader) consume no global RNG."""
+    from torch.utils.data import DataLoader
+
     inner = loader.loader if isinstance(loader, TrackedLoader) else loader
     cls = type(inner)
-    if getattr(cls, _MARK, False) or not hasattr(cls, "__iter__"):
-        return
+    if not isinstance(inner, DataLoader) or getattr(cls, _MARK, False):
+        return  # other loaders' iterators are theirs: only a DataLoader's seed draw is known to be redundant
     object.__setattr__(inner, "__class__", _keeping_class(cls))
