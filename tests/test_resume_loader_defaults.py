@@ -47,6 +47,13 @@ def _stateful_generator(ds: list[torch.Tensor]) -> tuple[Any, Any]:
     ), None
 
 
+def _workers_generator(ds: list[torch.Tensor]) -> tuple[Any, Any]:
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    g = torch.Generator().manual_seed(3)
+    return StatefulDataLoader(ds, batch_size=4, shuffle=True, num_workers=1, generator=g), None
+
+
 def _tracked(ds: list[torch.Tensor]) -> tuple[Any, Any]:
     sampler = DistributedSampler(ds, num_replicas=1, rank=0, shuffle=True, seed=3)
     return ckpt.data.track(DataLoader(ds, batch_size=4, sampler=sampler)), sampler
@@ -91,8 +98,8 @@ def _run(root: str, build: Any, every: int, crash_after: int | None = None) -> d
 @pytest.mark.parametrize("every", [3, 5], ids=["mid-epoch", "epoch-end"])
 @pytest.mark.parametrize(
     "build",
-    [_stateful, _stateful_workers, _stateful_generator, _tracked],
-    ids=["stateful", "workers", "generator", "tracked"],
+    [_stateful, _stateful_workers, _stateful_generator, _workers_generator, _tracked],
+    ids=["stateful", "workers", "generator", "workers-generator", "tracked"],
 )
 def test_readme_loop_resumes_bit_exact_with_default_loaders(tmp_path, build, every):
     reference = _run(str(tmp_path / "straight"), build, every)

@@ -28,12 +28,32 @@ def _keeping_class(cls: type) -> type:
     def __iter__(self: Any) -> Any:
         object.__setattr__(self, "__class__", cls)
         state = torch.get_rng_state()
+        replays_sampler = (
+            getattr(self, "next_iter_state", None) is not None
+            and _shares_generator(self)
+            and not self.num_workers
+        )
         try:
             return cls.__iter__(self)
         finally:
             torch.set_rng_state(state)
+            if replays_sampler:
+                _redraw_base_seed(self.generator)
 
     return type(cls.__name__, (cls,), {"__iter__": __iter__, _MARK: True, "__module__": cls.__module__})
+
+
+def _shares_generator(loader: Any) -> bool:
+    """A StatefulDataLoader whose RandomSampler draws from the loader's own ``generator=``."""
+    g = getattr(loader, "generator", None)
+    return g is not None and getattr(getattr(loader, "sampler", None), "generator", None) is g
+
+
+def _redraw_base_seed(generator: torch.Generator) -> None:
+    """torchdata's restored iterator draws its base seed from ``generator`` and then sets the sampler's (the same)
+    generator back to its epoch-start state and replays the permutation; the uninterrupted run's generator had also
+    given that base seed after the permutation, so one draw puts it where that run's was (the next epoch's order)."""
+    torch.empty((), dtype=torch.int64).random_(generator=generator)
 
 
 def keep_rng_on_next_iter(loader: Any) -> None:
