@@ -52,7 +52,9 @@ def _shares_generator(loader: Any) -> bool:
 def _redraw_base_seed(generator: torch.Generator) -> None:
     """torchdata's restored iterator draws its base seed from ``generator`` and then sets the sampler's (the same)
     generator back to its epoch-start state and replays the permutation; the uninterrupted run's generator had also
-    given that base seed after the permutation, so one draw puts it where that run's was (the next epoch's order)."""
+    given that base seed after the permutation, so one draw puts it where that run's was (the next epoch's order).
+    Single-process only: the worker iterator's restore keeps the generator in step already
+    (tests/test_resume_loader_defaults.py checks both)."""
     torch.empty((), dtype=torch.int64).random_(generator=generator)
 
 
