@@ -71,7 +71,7 @@ if TYPE_CHECKING:
     from .saver import Checkpointer, SaveResult, StagingInfo
 
 
-_SUBMODULES = ("dcp", "integrations")
+_SUBMODULES = ("data", "dcp", "integrations", "resume")
 """Framework adapters, imported on first use (``ckpt.dcp.Reader`` imports torch.distributed.checkpoint)."""
 
 

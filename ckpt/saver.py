@@ -712,6 +712,17 @@ def _loader_state(loader: Any) -> Any:
             "dataloader= is a plain torch DataLoader, which keeps no position: wrap it with "
             "ckpt.data.track(loader) and iterate the wrapper, or use torchdata's StatefulDataLoader"
         )
+    from .data.adapters import adapter_for, describe
+    from .data.tracked import TrackedLoader
+
+    if isinstance(loader, TrackedLoader) and adapter_for(loader) is None:
+        # A tracked loader keeps only a batch count; its position is restored through the sampler, which only an
+        # adapter knows how to reposition: restoring this one would restart the epoch in a new order.
+        raise StateMismatchError(
+            f"dataloader= is ckpt.data.track over a loader no data adapter can reposition ({describe(loader)}): "
+            "a restore would restart its epoch in a new order; use torchdata's StatefulDataLoader (it saves its "
+            "RandomSampler's state) or sampler=DistributedSampler(ds, num_replicas=1, rank=0, shuffle=True, seed=S)"
+        )
     return state_dict_of(loader, "dataloader")
 
 

@@ -33,9 +33,9 @@ SOURCE_FLAGS = ("hw", "kv_size_multiplier", "virtual_pp")
 
 EPILOG = """\b
 Examples:
-  ckpt convert run/step_1000 out/cuda --to cuda                      # NxD tag or ckpt -> full (CUDA) layout
+  ckpt convert run/step_1000 out/cuda --to cuda --config config.json  # NxD tag (holds no config) -> CUDA layout
   ckpt convert run/step_1000 out/hf --to cuda --format hf --config config.json
-  ckpt convert hf_model/ out/trn --to neuron --tp 8 --qkv-linear --kv-size-multiplier 2 --hw trn2
+  ckpt convert hf_model/ out/trn --to neuron --tp 16 --qkv-linear --kv-size-multiplier 2 --hw trn2  # 8 KV heads
   ckpt convert out/trn out/nxd_tag --to neuron --format nxd --dp 4    # NxD-native tag, ZeRO-1 over 4 ranks
   ckpt convert exp/checkpoints/llama--step=10-consumed_samples=1280.0.ckpt out/checkpoint-10 --to cuda \
       --format hf-trainer --config config.json                       # NxD Training tag -> HF Trainer folder

@@ -7,6 +7,8 @@ import sys
 
 import click
 
+from ckpt.resume.words import plural
+
 from .common import err, out
 
 EPILOG = """\b
@@ -67,7 +69,7 @@ def verify(checkpoint: str, as_json: bool) -> None:
     _report_problems(checkpoint, problems, as_json)
     if not as_json:
         out.print(
-            f"[green]ok[/] {checkpoint}: step {m.step}, {len(m.tensors)} tensors, {len(m.files)} files verified",
+            f"[green]ok[/] {checkpoint}: step {m.step}, {plural(len(m.tensors), 'tensor')}, {plural(len(m.files), 'file')} verified",
             highlight=False,
         )
 

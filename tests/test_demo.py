@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 
@@ -61,3 +62,41 @@ def test_a_folder_that_is_not_a_demos_is_never_emptied(tmp_path):
     r = demo("--dir", str(tmp_path), timeout=120)
     assert r.returncode == 2 and r.stderr.startswith(f"ckpt: error: --dir {tmp_path}: holds notes.txt")
     assert r.stderr.count("\n") == 1 and (tmp_path / "notes.txt").read_text() == "mine"
+
+
+def _with_fault(tmp_path, code: str) -> dict[str, str]:
+    """Environment whose Python processes run ``code`` at start-up (a sitecustomize): the demo's ranks break."""
+    hook = tmp_path / "fault"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(
+        "import os\nif os.environ.get('RANK') is not None:  # the demo's training ranks only\n" + code
+    )
+    return {"PYTHONPATH": os.pathsep.join([str(hook), os.environ.get("PYTHONPATH", "")])}
+
+
+@pytest.mark.parametrize(
+    "fault, needle",
+    [
+        (  # the crashing run's saves never commit: the restart starts over and repeats the reference's losses
+            "    import sys, ckpt.manager\n"
+            "    if '--kill-at' in sys.argv:\n"
+            "        ckpt.manager.CheckpointManager.save = lambda self, *a, **k: None\n",
+            r"no checkpoint had committed before the crash, so there was nothing to resume from",
+        ),
+        (  # the restore forgets the RNG streams: attention dropout draws other masks
+            "    import ckpt.rng\n    ckpt.rng.restore_across = lambda *a, **k: ([], [])\n",
+            r"after the resume differ from the reference run \(first: step (6|11)\)",
+        ),
+    ],
+    ids=["nothing-committed", "rng-not-restored"],
+)
+def test_demo_fails_when_the_restore_is_broken(tmp_path, fault, needle):
+    env = _with_fault(tmp_path, fault)
+    r = subprocess.run(
+        [sys.executable, "-m", "ckpt", "demo", "--dir", str(tmp_path / "demo"), "--ranks", "1", "--steps", "12",
+         "--kill-at", "11"],
+        capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONWARNINGS": "ignore", **env},
+    )  # fmt: skip
+    assert r.returncode == 1, r.stdout[-3000:] + r.stderr[-3000:]
+    assert re.search(needle, r.stderr) and r.stderr.count("\n") == 1, r.stderr
+    assert "resume is bit-exact" not in r.stdout

@@ -157,10 +157,19 @@ def test_trainium_layout_checkpoint_converts_to_a_folder_trainer_resumes_exactly
     assert all(torch.equal(a["state"][i][k], b["state"][i][k]) for i in a["state"] for k in a["state"][i])
     out = tmp_path / "out"
     shutil.copytree(crashed, out)
+    shutil.rmtree(out / "checkpoint-10")  # the run resumes from the converted folder, outside output_dir
     assert train(out, "--resume", back) == 0
     want = losses(straight)
     got = {s: v for s, v in losses(out).items() if s > 10}
     assert got == {s: want[s] for s in range(11, STEPS + 1)}
+    # the ledger names the folder the Trainer really restored, so verify-resume checks its counters
+    (restore,) = read_jsonl(out / "ledger.jsonl").sessions[1].restores
+    assert restore.step == 10 and restore.path == str(back)
+    res = CliRunner().invoke(cli, ["verify-resume", str(out), "--json"])
+    assert res.exit_code == 0, res.output
+    (b,) = json.loads(res.output)["boundaries"]
+    counters = {c["check"]: c for c in b["checks"]}["counters"]
+    assert counters["status"] == "pass" and counters["numbers"]["scheduler_last_epoch"] == 10, counters
 
 
 def test_trainer_checkpoint_with_foreign_grouping_is_refused(crashed: Path, tmp_path: Path) -> None:

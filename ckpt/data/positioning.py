@@ -9,6 +9,7 @@ from typing import Any
 from .. import treecodec
 from ..errors import StateMismatchError
 from .adapters import adapter_for, describe
+from .first_iter import keep_rng_on_next_iter
 from .position import DataPosition, RankPosition, merge
 
 
@@ -50,6 +51,7 @@ def restore(
         adapter.reposition(loader, pos, rank, world, where)
         live_dp = adapter.dp(loader) if hasattr(adapter, "dp") else world
         mode = "positioned" if live_dp == saved_dp else "re-split"
+        keep_rng_on_next_iter(loader)
         return DataRestore(mode, saved_dp, live_dp, pos.samples, pos.epoch)
     if world != saved_dp:
         if pos is not None and adapter is not None:
@@ -71,4 +73,5 @@ def restore(
     from ..state import load_state_into
 
     load_state_into(loader, treecodec.decode(manifest.data[str(rank)]), "dataloader")
+    keep_rng_on_next_iter(loader)
     return DataRestore("carried", saved_dp, world)

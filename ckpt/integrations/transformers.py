@@ -53,6 +53,38 @@ def _checkpoint_dir(output_dir: str, step: int) -> str:
     return os.path.join(output_dir, f"checkpoint-{step}")
 
 
+def _resume_argument() -> str | None:
+    """The folder ``Trainer.train(resume_from_checkpoint=...)`` is restoring from, read from the training loop.
+
+    The Trainer hands callbacks neither the path nor itself, and the path given to ``train()`` is often outside
+    ``output_dir`` (a converted checkpoint).  ``on_train_begin`` runs inside ``Trainer._inner_training_loop``,
+    whose ``resume_from_checkpoint`` argument is that folder (``True`` already resolved to the newest one).
+    """
+    import inspect
+
+    from transformers import Trainer
+
+    frame = inspect.currentframe()
+    try:
+        while frame is not None:
+            if frame.f_code.co_name == "_inner_training_loop" and isinstance(frame.f_locals.get("self"), Trainer):
+                given = frame.f_locals.get("resume_from_checkpoint")
+                return os.fspath(given) if isinstance(given, (str, os.PathLike)) else None
+            frame = frame.f_back
+        return None
+    finally:
+        del frame
+
+
+def _restored_from(args: Any, step: int) -> str:
+    """The checkpoint folder the Trainer restored ``step`` from: the ``train()`` argument, else
+    ``args.resume_from_checkpoint``, else the output dir's ``checkpoint-N`` (where ``True`` finds it)."""
+    for given in (_resume_argument(), getattr(args, "resume_from_checkpoint", None)):
+        if isinstance(given, str) and os.path.isdir(given):
+            return given
+    return _checkpoint_dir(args.output_dir, step)
+
+
 class CkptCallback(TrainerCallback):
     """Write the run ledger from ``Trainer``'s hooks (see the module docstring for what and when).
 
@@ -96,14 +128,7 @@ class CkptCallback(TrainerCallback):
             extra_env={"framework": "transformers.Trainer", **self.extra_env},
         )
         if state.global_step > 0:
-            # The Trainer does not tell callbacks which folder it resumed from; ``args.resume_from_checkpoint``
-            # names it when the user set it there, else it is the output dir's checkpoint of that step.
-            given = getattr(args, "resume_from_checkpoint", None)
-            path = given if isinstance(given, str) and os.path.isdir(given) else None
-            self._restored = (
-                state.global_step,
-                path or _checkpoint_dir(args.output_dir, state.global_step),
-            )
+            self._restored = (state.global_step, _restored_from(args, state.global_step))
 
     def _log_restore(self, model: Any) -> None:
         """Write the pending restore event, with the digest of ``model`` as training finds it."""

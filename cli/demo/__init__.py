@@ -116,10 +116,51 @@ def _require_success(phase: str, codes: list[int], paths: list[str]) -> None:
     raise DemoFailed(f"{phase} run failed: rank {r} exited with {codes[r]} (its log: {paths[r]})")
 
 
-def _losses(run: str) -> dict[int, str]:
+def _log(run: str) -> tuple[list[dict], dict[int, dict]]:
+    """Rank 0's ``losses.jsonl``: the session starts, and each step's record (the last session's, after a resume)."""
     with open(os.path.join(run, "losses.jsonl")) as f:
         rows = [json.loads(line) for line in f if line.strip()]
-    return {r["step"]: r["loss"] for r in rows if "step" in r}
+    return [r for r in rows if r.get("event") == "start"], {r["step"]: r for r in rows if "step" in r}
+
+
+def _check_resume(ref: str, crash: str, steps: int, committed: list[int]) -> int:
+    """Show and check that the restart restored the newest committed checkpoint and then repeated the reference
+    run's losses and learning rates bit for bit; the restored step, or :class:`DemoFailed`."""
+    from rich.table import Table
+
+    starts, b = _log(crash)
+    _, a = _log(ref)
+    restored = starts[-1]["restored"]
+    if not committed:
+        raise DemoFailed(
+            "no checkpoint had committed before the crash, so there was nothing to resume from: pass a later "
+            f"--kill-at (checkpoints every {SAVE_EVERY} steps; an async save commits a step or more later)"
+        )
+    if restored != committed[-1]:
+        raise DemoFailed(
+            f"the restart restored {'nothing' if restored is None else f'step {restored}'}, expected the newest "
+            f"committed checkpoint, step {committed[-1]}: the resume did not happen"
+        )
+    table = Table(title="loss after resume vs reference")
+    for col in ("step", "reference", "resumed", "same bits"):
+        table.add_column(col)
+    differ = []
+    for step in range(restored + 1, steps + 1):
+        ra, rb = a.get(step), b.get(step)
+        if ra is None or rb is None:
+            raise DemoFailed(f"step {step} is missing from the {'reference' if ra is None else 'resumed'} run's log")
+        same = ra["loss"] == rb["loss"] and ra["lr"] == rb["lr"]
+        differ += [step] if not same else []
+        loss_a, loss_b = float.fromhex(ra["loss"]), float.fromhex(rb["loss"])
+        table.add_row(str(step), repr(loss_a), repr(loss_b), "[green]yes[/]" if same else "[red]no[/]")
+    out.print(table)
+    out.print(f"resumed from step {restored} (restore took {starts[-1]['restore_s']:.3f} s)")
+    if differ:
+        raise DemoFailed(
+            f"{len(differ)} step{'s' if len(differ) != 1 else ''} after the resume differ from the reference "
+            f"run (first: step {differ[0]})"
+        )
+    return restored
 
 
 @click.command()
@@ -141,8 +182,6 @@ def _losses(run: str) -> dict[int, str]:
 )
 def demo(workdir: str, ranks: int, steps: int, kill_at: int) -> None:
     """Train on several ranks, crash mid async-save, resume, and prove the losses continue bit for bit."""
-    from rich.table import Table
-
     from ckpt.discovery import list_checkpoints
     from ckpt.resume.cost import recovery_cost
     from ckpt.resume.sources import load_run
@@ -160,37 +199,16 @@ def demo(workdir: str, ranks: int, steps: int, kill_at: int) -> None:
     out.print(f"[bold]2/6[/] crashing run: SIGKILL at step {kill_at}, right after an async save started")
     codes, _ = _launch(ranks, ["--run", crash, "--kill-at", str(kill_at), *common], logs, "crash")
     out.print(f"    exit codes {codes} (-9 = killed)")
+    committed = [i.step for i in list_checkpoints(os.path.join(crash, "checkpoints")) if i.status == "committed"]
     for info in list_checkpoints(os.path.join(crash, "checkpoints")):
         out.print(f"    step {info.step}: {info.status}")
     out.print("[bold]3/6[/] restart: restore_latest() and continue")
     _require_success("resumed", *_launch(ranks, ["--run", crash, *common], logs, "restart"))
-    a, b = _losses(ref), _losses(crash)
-    table = Table(title="loss after resume vs reference")
-    for col in ("step", "reference", "resumed", "same bits"):
-        table.add_column(col)
-    with open(os.path.join(crash, "losses.jsonl")) as f:
-        starts = [json.loads(line) for line in f if '"event"' in line]
-    restored = starts[-1]["restored"]
-    resumed_from = restored or 0  # None: no checkpoint had committed before the crash, the restart began anew
-    mismatches = 0
-    for step in range(resumed_from + 1, steps + 1):
-        same = a.get(step) == b.get(step)
-        mismatches += not same
-        table.add_row(
-            str(step),
-            repr(float.fromhex(a[step])),
-            repr(float.fromhex(b[step])),
-            "[green]yes[/]" if same else "[red]no[/]",
-        )
-    out.print(table)
-    if restored is None:
-        out.print("no checkpoint had committed before the crash: the restart began from step 0")
-    else:
-        out.print(f"resumed from step {restored} (restore took {starts[-1]['restore_s']:.3f} s)")
-    if mismatches:
-        out.print(f"[red]{mismatches} step(s) differ after resume[/]")
-        sys.exit(1)
-    out.print("[green]resume is bit-exact: same losses, learning rates, RNG and data position[/]")
+    restored = _check_resume(ref, crash, steps, committed)
+    out.print(
+        f"[green]resume is bit-exact: restored step {restored}, and steps {restored + 1}-{steps} have the "
+        "reference run's losses and learning rates bit for bit[/] (RNG and data position: step 4)"
+    )
     verified = _verify(crash)
     _convert(crash)
     out.print("[bold]6/6[/] recovery cost ([cyan]ckpt report[/] on the crashed run)")
