@@ -238,9 +238,26 @@ class LedgerWriter:
             if len(self._buffer) >= self._buffer_lines:
                 self._flush_locked(sync=False)
 
-    def restore(self, step: int, path: str | os.PathLike[str] | None, seconds: float | None = None) -> None:
-        """Record that state of step ``step`` was loaded from ``path`` in ``seconds``; log it before training."""
-        self._event("restore", step=int(step), path=None if path is None else str(path), seconds=seconds)
+    def restore(
+        self,
+        step: int,
+        path: str | os.PathLike[str] | None,
+        seconds: float | None = None,
+        *,
+        optimizer_step: int | None = None,
+    ) -> None:
+        """Record that state of step ``step`` was loaded from ``path`` in ``seconds``; log it before training.
+
+        ``optimizer_step`` (optional, :func:`optimizer_step`) is the live optimizer's update counter after the
+        load: the verifier then knows the optimizer state arrived and does not blame a loss jump on it."""
+        fields: dict[str, object] = {
+            "step": int(step),
+            "path": None if path is None else str(path),
+            "seconds": seconds,
+        }
+        if optimizer_step is not None:
+            fields["optimizer_step"] = int(optimizer_step)
+        self._event("restore", **fields)
 
     def save(
         self,
@@ -337,6 +354,18 @@ class LedgerWriter:
 def _line(rec: Mapping[str, object]) -> bytes:
     # json.dumps writes floats with repr(): the shortest string that reads back to the same double.
     return (json.dumps(rec, separators=(",", ":")) + "\n").encode()
+
+
+def optimizer_step(optimizer: Any) -> int | None:
+    """The update counter of a live torch optimizer (the largest per-parameter ``step``; Adam, AdamW and
+    friends keep one), or None when it keeps none.  Log it with the restore event: equal to N after restoring
+    checkpoint N, it proves the optimizer state was loaded."""
+    steps = [
+        int(_num(st["step"]) or 0)
+        for st in getattr(optimizer, "state", {}).values()
+        if isinstance(st, Mapping) and "step" in st
+    ]
+    return max(steps) if steps else None
 
 
 def digest_ids(sample_ids: Iterable[Any] | Any) -> str:

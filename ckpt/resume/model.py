@@ -41,13 +41,18 @@ class SessionStart:
 
 @dataclass(frozen=True, slots=True)
 class Restore:
-    """State was loaded from the checkpoint of ``step`` at ``path``; ``inferred`` when a reader guessed it."""
+    """State was loaded from the checkpoint of ``step`` at ``path``; ``inferred`` when a reader guessed it.
+
+    ``optimizer_step`` is the live optimizer's update counter read right after the restore (``None`` when not
+    logged): equal to ``step``, it proves the optimizer state was loaded, so a loss jump is not blamed on it.
+    """
 
     time: float | None
     step: int
     path: str | None = None
     seconds: float | None = None
     inferred: bool = False
+    optimizer_step: int | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -27,6 +27,8 @@ class Cause(str, Enum):
     MODEL_STATE = "model state not restored exactly"
     LOSS_DIVERGED = "loss differs from the pre-crash run"
     LOSS_DROP = "loss dropped after resume (repeated data?)"
+    LOSS_SHIFT = "loss level shifted after restore"
+    """The symptom, named when no fact says which state was lost (see the check's summary for what to check)."""
     DATA_POSITION_LOST = "data position lost"
     RNG_NOT_RESTORED = "RNG not restored"
     OLDER_CHECKPOINT = "resumed from an older checkpoint (lost work)"

@@ -104,7 +104,13 @@ def _add(session: Session, kind: object, rec: dict) -> None:
         session.add_event(SessionStart(time=t, env=env))
     elif kind == "restore":
         session.add_event(
-            Restore(time=t, step=int(rec["step"]), path=rec.get("path"), seconds=_opt_float(rec, "seconds"))
+            Restore(
+                time=t,
+                step=int(rec["step"]),
+                path=rec.get("path"),
+                seconds=_opt_float(rec, "seconds"),
+                optimizer_step=_opt_int(rec, "optimizer_step"),
+            )
         )
     elif kind == "save":
         session.add_event(
