@@ -39,6 +39,7 @@ class Cause(str, Enum):
     LR_SHIFTED = "LR shifted by several steps"
     LR_FROZEN = "LR constant after resume where the schedule was moving (scheduler not stepping)"
     STATE_MISSING = "checkpoint lacks state the resume needs"
+    NOT_REPRODUCIBLE = "run not reproducible even without a resume"
 
 
 class Basis(str, Enum):

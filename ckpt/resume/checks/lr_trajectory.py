@@ -10,7 +10,9 @@ When they do not join, the trajectory itself names the cause:
   scheduler rebuilt with ``last_epoch=N`` steps once in its constructor);
 - the post-resume LR stays constant where the schedule was falling steadily: the scheduler is not stepping (a
   rising LR that stops is ``constant_with_warmup``, and a fall that flattens is a floor: neither counts);
-- otherwise a jump far outside the run's own step-to-step changes: a different schedule.
+- otherwise a jump far outside the *local* step-to-step changes on both sides (the last and first
+  ``LOCAL_POINTS`` logged LRs): a different schedule, an error.  Judging against the run's largest change
+  anywhere would let a warmup's big steps excuse a halved peak LR late in training.
 
 The junction is not only N -> N+1: when the optimizer is restored but the scheduler is not, the first update
 uses the restored optimizer's LR (right) and the fresh scheduler's second value from then on, so the first
@@ -29,7 +31,9 @@ from ckpt.resume.checks.base import Cause, Confidence
 REPEAT_STEPS = 5
 """How many post-resume LRs must equal an earlier stretch (fewer when fewer were logged, at least 2)."""
 JUMP_FACTOR = 3.0
-"""A gap larger than this many times the run's largest own step-to-step change is a jump."""
+"""A gap larger than this many times the local per-step change (both sides of the junction) is a jump."""
+LOCAL_POINTS = 5
+"""How many logged LRs on each side of a junction define its local per-step change."""
 SLOPE_SLACK = 0.25
 """Relative slack on the local slopes (a cosine's slope changes a little from one step to the next)."""
 
@@ -122,13 +126,13 @@ def judge(
     gap = b0 - an
     da = _slope(pre[-2:])
     db = _slope(post[:2])
-    own = max(_max_change(pre), _max_change(post))
+    own = max(_max_change(pre[-LOCAL_POINTS:]), _max_change(post[:LOCAL_POINTS]))
     nums: dict[str, float | int | str | None] = {
         "lr_before": an,
         "lr_after": b0,
         "step_before": sn,
         "step_after": s1,
-        "largest_own_change": own,
+        "local_change": own,
     }
     tol = tolerance(max(abs(an), abs(b0)), precision)
     span = s1 - sn
@@ -201,7 +205,7 @@ def judge(
     ratio = abs(gap) / own if own > 0 else math.inf
     nums["jump_ratio"] = ratio if math.isfinite(ratio) else None
     if ratio > JUMP_FACTOR:
-        times = f"{ratio:.1f} times the run's largest own step-to-step change" if own > 0 else "a constant LR"
+        times = f"{ratio:.1f} times the local per-step change on both sides" if own > 0 else "a constant LR"
         return Finding(
             Cause.LR_DIFFERENT,
             f"LR jumps from {an!r} at step {sn} to {b0!r} at step {s1}: {times}",
