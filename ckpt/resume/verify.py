@@ -20,7 +20,13 @@ from ckpt.resume.model import Run
 
 _VALUE_CHECKS = {"lr", "loss", "data", "rng"}
 """The checks whose failure at a suspected boundary shows a discontinuity in the logged values."""
-_LOSS_CAUSES = {Cause.LOSS_DIVERGED, Cause.MODEL_STATE, Cause.OPTIMIZER_LOST, Cause.LOSS_DROP, Cause.LOSS_SHIFT}
+_LOSS_CAUSES = {
+    Cause.LOSS_DIVERGED,
+    Cause.MODEL_STATE,
+    Cause.OPTIMIZER_LOST,
+    Cause.LOSS_DROP,
+    Cause.LOSS_SHIFT,
+}
 _NO_LOSS_EFFECT = {"lost_work", "env"}
 
 

@@ -68,7 +68,9 @@ def _symptom(shift: float, level: float) -> str:
 def _paired(ctx: CheckContext, pairs: list[tuple[int, float, float]], nums: dict) -> CheckResult | None:
     """The paired test on the overlap (tolerance mode); None when it cannot judge (nothing finite)."""
     opt = ctx.options
-    use = [(s, p, v) for s, p, v in pairs if math.isfinite(p) and math.isfinite(v)][: max(opt.spike_window, 20)]
+    use = [(s, p, v) for s, p, v in pairs if math.isfinite(p) and math.isfinite(v)][
+        : max(opt.spike_window, 20)
+    ]
     if not use:
         return None
     d = [v - p for _, p, v in use]
@@ -114,7 +116,11 @@ def _paired(ctx: CheckContext, pairs: list[tuple[int, float, float]], nums: dict
                 f"loss spike at step {spike_at[0]} after restore: {spike_at[1]:+.4g} against the same step "
                 f"before the crash ({abs(spike_at[1]) / batch_sigma:.0f}x the batch noise)"
             )
-        sure = Confidence.HIGH if (abs(mean) > 2 * floor and (k < 3 or t > 2 * opt.paired_t)) or spike_at else Confidence.LOW
+        sure = (
+            Confidence.HIGH
+            if (abs(mean) > 2 * floor and (k < 3 or t > 2 * opt.paired_t)) or spike_at
+            else Confidence.LOW
+        )
         return CheckResult(
             "loss", Status.FAIL, f"{what}; {_what_to_check(ctx)}", Cause.LOSS_SHIFT, nums
         ).judged(Basis.OVERLAP, sure)
@@ -134,7 +140,9 @@ def _trend(ctx: CheckContext, post: list[tuple[int, float]], nums: dict) -> Chec
     opt = ctx.options
     pts = _window(ctx)
     if len(pts) < 4:
-        return CheckResult("loss", Status.SKIP, "too few pre-boundary losses to calibrate the noise", None, nums)
+        return CheckResult(
+            "loss", Status.SKIP, "too few pre-boundary losses to calibrate the noise", None, nums
+        )
     slope, icpt = theil_sen(pts)
     level = icpt + slope * (ctx.boundary.restored_step + 1)
     spread = robust_sigma([v - (icpt + slope * s) for s, v in pts])
@@ -192,9 +200,12 @@ def _deterministic(ctx: CheckContext, pairs: list[tuple[int, float, float]], num
         # Same weights, data and RNG at N+1, yet the first update differs: the optimizer state, unless the
         # restore record shows its counter restored (then the LR or the gradient path).
         if _optimizer_restored(ctx):
-            cause, why = Cause.LOSS_DIVERGED, (
-                "first loss exact, first update differs although the optimizer's step counter was restored; "
-                "check the LR and the gradient path"
+            cause, why = (
+                Cause.LOSS_DIVERGED,
+                (
+                    "first loss exact, first update differs although the optimizer's step counter was restored; "
+                    "check the LR and the gradient path"
+                ),
             )
         else:
             cause, why = Cause.OPTIMIZER_LOST, "first loss exact, first update differs"

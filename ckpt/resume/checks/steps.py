@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from ckpt.resume.checks.base import Cause, CheckResult, Status
 from ckpt.resume.checks.context import CheckContext
+from ckpt.resume.words import plural
 
 
 def check_step(ctx: CheckContext) -> CheckResult:
@@ -19,7 +20,7 @@ def check_step(ctx: CheckContext) -> CheckResult:
             return CheckResult(
                 "step",
                 Status.FAIL,
-                f"resumed at step N+{k + 1} = {first} after restoring {n}: {k} steps skipped",
+                f"resumed at step N+{k + 1} = {first} after restoring {n}: {plural(k, 'step')} skipped",
                 Cause.STEPS_SKIPPED,
                 nums,
             )
@@ -27,7 +28,7 @@ def check_step(ctx: CheckContext) -> CheckResult:
             return CheckResult(
                 "step",
                 Status.FAIL,
-                f"resumed at step {first} after restoring {n}: {-k} steps repeated",
+                f"resumed at step {first} after restoring {n}: {plural(-k, 'step')} repeated",
                 Cause.STEPS_REPEATED,
                 nums,
             )
@@ -48,7 +49,7 @@ def check_step(ctx: CheckContext) -> CheckResult:
         return CheckResult(
             "step",
             Status.FAIL,
-            f"resumed at step {first} but the newest checkpoint is step {newest}: {n - newest} steps skipped",
+            f"resumed at step {first} but the newest checkpoint is step {newest}: {plural(n - newest, 'step')} skipped",
             Cause.STEPS_SKIPPED,
             nums,
         )
