@@ -17,7 +17,7 @@ class VerifyOptions:
     With overlap (the same steps logged before the crash and after the resume, on the same batches) the
     paired differences are tested: their mean must stay within ``paired_floor`` (relative to the loss) or
     within ``paired_t`` standard errors of the differences' own spread, which is the run's nondeterminism,
-    not its batch noise.  Without overlap the median of the first ``spike_window`` post-resume losses is
+    not its batch noise.  Without overlap the median of the first ``level_window`` post-resume losses is
     compared with a robust linear trend (Theil-Sen) of the last ``noise_window`` pre-boundary steps, held at
     its value at N+1, in standard errors (``level_z``); a single step above ``spike_z`` times the batch noise
     is a spike in either case.
@@ -26,7 +26,8 @@ class VerifyOptions:
     deterministic: bool | None = None
     noise_window: int = 30
     spike_window: int = 10
-    level_z: float = 5.0
+    level_z: float = 4.0
+    level_window: int = 20
     spike_z: float = 12.0
     paired_floor: float = 0.005
     paired_t: float = 3.0

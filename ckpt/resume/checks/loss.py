@@ -9,7 +9,7 @@ across the overlap is therefore found even when every single step lies inside th
 
 Without overlap the first post-resume losses are compared with the robust local trend of the last
 ``noise_window`` pre-boundary steps (a Theil-Sen line held at its value at N+1: extrapolating a falling line
-would call every flattening loss a jump).  The test statistic is the median of the first ``spike_window``
+would call every flattening loss a jump).  The test statistic is the median of the first ``level_window``
 post-resume residuals in units of its own standard error (1.2533 sigma / sqrt(k), plus the trend's
 uncertainty), where sigma is the spread about the trend; the largest single step is only a spike test.
 
@@ -148,7 +148,7 @@ def _trend(ctx: CheckContext, post: list[tuple[int, float]], nums: dict) -> Chec
     spread = robust_sigma([v - (icpt + slope * s) for s, v in pts])
     sigma = max(spread, diff_sigma([v for _, v in pts]) / math.sqrt(2))
     nums.update(trend_level=level, trend_slope=slope, trend_window=len(pts), noise_sigma=sigma)
-    head = [(s, v - level) for s, v in post[: opt.spike_window] if math.isfinite(v)]
+    head = [(s, v - level) for s, v in post[: opt.level_window] if math.isfinite(v)]
     if not head or not sigma > 0:
         return CheckResult("loss", Status.SKIP, "no finite loss to compare after the resume", None, nums)
     k, m = len(head), len(pts)

@@ -140,7 +140,10 @@ def judge(
     slopes = [x for x in (da, db) if x is not None]
     lo = min(slopes) * span if slopes else 0.0
     hi = max(slopes) * span if slopes else 0.0
-    slack = SLOPE_SLACK * max((abs(x) * span for x in slopes), default=0.0) + tol
+    # The chord of a smooth schedule lies between its slopes on either side; the slack covers half the
+    # difference of those slopes (curvature) plus a little of their size, so a one-step shift stays visible
+    # even across a gap of several unlogged steps.
+    slack = 0.5 * (hi - lo) + SLOPE_SLACK * max((abs(x) * span for x in slopes), default=0.0) / span + tol
     joins = lo - slack <= gap <= hi + slack
 
     # A scheduler that stopped stepping: constant after the resume, moving before it.

@@ -2,25 +2,47 @@
 
 from __future__ import annotations
 
+from ckpt.resume.boundaries import Boundary
 from ckpt.resume.checks.base import Cause, CheckResult, Status
 from ckpt.resume.checks.context import CheckContext
 from ckpt.resume.words import plural
 
 
+def cadence(steps: list[int]) -> int:
+    """The logging interval: the most common gap between consecutive logged steps (1 for every step).  A
+    logger that writes every k-th step resumes its log at the next multiple of k, not at N+1."""
+    gaps = [b - a for a, b in zip(steps, steps[1:], strict=False) if b > a]
+    return max(set(gaps), key=gaps.count) if gaps else 1
+
+
+def _expected_first(b: Boundary) -> int:
+    """N+1, or with a logging interval k the first step after N on the pre-crash log's grid of steps."""
+    n = b.restored_step
+    pre = sorted(s for s in b.pre if s <= n)[-20:]
+    k = cadence(pre)
+    if k <= 1 or not pre:
+        return n + 1
+    return pre[-1] + k * ((n - pre[-1]) // k + 1)
+
+
 def check_step(ctx: CheckContext) -> CheckResult:
-    """Exact.  With a logged restore, the first step must be N+1.  Without one, the first step minus one
-    should be a committed checkpoint (from save events); with neither, there is nothing to check."""
+    """Exact.  With a logged restore, the first step must be N+1 (the next logged step when the log keeps
+    every k-th step).  Without one, the first step minus one should be a committed checkpoint (from save
+    events); with neither, there is nothing to check."""
     b = ctx.boundary
     first = b.post.steps[0].step
     n = b.restored_step
     nums: dict[str, int | str | None] = {"restored_step": n, "first_step": first}
     if not b.inferred:
-        k = first - (n + 1)
+        want = _expected_first(b)
+        if want != n + 1:
+            nums["expected_first_step"] = want
+        k = first - want
         if k > 0:
             return CheckResult(
                 "step",
                 Status.FAIL,
-                f"resumed at step N+{k + 1} = {first} after restoring {n}: {plural(k, 'step')} skipped",
+                f"resumed at step N+{first - n} = {first} after restoring {n}: {plural(k, 'step')} skipped",
                 Cause.STEPS_SKIPPED,
                 nums,
             )
