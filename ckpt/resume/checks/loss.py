@@ -29,6 +29,10 @@ from ckpt.resume.words import plural
 
 MEDIAN_SE = 1.2533
 """Standard error of a median of k Gaussian values, in units of sigma / sqrt(k)."""
+TREND_STEPS = 30
+"""The trend's level at N+1 (without overlap) comes from the losses of the last this-many steps ..."""
+TREND_MIN_POINTS = 5
+"""... or from at least this many logged losses (every k-th step logged: a longer stretch)."""
 
 
 def _window(ctx: CheckContext) -> list[tuple[int, float]]:
@@ -143,22 +147,35 @@ def _trend(ctx: CheckContext, post: list[tuple[int, float]], nums: dict) -> Chec
         return CheckResult(
             "loss", Status.SKIP, "too few pre-boundary losses to calibrate the noise", None, nums
         )
-    slope, icpt = theil_sen(pts)
-    level = icpt + slope * (ctx.boundary.restored_step + 1)
-    spread = robust_sigma([v - (icpt + slope * s) for s, v in pts])
+    # The level at N+1 comes from the last ``TREND_STEPS`` steps only (a line through a longer stretch bends
+    # with a curved loss, most of all when only every k-th step is logged); the noise from the whole window's
+    # step-to-step jitter, which a curve does not inflate.
+    n = ctx.boundary.restored_step
+    near = [(s, v) for s, v in pts if s > n - TREND_STEPS] or pts
+    near = near if len(near) >= TREND_MIN_POINTS else pts[-TREND_MIN_POINTS:]
+    slope, icpt = theil_sen(near)
+    at = ctx.boundary.restored_step + 1
+    level = icpt + slope * at
+    spread = robust_sigma([v - (icpt + slope * s) for s, v in near])
     sigma = max(spread, diff_sigma([v for _, v in pts]) / math.sqrt(2))
-    nums.update(trend_level=level, trend_slope=slope, trend_window=len(pts), noise_sigma=sigma)
+    nums.update(trend_level=level, trend_slope=slope, trend_window=len(near), noise_sigma=sigma)
     head = [(s, v - level) for s, v in post[: opt.level_window] if math.isfinite(v)]
     if not head or not sigma > 0:
         return CheckResult("loss", Status.SKIP, "no finite loss to compare after the resume", None, nums)
-    k, m = len(head), len(pts)
+    k, m = len(head), len(near)
     med = median([r for _, r in head])
-    se = MEDIAN_SE * sigma * math.sqrt(1 / k + 1 / m)
+    # Standard error of the difference: the median of k post losses, and the line's value at N+1 (its
+    # uncertainty grows with the distance from the centroid of the steps it was fitted on).
+    xs = [s for s, _ in near]
+    mean_x = sum(xs) / m
+    sxx = sum((x - mean_x) ** 2 for x in xs)
+    lever = (at - mean_x) ** 2 / sxx if sxx > 0 else 0.0
+    se = sigma * math.sqrt(MEDIAN_SE**2 / k + 1 / m + lever)
     z = med / se
     top = max(head, key=lambda x: x[1])
     spike_z = top[1] / sigma
     nums.update(median_shift=med, level_z=z, max_z=spike_z, window=k)
-    src = f"the trend of {plural(m, 'step')} before the boundary"
+    src = f"the trend of the last {plural(m, 'logged step')} before the boundary"
     shift = z > opt.level_z and k >= 3
     spike = spike_z > opt.spike_z
     nums["shifted"] = shift or spike

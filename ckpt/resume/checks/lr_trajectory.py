@@ -143,7 +143,12 @@ def judge(
     # The chord of a smooth schedule lies between its slopes on either side; the slack covers half the
     # difference of those slopes (curvature) plus a little of their size, so a one-step shift stays visible
     # even across a gap of several unlogged steps.
-    slack = 0.5 * (hi - lo) + SLOPE_SLACK * max((abs(x) * span for x in slopes), default=0.0) / span + tol
+    slack = 0.5 * (hi - lo) + SLOPE_SLACK * max((abs(x) for x in slopes), default=0.0) + tol
+    if db is None and da is not None:
+        # One side only: the curvature is unknown from the two slopes, so allow the pre side's own change of
+        # slope (its last two per-step slopes) over the span.
+        prev = _slope(pre[-3:-1])
+        slack += abs(da - prev) * span if prev is not None else SLOPE_SLACK * abs(da) * span
     joins = lo - slack <= gap <= hi + slack
 
     # A scheduler that stopped stepping: constant after the resume, moving before it.
@@ -206,7 +211,7 @@ def judge(
                     conf,
                     nums,
                 )
-    ratio = abs(gap) / own if own > 0 else math.inf
+    ratio = abs(gap) / (own * span) if own > 0 else math.inf
     nums["jump_ratio"] = ratio if math.isfinite(ratio) else None
     if ratio > JUMP_FACTOR:
         times = f"{ratio:.1f} times the local per-step change on both sides" if own > 0 else "a constant LR"
