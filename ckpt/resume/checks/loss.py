@@ -159,7 +159,11 @@ def _trend(ctx: CheckContext, post: list[tuple[int, float]], nums: dict) -> Chec
     spread = robust_sigma([v - (icpt + slope * s) for s, v in near])
     sigma = max(spread, diff_sigma([v for _, v in pts]) / math.sqrt(2))
     nums.update(trend_level=level, trend_slope=slope, trend_window=len(near), noise_sigma=sigma)
-    head = [(s, v - level) for s, v in post[: opt.level_window] if math.isfinite(v)]
+    # The first ``level_window`` logged steps, but no further than that many steps after N (a fresh model
+    # at a high LR recovers within tens of steps: a log of every k-th step must not average that away).
+    horizon = [(s, v) for s, v in post if s <= n + opt.level_window] or post[:1]
+    horizon = horizon if len(horizon) >= 3 else post[:3]
+    head = [(s, v - level) for s, v in horizon[: opt.level_window] if math.isfinite(v)]
     if not head or not sigma > 0:
         return CheckResult("loss", Status.SKIP, "no finite loss to compare after the resume", None, nums)
     k, m = len(head), len(near)

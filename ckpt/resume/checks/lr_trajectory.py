@@ -74,6 +74,17 @@ def _max_change(points: list[tuple[int, float]]) -> float:
     )
 
 
+def _smooth(points: list[tuple[int, float]], precision: str) -> bool:
+    """No logged change is a jump against both its neighbours (warmup, cosine, linear and their kinks are
+    smooth; StepLR's drops and SGDR's restarts are not)."""
+    ch = [(b - a) / max(1, t - s) for (s, a), (t, b) in zip(points, points[1:], strict=False)]
+    for i in range(1, len(ch) - 1):
+        tol = tolerance(max(abs(v) for _, v in points[i : i + 3]), precision)
+        if abs(ch[i]) > JUMP_FACTOR * max(abs(ch[i - 1]), abs(ch[i + 1])) + tol:
+            return False
+    return True
+
+
 def _decaying(pre: list[tuple[int, float]], precision: str) -> bool:
     """The LR fell at each of the last 3 logged steps, and not ever more slowly towards a floor: a schedule
     that must keep moving.  A rising LR may legitimately stop (``constant_with_warmup``), so it never counts."""
@@ -127,7 +138,11 @@ def judge(
     gap = b0 - an
     da = _slope(pre[-2:])
     db = _slope(post[:2])
-    own = max(_max_change(pre[-LOCAL_POINTS:]), _max_change(post[:LOCAL_POINTS]))
+    smooth = _smooth(pre, precision)
+    if smooth:
+        own = max(_max_change(pre[-LOCAL_POINTS:]), _max_change(post[:LOCAL_POINTS]))
+    else:  # a step schedule (StepLR, MultiStepLR): its own drops are the scale a jump is judged on
+        own = max(_max_change(pre), _max_change(post))
     nums: dict[str, float | int | str | None] = {
         "lr_before": an,
         "lr_after": b0,
@@ -212,6 +227,11 @@ def judge(
                     nums,
                 )
     ratio = abs(gap) / (own * span) if own > 0 else math.inf
+    if smooth and da is not None and db is not None:
+        # Outside the chord a smooth schedule allows by more than a whole span's worth of its steeper side.
+        outside = max(lo - gap, gap - hi, 0.0) / (max(abs(da), abs(db)) * span + tol)
+        nums["beyond_slopes"] = outside
+        ratio = max(ratio, JUMP_FACTOR * outside)
     nums["jump_ratio"] = ratio if math.isfinite(ratio) else None
     if ratio > JUMP_FACTOR:
         times = f"{ratio:.1f} times the local per-step change on both sides" if own > 0 else "a constant LR"
