@@ -49,9 +49,16 @@ def _view_name(fmt: str, every: int, det: bool | None) -> str:
     return f"{'TB' if fmt == 'tensorboard' else 'ledger'}{mode}, every {every}"
 
 
+def _forced(r: dict) -> bool:
+    """``--deterministic`` forced on the nondeterministic clean class: failing is the right answer there."""
+    return r["defect"] == "clean_nondeterministic" and r["deterministic"] is True
+
+
 def _rate(rows: list[dict], clean: bool) -> str:
     if not rows:
         return "-"
+    if all(_forced(r) for r in rows):
+        return f"fails {100 * sum(r['exit'] == 1 for r in rows) / len(rows):.0f}% (right: not bitwise)"
     hit = sum(r["exit"] == (0 if clean else 1) for r in rows)
     return f"{100 * hit / len(rows):.0f}%"
 
@@ -120,9 +127,11 @@ def main() -> None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(rows, indent=0))
     print(tables(rows))
-    fp = [r for r in rows if r["defect"] in CLEAN and r["exit"] != 0]
+    fp = [r for r in rows if r["defect"] in CLEAN and not _forced(r) and r["exit"] != 0]
     missed = [r for r in rows if r["defect"] not in CLEAN and _big(r) and r["exit"] != 1]
-    print(f"\nfalse positives: {len(fp)} / {sum(r['defect'] in CLEAN for r in rows)} clean verdicts")
+    print(
+        f"\nfalse positives: {len(fp)} / {sum(r['defect'] in CLEAN and not _forced(r) for r in rows)} clean verdicts"
+    )
     print(f"missed above threshold (loss > {LOSS_THRESHOLD:.0%} or LR > {LR_THRESHOLD:.0%}): {len(missed)}")
     for r in missed[:20]:
         print(
