@@ -24,7 +24,7 @@ EXPECT: dict[str, dict[bool, set[tuple[str, int, bool | None]]]] = {
     "lr_halved": {True: ALL_VIEWS, False: {v for v in ALL_VIEWS if v[1] == 1}},
     "scheduler_lost": {True: ALL_VIEWS, False: ALL_VIEWS},
     "lr_off_by_one": {True: ALL_VIEWS, False: {v for v in ALL_VIEWS if v[1] == 1}},
-    "optimizer_reset": {True: {("tensorboard", 1, True), ("tensorboard", 5, True)} | LEDGER, False: set()},
+    "optimizer_reset": {True: {("tensorboard", 1, True), ("tensorboard", 5, True)} | LEDGER, False: LEDGER},
     "data_reset": {True: {("tensorboard", 1, True), ("tensorboard", 5, True)} | LEDGER, False: LEDGER},
     "rng_lost": {True: {("tensorboard", 1, True), ("tensorboard", 5, True)} | LEDGER, False: set()},
     "older_checkpoint": {True: LEDGER, False: LEDGER},

@@ -358,14 +358,16 @@ def _line(rec: Mapping[str, object]) -> bytes:
 
 def optimizer_step(optimizer: Any) -> int | None:
     """The update counter of a live torch optimizer (the largest per-parameter ``step``; Adam, AdamW and
-    friends keep one), or None when it keeps none.  Log it with the restore event: equal to N after restoring
+    friends keep one; 0 for an Adam-family optimizer with no state yet), or None when it keeps none.  Log it with the restore event: equal to N after restoring
     checkpoint N, it proves the optimizer state was loaded."""
-    steps = [
-        int(_num(st["step"]) or 0)
-        for st in getattr(optimizer, "state", {}).values()
-        if isinstance(st, Mapping) and "step" in st
-    ]
-    return max(steps) if steps else None
+    state = getattr(optimizer, "state", {})
+    steps = [int(_num(st["step"]) or 0) for st in state.values() if isinstance(st, Mapping) and "step" in st]
+    if steps:
+        return max(steps)
+    # Adam-family optimizers (``betas``) keep a counter from their first update on: none at all means a
+    # fresh optimizer, 0 updates.  Others (plain SGD) keep none, so nothing can be said.
+    groups = getattr(optimizer, "param_groups", [])
+    return 0 if not state and any("betas" in g for g in groups) else None
 
 
 def digest_ids(sample_ids: Iterable[Any] | Any) -> str:

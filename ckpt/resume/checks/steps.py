@@ -90,6 +90,16 @@ def check_counters(ctx: CheckContext) -> CheckResult:
     f = ctx.facts
     b = ctx.boundary
     n = b.restored_step
+    live = b.restore.optimizer_step if b.restore is not None and not b.restore.inferred else None
+    if live is not None and live != n:
+        # The restore record holds the live optimizer's counter after the load: the state did not arrive.
+        return CheckResult(
+            "counters",
+            Status.FAIL,
+            f"the optimizer's step counter after the restore is {live}, expected {n}",
+            Cause.OPTIMIZER_LOST if live == 0 else Cause.COUNTER_MISMATCH,
+            {"restored_step": n, "optimizer_step_after_restore": live},
+        )
     if f is None:
         return CheckResult("counters", Status.SKIP, "no checkpoint facts given")
     problems: list[tuple[Cause, str]] = []
