@@ -23,7 +23,9 @@ class Cause(str, Enum):
     WARMUP_RESTARTED = "scheduler not restored (warmup restarted)"
     LR_OFF_BY_ONE = "LR off by one (scheduler rebuilt with last_epoch / load order)"
     LR_DIFFERENT = "different LR schedule"
-    OPTIMIZER_LOST = "optimizer state lost (loss spike)"
+    OPTIMIZER_LOST = "optimizer state lost"
+    """Named only from facts (checkpoint or restore-record counters, or bitwise: first loss exact, first update
+    differs), never from the loss's shape: a lost state can move the loss either way."""
     MODEL_STATE = "model state not restored exactly"
     LOSS_DIVERGED = "loss differs from the pre-crash run"
     LOSS_DROP = "loss dropped after resume (repeated data?)"
