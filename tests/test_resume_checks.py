@@ -89,7 +89,9 @@ def test_loss_spike_after_resume_names_the_symptom_not_a_guessed_cause(tmp_path:
     result = verify(write(tmp_path, bump=0.6))
     assert result.causes == [Cause.LOSS_SHIFT]
     loss = result.verdicts[0].check("loss")
-    assert loss.numbers["paired_t"] > 3 and "loss level +" in loss.summary and "optimizer state" in loss.summary
+    assert (
+        loss.numbers["paired_t"] > 3 and "loss level +" in loss.summary and "optimizer state" in loss.summary
+    )
 
 
 def test_bitwise_mode_flags_any_difference(tmp_path: Path) -> None:

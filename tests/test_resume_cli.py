@@ -128,7 +128,9 @@ def test_rich_stays_at_the_cli_edge() -> None:
     assert done.stdout.strip() == "False"
 
 
-def test_missing_checkpoints_root_and_unplottable_extension_are_one_line_errors(good: Path, tmp_path: Path) -> None:
+def test_missing_checkpoints_root_and_unplottable_extension_are_one_line_errors(
+    good: Path, tmp_path: Path
+) -> None:
     line = _one_line_error(invoke(verify_resume, good, "--checkpoints", tmp_path / "nonexistent"))
     assert "--checkpoints" in line and "nonexistent" in line
     for args in ((verify_resume, good), (compare, good, good)):

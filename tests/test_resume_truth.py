@@ -77,8 +77,6 @@ def test_no_defect_is_blamed_on_the_optimizer_without_facts(rows: list[dict]) ->
     blamed = {
         r["defect"]
         for r in rows
-        if "optimizer state lost" in r["causes"]
-        and r["format"] == "tensorboard"
-        and not r["deterministic"]
+        if "optimizer state lost" in r["causes"] and r["format"] == "tensorboard" and not r["deterministic"]
     }
     assert blamed == set()
