@@ -58,7 +58,7 @@ def _rate(rows: list[dict], clean: bool) -> str:
     if not rows:
         return "-"
     if all(_forced(r) for r in rows):
-        return f"fails {100 * sum(r['exit'] == 1 for r in rows) / len(rows):.0f}% (right: not bitwise)"
+        return f"fails {100 * sum(r['exit'] == 1 for r in rows) / len(rows):.0f}% (forced bitwise)"
     hit = sum(r["exit"] == (0 if clean else 1) for r in rows)
     return f"{100 * hit / len(rows):.0f}%"
 
