@@ -91,13 +91,22 @@ def check_counters(ctx: CheckContext) -> CheckResult:
     b = ctx.boundary
     n = b.restored_step
     live = b.restore.optimizer_step if b.restore is not None and not b.restore.inferred else None
-    if live is not None and live != n:
-        # The restore record holds the live optimizer's counter after the load: the state did not arrive.
+    # The restore record holds the live optimizer's counter after the load: other than N, the state did not
+    # arrive (whatever the checkpoint holds).
+    lost = (
+        (
+            Cause.OPTIMIZER_LOST if live == 0 else Cause.COUNTER_MISMATCH,
+            f"the optimizer's step counter after the restore is {live}, expected {n}",
+        )
+        if live is not None and live != n
+        else None
+    )
+    if f is None and lost is not None:
         return CheckResult(
             "counters",
             Status.FAIL,
-            f"the optimizer's step counter after the restore is {live}, expected {n}",
-            Cause.OPTIMIZER_LOST if live == 0 else Cause.COUNTER_MISMATCH,
+            lost[1],
+            lost[0],
             {"restored_step": n, "optimizer_step_after_restore": live},
         )
     if f is None:
@@ -107,6 +116,9 @@ def check_counters(ctx: CheckContext) -> CheckResult:
     where = b.restore.path if b.restore and b.restore.path else f"the checkpoint of step {n}"
     for entry in f.missing:
         problems.append((Cause.STATE_MISSING, f"{where} has no {entry}"))
+    if lost is not None:
+        problems.append(lost)
+        nums["optimizer_step_after_restore"] = live
     if f.missing:
         nums["missing"] = ", ".join(m.split(" ")[0] for m in f.missing)
     if f.step != n:
