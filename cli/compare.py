@@ -88,6 +88,10 @@ def compare(
 
     from .render_resume import render_comparison
 
+    if plot is not None:
+        from ckpt.resume.plot import check_plot_path
+
+        check_plot_path(plot)
     result: Comparison = compare_runs(
         load_run(run_a, source_a),
         load_run(run_b, source_b),

@@ -102,6 +102,14 @@ def verify_resume(
 
     from .render_resume import render_verification
 
+    if plot is not None:
+        from ckpt.resume.plot import check_plot_path
+
+        check_plot_path(plot)
+    if checkpoints is not None and not os.path.isdir(checkpoints) and "://" not in checkpoints:
+        from ckpt.resume.errors import RunInputError
+
+        raise RunInputError(f"--checkpoints {checkpoints}: no such directory (expected a checkpoint root)")
     options = VerifyOptions(deterministic=deterministic)
     rows = None
     if replay_cmd is not None:

@@ -48,10 +48,10 @@ def tiny_llama():
     return LlamaForCausalLM(cfg)
 
 
-def training_args(out: str, steps: int, save_every: int, seed: int):
+def training_args(out: str, steps: int, save_every: int, seed: int, **extra):
     from transformers import TrainingArguments
 
-    return TrainingArguments(
+    return TrainingArguments(**extra,
         output_dir=out, max_steps=steps, save_steps=save_every, logging_steps=1, per_device_train_batch_size=8,
         learning_rate=3e-3, warmup_steps=5, lr_scheduler_type="cosine", weight_decay=0.01, seed=seed,
         data_seed=seed, full_determinism=True, use_cpu=True, report_to=[], dataloader_num_workers=0,
@@ -75,9 +75,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--bug",
-        choices=("none", "reinit"),
-        default="none",
-        help="reinit: a callback re-initialises the weights at train begin, also after a resume loaded them",
+        choices=("data_reset", "reinit_weights"),
+        help="resume with a classic mistake: data restarted from the first batch (ignore_data_skip), or the "
+        "model's weights re-initialised after the checkpoint loaded (optimizer, scheduler, data restored)",
     )
     a = p.parse_args(argv)
     torch.set_num_threads(1)
@@ -93,21 +93,26 @@ def main(argv: list[str] | None = None) -> int:
             if state.global_step == a.kill_at:
                 os.kill(os.getpid(), signal.SIGKILL)
 
-    class Reinit(TrainerCallback):
-        """A classic mistake: (re)initialise weights when training begins, which a resume reaches after loading
-        checkpoint-N's weights (ckpt verify-resume names it: the weights after restore are not checkpoint-N's)."""
+    class ReinitWeights(TrainerCallback):
+        """The weights a resume silently dropped: fresh values after the Trainer loaded the checkpoint, drawn
+        from a generator of their own (the restored RNG streams stay untouched)."""
 
         def on_train_begin(self, args, state, control, model=None, **kw):
-            model.apply(model._init_weights)
+            if state.global_step > 0:
+                g = torch.Generator().manual_seed(1234)
+                with torch.no_grad():
+                    for mod in model.modules():
+                        if isinstance(mod, torch.nn.Linear):
+                            mod.weight.copy_(torch.randn(mod.weight.shape, generator=g) * 0.02)
 
     from transformers import set_seed
 
     set_seed(a.seed)
     trainer = Trainer(
         model=tiny_llama(),
-        args=training_args(a.out, a.steps, a.save_every, a.seed),
+        args=training_args(a.out, a.steps, a.save_every, a.seed, ignore_data_skip=a.bug == "data_reset"),
         train_dataset=corpus(a.seed),
-        callbacks=[CkptCallback(), KillAt()] + ([Reinit()] if a.bug == "reinit" else []),
+        callbacks=[CkptCallback(), KillAt(), *([ReinitWeights()] if a.bug == "reinit_weights" else [])],
     )
     resume = True if a.resume == "latest" else a.resume
     trainer.train(resume_from_checkpoint=resume)

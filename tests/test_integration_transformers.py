@@ -19,7 +19,7 @@ import pytest
 from ckpt.cli.main import cli
 from click.testing import CliRunner
 
-from ckpt.resume.checks import Cause
+from ckpt.resume.checks import Cause, VerifyOptions
 from ckpt.resume.hf_facts import TrainerCheckpointFacts
 from ckpt.resume.sources import load_run, read_jsonl
 from ckpt.resume.verify import verify_run
@@ -60,12 +60,12 @@ def crashed(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
-def resumed(crashed: Path, dest: Path, delete: str | None = None, *args: object) -> Path:
+def resumed(crashed: Path, dest: Path, delete: str | None = None, bug: str | None = None) -> Path:
     out = dest / "out"
     shutil.copytree(crashed, out)
     if delete:
         (out / "checkpoint-10" / delete).unlink()
-    assert train(out, "--resume", *args) == 0
+    assert train(out, "--resume", *(("--bug", bug) if bug else ())) == 0
     return out
 
 
@@ -82,6 +82,9 @@ def test_callback_ledger_resume_verifies_and_continues_bit_for_bit(
     assert dead.env["framework"] == "transformers.Trainer" and dead.env["deterministic"] is True
     assert [r.step for r in post.steps] == list(range(11, STEPS + 1))
     assert all(r.rng_digest and r.lr is not None and r.grad_norm is not None for r in post.steps)
+    # batch digests and sample counts from the callback alone (the example's data code knows nothing of them)
+    assert all(r.data_digest and r.samples == 8 * r.step for s in run.sessions for r in s.steps)
+    assert restore.optimizer_step == 10
     assert losses(out) == losses(straight)  # the resume continued the uninterrupted run exactly
     res = CliRunner().invoke(cli, ["verify-resume", str(out), "--json"])
     assert res.exit_code == 0, res.output
@@ -92,12 +95,16 @@ def test_callback_ledger_resume_verifies_and_continues_bit_for_bit(
     assert checks["loss"]["status"] == "pass" and checks["loss"]["basis"] == "overlap"
     assert checks["weights"]["status"] == "pass", checks["weights"]
     assert "weights after restore equal checkpoint-10's" in checks["weights"]["summary"]
+    assert (
+        checks["data"]["status"] == "pass"
+        and "1 batch digest and 1 sample count" in checks["data"]["summary"]
+    )
 
 
 def test_model_reinitialised_after_the_resume_loaded_it_is_named(crashed: Path, tmp_path: Path) -> None:
     """A callback re-initialises the weights at train begin (after the Trainer loaded checkpoint-10's): the restore
     event's digest, taken as the first resumed step finds the model, differs from checkpoint-10's."""
-    out = resumed(crashed, tmp_path, None, "--bug", "reinit")
+    out = resumed(crashed, tmp_path, bug="reinit_weights")
     res = CliRunner().invoke(cli, ["verify-resume", str(out)], terminal_width=200)
     assert res.exit_code == 1, res.output
     assert "weights after restore differ from checkpoint-10's: not restored (" in res.output
@@ -105,6 +112,36 @@ def test_model_reinitialised_after_the_resume_loaded_it_is_named(crashed: Path, 
     (v,) = result.verdicts
     w = v.check("weights")
     assert w.cause is Cause.WEIGHTS_NOT_RESTORED and w.numbers["not_restored"] == w.numbers["compared"] > 0
+
+
+def test_a_data_reset_in_a_trainer_run_is_caught_by_the_callbacks_batch_digests(
+    crashed: Path, tmp_path: Path
+) -> None:
+    # ignore_data_skip: the resumed Trainer starts the epoch's data from its first batch again
+    out = resumed(crashed, tmp_path, bug="data_reset")
+    result = verify_run(load_run(out), facts=TrainerCheckpointFacts(out))
+    data = result.verdicts[0].check("data")
+    assert data.status.value == "fail" and data.cause is Cause.DATA_POSITION_LOST
+    assert result.causes[0] is Cause.DATA_POSITION_LOST
+
+
+def test_weights_lost_after_the_restore_are_not_blamed_on_the_optimizer(
+    crashed: Path, tmp_path: Path
+) -> None:
+    # The optimizer, scheduler and data came back (the restore record shows the optimizer at step 10); the
+    # weights did not.  Tolerance mode names the symptom; bitwise mode the first loss before any update.
+    out = resumed(crashed, tmp_path, bug="reinit_weights")
+    run = load_run(out)
+    assert run.sessions[1].restores[0].optimizer_step == 10
+    # Without checkpoint facts the loss check names the symptom; with them the weights check names the cause.
+    tol = verify_run(run, options=VerifyOptions(deterministic=False))
+    loss = tol.verdicts[0].check("loss")
+    assert tol.causes == [Cause.LOSS_SHIFT] and Cause.OPTIMIZER_LOST not in tol.causes
+    assert "loss level +" in loss.summary and "optimizer state was restored" in loss.summary
+    exact = verify_run(run)
+    assert exact.causes == [Cause.MODEL_STATE]
+    facts = verify_run(run, options=VerifyOptions(deterministic=False), facts=TrainerCheckpointFacts(out))
+    assert facts.causes == [Cause.WEIGHTS_NOT_RESTORED]
 
 
 def test_checkpoint_without_scheduler_fails_naming_it(crashed: Path, tmp_path: Path) -> None:

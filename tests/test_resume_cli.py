@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+from ckpt.cli.compare import compare
 from ckpt.cli.main import cli
 from ckpt.cli.report import report
 from ckpt.cli.verify_resume import verify_resume
@@ -125,3 +126,26 @@ def test_rich_stays_at_the_cli_edge() -> None:
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "False"
+
+
+def test_missing_checkpoints_root_and_unplottable_extension_are_one_line_errors(
+    good: Path, tmp_path: Path
+) -> None:
+    line = _one_line_error(invoke(verify_resume, good, "--checkpoints", tmp_path / "nonexistent"))
+    assert "--checkpoints" in line and "nonexistent" in line
+    for args in ((verify_resume, good), (compare, good, good)):
+        line = _one_line_error(invoke(*args, "--plot", tmp_path / "x.txt"))
+        assert "x.txt" in line and ".png" in line and ".pdf" in line
+        assert not (tmp_path / "x.txt").exists()
+
+
+def test_one_overlapping_step_is_singular(tmp_path: Path) -> None:
+    with LedgerWriter(tmp_path) as w:
+        for s in range(1, 31):
+            w.step(s, 2.0 + 0.01 * (s % 3), 0.1)
+    with LedgerWriter(tmp_path) as w:
+        w.restore(29, "ckpt/step-29")
+        for s in range(30, 33):
+            w.step(s, 2.0 + 0.01 * (s % 3), 0.1)
+    r = invoke(verify_resume, tmp_path)
+    assert "1 step overlaps" in r.output and "1 steps" not in r.output

@@ -69,6 +69,32 @@ def train_forgets_scheduler(c: Continuation) -> None:
     _train(c, restore_scheduler=False)
 
 
+def train_unseeded(c: Continuation) -> None:
+    """Seeds the dropout RNG from the clock: not reproducible even without a resume (the restore is right)."""
+    import time
+
+    _seed_from = time.perf_counter_ns()
+    torch.set_num_threads(1)
+    x = torch.randn(64, 4, generator=torch.Generator().manual_seed(1))
+    y = x.sum(1, keepdim=True).sin()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.Dropout(0.1), torch.nn.Linear(16, 1))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    loader = Loader()
+    state = {"model": model, "optimizer": opt, "dataloader": loader}
+    torch.manual_seed(_seed_from)
+    start = c.restore(**state)
+    for step in range(start, c.stop_at + 1):
+        rng = digest_rng()
+        ids = loader.next()
+        loss = torch.nn.functional.mse_loss(model(x[ids]), y[ids])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        c.ledger.step(step, loss, 1e-2, data_digest=digest_ids(ids), rng_digest=rng)
+        c.save_if_due(step, **state)
+
+
 def train_crashes(c: Continuation) -> None:
     raise RuntimeError("cannot find my data")
 
@@ -106,3 +132,17 @@ def test_a_failing_training_function_is_reported_in_one_line(tmp_path: Path) -> 
     assert "Traceback" in e.value.details
     with pytest.raises(ContinuationError, match="split=4 must lie strictly between"):
         check_continuation(train_ok, steps=4, split=4, workdir=tmp_path)
+
+
+def test_an_unreproducible_run_is_named_before_blaming_the_rng(tmp_path: Path) -> None:
+    # The RNG is restored correctly; the run just is not reproducible from its start (clock-seeded dropout).
+    result = check_continuation(train_unseeded, steps=6, split=3, workdir=tmp_path)
+    assert result.baseline_mismatch == 1 and not result.ok
+    assert result.causes == [Cause.NOT_REPRODUCIBLE]
+    assert Cause.RNG_NOT_RESTORED not in result.causes
+    assert "not reproducible without a resume" in result.report()
+
+
+def test_a_second_call_with_the_same_workdir_runs_again(tmp_path: Path) -> None:
+    check_continuation(train_ok, steps=5, split=2, workdir=tmp_path).assert_continuous()
+    check_continuation(train_ok, steps=5, split=2, workdir=tmp_path).assert_continuous()

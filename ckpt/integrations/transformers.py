@@ -16,16 +16,23 @@ What is logged, and from which hook:
 
 - ``on_train_begin``: a session (versions, world size, seed, ``full_determinism``); when ``global_step`` is
   already N > 0 the Trainer has restored ``checkpoint-N``, logged as a restore event at the first
-  ``on_step_begin`` (or ``on_train_end`` when no step runs), with the digest of the model as that first step
-  finds it (after every callback's ``on_train_begin``), so ``verify-resume`` can tell whether the weights are
-  ``checkpoint-N``'s.
+  ``on_step_begin`` (or ``on_train_end`` when no step runs) with the live optimizer's update counter (the
+  Trainer loads the optimizer before ``on_train_begin``: equal to N, it rules out a lost optimizer state when the
+  loss jumps) and the digest of the model as that first step finds it (after every callback's
+  ``on_train_begin``), so ``verify-resume`` can tell whether the weights are ``checkpoint-N``'s.  A forward
+  pre-hook on the model sees every training batch.
 - ``on_step_begin``: the RNG digest taken before the step draws anything.
+- The forward pre-hook (training mode only, so evaluation is not counted): a digest of each micro-batch's
+  ``input_ids`` (the first tensor argument when there is none) and its number of samples.  Without touching
+  the user's data code, each step then logs the digest of the batches it consumed and the samples consumed so
+  far, so a resume that restarted the data (``ignore_data_skip``, a rebuilt loader) is caught on the overlap.
+  The count at each checkpoint is kept in ``checkpoint-N/ckpt_progress.json`` so a resumed session continues
+  it.  ``data_digests=False`` turns this off (on XLA each digest copies the batch's ids to the host).
 - ``on_log``: loss, the LR the update used, grad norm and (with ``include_num_input_tokens_seen``) tokens
   seen, per logged step.  Set ``logging_steps=1`` for a step-by-step ledger; the Trainer averages the loss
-  over ``logging_steps``.  No sample count: the Trainer has none of its own beyond ``global_step`` times the
-  batch size, which would prove nothing about the data position.
+  over ``logging_steps``.
 - ``on_save``: the ``checkpoint-N`` the Trainer has just written (it writes synchronously, so the event is
-  logged once the files are there).
+  logged once the files are there), and the sample count beside it.
 - ``on_train_end``: a clean exit.
 
 Only the world process zero writes (``state.is_world_process_zero``); the other ranks' callbacks do nothing.
@@ -33,6 +40,7 @@ Only the world process zero writes (``state.is_world_process_zero``); the other 
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -43,9 +51,12 @@ try:
 except ImportError as exc:  # pragma: no cover - the integration needs transformers
     raise ImportError("ckpt.integrations.transformers needs transformers: pip install transformers") from exc
 
-from ckpt.resume.ledger import LedgerWriter, digest_rng
+from ckpt.resume.ledger import LedgerWriter, digest_ids, digest_rng, optimizer_step
 
 __all__ = ["CkptCallback"]
+
+PROGRESS_FILE = "ckpt_progress.json"
+"""Written into each ``checkpoint-N``: the samples the run had consumed at step N."""
 
 
 def _checkpoint_dir(output_dir: str, step: int) -> str:
@@ -83,6 +94,15 @@ def _restored_from(args: Any, step: int) -> str:
         if isinstance(given, str) and os.path.isdir(given):
             return given
     return _checkpoint_dir(args.output_dir, step)
+def _read_samples(folder: str) -> int | None:
+    """The sample count stored beside a checkpoint by :meth:`CkptCallback.on_save` (None when absent: a
+    checkpoint written without the callback, whose count is unknown)."""
+    try:
+        with open(os.path.join(folder, PROGRESS_FILE)) as fh:
+            value = json.load(fh).get("samples")
+    except (OSError, ValueError):
+        return None
+    return int(value) if isinstance(value, int) else None
 
 
 class CkptCallback(TrainerCallback):
@@ -92,7 +112,8 @@ class CkptCallback(TrainerCallback):
     ledger and the ``checkpoint-N`` folders.  ``tokenizer_id`` (``ckpt.resume.ledger.tokenizer_id(tok)``)
     lets the verifier catch a tokenizer change across a restart; ``extra_env`` adds keys to the session;
     ``digest_restores=False`` leaves the model digest out of the restore event (it costs one read of the model on
-    the main process, device tensors copied to the host one at a time).
+    the main process, device tensors copied to the host one at a time); ``data_digests=False`` stops the batch
+    digests and sample counts (see the module docstring).
     """
 
     def __init__(
@@ -102,15 +123,44 @@ class CkptCallback(TrainerCallback):
         tokenizer_id: str | None = None,
         extra_env: Mapping[str, object] | None = None,
         digest_restores: bool = True,
+        data_digests: bool = True,
     ) -> None:
         self.run_dir = None if run_dir is None else Path(run_dir)
         self.digest_restores = digest_restores
         self.tokenizer_id = tokenizer_id
         self.extra_env = dict(extra_env or {})
+        self.data_digests = data_digests
         self.ledger: LedgerWriter | None = None
         self._rng: dict[int, str] = {}
         #: the restore not yet logged: (step, checkpoint folder), written with the model's digest
-        self._restored: tuple[int, str] | None = None
+        self._restored: tuple[int, str, int | None] | None = None
+        self._hook: Any = None
+        self._micro: list[str] = []
+        self._samples: int | None = None
+        self._data: dict[int, tuple[str, int | None]] = {}
+
+    # -- batches -----------------------------------------------------------------------------------------
+    def _see_batch(self, module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """Forward pre-hook: digest and count one training micro-batch."""
+        if not module.training or self.ledger is None:
+            return
+        ids = kwargs.get("input_ids")
+        if ids is None:
+            ids = next((a for a in (*args, *kwargs.values()) if hasattr(a, "shape") and len(a.shape)), None)
+        if ids is None:
+            return
+        self._micro.append(digest_ids(ids.reshape(-1)) + f"/{tuple(ids.shape)}")
+        if self._samples is not None:
+            self._samples += int(ids.shape[0])
+
+    def _attach(self, model: Any) -> None:
+        if self.data_digests and model is not None and self._hook is None:
+            self._hook = model.register_forward_pre_hook(self._see_batch, with_kwargs=True)
+
+    def _detach(self) -> None:
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
 
     # -- hooks -------------------------------------------------------------------------------------------
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
@@ -127,26 +177,39 @@ class CkptCallback(TrainerCallback):
             tokenizer_id=self.tokenizer_id,
             extra_env={"framework": "transformers.Trainer", **self.extra_env},
         )
+        self._micro, self._data = [], {}
+        self._samples = 0
         if state.global_step > 0:
-            self._restored = (state.global_step, _restored_from(args, state.global_step))
+            folder = _restored_from(args, state.global_step)
+            opt = kwargs.get("optimizer")
+            self._restored = (state.global_step, folder, optimizer_step(opt) if opt is not None else None)
+            self._samples = _read_samples(folder)
+        self._attach(kwargs.get("model"))
 
     def _log_restore(self, model: Any) -> None:
         """Write the pending restore event, with the digest of ``model`` as training finds it."""
         if self.ledger is None or self._restored is None:
             return
-        step, path = self._restored
+        step, path, opt_step = self._restored
         self._restored = None
         digest = None
         if model is not None and self.digest_restores:
             from ckpt.converters.digest import live_digest
 
             digest = live_digest(model)
-        self.ledger.restore(step, path, model_digest=digest)
+        self.ledger.restore(step, path, model_digest=digest, optimizer_step=opt_step)
 
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self.ledger is not None:
             self._log_restore(kwargs.get("model"))
             self._rng[state.global_step + 1] = digest_rng()
+            self._micro = []
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self.ledger is not None and self._micro:
+            digest = self._micro[0] if len(self._micro) == 1 else digest_ids(self._micro)
+            self._data[int(state.global_step)] = (digest, self._samples)
+            self._micro = []
 
     def on_log(
         self, args: Any, state: Any, control: Any, logs: Mapping[str, Any] | None = None, **kwargs: Any
@@ -155,21 +218,32 @@ class CkptCallback(TrainerCallback):
             return  # eval metrics and the final summary are not training steps
         step = int(state.global_step)
         tokens = int(getattr(state, "num_input_tokens_seen", 0) or 0)
+        digest, samples = self._data.pop(step, (None, None))
         self.ledger.step(
             step,
             logs["loss"],
             logs.get("learning_rate"),
             grad_norm=logs.get("grad_norm"),
             tokens=tokens or None,
+            samples=samples,
+            data_digest=digest,
             rng_digest=self._rng.pop(step, None),
         )
         self._rng = {s: d for s, d in self._rng.items() if s > step}
+        self._data = {s: d for s, d in self._data.items() if s > step}
 
     def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self.ledger is not None:
-            self.ledger.save(state.global_step, _checkpoint_dir(args.output_dir, state.global_step))
+            folder = _checkpoint_dir(args.output_dir, state.global_step)
+            if self._samples is not None and os.path.isdir(folder):
+                tmp = os.path.join(folder, PROGRESS_FILE + ".tmp")
+                with open(tmp, "w") as fh:
+                    json.dump({"step": int(state.global_step), "samples": self._samples}, fh)
+                os.replace(tmp, os.path.join(folder, PROGRESS_FILE))
+            self.ledger.save(state.global_step, folder)
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._detach()
         if self.ledger is not None:
             self._log_restore(kwargs.get("model"))
             self.ledger.close()

@@ -34,6 +34,7 @@ from __future__ import annotations
 import io
 import multiprocessing as mp
 import os
+import shutil
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -42,7 +43,7 @@ from typing import Any
 
 from ckpt.errors import CkptError
 from ckpt.resume.boundaries import Boundary, segments
-from ckpt.resume.checks import ALL_CHECKS, CheckContext, Status, VerifyOptions, check_lost_work
+from ckpt.resume.checks import ALL_CHECKS, Cause, CheckContext, Status, VerifyOptions, check_lost_work
 from ckpt.resume.checks.weights import digests_of
 from ckpt.resume.facts import FactsProvider
 from ckpt.resume.model import Restore, Run, Save, StepRecord
@@ -206,6 +207,10 @@ class ContinuationResult:
 
     @property
     def causes(self) -> list[Any]:
+        """The resume's causes; when the run is not reproducible even without a resume, only that (the
+        resumed steps then differ from the straight run for reasons that are not the resume's)."""
+        if self.baseline_mismatch is not None:
+            return [Cause.NOT_REPRODUCIBLE]
         return self.verdict.causes
 
     def report(self) -> str:
@@ -217,7 +222,7 @@ class ContinuationResult:
             text = (
                 f"not reproducible without a resume: step {self.baseline_mismatch} differs between the straight "
                 f"run and the first {self.split_at} steps of the split run (seed everything, or pass "
-                "deterministic=False)\n" + text
+                "deterministic=False); the checks below compare with a run that is not a reference\n" + text
             )
         return text + render_rows(step_rows(self.verdict)) + "".join(f"note: {n}\n" for n in self.notes)
 
@@ -277,6 +282,23 @@ def _join(proc: Any, errq: Any, timeout: float, phase: str) -> None:
         raise ContinuationError(f"train_fn failed in the {phase} process: {last}", err)
 
 
+def _first_unreproduced(
+    first: list[StepRecord], ref: dict[int, StepRecord], deterministic: bool
+) -> int | None:
+    """The first step the split run's first half (no resume yet) logged differently from the straight run:
+    RNG and batch digests always (they do not depend on floating point), loss and LR when deterministic."""
+    fields = ("rng_digest", "data_digest", "lr") + (("loss",) if deterministic else ())
+    for r in first:
+        want = ref.get(r.step)
+        if want is None:
+            continue
+        for key in fields:
+            a, b = getattr(r, key), getattr(want, key)
+            if a is not None and b is not None and a != b:
+                return r.step
+    return None
+
+
 def check_continuation(
     train_fn: Callable[[Continuation], None],
     *,
@@ -299,6 +321,11 @@ def check_continuation(
         raise ContinuationError(f"split={split} must lie strictly between 0 and steps={steps}")
     work = Path(workdir)
     straight_dir, split_dir = work / "straight", work / "split"
+    # These two folders are this harness's own output, kept for inspection until the next call: a second call
+    # with the same workdir starts them afresh (the manager would refuse to overwrite a checkpoint).
+    for old in (straight_dir, split_dir):
+        if old.exists():
+            shutil.rmtree(old)
     base = {"total_steps": steps, "deterministic": deterministic}
     ctx = mp.get_context("spawn")
     # The straight run and the first half of the split run are independent: run them side by side.
@@ -341,13 +368,7 @@ def check_continuation(
     options = options or VerifyOptions(deterministic=deterministic)
     verification = compare_to_reference(straight, resumed, split, facts=facts, options=options)
     ref = effective_history(straight)
-    baseline = None
-    if deterministic:
-        first = split_run.sessions[0].steps
-        baseline = next(
-            (r.step for r in first if r.step in ref and (r.loss, r.lr) != (ref[r.step].loss, ref[r.step].lr)),
-            None,
-        )
+    baseline = _first_unreproduced(split_run.sessions[0].steps, ref, deterministic)
     return ContinuationResult(
         verification=verification,
         straight=straight,

@@ -245,11 +245,14 @@ class LedgerWriter:
         seconds: float | None = None,
         *,
         model_digest: Mapping[str, str] | None = None,
+        optimizer_step: int | None = None,
     ) -> None:
         """Record that state of step ``step`` was loaded from ``path`` in ``seconds``; log it before training.
 
         ``model_digest`` (optional, ``ckpt.converters.digest.live_digest`` of the model right after the restore,
         hashed in the checkpoint's boxes) lets the verifier name weights that were not restored.
+        ``optimizer_step`` (optional, :func:`optimizer_step`) is the live optimizer's update counter after the
+        load: the verifier then knows the optimizer state arrived and does not blame a loss jump on it.
         """
         fields: dict[str, object] = {
             "step": int(step),
@@ -258,6 +261,8 @@ class LedgerWriter:
         }
         if model_digest is not None:
             fields["model_digest"] = dict(model_digest)
+        if optimizer_step is not None:
+            fields["optimizer_step"] = int(optimizer_step)
         self._event("restore", **fields)
 
     def save(
@@ -360,6 +365,20 @@ class LedgerWriter:
 def _line(rec: Mapping[str, object]) -> bytes:
     # json.dumps writes floats with repr(): the shortest string that reads back to the same double.
     return (json.dumps(rec, separators=(",", ":")) + "\n").encode()
+
+
+def optimizer_step(optimizer: Any) -> int | None:
+    """The update counter of a live torch optimizer (the largest per-parameter ``step``; Adam, AdamW and
+    friends keep one; 0 for an Adam-family optimizer with no state yet), or None when it keeps none.  Log it with the restore event: equal to N after restoring
+    checkpoint N, it proves the optimizer state was loaded."""
+    state = getattr(optimizer, "state", {})
+    steps = [int(_num(st["step"]) or 0) for st in state.values() if isinstance(st, Mapping) and "step" in st]
+    if steps:
+        return max(steps)
+    # Adam-family optimizers (``betas``) keep a counter from their first update on: none at all means a
+    # fresh optimizer, 0 updates.  Others (plain SGD) keep none, so nothing can be said.
+    groups = getattr(optimizer, "param_groups", [])
+    return 0 if not state and any("betas" in g for g in groups) else None
 
 
 def digest_ids(sample_ids: Iterable[Any] | Any) -> str:

@@ -42,7 +42,11 @@ class SessionStart:
 @dataclass(frozen=True, slots=True)
 class Restore:
     """State was loaded from the checkpoint of ``step`` at ``path``; ``inferred`` when a reader guessed it.
-    ``model_digest``: the model's digest right after the restore (name -> digest), when the writer logged one."""
+
+    ``model_digest``: the model's digest right after the restore (name -> digest), when the writer logged one.
+    ``optimizer_step`` is the live optimizer's update counter read right after the restore (``None`` when not
+    logged): equal to ``step``, it proves the optimizer state was loaded, so a loss jump is not blamed on it.
+    """
 
     time: float | None
     step: int
@@ -50,6 +54,7 @@ class Restore:
     seconds: float | None = None
     inferred: bool = False
     model_digest: dict[str, str] | None = None
+    optimizer_step: int | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -15,6 +15,21 @@ PRE_COLOUR = "#1f77b4"
 POST_COLOUR = "#ff7f0e"
 
 
+def check_plot_path(out: str | os.PathLike[str]) -> None:
+    """Refuse, before any work, a ``--plot`` path whose extension matplotlib cannot write (it would fail
+    only after the verification, with a traceback)."""
+    try:
+        from matplotlib.backend_bases import FigureCanvasBase
+    except ImportError:
+        raise RunInputError("--plot needs matplotlib: pip install 'ckpt[plot]'") from None
+    kinds = sorted(FigureCanvasBase.get_supported_filetypes())
+    ext = os.path.splitext(os.fspath(out))[1].lstrip(".").lower()
+    if ext not in kinds:
+        raise RunInputError(
+            f"--plot {os.fspath(out)}: expected a file ending in one of {', '.join('.' + k for k in kinds)}"
+        )
+
+
 def plot_verification(result: Verification, out: str | os.PathLike[str], window: int = 50) -> None:
     """One row per boundary (at most 6), loss on the left and LR on the right, ``window`` steps each side."""
     try:

@@ -85,7 +85,7 @@ def boundary_title(v: BoundaryVerdict) -> str:
     mode = "bitwise" if v.deterministic else "tolerance"
     return (
         f"Boundary {b.index}: restored step {b.restored_step}{src} ({how}, {b.reason}){crash}; "
-        f"first step {b.post.steps[0].step}, {len(b.overlap)} steps overlap the pre-crash log; loss mode: {mode}"
+        f"first step {b.post.steps[0].step}, {plural(len(b.overlap), 'step overlaps', 'steps overlap')} the pre-crash log; loss mode: {mode}"
     )
 
 

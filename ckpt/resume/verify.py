@@ -19,12 +19,16 @@ from ckpt.resume.checks.weights import digests_of
 from ckpt.resume.facts import FactsProvider
 from ckpt.resume.model import Run
 
-_LR_CAUSES = {Cause.WARMUP_RESTARTED, Cause.LR_OFF_BY_ONE, Cause.LR_DIFFERENT}
 _VALUE_CHECKS = {"lr", "loss", "data", "rng"}
 """The checks whose failure at a suspected boundary shows a discontinuity in the logged values."""
-_LOSS_CAUSES = {Cause.LOSS_DIVERGED, Cause.MODEL_STATE, Cause.OPTIMIZER_LOST, Cause.LOSS_DROP}
-_WEIGHT_CAUSES = {Cause.WEIGHTS_NOT_RESTORED, Cause.STALE_CHECKPOINT}
-"""Wrong weights explain any loss failure, a spike included (checks/weights.py)."""
+_LOSS_CAUSES = {
+    Cause.LOSS_DIVERGED,
+    Cause.MODEL_STATE,
+    Cause.OPTIMIZER_LOST,
+    Cause.LOSS_DROP,
+    Cause.LOSS_SHIFT,
+}
+_NO_LOSS_EFFECT = {"lost_work", "env"}
 
 
 @dataclass(slots=True)
@@ -86,16 +90,18 @@ def _deterministic(boundary: Boundary, options: VerifyOptions) -> bool:
 
 
 def _attribute(results: list[CheckResult]) -> None:
-    """A loss failure that another failing check explains is a consequence, not a second cause; a loss
-    spike stays a cause of its own unless the LR itself jumped."""
+    """A loss failure that another failing check explains (LR, data, RNG, steps, the checkpoint's counters)
+    is a consequence, not a second cause.  Lost work and environment drift do not move the loss, so they
+    explain nothing."""
     loss = next((r for r in results if r.name == "loss"), None)
     if loss is None or loss.status is not Status.FAIL:
         return
-    others = [r.cause for r in results if r is not loss and r.status is Status.FAIL and r.cause]
+    others = [
+        r.cause
+        for r in results
+        if r is not loss and r.status is Status.FAIL and r.cause and r.name not in _NO_LOSS_EFFECT
+    ]
     if not others:
-        return
-    spiky = loss.cause is Cause.OPTIMIZER_LOST and bool(loss.numbers.get("shifted"))
-    if spiky and not (_LR_CAUSES | _WEIGHT_CAUSES) & set(others):
         return
     loss.explained_by = [c for c in dict.fromkeys(others) if c not in _LOSS_CAUSES] or others
 

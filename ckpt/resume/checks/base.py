@@ -23,10 +23,14 @@ class Cause(str, Enum):
     WARMUP_RESTARTED = "scheduler not restored (warmup restarted)"
     LR_OFF_BY_ONE = "LR off by one (scheduler rebuilt with last_epoch / load order)"
     LR_DIFFERENT = "different LR schedule"
-    OPTIMIZER_LOST = "optimizer state lost (loss spike)"
+    OPTIMIZER_LOST = "optimizer state lost"
+    """Named only from facts (checkpoint or restore-record counters, or bitwise: first loss exact, first update
+    differs), never from the loss's shape: a lost state can move the loss either way."""
     MODEL_STATE = "model state not restored exactly"
     LOSS_DIVERGED = "loss differs from the pre-crash run"
     LOSS_DROP = "loss dropped after resume (repeated data?)"
+    LOSS_SHIFT = "loss level shifted after restore"
+    """The symptom, named when no fact says which state was lost (see the check's summary for what to check)."""
     DATA_POSITION_LOST = "data position lost"
     RNG_NOT_RESTORED = "RNG not restored"
     OLDER_CHECKPOINT = "resumed from an older checkpoint (lost work)"
@@ -39,6 +43,7 @@ class Cause(str, Enum):
     STATE_MISSING = "checkpoint lacks state the resume needs"
     WEIGHTS_NOT_RESTORED = "model weights not restored"
     STALE_CHECKPOINT = "checkpoint holds an earlier step's weights"
+    NOT_REPRODUCIBLE = "run not reproducible even without a resume"
 
 
 class Basis(str, Enum):

@@ -15,17 +15,23 @@ class VerifyOptions:
     """Knobs of the tolerance-mode loss check; the exact checks have none.
 
     ``deterministic`` None means: trust the sessions' own ``deterministic`` flag (all must claim it).
-    The noise is calibrated on the last ``noise_window`` pre-boundary steps only (local: a span that includes
-    the steep early drop would hide real jumps); the first ``spike_window`` post-resume steps are tested for a
-    level shift (median z above ``level_z``) or a spike (any z above ``spike_z``).  Without overlap the
-    reference is a robust linear trend (Theil-Sen) of those steps, held at its value at N+1.
+    With overlap (the same steps logged before the crash and after the resume, on the same batches) the
+    paired differences are tested: their mean must stay within ``paired_floor`` (relative to the loss) or
+    within ``paired_t`` standard errors of the differences' own spread, which is the run's nondeterminism,
+    not its batch noise.  Without overlap the median of the first ``level_window`` post-resume losses is
+    compared with a robust linear trend (Theil-Sen) of the last ``noise_window`` pre-boundary steps, held at
+    its value at N+1, in standard errors (``level_z``); a single step above ``spike_z`` times the batch noise
+    is a spike in either case.
     """
 
     deterministic: bool | None = None
     noise_window: int = 30
     spike_window: int = 10
     level_z: float = 4.0
+    level_window: int = 20
     spike_z: float = 12.0
+    paired_floor: float = 0.005
+    paired_t: float = 3.0
     lr_pattern_steps: int = 20
 
 

@@ -17,6 +17,7 @@ from ckpt.data.digest import combine_digests, is_global
 from ckpt.resume.checks.base import Basis, Cause, CheckResult, Confidence, Status
 from ckpt.resume.checks.context import CheckContext
 from ckpt.resume.model import StepRecord
+from ckpt.resume.words import plural
 
 
 def dp_change(ctx: CheckContext) -> tuple[int, int] | None:
@@ -116,7 +117,7 @@ def _check_data_across(ctx: CheckContext, change: tuple[int, int]) -> CheckResul
         return CheckResult(
             "data",
             Status.PASS,
-            f"{moved}: {len(common_steps)} global batch digests equal to the pre-crash run",
+            f"{moved}: {plural(len(common_steps), 'global batch digest')} equal to the pre-crash run",
             None,
             nums,
         ).judged(Basis.OVERLAP, Confidence.EXACT)
@@ -170,7 +171,7 @@ def check_data(ctx: CheckContext) -> CheckResult:
     checked = []
     if dd:
         nums["digests_compared"] = len(dd)
-        checked.append(f"{len(dd)} batch digests")
+        checked.append(plural(len(dd), "batch digest"))
         bad = [(s, a, c) for s, a, c in dd if a != c]
         if bad:
             s, a, c = bad[0]
@@ -189,7 +190,7 @@ def check_data(ctx: CheckContext) -> CheckResult:
             )
     if sm:
         nums["samples_compared"] = len(sm)
-        checked.append(f"{len(sm)} sample counts")
+        checked.append(plural(len(sm), "sample count"))
         bad_s = [(s, a, c) for s, a, c in sm if a != c]
         if bad_s:
             s, a, c = bad_s[0]
@@ -276,7 +277,7 @@ def check_rng(ctx: CheckContext) -> CheckResult:
     bad = [(s, a, c) for s, a, c in pairs if a != c]
     if not bad:
         return CheckResult(
-            "rng", Status.PASS, f"{len(pairs)} RNG digests equal to the pre-crash run", None, nums
+            "rng", Status.PASS, f"{plural(len(pairs), 'RNG digest')} equal to the pre-crash run", None, nums
         )
     s, a, c = bad[0]
     nums.update(first_mismatch=s, mismatched=len(bad))

@@ -5,6 +5,7 @@ from __future__ import annotations
 from ckpt.resume.checks.base import Cause, CheckResult, Status
 from ckpt.resume.checks.context import CheckContext
 from ckpt.resume.environment import NEURON_KEYS, VERSION_KEYS
+from ckpt.resume.words import plural
 
 
 def check_lost_work(ctx: CheckContext) -> CheckResult:
@@ -37,11 +38,11 @@ def check_lost_work(ctx: CheckContext) -> CheckResult:
             Cause.UNCOMMITTED_CHECKPOINT,
             nums,
         )
+    redone = plural(crash - n, "step") if crash is not None and crash >= n else "? steps"
     return CheckResult(
         "lost_work",
         Status.PASS,
-        f"restored the newest committed checkpoint (step {n}); "
-        f"{nums.get('steps_recomputed', '?')} steps recomputed",
+        f"restored the newest committed checkpoint (step {n}); {redone} recomputed",
         None,
         nums,
     )

@@ -1,12 +1,21 @@
-"""Loss continuity: bitwise in deterministic mode, else within a noise floor calibrated before the boundary.
+"""Loss continuity: bitwise in deterministic mode, else a paired test on the overlap or a level-shift test.
 
-The reference for a post-resume step is, first, the same step's loss in the pre-crash session (the free
-A/B: a crash at M after a checkpoint at N leaves N+1..M logged twice); failing that, the robust level
-trend of the last pre-boundary steps (a Theil-Sen line held at its value at N+1).  The noise is calibrated
-locally, on the last ``noise_window`` steps before N: against the pre-crash value it is the robust (median/MAD)
-standard deviation of step-to-step differences (the scale of the difference between two noisy evaluations of
-one step); against the trend it is the robust spread of the residuals about that line.  A level shift or spike right after the boundary is what lost optimizer
-moments (Adam's first update is ``lr * sign(g)``) or a reset AMP scaler look like.
+With overlap (a crash at M after a checkpoint at N leaves N+1..M logged twice) each resumed step is paired
+with the same step before the crash: same batch, same weights if the restore was right, so their difference
+carries only the run's nondeterminism, never the batch-to-batch noise.  The paired differences must not move
+the loss level: their mean is a discontinuity when it exceeds both a documented floor (``paired_floor``,
+relative to the loss) and ``paired_t`` standard errors of the differences' own spread.  A consistent shift
+across the overlap is therefore found even when every single step lies inside the batch noise.
+
+Without overlap the first post-resume losses are compared with the robust local trend of the last
+``noise_window`` pre-boundary steps (a Theil-Sen line held at its value at N+1: extrapolating a falling line
+would call every flattening loss a jump).  The test statistic is the median of the first ``level_window``
+post-resume residuals in units of its own standard error (1.2533 sigma / sqrt(k), plus the trend's
+uncertainty), where sigma is the spread about the trend; the largest single step is only a spike test.
+
+The check names a *cause* only from facts (deterministic mode: the first loss after the restore is exact and
+the first update differs, and the restore record does not show the optimizer counter restored); otherwise it
+names the symptom (``loss level +12% after restore``) and what to check.
 """
 
 from __future__ import annotations
@@ -16,6 +25,14 @@ import math
 from ckpt.resume.checks.base import Basis, Cause, CheckResult, Confidence, Status
 from ckpt.resume.checks.context import CheckContext
 from ckpt.resume.checks.stats import diff_sigma, median, robust_sigma, theil_sen
+from ckpt.resume.words import plural
+
+MEDIAN_SE = 1.2533
+"""Standard error of a median of k Gaussian values, in units of sigma / sqrt(k)."""
+TREND_STEPS = 30
+"""The trend's level at N+1 (without overlap) comes from the losses of the last this-many steps ..."""
+TREND_MIN_POINTS = 5
+"""... or from at least this many logged losses (every k-th step logged: a longer stretch)."""
 
 
 def _window(ctx: CheckContext) -> list[tuple[int, float]]:
@@ -27,122 +44,228 @@ def _window(ctx: CheckContext) -> list[tuple[int, float]]:
     return pts[-ctx.options.noise_window :]  # type: ignore[return-value]
 
 
+def _optimizer_restored(ctx: CheckContext) -> bool:
+    """The restore record shows the live optimizer's counter equal to N: its state arrived."""
+    r = ctx.boundary.restore
+    return r is not None and r.optimizer_step is not None and r.optimizer_step == ctx.boundary.restored_step
+
+
+def _what_to_check(ctx: CheckContext) -> str:
+    opt = (
+        f"the optimizer state was restored (step counter {ctx.boundary.restored_step}); "
+        if _optimizer_restored(ctx)
+        else ""
+    )
+    others = "model weights (a strict=False load, a stale async save) and the data position"
+    if not opt:
+        others = "model weights (a strict=False load, a stale async save), the optimizer state and the data position"
+    return f"{opt}check the {others}"
+
+
+def _symptom(shift: float, level: float) -> str:
+    """``loss level +12% after restore`` (absolute when the level is ~0)."""
+    if abs(level) > 1e-12:
+        return f"loss level {100 * shift / abs(level):+.3g}% after restore"
+    return f"loss level {shift:+.3g} after restore"
+
+
+def _paired(ctx: CheckContext, pairs: list[tuple[int, float, float]], nums: dict) -> CheckResult | None:
+    """The paired test on the overlap (tolerance mode); None when it cannot judge (nothing finite)."""
+    opt = ctx.options
+    use = [(s, p, v) for s, p, v in pairs if math.isfinite(p) and math.isfinite(v)][
+        : max(opt.spike_window, 20)
+    ]
+    if not use:
+        return None
+    d = [v - p for _, p, v in use]
+    k = len(d)
+    mean = sum(d) / k
+    level = median([p for _, p, _ in use])
+    floor = opt.paired_floor * abs(level)
+    sd = math.sqrt(sum((x - mean) ** 2 for x in d) / (k - 1)) if k >= 2 else math.nan
+    se = sd / math.sqrt(k) if k >= 2 else math.nan
+    t = (abs(mean) / se if se > 0 else math.inf) if k >= 2 else math.nan
+    window = [v for _, v in _window(ctx)]
+    batch_sigma = diff_sigma(window)
+    nums.update(
+        paired_mean=mean,
+        paired_relative=mean / abs(level) if level else None,
+        paired_sd=sd if k >= 2 else None,
+        paired_t=t if math.isfinite(t) else None,
+        paired_floor=floor,
+        window=k,
+    )
+    if math.isfinite(batch_sigma):
+        nums["noise_sigma"] = batch_sigma
+    # A single step far outside the batch noise is a spike even when the mean stays small.
+    spike_at = None
+    if math.isfinite(batch_sigma) and batch_sigma > 0:
+        big = [(s, v - p) for s, p, v in use[: opt.spike_window] if abs(v - p) > opt.spike_z * batch_sigma]
+        spike_at = big[0] if big else None
+    # Few pairs: no spread to test against, so only a shift of twice the floor counts.
+    shifted = abs(mean) > floor and (t > opt.paired_t if k >= 3 else abs(mean) > 2 * floor)
+    over = f"{plural(k, 'overlapping step')} (same steps before the crash)"
+    if shifted or spike_at is not None:
+        nums["shifted"] = True
+        if shifted:
+            what = (
+                f"{_symptom(mean, level)}: mean paired difference {mean:+.4g} over {over}, "
+                f"{t:.1f} standard errors of the run's own nondeterminism (sd {sd:.3g})"
+                if k >= 2 and math.isfinite(t)
+                else f"{_symptom(mean, level)}: paired difference {mean:+.4g} over {over}"
+            )
+        else:
+            assert spike_at is not None
+            what = (
+                f"loss spike at step {spike_at[0]} after restore: {spike_at[1]:+.4g} against the same step "
+                f"before the crash ({abs(spike_at[1]) / batch_sigma:.0f}x the batch noise)"
+            )
+        sure = (
+            Confidence.HIGH
+            if (abs(mean) > 2 * floor and (k < 3 or t > 2 * opt.paired_t)) or spike_at
+            else Confidence.LOW
+        )
+        return CheckResult(
+            "loss", Status.FAIL, f"{what}; {_what_to_check(ctx)}", Cause.LOSS_SHIFT, nums
+        ).judged(Basis.OVERLAP, sure)
+    nums["shifted"] = False
+    return CheckResult(
+        "loss",
+        Status.PASS,
+        f"paired with {over}: mean difference {mean:+.3g} "
+        f"({100 * abs(mean) / abs(level) if level else 0:.2g}% of the loss, floor {100 * opt.paired_floor:.2g}%)",
+        None,
+        nums,
+    ).judged(Basis.OVERLAP, Confidence.HIGH if k >= 3 else Confidence.LOW)
+
+
+def _trend(ctx: CheckContext, post: list[tuple[int, float]], nums: dict) -> CheckResult:
+    """The level-shift test against the pre-boundary trend (no overlap)."""
+    opt = ctx.options
+    pts = _window(ctx)
+    if len(pts) < 4:
+        return CheckResult(
+            "loss", Status.SKIP, "too few pre-boundary losses to calibrate the noise", None, nums
+        )
+    # The level at N+1 comes from the last ``TREND_STEPS`` steps only (a line through a longer stretch bends
+    # with a curved loss, most of all when only every k-th step is logged); the noise from the whole window's
+    # step-to-step jitter, which a curve does not inflate.
+    n = ctx.boundary.restored_step
+    near = [(s, v) for s, v in pts if s > n - TREND_STEPS] or pts
+    near = near if len(near) >= TREND_MIN_POINTS else pts[-TREND_MIN_POINTS:]
+    slope, icpt = theil_sen(near)
+    at = ctx.boundary.restored_step + 1
+    level = icpt + slope * at
+    spread = robust_sigma([v - (icpt + slope * s) for s, v in near])
+    sigma = max(spread, diff_sigma([v for _, v in pts]) / math.sqrt(2))
+    nums.update(trend_level=level, trend_slope=slope, trend_window=len(near), noise_sigma=sigma)
+    # The first ``level_window`` logged steps, but no further than that many steps after N (a fresh model
+    # at a high LR recovers within tens of steps: a log of every k-th step must not average that away).
+    horizon = [(s, v) for s, v in post if s <= n + opt.level_window] or post[:1]
+    horizon = horizon if len(horizon) >= 3 else post[:3]
+    head = [(s, v - level) for s, v in horizon[: opt.level_window] if math.isfinite(v)]
+    if not head or not sigma > 0:
+        return CheckResult("loss", Status.SKIP, "no finite loss to compare after the resume", None, nums)
+    k, m = len(head), len(near)
+    med = median([r for _, r in head])
+    # Standard error of the difference: the median of k post losses, and the line's value at N+1 (its
+    # uncertainty grows with the distance from the centroid of the steps it was fitted on).
+    xs = [s for s, _ in near]
+    mean_x = sum(xs) / m
+    sxx = sum((x - mean_x) ** 2 for x in xs)
+    lever = (at - mean_x) ** 2 / sxx if sxx > 0 else 0.0
+    se = sigma * math.sqrt(MEDIAN_SE**2 / k + 1 / m + lever)
+    z = med / se
+    top = max(head, key=lambda x: x[1])
+    spike_z = top[1] / sigma
+    nums.update(median_shift=med, level_z=z, max_z=spike_z, window=k)
+    src = f"the trend of the last {plural(m, 'logged step')} before the boundary"
+    shift = z > opt.level_z and k >= 3
+    spike = spike_z > opt.spike_z
+    nums["shifted"] = shift or spike
+    if shift or spike:
+        if shift:
+            what = (
+                f"{_symptom(med, level)}: median of the first {plural(k, 'step')} {med:+.4g} above {src}, "
+                f"{z:.1f} standard errors (noise sigma {sigma:.3g})"
+            )
+        else:
+            what = f"loss spike at step {top[0]} after restore: {spike_z:.0f}x the noise sigma {sigma:.3g} of {src}"
+        sure = Confidence.HIGH if z > 2 * opt.level_z or spike_z > 2 * opt.spike_z else Confidence.LOW
+        return CheckResult(
+            "loss", Status.FAIL, f"{what}; {_what_to_check(ctx)}", Cause.LOSS_SHIFT, nums
+        ).judged(Basis.TRAJECTORY, sure)
+    return CheckResult(
+        "loss",
+        Status.PASS,
+        f"level continues {src}: median shift {med:+.3g} ({z:+.1f} standard errors), "
+        f"max step {spike_z:.1f} sigma (sigma {sigma:.3g})",
+        None,
+        nums,
+    ).judged(Basis.TRAJECTORY, Confidence.HIGH if m >= 15 else Confidence.LOW)
+
+
+def _deterministic(ctx: CheckContext, pairs: list[tuple[int, float, float]], nums: dict) -> CheckResult:
+    """Bitwise: any difference on the overlap fails; which step differs first says what it was."""
+    b = ctx.boundary
+    diff = [(s, p, v) for s, p, v in pairs if p != v]
+    if not diff:
+        nums.update(first_step=pairs[0][0], last_step=pairs[-1][0])
+        return CheckResult(
+            "loss", Status.PASS, f"{plural(len(pairs), 'overlapping step')} equal bit for bit", None, nums
+        ).judged(Basis.OVERLAP, Confidence.EXACT)
+    s, p, v = diff[0]
+    nums.update(first_mismatch=s, pre=p, post=v, mismatched=len(diff))
+    first_is_exact = pairs[0][1] == pairs[0][2] and pairs[0][0] == b.restored_step + 1
+    if first_is_exact and s == b.restored_step + 2:
+        # Same weights, data and RNG at N+1, yet the first update differs: the optimizer state, unless the
+        # restore record shows its counter restored (then the LR or the gradient path).
+        if _optimizer_restored(ctx):
+            cause, why = (
+                Cause.LOSS_DIVERGED,
+                (
+                    "first loss exact, first update differs although the optimizer's step counter was restored; "
+                    "check the LR and the gradient path"
+                ),
+            )
+        else:
+            cause, why = Cause.OPTIMIZER_LOST, "first loss exact, first update differs"
+    elif s == b.restored_step + 1:
+        cause, why = Cause.MODEL_STATE, "first loss after restore (before any update) differs"
+    else:
+        cause, why = Cause.LOSS_DIVERGED, "losses diverge"
+    return CheckResult(
+        "loss",
+        Status.FAIL,
+        f"step {s}: loss {v!r} vs {p!r} before the crash ({len(diff)}/{len(pairs)} differ); {why}",
+        cause,
+        nums,
+    ).judged(Basis.OVERLAP, Confidence.EXACT)
+
+
 def check_loss(ctx: CheckContext) -> CheckResult:
     b = ctx.boundary
-    opt = ctx.options
     post = [(r.step, r.loss) for r in b.post.steps if r.loss is not None]
     if not post:
         return CheckResult("loss", Status.SKIP, "no loss logged after the resume")
     pairs = [(s, b.pre[s].loss, v) for s, v in post if s in b.pre and b.pre[s].loss is not None]
-    pts = _window(ctx)
-    window = [v for _, v in pts]
-    ref = {s: p for s, p, _ in pairs}
     nums: dict[str, int | float | str | None] = {"overlap": len(pairs), "deterministic": ctx.deterministic}
-    head = post[: opt.spike_window]
-    if ref:
-        sigma = diff_sigma(window)
-        resid = [(s, v - ref[s]) for s, v in head if s in ref]
-        basis = Basis.OVERLAP
-    else:
-        # No overlap: the robust local trend, held at N+1 (extrapolating a falling line would call every
-        # flattening loss a jump); the noise is the spread about that trend, never below the step-to-step jitter.
-        slope, icpt = theil_sen(pts) if len(pts) >= 3 else (0.0, math.nan)
-        at = b.restored_step + 1
-        level = icpt + slope * at
-        spread = robust_sigma([v - (icpt + slope * s) for s, v in pts]) if len(pts) >= 3 else math.nan
-        sigma = max(spread, diff_sigma(window) / math.sqrt(2)) if len(pts) >= 4 else math.nan
-        resid = [(s, v - level) for s, v in head]
-        basis = Basis.TRAJECTORY
-        if math.isfinite(level):
-            nums.update(trend_level=level, trend_slope=slope, trend_window=len(pts))
-    if not math.isnan(sigma):
-        nums["noise_sigma"] = sigma
-    finite_sigma = not math.isnan(sigma) and sigma > 0
-    shift = spike = drop = False
-    med_z = max_z = 0.0
-    if finite_sigma:
-        zs = [r / sigma for _, r in resid if math.isfinite(r)]
-        if zs:
-            med_z, max_z = median(zs), max(zs)
-            nums.update(median_z=med_z, max_z=max_z, window=len(zs))
-            shift = med_z > opt.level_z and len(zs) >= 3
-            spike = max_z > opt.spike_z
-            drop = bool(ref) and med_z < -opt.level_z and len(zs) >= 3
-            nums["shifted"] = shift or spike
-    sure = (
-        Confidence.HIGH
-        if med_z > 2 * opt.level_z
-        or max_z > 2 * opt.spike_z
-        or (not shift and not spike and len(window) >= 15)
-        else Confidence.LOW
-    )
+    window = [v for _, v in _window(ctx)]
+    head = post[: ctx.options.spike_window]
     nonfinite = [(s, v) for s, v in head if not math.isfinite(v)]
     if nonfinite and all(math.isfinite(x) for x in window):
         nums["first_nonfinite"] = nonfinite[0][0]
         return CheckResult(
             "loss",
             Status.FAIL,
-            f"loss is {nonfinite[0][1]} at step {nonfinite[0][0]} right after the resume",
-            Cause.OPTIMIZER_LOST,
+            f"loss is {nonfinite[0][1]} at step {nonfinite[0][0]} right after the resume; {_what_to_check(ctx)}",
+            Cause.LOSS_SHIFT,
             nums,
-        ).judged(basis, Confidence.EXACT)
-
+        ).judged(Basis.OVERLAP if pairs else Basis.TRAJECTORY, Confidence.EXACT)
     if ctx.deterministic and pairs:
-        diff = [(s, p, v) for s, p, v in pairs if p != v]
-        if not diff:
-            nums.update(first_step=pairs[0][0], last_step=pairs[-1][0])
-            return CheckResult(
-                "loss", Status.PASS, f"{len(pairs)} overlapping steps equal bit for bit", None, nums
-            ).judged(Basis.OVERLAP, Confidence.EXACT)
-        s, p, v = diff[0]
-        nums.update(first_mismatch=s, pre=p, post=v, mismatched=len(diff))
-        first_is_exact = pairs[0][1] == pairs[0][2] and pairs[0][0] == b.restored_step + 1
-        if shift or spike:
-            cause, why = Cause.OPTIMIZER_LOST, "level shift after the resume"
-        elif first_is_exact and s == b.restored_step + 2:
-            # Same weights, data and RNG at N+1, yet the first update differs: the optimizer state.
-            cause, why = Cause.OPTIMIZER_LOST, "first loss exact, first update differs"
-        elif s == b.restored_step + 1:
-            cause, why = Cause.MODEL_STATE, "first loss after restore (before any update) differs"
-        else:
-            cause, why = Cause.LOSS_DIVERGED, "losses diverge"
-        return CheckResult(
-            "loss",
-            Status.FAIL,
-            f"step {s}: loss {v!r} vs {p!r} before the crash ({len(diff)}/{len(pairs)} differ); {why}",
-            cause,
-            nums,
-        ).judged(Basis.OVERLAP, Confidence.EXACT)
-    src = (
-        f"{len(pairs)} overlapping steps" if pairs else f"local trend of {len(pts)} steps before the boundary"
-    )
-    if not finite_sigma:
-        return CheckResult(
-            "loss", Status.SKIP, "too few pre-boundary losses to calibrate the noise", None, nums
-        )
-    if shift or spike:
-        what = "spike" if spike and not shift else "level shift"
-        return CheckResult(
-            "loss",
-            Status.FAIL,
-            f"loss {what} after resume: median z {nums['median_z']:.1f}, max z {nums['max_z']:.1f} "
-            f"over {nums['window']} steps (noise sigma {sigma:.3g}, against the {src})",
-            Cause.OPTIMIZER_LOST,
-            nums,
-        ).judged(basis, sure)
-    if drop:
-        return CheckResult(
-            "loss",
-            Status.WARN,
-            f"loss below the pre-crash run after resume: median z {nums['median_z']:.1f}",
-            Cause.LOSS_DROP,
-            nums,
-        ).judged(basis, sure)
-    return CheckResult(
-        "loss",
-        Status.PASS,
-        f"within noise against {src}: median z {nums.get('median_z', 0):.1f}, "
-        f"max z {nums.get('max_z', 0):.1f} (sigma {sigma:.3g})",
-        None,
-        nums,
-    ).judged(basis, sure)
+        return _deterministic(ctx, pairs, nums)
+    if pairs:
+        found = _paired(ctx, pairs, nums)
+        if found is not None:
+            return found
+    return _trend(ctx, post, nums)

@@ -10,7 +10,9 @@ When they do not join, the trajectory itself names the cause:
   scheduler rebuilt with ``last_epoch=N`` steps once in its constructor);
 - the post-resume LR stays constant where the schedule was falling steadily: the scheduler is not stepping (a
   rising LR that stops is ``constant_with_warmup``, and a fall that flattens is a floor: neither counts);
-- otherwise a jump far outside the run's own step-to-step changes: a different schedule.
+- otherwise a jump far outside the *local* step-to-step changes on both sides (the last and first
+  ``LOCAL_POINTS`` logged LRs): a different schedule, an error.  Judging against the run's largest change
+  anywhere would let a warmup's big steps excuse a halved peak LR late in training.
 
 The junction is not only N -> N+1: when the optimizer is restored but the scheduler is not, the first update
 uses the restored optimizer's LR (right) and the fresh scheduler's second value from then on, so the first
@@ -25,11 +27,14 @@ import math
 from dataclasses import dataclass, field
 
 from ckpt.resume.checks.base import Cause, Confidence
+from ckpt.resume.words import plural
 
 REPEAT_STEPS = 5
 """How many post-resume LRs must equal an earlier stretch (fewer when fewer were logged, at least 2)."""
 JUMP_FACTOR = 3.0
-"""A gap larger than this many times the run's largest own step-to-step change is a jump."""
+"""A gap larger than this many times the local per-step change (both sides of the junction) is a jump."""
+LOCAL_POINTS = 5
+"""How many logged LRs on each side of a junction define its local per-step change."""
 SLOPE_SLACK = 0.25
 """Relative slack on the local slopes (a cosine's slope changes a little from one step to the next)."""
 
@@ -67,6 +72,17 @@ def _max_change(points: list[tuple[int, float]]) -> float:
     return max(
         (abs(b - a) / max(1, t - s) for (s, a), (t, b) in zip(points, points[1:], strict=False)), default=0.0
     )
+
+
+def _smooth(points: list[tuple[int, float]], precision: str) -> bool:
+    """No logged change is a jump against both its neighbours (warmup, cosine, linear and their kinks are
+    smooth; StepLR's drops and SGDR's restarts are not)."""
+    ch = [(b - a) / max(1, t - s) for (s, a), (t, b) in zip(points, points[1:], strict=False)]
+    for i in range(1, len(ch) - 1):
+        tol = tolerance(max(abs(v) for _, v in points[i : i + 3]), precision)
+        if abs(ch[i]) > JUMP_FACTOR * max(abs(ch[i - 1]), abs(ch[i + 1])) + tol:
+            return False
+    return True
 
 
 def _decaying(pre: list[tuple[int, float]], precision: str) -> bool:
@@ -122,20 +138,32 @@ def judge(
     gap = b0 - an
     da = _slope(pre[-2:])
     db = _slope(post[:2])
-    own = max(_max_change(pre), _max_change(post))
+    smooth = _smooth(pre, precision)
+    if smooth:
+        own = max(_max_change(pre[-LOCAL_POINTS:]), _max_change(post[:LOCAL_POINTS]))
+    else:  # a step schedule (StepLR, MultiStepLR): its own drops are the scale a jump is judged on
+        own = max(_max_change(pre), _max_change(post))
     nums: dict[str, float | int | str | None] = {
         "lr_before": an,
         "lr_after": b0,
         "step_before": sn,
         "step_after": s1,
-        "largest_own_change": own,
+        "local_change": own,
     }
     tol = tolerance(max(abs(an), abs(b0)), precision)
     span = s1 - sn
     slopes = [x for x in (da, db) if x is not None]
     lo = min(slopes) * span if slopes else 0.0
     hi = max(slopes) * span if slopes else 0.0
-    slack = SLOPE_SLACK * max((abs(x) * span for x in slopes), default=0.0) + tol
+    # The chord of a smooth schedule lies between its slopes on either side; the slack covers half the
+    # difference of those slopes (curvature) plus a little of their size, so a one-step shift stays visible
+    # even across a gap of several unlogged steps.
+    slack = 0.5 * (hi - lo) + SLOPE_SLACK * max((abs(x) for x in slopes), default=0.0) + tol
+    if db is None and da is not None:
+        # One side only: the curvature is unknown from the two slopes, so allow the pre side's own change of
+        # slope (its last two per-step slopes) over the span.
+        prev = _slope(pre[-3:-1])
+        slack += abs(da - prev) * span if prev is not None else SLOPE_SLACK * abs(da) * span
     joins = lo - slack <= gap <= hi + slack
 
     # A scheduler that stopped stepping: constant after the resume, moving before it.
@@ -169,7 +197,7 @@ def judge(
             )
         return Finding(
             Cause.LR_SHIFTED,
-            f"LR is {k} steps behind: step {s1} repeats step {p}'s {b0!r}",
+            f"LR is {plural(k, 'step')} behind: step {s1} repeats step {p}'s {b0!r}",
             Confidence.HIGH,
             nums,
         )
@@ -177,7 +205,7 @@ def judge(
         nums["frozen_steps"] = len(head)
         return Finding(
             Cause.LR_FROZEN,
-            f"LR stays {head[0]!r} for the first {len(head)} steps after the resume; it changed every step before",
+            f"LR stays {head[0]!r} for the first {plural(len(head), 'step')} after the resume; it changed every step before",
             Confidence.HIGH,
             nums,
         )
@@ -198,10 +226,15 @@ def judge(
                     conf,
                     nums,
                 )
-    ratio = abs(gap) / own if own > 0 else math.inf
+    ratio = abs(gap) / (own * span) if own > 0 else math.inf
+    if smooth and da is not None and db is not None:
+        # Outside the chord a smooth schedule allows by more than a whole span's worth of its steeper side.
+        outside = max(lo - gap, gap - hi, 0.0) / (max(abs(da), abs(db)) * span + tol)
+        nums["beyond_slopes"] = outside
+        ratio = max(ratio, JUMP_FACTOR * outside)
     nums["jump_ratio"] = ratio if math.isfinite(ratio) else None
     if ratio > JUMP_FACTOR:
-        times = f"{ratio:.1f} times the run's largest own step-to-step change" if own > 0 else "a constant LR"
+        times = f"{ratio:.1f} times the local per-step change on both sides" if own > 0 else "a constant LR"
         return Finding(
             Cause.LR_DIFFERENT,
             f"LR jumps from {an!r} at step {sn} to {b0!r} at step {s1}: {times}",

@@ -2,24 +2,47 @@
 
 from __future__ import annotations
 
+from ckpt.resume.boundaries import Boundary
 from ckpt.resume.checks.base import Cause, CheckResult, Status
 from ckpt.resume.checks.context import CheckContext
+from ckpt.resume.words import plural
+
+
+def cadence(steps: list[int]) -> int:
+    """The logging interval: the most common gap between consecutive logged steps (1 for every step).  A
+    logger that writes every k-th step resumes its log at the next multiple of k, not at N+1."""
+    gaps = [b - a for a, b in zip(steps, steps[1:], strict=False) if b > a]
+    return max(set(gaps), key=gaps.count) if gaps else 1
+
+
+def _expected_first(b: Boundary) -> int:
+    """N+1, or with a logging interval k the first step after N on the pre-crash log's grid of steps."""
+    n = b.restored_step
+    pre = sorted(s for s in b.pre if s <= n)[-20:]
+    k = cadence(pre)
+    if k <= 1 or not pre:
+        return n + 1
+    return pre[-1] + k * ((n - pre[-1]) // k + 1)
 
 
 def check_step(ctx: CheckContext) -> CheckResult:
-    """Exact.  With a logged restore, the first step must be N+1.  Without one, the first step minus one
-    should be a committed checkpoint (from save events); with neither, there is nothing to check."""
+    """Exact.  With a logged restore, the first step must be N+1 (the next logged step when the log keeps
+    every k-th step).  Without one, the first step minus one should be a committed checkpoint (from save
+    events); with neither, there is nothing to check."""
     b = ctx.boundary
     first = b.post.steps[0].step
     n = b.restored_step
     nums: dict[str, int | str | None] = {"restored_step": n, "first_step": first}
     if not b.inferred:
-        k = first - (n + 1)
+        want = _expected_first(b)
+        if want != n + 1:
+            nums["expected_first_step"] = want
+        k = first - want
         if k > 0:
             return CheckResult(
                 "step",
                 Status.FAIL,
-                f"resumed at step N+{k + 1} = {first} after restoring {n}: {k} steps skipped",
+                f"resumed at step N+{first - n} = {first} after restoring {n}: {plural(k, 'step')} skipped",
                 Cause.STEPS_SKIPPED,
                 nums,
             )
@@ -27,7 +50,7 @@ def check_step(ctx: CheckContext) -> CheckResult:
             return CheckResult(
                 "step",
                 Status.FAIL,
-                f"resumed at step {first} after restoring {n}: {-k} steps repeated",
+                f"resumed at step {first} after restoring {n}: {plural(-k, 'step')} repeated",
                 Cause.STEPS_REPEATED,
                 nums,
             )
@@ -48,7 +71,7 @@ def check_step(ctx: CheckContext) -> CheckResult:
         return CheckResult(
             "step",
             Status.FAIL,
-            f"resumed at step {first} but the newest checkpoint is step {newest}: {n - newest} steps skipped",
+            f"resumed at step {first} but the newest checkpoint is step {newest}: {plural(n - newest, 'step')} skipped",
             Cause.STEPS_SKIPPED,
             nums,
         )
@@ -67,6 +90,25 @@ def check_counters(ctx: CheckContext) -> CheckResult:
     f = ctx.facts
     b = ctx.boundary
     n = b.restored_step
+    live = b.restore.optimizer_step if b.restore is not None and not b.restore.inferred else None
+    # The restore record holds the live optimizer's counter after the load: other than N, the state did not
+    # arrive (whatever the checkpoint holds).
+    lost = (
+        (
+            Cause.OPTIMIZER_LOST if live == 0 else Cause.COUNTER_MISMATCH,
+            f"the optimizer's step counter after the restore is {live}, expected {n}",
+        )
+        if live is not None and live != n
+        else None
+    )
+    if f is None and lost is not None:
+        return CheckResult(
+            "counters",
+            Status.FAIL,
+            lost[1],
+            lost[0],
+            {"restored_step": n, "optimizer_step_after_restore": live},
+        )
     if f is None:
         return CheckResult("counters", Status.SKIP, "no checkpoint facts given")
     problems: list[tuple[Cause, str]] = []
@@ -74,6 +116,9 @@ def check_counters(ctx: CheckContext) -> CheckResult:
     where = b.restore.path if b.restore and b.restore.path else f"the checkpoint of step {n}"
     for entry in f.missing:
         problems.append((Cause.STATE_MISSING, f"{where} has no {entry}"))
+    if lost is not None:
+        problems.append(lost)
+        nums["optimizer_step_after_restore"] = live
     if f.missing:
         nums["missing"] = ", ".join(m.split(" ")[0] for m in f.missing)
     if f.step != n:

@@ -115,6 +115,7 @@ def _add(session: Session, kind: object, rec: dict) -> None:
                 path=rec.get("path"),
                 seconds=_opt_float(rec, "seconds"),
                 model_digest=digest,
+                optimizer_step=_opt_int(rec, "optimizer_step"),
             )
         )
     elif kind == "save":
