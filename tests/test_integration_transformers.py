@@ -111,7 +111,8 @@ def test_model_reinitialised_after_the_resume_loaded_it_is_named(crashed: Path, 
     result = verify_run(load_run(out), facts=TrainerCheckpointFacts(out))
     (v,) = result.verdicts
     w = v.check("weights")
-    assert w.cause is Cause.WEIGHTS_NOT_RESTORED and w.numbers["not_restored"] == w.numbers["compared"] > 0
+    # the bug re-initialises the Linear weights only: embeddings and norms still hold checkpoint-10's values
+    assert w.cause is Cause.WEIGHTS_NOT_RESTORED and 0 < w.numbers["not_restored"] < w.numbers["compared"]
 
 
 def test_a_data_reset_in_a_trainer_run_is_caught_by_the_callbacks_batch_digests(
