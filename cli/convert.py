@@ -107,7 +107,12 @@ def layout_options(fn: Callable[..., Any]) -> Callable[..., Any]:
     help="HF model_type of a model whose config.json lacks one (llama, mistral, qwen2, qwen3, mixtral, qwen3_moe); "
     "never guessed.",
 )
-@click.option("--step", type=int, default=None, help="Step to record (default: the source's).")
+@click.option(
+    "--step",
+    type=click.IntRange(min=0),
+    default=None,
+    help="Step to record (default: the source's; needed where SRC records none).",
+)
 @click.option(
     "--merge-lora",
     "merge_lora",
@@ -204,6 +209,9 @@ def convert(
         )
         return
     if dry_run:
+        from ckpt.converters.convert import check_paths
+
+        check_paths(src, dst)  # the plan of a conversion that would be refused is that refusal
         source = open_source(src, opts, run)
         try:
             d = describe(plan_conversion(source, opts), opts, run)

@@ -43,6 +43,11 @@ def reported() -> Iterator[None]:
     except CkptError as exc:
         click.echo(error_line(exc), err=True)
         raise click.exceptions.Exit(exc.exit_code) from None
+    except click.UsageError as exc:
+        # click's own "Usage: ... Error: ..." block, in our one-line spelling (unknown command, option, value)
+        where = exc.ctx.command_path if exc.ctx is not None else "ckpt"
+        click.echo(f"{ERROR_PREFIX}{exc.format_message().rstrip('.')}; see: {where} --help", err=True)
+        raise click.exceptions.Exit(2) from None
     except BrokenPipeError:
         # ``ckpt ls | head``: the reader left; say nothing more (and let nothing flush into the closed pipe)
         import os
