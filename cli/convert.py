@@ -241,7 +241,8 @@ def convert(
             f"(largest part {human_bytes(pm['part'])}, source cache {human_bytes(pm['source_cache'])}, "
             f"{fmt} target {human_bytes(pm['target'])})"
         )
-        out.print(f"  step: {d['step']}, workers: {workers}")
+        step_text = "unknown (SRC records none; pass --step N)" if d["step"] is None else d["step"]
+        out.print(f"  step: {step_text}, workers: {workers}", markup=False)
         return
     _run(run_convert, src, dst, opts, run, as_json)
 

@@ -11,6 +11,8 @@ from typing import Any
 
 import click
 
+from ckpt.words import count
+
 from .common import human_bytes, out
 from .table import Col, print_table
 
@@ -44,7 +46,7 @@ def inspect_foreign(path: str, as_json: bool) -> None:
             click.echo(json.dumps(doc, indent=2))
             return
         out.print(
-            f"{path}  {FORMAT_WORDS.get(source.format, source.format)} folder  {source.layout} layout  {len(tensors)} tensors  {human_bytes(total)}",
+            f"{path}  {FORMAT_WORDS.get(source.format, source.format)} folder  {source.layout} layout  {count(len(tensors), 'tensor')}  {human_bytes(total)}",
             markup=False,
         )
         rows = [

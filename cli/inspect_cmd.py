@@ -6,6 +6,8 @@ import json
 
 import click
 
+from ckpt.words import count
+
 from .common import human_bytes, layout_text, out
 from .table import Col, print_table
 
@@ -52,7 +54,7 @@ def inspect(checkpoint: str, as_json: bool, shards: bool) -> None:
         return
     out.print(
         f"{checkpoint}  step {m.step}  {m.backend}  {layout_text(m.layout)}  "
-        f"{human_bytes(m.total_bytes)} in {len(m.files)} files  (format v{m.format_version}, {m.created_at})",
+        f"{human_bytes(m.total_bytes)} in {count(len(m.files), 'file')}  (format v{m.format_version}, {m.created_at})",
         markup=False,
     )
     rows = []
@@ -63,7 +65,7 @@ def inspect(checkpoint: str, as_json: bool, shards: bool) -> None:
                 t.role + (f" ({t.key})" if t.key else ""),
                 str(list(t.shape)),
                 t.dtype,
-                str(len(t.shards)) if reader.locator is None else f"{m.v2.pieces[name].count} pieces",
+                str(len(t.shards)) if reader.locator is None else count(m.v2.pieces[name].count, "piece"),
                 human_bytes(t.nbytes),
             ]
         )
@@ -84,7 +86,7 @@ def inspect(checkpoint: str, as_json: bool, shards: bool) -> None:
     print_table(out, cols, rows)
     if m.optimizer:
         out.print(
-            f"optimizer: {m.optimizer['type']}, {len(m.optimizer['param_groups'])} param group(s)",
+            f"optimizer: {m.optimizer['type']}, {count(len(m.optimizer['param_groups']), 'param group')}",
             markup=False,
         )
     for label, value in (("scheduler", m.scheduler), ("scaler", m.scaler)):

@@ -7,6 +7,8 @@ import sys
 
 import click
 
+from ckpt.words import count
+
 from .common import human_bytes, layout_text, out
 
 EPILOG = """\b
@@ -107,7 +109,7 @@ def _exit(infos: list, root: str) -> None:
     bad = [i.name for i in infos if i.status == "damaged"]
     if bad:
         click.echo(
-            f"ckpt: {len(bad)} of {len(infos)} checkpoints under {root} damaged: {', '.join(bad[:4])}",
+            f"ckpt: {len(bad)} of {count(len(infos), 'checkpoint')} under {root} damaged: {', '.join(bad[:4])}",
             err=True,
         )
         sys.exit(1)

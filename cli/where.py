@@ -11,6 +11,7 @@ import re
 from typing import Any
 
 from ckpt.manifest import MANIFEST_NAME
+from ckpt.words import holds_not_one
 
 STEP_DIR = re.compile(r"^step_\d+$")
 
@@ -80,10 +81,7 @@ def explain_not_a_checkpoint(path: str, storage: Any, command: str) -> str | Non
     """For ``inspect`` / ``verify`` PATH without a manifest: PATH is a folder of checkpoints or a run directory."""
     steps = _steps(storage)
     if steps:
-        return (
-            f"{path} holds {len(steps)} checkpoint{'s' if len(steps) != 1 else ''} ({steps[0]} .. {steps[-1]}), not one; run: ckpt {command} "
-            f"{path}/{steps[-1]} (or ckpt ls {path})"
-        )
+        return f"{holds_not_one(path, steps, 'checkpoint', f'ckpt {command}')} (or ckpt ls {path})"
     for sub in ("checkpoints", "ckpt", "checkpoint"):
         if storage.is_dir(sub) and _steps(storage.child(sub)):
             return f"{path} is a run directory; its checkpoints are in {sub}/; run: ckpt ls {path}/{sub}"
@@ -127,8 +125,5 @@ def resolve_checkpoint(path: str, command: str) -> tuple[str, str]:
                 return path, "nxd"
             names = [t["tag"] for t in tags]
             if names:
-                raise CkptError(
-                    f"{path} holds {len(names)} NxD tag{'s' if len(names) != 1 else ''} ({', '.join(names[:4])}), not one; run: ckpt {command} "
-                    f"{path}/{names[-1]} (or ckpt ls {path})"
-                )
+                raise CkptError(f"{holds_not_one(path, names, 'NxD tag', f'ckpt {command}')} (or ckpt ls {path})")
     return path, "checkpoint"

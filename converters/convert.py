@@ -87,24 +87,27 @@ def open_source(src: str, opts: ConvertOptions, run: RunOptions | None = None) -
     return source
 
 
-#: source formats whose folders carry no step (the output's step is ``--step`` or 0)
-_NO_STEP_FORMATS = {"hf": "Hugging Face folder", "dcp": "DCP folder"}
+#: how each output format records the step, when SRC records none (None: the format has no step to record)
+_STEP_IN_OUTPUT = {
+    "ckpt": "the output records step 0",
+    "hf-trainer": "its trainer_state.json records global_step 0",
+    "nxd": "the NxD tag records none either",
+}
+
+
+def step_unknown(conv: Conversion, opts: ConvertOptions) -> bool:
+    """SRC's files record no training step and ``--step`` was not given."""
+    return opts.step is None and not conv.source.step_recorded
 
 
 def warn_unrecorded_step(conv: Conversion, opts: ConvertOptions) -> None:
-    """Say which step the output gets when SRC records none and ``--step`` was not given (after planning, so a
-    refused request is one error line and nothing else)."""
-    if opts.step is not None or conv.source.format not in _NO_STEP_FORMATS:
+    """Say which step the output gets when SRC records none and ``--step`` was not given, for output formats that
+    record one (after planning, so a refused request is one error line and nothing else)."""
+    result = _STEP_IN_OUTPUT.get(opts.format)
+    if not step_unknown(conv, opts) or result is None:
         return
-    result = (
-        "the NxD tag will record none (its step is then read from its name)"
-        if opts.format == "nxd"
-        else f"the output records step {conv.trees.step}"
-    )
     warnings.warn(
-        f"{conv.source.path}: a {_NO_STEP_FORMATS[conv.source.format]} records no training step; {result} "
-        "(pass --step N to set it)",
-        stacklevel=3,
+        f"{conv.source.path}: SRC records no training step; {result} (pass --step N to set it)", stacklevel=3
     )
 
 
@@ -224,7 +227,7 @@ def describe(conv: Conversion, opts: ConvertOptions, run: RunOptions | None = No
         "largest_tensor": max((t.desc.nbytes for t in written), default=0),
         "peak_memory_estimate": mem.total,
         "peak_memory": {"part": mem.part, "source_cache": mem.source, "target": mem.export},
-        "step": conv.trees.step,
+        "step": None if step_unknown(conv, opts) else conv.trees.step,
         "workers": run.workers,
     }
 
@@ -400,7 +403,7 @@ def convert(
         if opts.format == "nxd" and opts.step is not None and conv.trees.user is None and rank == 0:
             warnings.warn(
                 f"--step {opts.step}: an NxD tag keeps its step only in user_content.pt, which SRC has no content "
-                f"for; name DST step_{opts.step} so that the step is read from its name",
+                "for; DST records no step",
                 stacklevel=2,
             )
         if on_plan is not None:

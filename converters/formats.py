@@ -15,6 +15,7 @@ from types import ModuleType
 from typing import Any
 
 from ckpt.errors import CkptError, LayoutError
+from ckpt.words import holds_not_one
 
 
 @dataclass(frozen=True)
@@ -80,10 +81,7 @@ def _refuse_a_root(src: str) -> None:
         d.name for d in p.iterdir() if re.fullmatch(r"step_\d+", d.name) and (d / "manifest.json").is_file()
     )
     if steps:
-        raise CkptError(
-            f"{src} holds {len(steps)} checkpoint{'s' if len(steps) != 1 else ''} ({steps[0]} .. {steps[-1]}), not one; convert one of them, "
-            f"e.g. {p / steps[-1]}"
-        )
+        raise CkptError(holds_not_one(src, steps, "checkpoint", "ckpt convert"))
     from .nxd.discovery import list_tags
 
     try:
@@ -91,10 +89,7 @@ def _refuse_a_root(src: str) -> None:
     except CkptError:
         return
     if tags:
-        raise CkptError(
-            f"{src} holds {len(tags)} NxD tag{'s' if len(tags) != 1 else ''} ({', '.join(tags[:4])}), not one; convert one of them, "
-            f"e.g. {p / tags[-1]}"
-        )
+        raise CkptError(holds_not_one(src, tags, "NxD tag", "ckpt convert"))
 
 
 __all__ = ["FORMATS", "Format", "detect", "get"]

@@ -21,6 +21,7 @@ import sys
 import click
 
 from ckpt.errors import CkptError
+from ckpt.words import count
 
 from ..common import err, out
 
@@ -188,7 +189,7 @@ def demo(workdir: str, ranks: int, steps: int, kill_at: int) -> None:
     else:
         out.print(f"resumed from step {restored} (restore took {starts[-1]['restore_s']:.3f} s)")
     if mismatches:
-        out.print(f"[red]{mismatches} step(s) differ after resume[/]")
+        out.print(f"[red]{count(mismatches, 'step')} differ after resume[/]")
         sys.exit(1)
     out.print("[green]resume is bit-exact: same losses, learning rates, RNG and data position[/]")
     verified = _verify(crash)
@@ -261,7 +262,7 @@ def _convert(run_dir: str) -> None:
         name for name in a.manifest.tensors if name in b.manifest.tensors and a.read(name).equal(b.read(name))
     ]
     if len(same) != len(a.manifest.tensors) or b.manifest.scheduler != a.manifest.scheduler:
-        raise DemoFailed(f"round trip changed {len(a.manifest.tensors) - len(same)} tensor(s)")
+        raise DemoFailed(f"round trip changed {count(len(a.manifest.tensors) - len(same), 'tensor')}")
     out.print(
         f"    round trip: all {len(same)} model and optimizer tensors bit-identical; step {b.manifest.step}, "
         "scheduler, RNG and data position carried"
