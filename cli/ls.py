@@ -125,7 +125,7 @@ def _ls_nxd(rows: list[dict], root: str, as_json: bool) -> None:
     if as_json:
         click.echo(json.dumps(rows, indent=2))
         sys.exit(_nxd_exit(rows))
-    colour = {"complete": "green", "unmarked": "yellow", "incomplete": "red"}
+    colour = {"complete": "green", "unmarked": "yellow", "incomplete": "red", "damaged": "red"}
     table = []
     for r in rows:
         layout = " ".join(f"{k}={r[k]}" for k in ("tp", "pp", "dp", "ep") if k in r)
@@ -154,5 +154,6 @@ def _ls_nxd(rows: list[dict], root: str, as_json: bool) -> None:
 
 
 def _nxd_exit(rows: list[dict]) -> int:
-    """1 when a tag marked ``done`` has problems (damage); an incomplete tag is a save that did not finish."""
-    return 1 if any(r["status"] == "complete" and r["problems"] for r in rows) else 0
+    """1 when a tag is damaged (marked ``done``, files missing or torn); an incomplete tag is a save that did not
+    finish."""
+    return 1 if any(r["status"] == "damaged" for r in rows) else 0

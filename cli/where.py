@@ -78,7 +78,14 @@ def explain_empty_root(root: str, storage: Any) -> str | None:
 
 
 def explain_not_a_checkpoint(path: str, storage: Any, command: str) -> str | None:
-    """For ``inspect`` / ``verify`` PATH without a manifest: PATH is a folder of checkpoints or a run directory."""
+    """For ``inspect`` / ``verify`` PATH without a manifest: PATH is a folder of checkpoints, a run directory, or a
+    part of an NxD tag."""
+    if storage.local:
+        from ckpt.converters.nxd.naming import part_of_tag
+
+        part = part_of_tag(storage.local_path())
+        if part is not None:
+            return part.replace("point at the whole tag: ", f"run: ckpt {command} ")
     steps = _steps(storage)
     if steps:
         return f"{holds_not_one(path, steps, 'checkpoint', f'ckpt {command}')} (or ckpt ls {path})"

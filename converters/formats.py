@@ -64,6 +64,11 @@ def detect(src: str, storage_options: Mapping[str, Any] | None = None) -> Format
     if remote:
         raise CkptError(f"{src}: no manifest.json; only our format is read from object stores")
     _refuse_a_root(src)
+    from .nxd.naming import part_of_tag
+
+    part = part_of_tag(src)
+    if part is not None:
+        raise CkptError(part)
     raise LayoutError(
         f"{src}: unknown checkpoint layout (expected manifest.json, a DCP .metadata, an HF config.json + "
         "*.safetensors (with trainer_state.json: a Trainer checkpoint), or NxD model/ rank files)"
