@@ -66,6 +66,12 @@ def reported() -> Iterator[None]:
         raise click.exceptions.Exit(INTERRUPTED_EXIT) from None
 
 
+def _not_xla_default(record: Any) -> bool:
+    """torch_xla logs ``Defaulting to PJRT_DEVICE=CPU`` on the root logger whenever something imports it (accelerate
+    does, under transformers); no ``ckpt`` command computes on an XLA device, so the line says nothing to our user."""
+    return not str(record.msg).startswith("Defaulting to PJRT_DEVICE")
+
+
 class CkptGroup(click.Group):
     """A click group that reports errors and interruptions of its commands (and of its own parsing) as above."""
 
@@ -74,7 +80,10 @@ class CkptGroup(click.Group):
             return super().make_context(*args, **kwargs)
 
     def invoke(self, ctx: click.Context) -> Any:
+        import logging
         import warnings
+
+        logging.getLogger().addFilter(_not_xla_default)
 
         with reported(), warnings.catch_warnings():  # the command's own option parsing, imports and work
             warnings.showwarning = _show_warning
