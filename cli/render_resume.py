@@ -101,9 +101,7 @@ def _saves_line(run: Run, cost: RunCost) -> str:
     if not any(e.blocking_seconds is not None or e.total_seconds is not None for e in saves) and saves:
         timing = "time not logged"
     else:
-        timing = (
-            f"blocking {_seconds(cost.save_blocking_seconds)}, background {_seconds(cost.save_background_seconds)}"
-        )
+        timing = f"blocking {_seconds(cost.save_blocking_seconds)}, background {_seconds(cost.save_background_seconds)}"
     return f"saves: {cost.saves} ({size}), {timing}"
 
 

@@ -312,7 +312,9 @@ def refuse_used_dst(
         holds_src = src.startswith(dst.rstrip("/") + "/")
     if used or holds_src:
         what = f"it holds SRC {src}" if holds_src else "it is not empty"
-        raise CkptError(f"DST {dst} already exists and {what}; DST must be a new or empty folder, choose another")
+        raise CkptError(
+            f"DST {dst} already exists and {what}; DST must be a new or empty folder, choose another"
+        )
 
 
 def check_writable_dst(dst: str, path: Path) -> None:
