@@ -29,9 +29,7 @@ def holds_not_one(path: object, names: list[str], noun: str, command: str) -> st
     """The refusal of a folder *of* checkpoints where one checkpoint was expected, with what to run instead."""
     last = f"{path}/{names[-1]}".replace("//", "/")
     if len(names) == 1:
-        return (
-            f"{path} is a folder holding one {noun}, {names[0]}, not a {noun} itself; run: {command} {last}"
-        )
+        return f"{path} is a folder holding one {noun}, {names[0]}; run: {command} {last}"
     shown = f"{names[0]} .. {names[-1]}" if len(names) > 4 else ", ".join(names)
     return f"{path} holds {count(len(names), noun)} ({shown}), not one; run: {command} {last}"
 

@@ -7,6 +7,7 @@ files (no torch).
 
 from __future__ import annotations
 
+import os
 import re
 from typing import Any
 
@@ -103,6 +104,18 @@ def strip_manifest(path: str) -> str:
     return path
 
 
+def _a_file(path: str, command: str) -> str:
+    """``ckpt inspect model.safetensors``: a file, where a checkpoint folder was expected; name the folder when it is
+    a checkpoint."""
+    from ckpt.storage import open_storage
+
+    folder = os.path.dirname(os.path.abspath(path))
+    kind = _kind(open_storage(folder))
+    if kind is not None:
+        return f"{path} is a file of {_KIND_WORDS[kind]}; ckpt {command} takes the folder: run: ckpt {command} {folder}"
+    return f"{path} is a file; ckpt {command} takes a checkpoint folder"
+
+
 def resolve_checkpoint(path: str, command: str) -> tuple[str, str]:
     """``(path, kind)`` of what ``inspect`` / ``verify`` was pointed at: ``"checkpoint"`` (ours; also for any path
     this cannot list, whose reader then says what is wrong), ``"nxd"``, ``"hf"`` or ``"dcp"``.  A folder of
@@ -112,6 +125,8 @@ def resolve_checkpoint(path: str, command: str) -> tuple[str, str]:
 
     path = strip_manifest(path)
     storage = open_storage(path)
+    if storage.local and os.path.isfile(path):
+        raise CkptError(_a_file(path, command))
     try:
         if not storage.is_dir():
             return path, "checkpoint"
