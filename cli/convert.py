@@ -12,6 +12,7 @@ from typing import Any
 import click
 
 from ckpt.errors import CkptError
+from ckpt.words import count
 
 from .common import err, human_bytes, out
 
@@ -322,6 +323,6 @@ def _run(run_convert, src: str, dst: str, opts, run, as_json: bool) -> None:  # 
         click.echo(json.dumps(dataclasses.asdict(result), indent=2))
         return
     out.print(
-        f"converted {result.tensors} tensors ({human_bytes(result.bytes)}) -> {result.dst} [{result.format}]",
+        f"converted {count(result.tensors, 'tensor')} ({human_bytes(result.bytes)}) -> {result.dst} [{result.format}]",
         markup=False,  # "[hf]" is text, not a style
     )

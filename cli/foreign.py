@@ -95,7 +95,7 @@ def verify_foreign(path: str, as_json: bool) -> list[str]:
                                "problems": problems, "checksums": False}, indent=2))  # fmt: skip
     elif not problems:
         out.print(
-            f"ok {path}: {FORMAT_WORDS.get(source.format, source.format)} folder, {n} tensors readable at their header's shape and dtype "
+            f"ok {path}: {FORMAT_WORDS.get(source.format, source.format)} folder, {count(n, 'tensor')} readable at their header's shape and dtype "
             "(the format has no checksums)",
             markup=False,
         )

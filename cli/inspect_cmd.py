@@ -129,7 +129,7 @@ def inspect(checkpoint: str, as_json: bool, shards: bool) -> None:
         else:
             out.print(
                 f"adapter only: base {base.get('source') or '(source unknown)'} {base.get('digest')}, "
-                f"{base.get('tensors')} tensors, {human_bytes(base.get('bytes') or 0)} not stored here",
+                f"{count(int(base.get('tensors') or 0), 'tensor')}, {human_bytes(base.get('bytes') or 0)} not stored here",
                 markup=False,
             )
     versions = m.environment.get("versions", {})

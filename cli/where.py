@@ -147,5 +147,7 @@ def resolve_checkpoint(path: str, command: str) -> tuple[str, str]:
                 return path, "nxd"
             names = [t["tag"] for t in tags]
             if names:
-                raise CkptError(f"{holds_not_one(path, names, 'NxD tag', f'ckpt {command}')} (or ckpt ls {path})")
+                raise CkptError(
+                    f"{holds_not_one(path, names, 'NxD tag', f'ckpt {command}')} (or ckpt ls {path})"
+                )
     return path, "checkpoint"

@@ -65,7 +65,13 @@ def test_every_format_refuses_a_used_dst_with_one_message(tmp_path: Path, where:
         shutil.copytree(TAG, src)
     before = tree(tmp_path)
     lines = set()
-    for fmt, to in (("ckpt", "cuda"), ("hf", "cuda"), ("dcp", "cuda"), ("hf-trainer", "cuda"), ("nxd", "neuron")):
+    for fmt, to in (
+        ("ckpt", "cuda"),
+        ("hf", "cuda"),
+        ("dcp", "cuda"),
+        ("hf-trainer", "cuda"),
+        ("nxd", "neuron"),
+    ):
         r = ckpt_cli("convert", src, dst, "--to", to, "--format", fmt, "--config", CONFIG)
         lines.add(assert_one_error(r, f"DST {dst} already exists"))
         dry = ckpt_cli("convert", src, dst, "--to", to, "--format", fmt, "--config", CONFIG, "--dry-run")
@@ -165,7 +171,9 @@ def test_a_tag_whose_optimizer_is_gone_is_damaged(tmp_path: Path) -> None:
     shutil.copytree(TAG, tag)
     shutil.rmtree(tag / "optim")
     assert_one_error(ckpt_cli("verify", tag), "optim", code=1)
-    assert_one_error(ckpt_cli("convert", tag, tmp_path / "o", "--to", "cuda", "--config", CONFIG), "optim", code=1)
+    assert_one_error(
+        ckpt_cli("convert", tag, tmp_path / "o", "--to", "cuda", "--config", CONFIG), "optim", code=1
+    )
     assert not (tmp_path / "o").exists()
     listed = ckpt_cli("ls", tag.parent, "--json")
     assert listed.returncode == 1 and [r["status"] for r in json.loads(listed.stdout)] == ["damaged"]
@@ -187,12 +195,16 @@ def test_a_step_no_file_records_is_unknown_never_a_names_digits(tmp_path: Path) 
     assert row.split()[0] == "unknown", table.stdout
     doc = ckpt_cli("inspect", tags / "llama_v7", "--json")
     assert doc.returncode == 0 and json.loads(doc.stdout)["step"] is None, doc.stderr
-    plan = ckpt_cli("convert", tags / "llama_v7", tmp_path / "x", "--to", "cuda", "--config", CONFIG, "--dry-run")
+    plan = ckpt_cli(
+        "convert", tags / "llama_v7", tmp_path / "x", "--to", "cuda", "--config", CONFIG, "--dry-run"
+    )
     assert "step: unknown" in plan.stdout, plan.stdout
     r = ckpt_cli("convert", tags / "llama_v7", tmp_path / "out", "--to", "cuda", "--config", CONFIG)
     (warning,) = r.stderr.splitlines()
     assert r.returncode == 0 and "records no training step" in warning and "--step N" in warning, r.stderr
-    r = ckpt_cli("convert", tags / "llama_v7", tmp_path / "s7", "--to", "cuda", "--config", CONFIG, "--step", "7")
+    r = ckpt_cli(
+        "convert", tags / "llama_v7", tmp_path / "s7", "--to", "cuda", "--config", CONFIG, "--step", "7"
+    )
     assert r.returncode == 0 and r.stderr == "", r.stderr
     assert ckpt.open_checkpoint(str(tmp_path / "s7")).manifest.step == 7
 
@@ -252,7 +264,9 @@ def test_ls_finds_every_kind_of_checkpoint(tmp_path: Path, cuda_ckpt: Path, trai
     rows = json.loads(ckpt_cli("ls", mixed, "--json").stdout)
     assert sorted((x["format"], x["status"]) for x in rows) == [("ckpt", "committed"), ("nxd", "complete")]
     table = ckpt_cli("ls", mixed)
-    assert table.returncode == 0 and "uncommitted" not in table.stdout and "(NxD)" in table.stdout, table.stdout
+    assert table.returncode == 0 and "uncommitted" not in table.stdout and "(NxD)" in table.stdout, (
+        table.stdout
+    )
     r = ckpt_cli("ls", trainer_out, "--json")
     assert r.returncode == 0, r.stderr
     rows = json.loads(r.stdout)
@@ -273,7 +287,9 @@ def test_a_damaged_nxd_tag_is_listed_damaged(tmp_path: Path) -> None:
     r = ckpt_cli("ls", root, "--json")
     assert r.returncode == 1 and [x["status"] for x in json.loads(r.stdout)] == ["damaged"], r.stdout
     table = ckpt_cli("ls", root)
-    assert table.returncode == 1 and "damaged" in table.stdout and "complete" not in table.stdout, table.stdout
+    assert table.returncode == 1 and "damaged" in table.stdout and "complete" not in table.stdout, (
+        table.stdout
+    )
     assert "1 of 1 checkpoint under" in table.stderr, table.stderr
 
 
@@ -333,7 +349,9 @@ def test_hf_to_hf_says_nothing_of_step_0(tmp_path: Path) -> None:
     for name in ("config.json", "model.safetensors"):
         shutil.copy(FIX / name, hf / name)
     plan = ckpt_cli("convert", hf, tmp_path / "o", "--to", "cuda", "--format", "hf", "--dry-run")
-    assert plan.returncode == 0 and "step: unknown" in plan.stdout and plan.stderr == "", plan.stdout + plan.stderr
+    assert plan.returncode == 0 and "step: unknown" in plan.stdout and plan.stderr == "", (
+        plan.stdout + plan.stderr
+    )
     r = ckpt_cli("convert", hf, tmp_path / "o", "--to", "cuda", "--format", "hf")
     assert r.returncode == 0 and r.stderr == "", r.stderr
 
@@ -345,7 +363,9 @@ def test_dcp_writer_of_cpu_tensors_is_listed_as_cpu_whole_tensors(tmp_path: Path
     from ckpt.dcp import Writer
 
     model = torch.nn.Linear(4, 2)
-    dcp.save({"model": model.state_dict()}, storage_writer=Writer(str(tmp_path / "run" / "step_00000001"), step=1))
+    dcp.save(
+        {"model": model.state_dict()}, storage_writer=Writer(str(tmp_path / "run" / "step_00000001"), step=1)
+    )
     (row,) = json.loads(ckpt_cli("ls", tmp_path / "run", "--json").stdout)
     assert (row["backend"], row["layout"]["kind"]) == ("cpu", "replicated"), row
 

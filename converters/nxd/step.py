@@ -34,6 +34,7 @@ def name_step(name: str) -> tuple[str, int] | None:
             return f"tag name {name!r}", v
     return None
 
+
 #: keys of ``user_content.pt`` that hold the global step, by preference
 USER_STEP_KEYS = ("total_steps", "global_step", "step")
 
