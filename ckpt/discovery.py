@@ -147,16 +147,16 @@ def find_checkpoints(root: str | Storage, max_depth: int = FIND_DEPTH) -> list[F
     each), and only for our format: other formats are read from local folders only.
     """
     storage = root if isinstance(root, Storage) else open_storage(root)
-    found: list[Found] = []
-    if not storage.local:
-        for name in storage.listdir():
-            if not name.startswith(".") and storage.exists(f"{name}/{MANIFEST_NAME}"):
-                found.append(Found(name, "ckpt"))
-        return found
+    if not storage.local:  # one request per child: in threads, as list_checkpoints reads step folders
+        names = [n for n in storage.listdir() if not n.startswith(".")]
+        with ThreadPoolExecutor(max_workers=16) as pool:
+            held = list(pool.map(lambda n: storage.exists(f"{n}/{MANIFEST_NAME}"), names))
+        return [Found(n, "ckpt") for n, h in zip(names, held, strict=True) if h]
     import os
 
     top = storage.local_path()
     assert top is not None
+    found: list[Found] = []
 
     def walk(rel: str, depth: int) -> None:
         path = os.path.join(top, rel) if rel else top

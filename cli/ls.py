@@ -177,7 +177,13 @@ def _nxd_rows(storage: Storage, tags: list[Found]) -> list[dict]:
     for f in tags:
         for r in nxd_summary.list_nxd(f"{top}/{f.rel}" if f.rel else top):
             rows.append({"format": "nxd", **r, "tag": f.rel or r["tag"]})
-    return sorted(rows, key=lambda r: (r["step"] is None, r["step"] or 0, r["tag"]))
+    from ckpt.converters.nxd.naming import parse_step
+
+    def order(r: dict) -> tuple:  # by step, then as list_tags orders tags: by the number in the name
+        n = parse_step(r["tag"].rsplit("/", 1)[-1])
+        return (r["step"] is None, r["step"] or 0, n is None, n or 0, r["tag"])
+
+    return sorted(rows, key=order)
 
 
 def _nxd_table(rows: list[dict], root: str) -> None:

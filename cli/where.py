@@ -81,10 +81,11 @@ def explain_empty_root(root: str, storage: Any) -> str | None:
 def explain_not_a_checkpoint(path: str, storage: Any, command: str) -> str | None:
     """For ``inspect`` / ``verify`` PATH without a manifest: PATH is a folder of checkpoints, a run directory, or a
     part of an NxD tag."""
-    if storage.local:
+    here = storage.local_path() if storage.local else None
+    if here is not None and os.path.basename(here.rstrip("/")) in ("model", "optim"):  # imports torch: only then
         from ckpt.converters.nxd.naming import part_of_tag
 
-        part = part_of_tag(storage.local_path())
+        part = part_of_tag(here)
         if part is not None:
             return part.replace("point at the whole tag: ", f"run: ckpt {command} ")
     steps = _steps(storage)
