@@ -82,7 +82,10 @@ def explain_not_a_checkpoint(path: str, storage: Any, command: str) -> str | Non
     """For ``inspect`` / ``verify`` PATH without a manifest: PATH is a folder of checkpoints, a run directory, or a
     part of an NxD tag."""
     here = storage.local_path() if storage.local else None
-    if here is not None and os.path.basename(here.rstrip("/")) in ("model", "optim"):  # imports torch: only then
+    if here is not None and os.path.basename(here.rstrip("/")) in (
+        "model",
+        "optim",
+    ):  # imports torch: only then
         from ckpt.converters.nxd.naming import part_of_tag
 
         part = part_of_tag(here)
