@@ -290,7 +290,7 @@ def test_a_damaged_nxd_tag_is_listed_damaged(tmp_path: Path) -> None:
     assert r.returncode == 1 and [x["status"] for x in json.loads(r.stdout)] == ["damaged"], r.stdout
     table = ckpt_cli("ls", root)
     (row,) = [ln for ln in table.stdout.splitlines() if "step_3" in ln]
-    assert table.returncode == 1 and row.split()[6] == "damaged" and "truncated" in row, table.stdout
+    assert table.returncode == 1 and row.split()[9] == "damaged" and "truncated" in row, table.stdout
     assert "1 of 1 checkpoint under" in table.stderr, table.stderr
 
 
