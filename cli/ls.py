@@ -28,8 +28,10 @@ Examples:
   ckpt ls s3://bucket/run/checkpoints --check-files --json
 
 \b
-A checkpoint is "committed" when its manifest is valid and every data file it lists is in its folder (with
---check-files: also at its size). Exit codes: 0 listed, 1 a checkpoint is damaged, 2 bad input.
+Lists ours at any folder name up to 3 levels down, NxD tags, HF Trainer checkpoint-N, HF and DCP folders.
+One of ours is "committed" when its manifest is valid and every data file it lists is in its folder (with
+--check-files: also at its size); an NxD tag marked done whose files are missing or torn is "damaged".
+A step no file records shows as "unknown". Exit codes: 0 listed, 1 a checkpoint is damaged, 2 bad input.
 """
 
 
