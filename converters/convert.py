@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ckpt.errors import CkptError, LayoutError
+from ckpt.errors import CheckpointExistsError, CkptError, LayoutError
 from ckpt.layouts.spec import NxdFlags
 
 from . import formats
@@ -312,7 +312,7 @@ def refuse_used_dst(
         holds_src = src.startswith(dst.rstrip("/") + "/")
     if used or holds_src:
         what = f"it holds SRC {src}" if holds_src else "it is not empty"
-        raise CkptError(
+        raise CheckpointExistsError(
             f"DST {dst} already exists and {what}; DST must be a new or empty folder, choose another"
         )
 
