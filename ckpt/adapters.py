@@ -25,6 +25,7 @@ import torch
 import xxhash
 
 from .errors import BaseMismatchError, StateMismatchError
+from .words import count
 
 DIGEST_ALGO = "xxh3_128"
 
@@ -188,8 +189,8 @@ def check_base(record: dict[str, Any], live: BaseIdentity, rank: int, world: int
         want = digests[0]  # a replicated base: every rank holds the same tensors
     else:
         raise StateMismatchError(
-            f"{where}: the adapter's base was recorded for {len(digests)} ranks holding different shards; restore "
-            f"on {len(digests)} ranks (now {world}) or pass check_base=False"
+            f"{where}: the adapter's base was recorded for {count(len(digests), 'rank')} holding different shards; restore "
+            f"on {count(len(digests), 'rank')} (now {world}) or pass check_base=False"
         )
     if want is None:  # converted from a format that does not identify the base (NxD LoRA tag, PEFT folder)
         import warnings

@@ -185,6 +185,15 @@ class Reader(StorageReader):
 OPTIM = "optim/"
 
 
+def _backend(devices: set[str]) -> str:
+    """The manifest's ``backend`` from the device types the saved tensors lived on (``cuda``, ``xla``, ``cpu``)."""
+    if "cuda" in devices:
+        return "cuda"
+    if "xla" in devices or "neuron" in devices:
+        return "neuron"
+    return "cpu"
+
+
 class Writer(StorageWriter):
     """A DCP ``StorageWriter`` that writes one ckpt checkpoint (see the module docstring).
 
@@ -246,6 +255,8 @@ class Writer(StorageWriter):
         )
         results: list[WriteResult] = []
         values: dict[str, Any] = {}
+        devices: set[str] = set()  # where the tensors lived: the manifest's backend
+        sharded = False  # a box smaller than its tensor: DTensor shards (else whole tensors)
         try:
             for item in plan.items:
                 fqn = item.index.fqn
@@ -257,6 +268,8 @@ class Writer(StorageWriter):
                 td = item.tensor_data
                 assert td is not None
                 data = planner.resolve_data(item).detach()
+                devices.add(data.device.type)
+                sharded = sharded or tuple(td.chunk.sizes) != tuple(td.size)
                 name = self._name(fqn)
                 role, param, key = "parameter", None, None
                 if name.startswith(OPTIM) and name.count("/") >= 2:
@@ -275,13 +288,12 @@ class Writer(StorageWriter):
             raise
         finally:
             writer.close()
+        carried = (receipt, values, (sorted(devices), sharded))
         if results:
-            results[0] = dataclasses.replace(results[0], storage_data=(receipt, values))
+            results[0] = dataclasses.replace(results[0], storage_data=carried)
         else:
             results.append(
-                WriteResult(
-                    index=MetadataIndex(f"$ckpt-rank-{rank}"), size_in_bytes=0, storage_data=(receipt, values)
-                )
+                WriteResult(index=MetadataIndex(f"$ckpt-rank-{rank}"), size_in_bytes=0, storage_data=carried)
             )
         fut: Future[list[WriteResult]] = Future()
         fut.set_result(results)
@@ -294,11 +306,15 @@ class Writer(StorageWriter):
         from ckpt.storage import open_storage
 
         receipts, values = [], {}
+        devices: set[str] = set()
+        sharded = False
         for per_rank in results:
             carried = [r.storage_data for r in per_rank if r.storage_data is not None]
-            for receipt, vals in carried:
+            for receipt, vals, (devs, shards) in carried:
                 receipts.append(receipt)
                 values.update(vals)
+                devices.update(devs)
+                sharded = sharded or shards
         metas = []
         for fqn, md in metadata.state_dict_metadata.items():
             if not isinstance(md, TensorStorageMetadata):
@@ -313,8 +329,13 @@ class Writer(StorageWriter):
             "optimizer": None, "scheduler": None, "scaler": None, "rng": {}, "progress": {"step": self.step},
             "data": {}, "tokenizer": None, "user": {"dcp": values} if values else None, "extra": {},
         }  # fmt: skip
-        layout = Layout(world_size=len(results), kind="dtensor")
+        layout = Layout(world_size=len(results), kind="dtensor" if sharded else "replicated")
         manifest = build_manifest(
-            step=self.step, backend="cuda", layout=layout, metas=metas, receipts=receipts, trees=trees
+            step=self.step,
+            backend=_backend(devices),
+            layout=layout,
+            metas=metas,
+            receipts=receipts,
+            trees=trees,
         )
         publish(open_storage(self.path, self.storage_options), manifest)

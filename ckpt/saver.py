@@ -63,6 +63,7 @@ from .replicas import check_replica_groups, check_replicas, replicated_keys
 from .staging import HostStager, Staged
 from .state import NamedTensor, model_tensors, optimizer_capture, state_dict_of
 from .storage import Storage, open_storage
+from .words import count
 
 # A layout hook: given a named tensor, return (global shape, local box, local tensor, partition metadata) when the
 # tensor is a shard of a bigger logical tensor that plain torch cannot describe (NxD TP shards), else None.
@@ -442,7 +443,7 @@ class Checkpointer:
             rest = sum(s for s, f in zip(sizes, flags, strict=True) if not f)
             if rest:
                 n = flags.count(False)
-                reason = f"{n} tensor(s), {rest} bytes, not owned by the optimizer (buffers, frozen weights)"
+                reason = f"{count(n, 'tensor')}, {rest} bytes, not owned by the optimizer (buffers, frozen weights)"
         if begin is None:
             staged = Staged(self.stager.stage(tensors))
         else:

@@ -9,9 +9,19 @@ import sys
 
 from rich.console import Console
 
+
+class _Console(Console):
+    """rich's Console, but a closed pipe (``ckpt inspect X | head``) reaches the command group like any other
+    BrokenPipeError (rich would exit 1, which reads as "damage found")."""
+
+    def on_broken_pipe(self) -> None:
+        self.quiet = True
+        raise BrokenPipeError
+
+
 # Piped output (logs, CI, tests) gets a wide console so that tables are not cut to 80 columns.
-out = Console(highlight=False, soft_wrap=True, width=None if sys.stdout.isatty() else 200)
-err = Console(stderr=True, highlight=False, soft_wrap=True, width=None if sys.stderr.isatty() else 200)
+out = _Console(highlight=False, soft_wrap=True, width=None if sys.stdout.isatty() else 200)
+err = _Console(stderr=True, highlight=False, soft_wrap=True, width=None if sys.stderr.isatty() else 200)
 
 
 def human_bytes(n: int) -> str:

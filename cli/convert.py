@@ -12,6 +12,7 @@ from typing import Any
 import click
 
 from ckpt.errors import CkptError
+from ckpt.words import count
 
 from .common import err, human_bytes, out
 
@@ -111,7 +112,12 @@ def layout_options(fn: Callable[..., Any]) -> Callable[..., Any]:
     help="HF model_type of a model whose config.json lacks one (llama, mistral, qwen2, qwen3, mixtral, qwen3_moe); "
     "never guessed.",
 )
-@click.option("--step", type=int, default=None, help="Step to record (default: the source's).")
+@click.option(
+    "--step",
+    type=click.IntRange(min=0),
+    default=None,
+    help="Step to record (default: the source's; needed where SRC records none).",
+)
 @click.option(
     "--consumed-samples",
     "consumed_samples",
@@ -219,6 +225,9 @@ def convert(
         )
         return
     if dry_run:
+        from ckpt.converters.convert import check_paths
+
+        check_paths(src, dst)  # the plan of a conversion that would be refused is that refusal
         source = open_source(src, opts, run)
         try:
             d = describe(plan_conversion(source, opts), opts, run)
@@ -248,7 +257,8 @@ def convert(
             f"(largest part {human_bytes(pm['part'])}, source cache {human_bytes(pm['source_cache'])}, "
             f"{fmt} target {human_bytes(pm['target'])})"
         )
-        out.print(f"  step: {d['step']}, workers: {workers}")
+        step_text = "unknown (SRC records none; pass --step N)" if d["step"] is None else d["step"]
+        out.print(f"  step: {step_text}, workers: {workers}", markup=False)
         return
     _run(run_convert, src, dst, opts, run, as_json)
 
@@ -328,7 +338,7 @@ def _run(run_convert, src: str, dst: str, opts, run, as_json: bool) -> None:  # 
         click.echo(json.dumps(dataclasses.asdict(result), indent=2))
         return
     out.print(
-        f"converted {result.tensors} tensors ({human_bytes(result.bytes)}) -> {result.dst} [{result.format}]",
+        f"converted {count(result.tensors, 'tensor')} ({human_bytes(result.bytes)}) -> {result.dst} [{result.format}]",
         markup=False,  # "[hf]" is text, not a style
     )
     for note in getattr(result, "notes", ()):

@@ -11,6 +11,8 @@ from typing import Any
 
 import click
 
+from ckpt.words import count
+
 from .common import human_bytes, out
 from .table import Col, print_table
 
@@ -44,7 +46,7 @@ def inspect_foreign(path: str, as_json: bool) -> None:
             click.echo(json.dumps(doc, indent=2))
             return
         out.print(
-            f"{path}  {FORMAT_WORDS.get(source.format, source.format)} folder  {source.layout} layout  {len(tensors)} tensors  {human_bytes(total)}",
+            f"{path}  {FORMAT_WORDS.get(source.format, source.format)} folder  {source.layout} layout  {count(len(tensors), 'tensor')}  {human_bytes(total)}",
             markup=False,
         )
         rows = [
@@ -93,7 +95,7 @@ def verify_foreign(path: str, as_json: bool) -> list[str]:
                                "problems": problems, "checksums": False}, indent=2))  # fmt: skip
     elif not problems:
         out.print(
-            f"ok {path}: {FORMAT_WORDS.get(source.format, source.format)} folder, {n} tensors readable at their header's shape and dtype "
+            f"ok {path}: {FORMAT_WORDS.get(source.format, source.format)} folder, {count(n, 'tensor')} readable at their header's shape and dtype "
             "(the format has no checksums)",
             markup=False,
         )

@@ -43,6 +43,11 @@ def reported() -> Iterator[None]:
     except CkptError as exc:
         click.echo(error_line(exc), err=True)
         raise click.exceptions.Exit(exc.exit_code) from None
+    except click.UsageError as exc:
+        # click's own "Usage: ... Error: ..." block, in our one-line spelling (unknown command, option, value)
+        where = exc.ctx.command_path if exc.ctx is not None else "ckpt"
+        click.echo(f"{ERROR_PREFIX}{exc.format_message().rstrip('.')}; see: {where} --help", err=True)
+        raise click.exceptions.Exit(2) from None
     except BrokenPipeError:
         # ``ckpt ls | head``: the reader left; say nothing more (and let nothing flush into the closed pipe)
         import os
@@ -61,6 +66,12 @@ def reported() -> Iterator[None]:
         raise click.exceptions.Exit(INTERRUPTED_EXIT) from None
 
 
+def _not_xla_default(record: Any) -> bool:
+    """torch_xla logs ``Defaulting to PJRT_DEVICE=CPU`` on the root logger whenever something imports it (accelerate
+    does, under transformers); no ``ckpt`` command computes on an XLA device, so the line says nothing to our user."""
+    return not str(record.msg).startswith("Defaulting to PJRT_DEVICE")
+
+
 class CkptGroup(click.Group):
     """A click group that reports errors and interruptions of its commands (and of its own parsing) as above."""
 
@@ -69,7 +80,10 @@ class CkptGroup(click.Group):
             return super().make_context(*args, **kwargs)
 
     def invoke(self, ctx: click.Context) -> Any:
+        import logging
         import warnings
+
+        logging.getLogger().addFilter(_not_xla_default)
 
         with reported(), warnings.catch_warnings():  # the command's own option parsing, imports and work
             warnings.showwarning = _show_warning

@@ -6,7 +6,7 @@ import json
 
 import click
 
-from ckpt.resume.words import plural
+from ckpt.words import count
 
 from .common import human_bytes, layout_text, out
 from .table import Col, print_table
@@ -54,7 +54,7 @@ def inspect(checkpoint: str, as_json: bool, shards: bool) -> None:
         return
     out.print(
         f"{checkpoint}  step {m.step}  {m.backend}  {layout_text(m.layout)}  "
-        f"{human_bytes(m.total_bytes)} in {plural(len(m.files), 'file')}  (format v{m.format_version}, {m.created_at})",
+        f"{human_bytes(m.total_bytes)} in {count(len(m.files), 'file')}  (format v{m.format_version}, {m.created_at})",
         markup=False,
     )
     rows = []
@@ -65,7 +65,7 @@ def inspect(checkpoint: str, as_json: bool, shards: bool) -> None:
                 t.role + (f" ({t.key})" if t.key else ""),
                 str(list(t.shape)),
                 t.dtype,
-                str(len(t.shards)) if reader.locator is None else f"{m.v2.pieces[name].count} pieces",
+                str(len(t.shards)) if reader.locator is None else count(m.v2.pieces[name].count, "piece"),
                 human_bytes(t.nbytes),
             ]
         )
@@ -86,7 +86,7 @@ def inspect(checkpoint: str, as_json: bool, shards: bool) -> None:
     print_table(out, cols, rows)
     if m.optimizer:
         out.print(
-            f"optimizer: {m.optimizer['type']}, {plural(len(m.optimizer['param_groups']), 'param group')}",
+            f"optimizer: {m.optimizer['type']}, {count(len(m.optimizer['param_groups']), 'param group')}",
             markup=False,
         )
     for label, value in (("scheduler", m.scheduler), ("scaler", m.scaler)):
@@ -129,7 +129,7 @@ def inspect(checkpoint: str, as_json: bool, shards: bool) -> None:
         else:
             out.print(
                 f"adapter only: base {base.get('source') or '(source unknown)'} {base.get('digest')}, "
-                f"{base.get('tensors')} tensors, {human_bytes(base.get('bytes') or 0)} not stored here",
+                f"{count(int(base.get('tensors') or 0), 'tensor')}, {human_bytes(base.get('bytes') or 0)} not stored here",
                 markup=False,
             )
     versions = m.environment.get("versions", {})

@@ -1,13 +1,26 @@
-"""``ckpt ls ROOT``: the checkpoints under a root, ordered by step, with their status (ckpt or NxD tags)."""
+"""``ckpt ls ROOT``: every checkpoint under a root, ordered by step, with its status.
+
+Ours at any name up to :data:`~ckpt.discovery.FIND_DEPTH` levels down (``step_<N>``, ``conv/gpu-500``), NxD tags,
+HF Trainer ``checkpoint-N``, HF and DCP folders: one table per kind, one JSON list with a ``format`` per row.  Each
+status comes from the checks the kind's reader makes when ``verify`` / ``convert`` opens it (our manifest and its
+files; an NxD tag's files and zip directories; a foreign folder's headers and sizes).
+"""
 
 from __future__ import annotations
 
 import json
 import sys
+from typing import TYPE_CHECKING, Any
 
 import click
 
+from ckpt.words import count
+
 from .common import human_bytes, layout_text, out
+
+if TYPE_CHECKING:
+    from ckpt.discovery import CheckpointInfo, Found
+    from ckpt.storage import Storage
 
 EPILOG = """\b
 Examples:
@@ -15,8 +28,10 @@ Examples:
   ckpt ls s3://bucket/run/checkpoints --check-files --json
 
 \b
-A checkpoint is "committed" when its manifest is valid and every data file it lists is in its folder (with
---check-files: also at its size). Exit codes: 0 listed, 1 a checkpoint is damaged, 2 bad input.
+Lists ours at any folder name up to 3 levels down, NxD tags, HF Trainer checkpoint-N, HF and DCP folders.
+One of ours is "committed" when its manifest is valid and every data file it lists is in its folder (with
+--check-files: also at its size); an NxD tag marked done whose files are missing or torn is "damaged".
+A step no file records shows as "unknown". Exit codes: 0 listed, 1 a checkpoint is damaged, 2 bad input.
 """
 
 
@@ -25,59 +40,94 @@ A checkpoint is "committed" when its manifest is valid and every data file it li
 @click.option("--check-files", is_flag=True, help="Also check that every data file has its size.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
 def ls(root: str, check_files: bool, as_json: bool) -> None:
-    """List checkpoints under ROOT: step, time, size, backend, layout, status."""
-    import dataclasses
-
-    from rich.text import Text
-
-    from ckpt.discovery import absent_files, list_checkpoints
+    """List the checkpoints under ROOT (ours, NxD tags, Trainer/HF/DCP folders): step, size, layout, status."""
+    from ckpt.discovery import find_checkpoints, list_checkpoints
     from ckpt.errors import CkptError
     from ckpt.storage import open_storage
 
-    from .table import Col, print_table
-    from .where import explain_empty_root, might_be_nxd
+    from .where import explain_empty_root
 
     storage = open_storage(root)
     if not storage.is_dir():
         raise CkptError(f"{root}: no such directory")
-    infos = list_checkpoints(storage, check_files=check_files)
-    # only a root without a single manifest can be NxD's (whose reader needs torch: imported just for that case)
-    if all(i.status == "uncommitted" for i in infos) and might_be_nxd(storage):
-        from ckpt.converters.nxd import summary as nxd_summary
-
-        if nxd_summary.is_nxd_dir(root):
-            _ls_nxd(nxd_summary.list_nxd(root), root, as_json)
-            return
-    if not check_files:
-        # a deleted data file is visible in the folder's listing: one listing each, no stat
-        for k, i in enumerate(infos):
-            if i.status == "committed" and i.manifest is not None:
-                gone = absent_files(storage.child(i.name), i.manifest)
-                if gone:
-                    error = f"{storage.child(i.name).display()}: {', '.join(gone[:4])}"
-                    infos[k] = dataclasses.replace(i, status="damaged", error=error)
+    found = find_checkpoints(storage)
+    if len(found) == 1 and found[0].rel == "" and found[0].kind != "nxd":
+        raise CkptError(
+            explain_empty_root(root, storage) or f"{root} is a checkpoint; run: ckpt inspect {root}"
+        )
+    # ours: the step_<N> folders (with the uncommitted leftovers among them) and any other folder with a manifest
+    other = {f.rel for f in found if f.kind != "ckpt"}  # an NxD tag named step_3 is not an uncommitted save
+    infos = [i for i in list_checkpoints(storage, check_files=check_files) if i.name not in other]
+    listed = {i.name for i in infos}
+    infos += [_ours(storage, f.rel, check_files) for f in found if f.kind == "ckpt" and f.rel not in listed]
+    infos = [_absent(storage, i) if not check_files else i for i in infos]
+    infos.sort(key=lambda i: (i.step is None, i.step or 0, i.name))
+    others = [f for f in found if f.kind != "ckpt"]
+    nxd_rows = _nxd_rows(storage, [f for f in others if f.kind == "nxd"])
+    foreign = _foreign_rows(storage, [f for f in others if f.kind != "nxd"])
     if as_json:
-        rows = [
-            {
-                "step": i.step,
-                "name": i.name,
-                "status": i.status,
-                "error": i.error,
-                "created_at": i.manifest.created_at if i.manifest else None,
-                "bytes": i.manifest.total_bytes if i.manifest else None,
-                "backend": i.manifest.backend if i.manifest else None,
-                "layout": dataclasses.asdict(i.manifest.layout) if i.manifest else None,
-            }
-            for i in infos
-        ]
+        rows = [_ours_json(i) for i in infos] + nxd_rows + foreign
         click.echo(json.dumps(rows, indent=2))
-        _exit(infos, root)
-    if not infos:
-        why = explain_empty_root(root, storage)
-        if why is not None:
-            raise CkptError(why)
+        _exit(infos, nxd_rows, foreign, root)
+    if not infos and not nxd_rows and not foreign:
         click.echo(f"no checkpoints under {root}")
         return
+    if infos:
+        _ours_table(infos, root)
+    if nxd_rows:
+        _nxd_table(nxd_rows, root)
+    if foreign:
+        _foreign_table(foreign, root)
+    _exit(infos, nxd_rows, foreign, root)
+
+
+def _ours(storage: Storage, rel: str, check_files: bool) -> CheckpointInfo:
+    from ckpt.discovery import inspect_any
+
+    return inspect_any(storage, rel, check_files)
+
+
+def _absent(storage: Storage, i: CheckpointInfo) -> CheckpointInfo:
+    """A deleted data file is visible in the folder's listing: one listing each, no stat."""
+    import dataclasses
+
+    from ckpt.discovery import absent_files
+
+    if i.status == "committed" and i.manifest is not None:
+        sub = storage.child(i.name)
+        gone = absent_files(sub, i.manifest)
+        if gone:
+            return dataclasses.replace(i, status="damaged", error=f"{sub.display()}: {', '.join(gone[:4])}")
+    return i
+
+
+def _ours_json(i: CheckpointInfo) -> dict[str, Any]:
+    import dataclasses
+
+    m = i.manifest
+    return {
+        "format": "ckpt",
+        "step": i.step,
+        "name": i.name,
+        "status": i.status,
+        "error": i.error,
+        "created_at": m.created_at if m else None,
+        "bytes": m.total_bytes if m else None,
+        "backend": m.backend if m else None,
+        "layout": dataclasses.asdict(m.layout) if m else None,
+    }
+
+
+def _step_text(step: int | None) -> str:
+    return "unknown" if step is None else str(step)
+
+
+def _ours_table(infos: list[CheckpointInfo], root: str) -> None:
+    from rich.text import Text
+
+    from .table import Col, print_table
+
+    named = any("/" in i.name or not i.name.startswith("step_") for i in infos)  # not all step_<N> of ROOT
     style = {"committed": "green", "uncommitted": "yellow"}
     rows = []
     for i in infos:
@@ -87,7 +137,8 @@ def ls(root: str, check_files: bool, as_json: bool) -> None:
             status.append(f" {i.error or ''}")
         rows.append(
             [
-                str(i.step),
+                _step_text(i.step),
+                *([i.name] if named else []),
                 m.created_at if m else "",
                 human_bytes(m.total_bytes) if m else "",
                 m.backend if m else "",
@@ -95,35 +146,56 @@ def ls(root: str, check_files: bool, as_json: bool) -> None:
                 status,
             ]
         )
-    cols = [Col("step", "right"), Col("time"), Col("size", "right"), Col("backend"), Col("layout"),
-            Col("status", fold=True)]  # fmt: skip
+    cols = [Col("step", "right"), *([Col("checkpoint", name=True)] if named else []), Col("time"),
+            Col("size", "right"), Col("backend"), Col("layout"), Col("status", fold=True)]  # fmt: skip
     print_table(out, cols, rows, title=root)
-    _exit(infos, root)
 
 
-def _exit(infos: list, root: str) -> None:
+def _exit(infos: list[CheckpointInfo], nxd_rows: list[dict], foreign: list[dict], root: str) -> None:
     """Exit 1 when a checkpoint is damaged, saying so on stderr too (scripts that read only stderr and the exit
-    code see why), 0 otherwise."""
+    code see why), 0 otherwise.  An NxD tag without ``done`` that misses files is a save that did not finish, not
+    damage."""
     bad = [i.name for i in infos if i.status == "damaged"]
+    bad += [r["tag"] for r in nxd_rows if r["status"] == "damaged"]
+    bad += [r["name"] for r in foreign if r["status"] == "damaged"]
+    total = len(infos) + len(nxd_rows) + len(foreign)
     if bad:
         click.echo(
-            f"ckpt: {len(bad)} of {len(infos)} checkpoints under {root} damaged: {', '.join(bad[:4])}",
+            f"ckpt: {len(bad)} of {count(total, 'checkpoint')} under {root} damaged: {', '.join(bad[:4])}",
             err=True,
         )
         sys.exit(1)
     sys.exit(0)
 
 
-def _ls_nxd(rows: list[dict], root: str, as_json: bool) -> None:
-    """NxD tags: complete (``done``), unmarked (all files, no ``done``), incomplete; ordered by step."""
+def _nxd_rows(storage: Storage, tags: list[Found]) -> list[dict]:
+    """NxD tags: their rows (:func:`~ckpt.converters.nxd.summary.list_nxd`; torch only when there are some)."""
+    if not tags:
+        return []
+    from ckpt.converters.nxd import summary as nxd_summary
+
+    top = storage.local_path()
+    rows = []
+    for f in tags:
+        for r in nxd_summary.list_nxd(f"{top}/{f.rel}" if f.rel else top):
+            rows.append({"format": "nxd", **r, "tag": f.rel or r["tag"]})
+    from ckpt.converters.nxd.naming import parse_step
+
+    def order(r: dict) -> tuple:  # by step, then as list_tags orders tags: by the number in the name
+        n = parse_step(r["tag"].rsplit("/", 1)[-1])
+        return (r["step"] is None, r["step"] or 0, n is None, n or 0, r["tag"])
+
+    return sorted(rows, key=order)
+
+
+def _nxd_table(rows: list[dict], root: str) -> None:
+    """NxD tags: complete (``done``), damaged (``done``, files missing), unmarked (all files, no ``done``),
+    incomplete; ordered by step."""
     from rich.text import Text
 
     from .table import Col, print_table
 
-    if as_json:
-        click.echo(json.dumps(rows, indent=2))
-        sys.exit(_nxd_exit(rows))
-    colour = {"complete": "green", "unmarked": "yellow", "incomplete": "red"}
+    colour = {"complete": "green", "unmarked": "yellow", "incomplete": "red", "damaged": "red"}
     table = []
     for r in rows:
         layout = " ".join(f"{k}={r[k]}" for k in ("tp", "pp", "dp", "ep") if k in r)
@@ -137,7 +209,7 @@ def _ls_nxd(rows: list[dict], root: str, as_json: bool) -> None:
             status.append(f" {r['problems'][0]}")
         table.append(
             [
-                "" if r["step"] is None else str(r["step"]),
+                _step_text(r["step"]),
                 r["tag"],
                 human_bytes(r["bytes"]) if "bytes" in r else "",
                 layout,
@@ -148,9 +220,59 @@ def _ls_nxd(rows: list[dict], root: str, as_json: bool) -> None:
     cols = [Col("step", "right"), Col("tag", name=True), Col("size", "right"), Col("layout"), Col("form"),
             Col("status", fold=True)]  # fmt: skip
     print_table(out, cols, table, title=f"{root} (NxD)")
-    sys.exit(_nxd_exit(rows))
 
 
-def _nxd_exit(rows: list[dict]) -> int:
-    """1 when a tag marked ``done`` has problems (damage); an incomplete tag is a save that did not finish."""
-    return 1 if any(r["status"] == "complete" and r["problems"] for r in rows) else 0
+_FORMAT_WORDS = {"hf-trainer": "HF Trainer", "hf": "Hugging Face", "dcp": "DCP"}
+
+
+def _foreign_rows(storage: Storage, folders: list[Found]) -> list[dict]:
+    """Trainer ``checkpoint-N``, HF and DCP folders, checked as ``convert`` / ``verify`` open them (every file
+    present, headers consistent with file sizes); the step is a Trainer's ``global_step``, else unknown."""
+    if not folders:
+        return []
+    from ckpt.converters import formats
+
+    from ckpt.errors import CkptError
+
+    top = storage.local_path()
+    rows = []
+    for f in folders:
+        path = f"{top}/{f.rel}" if f.rel else top
+        row: dict = {"format": f.kind, "step": None, "name": f.rel, "status": "ok", "problems": []}
+        try:
+            source = formats.get(f.kind).load().open_source(path)
+        except CkptError as e:
+            row.update(status="damaged", problems=[str(e)])
+        else:
+            try:
+                row["step"] = source.trees.step if source.step_recorded else None
+                row["tensors"] = len(source.tensors)
+                row["bytes"] = sum(d.nbytes for d in source.tensors.values())
+            finally:
+                source.close()
+        rows.append(row)
+    return sorted(rows, key=lambda r: (r["step"] is None, r["step"] or 0, r["name"]))
+
+
+def _foreign_table(rows: list[dict], root: str) -> None:
+    from rich.text import Text
+
+    from .table import Col, print_table
+
+    table = []
+    for r in rows:
+        status = Text(r["status"], style="green" if r["status"] == "ok" else "red")
+        if r["problems"]:
+            status.append(f" {r['problems'][0]}")
+        table.append(
+            [
+                _step_text(r["step"]),
+                r["name"],
+                _FORMAT_WORDS[r["format"]],
+                human_bytes(r["bytes"]) if "bytes" in r else "",
+                status,
+            ]
+        )
+    cols = [Col("step", "right"), Col("folder", name=True), Col("format"), Col("size", "right"),
+            Col("status", fold=True)]  # fmt: skip
+    print_table(out, cols, table, title=f"{root} (other formats)")

@@ -7,7 +7,7 @@ import sys
 
 import click
 
-from ckpt.resume.words import plural
+from ckpt.words import count
 
 from .common import err, out
 
@@ -69,7 +69,8 @@ def verify(checkpoint: str, as_json: bool) -> None:
     _report_problems(checkpoint, problems, as_json)
     if not as_json:
         out.print(
-            f"[green]ok[/] {checkpoint}: step {m.step}, {plural(len(m.tensors), 'tensor')}, {plural(len(m.files), 'file')} verified",
+            f"[green]ok[/] {checkpoint}: step {m.step}, {count(len(m.tensors), 'tensor')}, "
+            f"{count(len(m.files), 'file')} verified",
             highlight=False,
         )
 
@@ -81,7 +82,7 @@ def _report_problems(checkpoint: str, problems: list[str], as_json: bool) -> Non
     if not as_json:
         for p in problems:
             err.print(f"damaged {checkpoint}: {p}", markup=False)
-        err.print(f"{len(problems)} problem(s) in {checkpoint}", markup=False)
+        err.print(f"{count(len(problems), 'problem')} in {checkpoint}", markup=False)
     sys.exit(1)
 
 
@@ -98,6 +99,7 @@ def _verify_nxd(tag: str, as_json: bool) -> None:
                                "tensors": n, "problems": [], "checksums": True}, indent=2))  # fmt: skip
         return
     out.print(
-        f"ok {tag}: NxD tag, {len(t.per_rank_model)} rank files, {n} model tensors, CRC32s verified",
+        f"ok {tag}: NxD tag, {count(len(t.per_rank_model), 'rank file')}, {count(n, 'model tensor')}, "
+        "CRC32s verified",
         markup=False,
     )

@@ -7,10 +7,12 @@ files (no torch).
 
 from __future__ import annotations
 
+import os
 import re
 from typing import Any
 
 from ckpt.manifest import MANIFEST_NAME
+from ckpt.words import holds_not_one
 
 STEP_DIR = re.compile(r"^step_\d+$")
 
@@ -77,13 +79,21 @@ def explain_empty_root(root: str, storage: Any) -> str | None:
 
 
 def explain_not_a_checkpoint(path: str, storage: Any, command: str) -> str | None:
-    """For ``inspect`` / ``verify`` PATH without a manifest: PATH is a folder of checkpoints or a run directory."""
+    """For ``inspect`` / ``verify`` PATH without a manifest: PATH is a folder of checkpoints, a run directory, or a
+    part of an NxD tag."""
+    here = storage.local_path() if storage.local else None
+    if here is not None and os.path.basename(here.rstrip("/")) in (
+        "model",
+        "optim",
+    ):  # imports torch: only then
+        from ckpt.converters.nxd.naming import part_of_tag
+
+        part = part_of_tag(here)
+        if part is not None:
+            return part.replace("point at the whole tag: ", f"run: ckpt {command} ")
     steps = _steps(storage)
     if steps:
-        return (
-            f"{path} holds {len(steps)} checkpoint{'s' if len(steps) != 1 else ''} ({steps[0]} .. {steps[-1]}), not one; run: ckpt {command} "
-            f"{path}/{steps[-1]} (or ckpt ls {path})"
-        )
+        return f"{holds_not_one(path, steps, 'checkpoint', f'ckpt {command}')} (or ckpt ls {path})"
     for sub in ("checkpoints", "ckpt", "checkpoint"):
         if storage.is_dir(sub) and _steps(storage.child(sub)):
             return f"{path} is a run directory; its checkpoints are in {sub}/; run: ckpt ls {path}/{sub}"
@@ -98,6 +108,18 @@ def strip_manifest(path: str) -> str:
     return path
 
 
+def _a_file(path: str, command: str) -> str:
+    """``ckpt inspect model.safetensors``: a file, where a checkpoint folder was expected; name the folder when it is
+    a checkpoint."""
+    from ckpt.storage import open_storage
+
+    folder = os.path.dirname(os.path.abspath(path))
+    kind = _kind(open_storage(folder))
+    if kind is not None:
+        return f"{path} is a file of {_KIND_WORDS[kind]}; ckpt {command} takes the folder: run: ckpt {command} {folder}"
+    return f"{path} is a file; ckpt {command} takes a checkpoint folder"
+
+
 def resolve_checkpoint(path: str, command: str) -> tuple[str, str]:
     """``(path, kind)`` of what ``inspect`` / ``verify`` was pointed at: ``"checkpoint"`` (ours; also for any path
     this cannot list, whose reader then says what is wrong), ``"nxd"``, ``"hf"`` or ``"dcp"``.  A folder of
@@ -107,6 +129,8 @@ def resolve_checkpoint(path: str, command: str) -> tuple[str, str]:
 
     path = strip_manifest(path)
     storage = open_storage(path)
+    if storage.local and os.path.isfile(path):
+        raise CkptError(_a_file(path, command))
     try:
         if not storage.is_dir():
             return path, "checkpoint"
@@ -128,7 +152,6 @@ def resolve_checkpoint(path: str, command: str) -> tuple[str, str]:
             names = [t["tag"] for t in tags]
             if names:
                 raise CkptError(
-                    f"{path} holds {len(names)} NxD tag{'s' if len(names) != 1 else ''} ({', '.join(names[:4])}), not one; run: ckpt {command} "
-                    f"{path}/{names[-1]} (or ckpt ls {path})"
+                    f"{holds_not_one(path, names, 'NxD tag', f'ckpt {command}')} (or ckpt ls {path})"
                 )
     return path, "checkpoint"

@@ -14,12 +14,13 @@ import dataclasses
 import functools
 import os
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ckpt.errors import CkptError, LayoutError
+from ckpt.errors import CheckpointExistsError, CkptError, LayoutError
 from ckpt.layouts.spec import NxdFlags
 
 from . import formats
@@ -109,24 +110,27 @@ def _record_consumed_samples(source: Source, samples: int) -> None:
         source.trees.progress["samples"] = samples
 
 
-#: source formats whose folders carry no step (the output's step is ``--step`` or 0)
-_NO_STEP_FORMATS = {"hf": "Hugging Face folder", "dcp": "DCP folder"}
+#: how each output format records the step, when SRC records none (None: the format has no step to record)
+_STEP_IN_OUTPUT = {
+    "ckpt": "the output records step 0",
+    "hf-trainer": "its trainer_state.json records global_step 0",
+    "nxd": "the NxD tag records none either",
+}
+
+
+def step_unknown(conv: Conversion, opts: ConvertOptions) -> bool:
+    """SRC's files record no training step and ``--step`` was not given."""
+    return opts.step is None and not conv.source.step_recorded
 
 
 def warn_unrecorded_step(conv: Conversion, opts: ConvertOptions) -> None:
-    """Say which step the output gets when SRC records none and ``--step`` was not given (after planning, so a
-    refused request is one error line and nothing else)."""
-    if opts.step is not None or conv.source.format not in _NO_STEP_FORMATS:
+    """Say which step the output gets when SRC records none and ``--step`` was not given, for output formats that
+    record one (after planning, so a refused request is one error line and nothing else)."""
+    result = _STEP_IN_OUTPUT.get(opts.format)
+    if not step_unknown(conv, opts) or result is None:
         return
-    result = (
-        "the NxD tag will record none (its step is then read from its name)"
-        if opts.format == "nxd"
-        else f"the output records step {conv.trees.step}"
-    )
     warnings.warn(
-        f"{conv.source.path}: a {_NO_STEP_FORMATS[conv.source.format]} records no training step; {result} "
-        "(pass --step N to set it)",
-        stacklevel=3,
+        f"{conv.source.path}: SRC records no training step; {result} (pass --step N to set it)", stacklevel=3
     )
 
 
@@ -246,7 +250,7 @@ def describe(conv: Conversion, opts: ConvertOptions, run: RunOptions | None = No
         "largest_tensor": max((t.desc.nbytes for t in written), default=0),
         "peak_memory_estimate": mem.total,
         "peak_memory": {"part": mem.part, "source_cache": mem.source, "target": mem.export},
-        "step": conv.trees.step,
+        "step": None if step_unknown(conv, opts) else conv.trees.step,
         "workers": run.workers,
     }
 
@@ -291,8 +295,9 @@ def _local(p: str) -> Path | None:
     return Path(p.removeprefix("file://")).resolve()
 
 
-def check_paths(src: str, dst: str) -> None:
-    """SRC is never written: DST may be neither SRC nor inside it; neither is a mangled URL (``s3:/b/x``)."""
+def check_paths(src: str, dst: str, storage_options: dict[str, Any] | None = None) -> None:
+    """SRC is never written: DST may be neither SRC, nor inside it, nor above it, nor any used folder; neither is a
+    mangled URL (``s3:/b/x``).  The same checks, and messages, for every output format, before any work."""
     from ckpt.storage import refuse_mangled_url
 
     refuse_mangled_url(src)
@@ -301,12 +306,40 @@ def check_paths(src: str, dst: str) -> None:
     if a is None or b is None:
         if src.rstrip("/") == dst.rstrip("/") or dst.startswith(src.rstrip("/") + "/"):
             raise CkptError(f"DST {dst} is inside SRC {src}; SRC is never written, choose a DST outside it")
+        if b is None:
+            refuse_used_dst(dst, src, storage_options=storage_options)
         return
     if a == b:
         raise CkptError("SRC and DST are the same path; SRC is never written")
     if a in b.parents:
         raise CkptError(f"DST {dst} is inside SRC {src}; SRC is never written, choose a DST outside it")
     check_writable_dst(dst, b)
+    refuse_used_dst(dst, src, local=b, src_path=a)
+
+
+def refuse_used_dst(
+    dst: str,
+    src: str,
+    *,
+    local: Path | None = None,
+    src_path: Path | None = None,
+    storage_options: dict[str, Any] | None = None,
+) -> None:
+    """DST must be a new (or empty) folder: one that holds anything, SRC above all, is refused with one message
+    whatever the output format (a converted checkpoint would land beside, or over, what the folder holds)."""
+    if local is not None:
+        used = local.is_dir() and any(local.iterdir())
+        holds_src = src_path is not None and local in src_path.parents
+    else:
+        from ckpt.storage import open_storage
+
+        used = bool(open_storage(dst, storage_options).listdir())
+        holds_src = src.startswith(dst.rstrip("/") + "/")
+    if used or holds_src:
+        what = f"it holds SRC {src}" if holds_src else "it is not empty"
+        raise CheckpointExistsError(
+            f"DST {dst} already exists and {what}; DST must be a new or empty folder, choose another"
+        )
 
 
 def check_writable_dst(dst: str, path: Path) -> None:
@@ -320,6 +353,33 @@ def check_writable_dst(dst: str, path: Path) -> None:
         raise CkptError(f"DST {dst}: {parent} is a file, not a folder; choose a DST under a folder")
     if not os.access(parent, os.W_OK | os.X_OK):
         raise CkptError(f"DST {dst}: {parent} is not writable by this user; choose a writable location")
+
+
+def _new_dirs(dst: str) -> list[Path]:
+    """The local folders that writing ``dst`` would create (``dst`` first, then its missing parents)."""
+    p = _local(dst)
+    made: list[Path] = []
+    while p is not None and not p.exists() and p != p.parent:
+        made.append(p)
+        p = p.parent
+    return made
+
+
+@contextmanager
+def _no_trace(dst: str) -> Iterator[None]:
+    """On any failure (Ctrl-C included) remove the folders the conversion created for ``dst``, once the export
+    has removed its files: a DST that did not exist before does not remain, not even empty."""
+    made = _new_dirs(dst)
+    try:
+        yield
+    except BaseException:
+        for d in made:  # deepest first; a folder something else wrote into meanwhile stays
+            try:
+                if d.is_dir():
+                    d.rmdir()
+            except OSError:
+                break
+        raise
 
 
 def _rebuild(src: str, opts: ConvertOptions, run: RunOptions) -> Export:
@@ -346,7 +406,7 @@ def convert(
     silently.
     """
     run = run or RunOptions()
-    check_paths(src, dst)
+    check_paths(src, dst, run.storage_options)
     from .lora import is_adapter, run_lora
 
     if opts.merge_lora is not None or opts.format == "peft" or is_adapter(src, run.storage_options):
@@ -354,7 +414,8 @@ def convert(
             raise CkptError("LoRA adapters convert in one process; drop --workers / torchrun")
         if opts.consumed_samples is not None:
             raise CkptError("--consumed-samples: a LoRA adapter conversion records no data position; drop it")
-        r = run_lora(src, dst, opts, run)
+        with _no_trace(dst):
+            r = run_lora(src, dst, opts, run)
         return ConvertResult(r.dst, r.tensors, r.bytes, r.format, notes=r.notes)
     rank, world = _dist_env()
     source = open_source(src, opts, run)
@@ -371,17 +432,18 @@ def convert(
         if opts.format == "nxd" and opts.step is not None and conv.trees.user is None and rank == 0:
             warnings.warn(
                 f"--step {opts.step}: an NxD tag keeps its step only in user_content.pt, which SRC has no content "
-                f"for; name DST step_{opts.step} so that the step is read from its name",
+                "for; DST records no step",
                 stacklevel=2,
             )
         if on_plan is not None:
             on_plan(sum(t.desc.nbytes for t in written))
-        if world > 1:
-            run_torchrun(export, dst, rank, world, progress)
-        elif run.workers > 1:
-            run_workers(export, dst, run.workers, functools.partial(_rebuild, src, opts, run), progress)
-        else:
-            run_serial(export, dst, progress)
+        with _no_trace(dst) if rank == 0 else nullcontext():
+            if world > 1:
+                run_torchrun(export, dst, rank, world, progress)
+            elif run.workers > 1:
+                run_workers(export, dst, run.workers, functools.partial(_rebuild, src, opts, run), progress)
+            else:
+                run_serial(export, dst, progress)
     finally:
         source.close()
     return ConvertResult(
@@ -394,6 +456,7 @@ __all__ = [
     "ConvertResult",
     "RunOptions",
     "check_paths",
+    "refuse_used_dst",
     "convert",
     "describe",
     "load_config",

@@ -177,6 +177,7 @@ class DCPSource(Source):
         if ignored:
             extra["dcp_ignored"] = ignored
         self.trees = Trees(step=step, optimizer=optimizer, progress={"step": step}, extra=extra)
+        self.step_recorded = False
 
     def _add_tensor(
         self, name: str, fqn: str, item: Any, role: str, param: str | None = None, key: str | None = None

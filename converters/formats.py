@@ -16,6 +16,7 @@ from types import ModuleType
 from typing import Any
 
 from ckpt.errors import CkptError, LayoutError
+from ckpt.words import holds_not_one
 
 
 @dataclass(frozen=True)
@@ -66,6 +67,11 @@ def detect(src: str, storage_options: Mapping[str, Any] | None = None) -> Format
     if remote:
         raise CkptError(f"{src}: no manifest.json; only our format is read from object stores")
     _refuse_a_root(src)
+    from .nxd.naming import part_of_tag
+
+    part = part_of_tag(src)
+    if part is not None:
+        raise CkptError(part)
     raise LayoutError(
         f"{src}: unknown checkpoint layout (expected manifest.json, a DCP .metadata, an HF config.json + "
         "*.safetensors (with trainer_state.json: a Trainer checkpoint), or NxD model/ rank files)"
@@ -83,10 +89,7 @@ def _refuse_a_root(src: str) -> None:
         d.name for d in p.iterdir() if re.fullmatch(r"step_\d+", d.name) and (d / "manifest.json").is_file()
     )
     if steps:
-        raise CkptError(
-            f"{src} holds {len(steps)} checkpoint{'s' if len(steps) != 1 else ''} ({steps[0]} .. {steps[-1]}), not one; convert one of them, "
-            f"e.g. {p / steps[-1]}"
-        )
+        raise CkptError(holds_not_one(src, steps, "checkpoint", "ckpt convert"))
     from .nxd.discovery import list_tags
 
     try:
@@ -94,10 +97,7 @@ def _refuse_a_root(src: str) -> None:
     except CkptError:
         return
     if tags:
-        raise CkptError(
-            f"{src} holds {len(tags)} NxD tag{'s' if len(tags) != 1 else ''} ({', '.join(tags[:4])}), not one; convert one of them, "
-            f"e.g. {p / tags[-1]}"
-        )
+        raise CkptError(holds_not_one(src, tags, "NxD tag", "ckpt convert"))
 
 
 __all__ = ["FORMATS", "Format", "detect", "get"]

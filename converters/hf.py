@@ -30,6 +30,7 @@ from ckpt.manifest import TensorDesc
 from ckpt.shardfile import safetensors_header, tensor_bytes
 from ckpt.storage import open_storage
 from ckpt.storage.folder import FolderTxn, begin_folder
+from ckpt.words import count
 
 from .engine import (
     MODEL_ROLES,
@@ -153,6 +154,7 @@ class HFSource(Source):
                 self._file_of[name] = fpath
                 self.tensors[name] = TensorDesc(name, "parameter", tuple(entry["shape"]), entry["dtype"])
         self.trees = Trees(step=step, progress={"step": step}, extra={"config": self.config})
+        self.step_recorded = False  # an HF model folder has no step (a Trainer checkpoint sets it below)
         self._handles: dict[Path, Any] = {}
 
     def read(self, piece: Piece) -> torch.Tensor:
@@ -223,7 +225,7 @@ def not_written(conv: Conversion, kept: Mapping[str, Any], holds: frozenset[str]
     for t in conv.tensors:
         if t.desc.name not in kept:
             left[t.desc.role] = left.get(t.desc.role, 0) + 1
-    out = [f"{n} {role.replace('_', '-')} tensor{'s' if n != 1 else ''}" for role, n in sorted(left.items())]
+    out = [count(n, f"{role.replace('_', '-')} tensor") for role, n in sorted(left.items())]
     trees = conv.trees
     for what, value in (
         ("optimizer param groups", trees.optimizer if not left else None),

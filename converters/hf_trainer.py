@@ -137,6 +137,7 @@ class TrainerSource(HFSource):
             raise CkptError(f"{state_file}: not a Trainer state ({type(exc).__name__}: {exc})") from None
         self.trees.step = step
         self.trees.progress = {"step": step}
+        self.step_recorded = True
         self.trees.extra = {"config": self.config, "hf_trainer_state": state}
         self._moments: dict[str, tuple[str, int, str]] = {}
         self._opt: Any = None
@@ -240,6 +241,7 @@ class TrainerExport(HFExport):
         if self.groups is not None:  # one more unit: optimizer.pt
             self.weights = [*self.weights, sum(t.desc.nbytes for t in self.moments.values()) or 1]
         kept = {**self.outs, **(self.moments if self.groups is not None else {})}
+        self.kept = tuple(kept)  # what the summary counts: the model and, in optimizer.pt, its moments
         holds = {"scheduler state", "RNG state"} | (
             {"optimizer param groups"} if self.groups is not None else set()
         )

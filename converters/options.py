@@ -74,6 +74,10 @@ class ConvertOptions:
         if isinstance(self.replicated, str):
             raise CkptError(f"replicated={self.replicated!r}: expected a list of globs, not one string")
         object.__setattr__(self, "replicated", tuple(self.replicated))
+        if self.step is not None and (
+            isinstance(self.step, bool) or not isinstance(self.step, int) or self.step < 0
+        ):
+            raise CkptError(f"--step {self.step!r}: expected a non-negative integer")
         if self.to not in ("cuda", "neuron"):
             raise CkptError(f"--to {self.to!r} must be cuda or neuron")
         if self.format not in FORMATS:

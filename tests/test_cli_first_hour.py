@@ -43,7 +43,7 @@ def test_the_library_refuses_a_mangled_url_too(tmp_path: Path, monkeypatch: pyte
 
 def test_an_nxd_tags_step_comes_from_its_contents_not_its_name(tmp_path: Path) -> None:
     """``run7`` holding a step-3 tag (``user_content.pt`` total_steps=3, ``scheduler.pt`` last_epoch=3) is step 3
-    in ``inspect``, ``ls`` and the converted manifest; the disagreeing name is one warning line naming all."""
+    in ``inspect``, ``ls`` and the converted manifest; the name's digits are no source, so nothing disagrees."""
     import json
     import shutil
 
@@ -52,18 +52,17 @@ def test_an_nxd_tags_step_comes_from_its_contents_not_its_name(tmp_path: Path) -
     r = ckpt_cli("inspect", tag, "--json")
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)["step"] == 3
-    (warning,) = r.stderr.splitlines()
-    assert warning.startswith("ckpt: warning: ") and "total_steps=3" in warning and "'run7'" in warning
+    assert r.stderr == "", r.stderr
     listed = ckpt_cli("ls", tag.parent, "--json")
     assert [row["step"] for row in json.loads(listed.stdout)] == [3], listed.stderr
     dst = tmp_path / "cuda"
     conv = ckpt_cli("convert", tag, dst, "--to", "cuda", "--config", CONFIG)
     assert conv.returncode == 0, conv.stderr
     assert ckpt.open_checkpoint(str(dst)).manifest.step == 3
-    assert "'run7'" in conv.stderr and "Traceback" not in conv.stderr
+    assert conv.stderr == "", conv.stderr
 
 
-def test_agreeing_sources_give_no_warning_and_a_bare_tag_falls_back_to_its_name(tmp_path: Path) -> None:
+def test_agreeing_sources_give_no_warning_and_a_bare_tag_has_an_unknown_step(tmp_path: Path) -> None:
     import shutil
     import warnings
 
@@ -74,12 +73,12 @@ def test_agreeing_sources_give_no_warning_and_a_bare_tag_falls_back_to_its_name(
         warnings.simplefilter("error")
         files = scan_tag(TAG)
         assert tag_step(files) == 3
-        assert [v for _, v in step_sources(files)] == [3, 3, 3]
+        assert [v for _, v in step_sources(files)] == [3, 3]
     bare = tmp_path / "step_12"
     shutil.copytree(TAG, bare)
     (bare / "user_content.pt").unlink()
     (bare / "scheduler.pt").unlink()
-    assert tag_step(scan_tag(bare)) == 12
+    assert tag_step(scan_tag(bare)) is None  # "step_12" is a name, not a record
 
 
 # ------------------------------------------------------------------------------------------------ 4: bad input
@@ -367,7 +366,10 @@ def test_pointing_at_the_wrong_level_says_what_to_run(
 ) -> None:
     cks = ckpt_root / "checkpoints"
     assert_one_error(ckpt_cli("ls", cks / "step_00000010"), "is a checkpoint", "ckpt inspect")
-    assert_one_error(ckpt_cli("ls", ckpt_root), "checkpoints/", f"ckpt ls {ckpt_root}/checkpoints")
+    listed = ckpt_cli("ls", ckpt_root)  # one level up: listed, under their paths (issue 29: ls finds them)
+    assert listed.returncode == 0 and "checkpoints/step_00000020" in listed.stdout, (
+        listed.stdout + listed.stderr
+    )
     assert_one_error(ckpt_cli("inspect", cks), "holds 2 checkpoints", f"ckpt inspect {cks}/step_00000020")
     assert_one_error(ckpt_cli("verify", ckpt_root), "run directory", "ckpt ls")
     r = ckpt_cli("inspect", cks / "step_00000010" / "manifest.json")

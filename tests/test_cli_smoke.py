@@ -180,7 +180,10 @@ def test_a_usage_error_exits_2_without_a_traceback() -> None:
 
 
 def test_wrong_level_refusals_need_no_torch(inputs: dict[str, Path]) -> None:
-    for args in (["ls", inputs["ckpt"]], ["ls", inputs["root"].parent], ["inspect", inputs["root"]]):
+    for args in (["ls", inputs["ckpt"]], ["inspect", inputs["root"]]):
         r, modules = run_watched(inputs["tmp"], *args)
         assert_one_error(r)
         assert "torch" not in modules, (args, modules)
+    r, modules = run_watched(inputs["tmp"], "ls", inputs["root"].parent)  # one level up: listed (issue 29)
+    assert r.returncode == 0 and "checkpoints/step_00000020" in r.stdout, r.stdout + r.stderr
+    assert "torch" not in modules, modules

@@ -144,8 +144,8 @@ def test_status_complete_unmarked_incomplete(tmp_path: Path) -> None:
         assert nxd.tag_status(t).status is nxd.TagStatus.UNMARKED
         (t / "done").write_text("1")
         (t / "model" / "dp_rank_00_tp_rank_01_pp_rank_00.pt").unlink()
-        info = nxd.tag_status(t)  # NxD trusts done; we still report what is missing
-        assert info.status is nxd.TagStatus.COMPLETE and any("tp 1" in p for p in info.problems)
+        info = nxd.tag_status(t)  # NxD trusts done; we report the tag damaged, with what is missing
+        assert info.status is nxd.TagStatus.DAMAGED and any("tp 1" in p for p in info.problems)
 
 
 def test_list_tags_orders_by_step_not_mtime(tmp_path: Path) -> None:

@@ -22,6 +22,7 @@ from enum import Enum
 from functools import lru_cache
 
 from ckpt.errors import LayoutError
+from ckpt.words import count, plural
 
 
 class Kind(str, Enum):
@@ -96,9 +97,11 @@ def find_rule(name: str, rules: tuple[Rule, ...]) -> Rule | None:
 def unmatched_message(names: Sequence[str], rule_set: str | None = None) -> str:
     """The refusal for tensor names no rule matches: the first few, the count, and the fix."""
     shown = ", ".join(names[:_LISTED]) + (f" (+{len(names) - _LISTED} more)" if len(names) > _LISTED else "")
+    n = len(names)
     return (
-        f"{len(names)} tensor(s) match no rule of layout rule set {rule_set or DEFAULT_RULE_SET}: {shown}; "
-        "their split over TP ranks is unknown. If they are replicated on every rank, declare them with "
+        f"{count(n, 'tensor')} {plural(n, 'matches', 'match')} no rule of layout rule set "
+        f"{rule_set or DEFAULT_RULE_SET}: {shown}; {plural(n, 'its', 'their')} split over TP ranks is unknown. "
+        f"If {plural(n, 'it is', 'they are')} replicated on every rank, declare {plural(n, 'it', 'them')} with "
         "--replicated GLOB (library: replicated=[...]); a sharded tensor this rule set does not know cannot be "
         "converted"
     )

@@ -20,6 +20,7 @@ from ckpt.errors import StateMismatchError
 from ckpt.layouts import zero1
 from ckpt.manifest import Box
 from ckpt.state import NamedTensor, optim_name, optimizer_meta, param_names_in_optimizer_order
+from ckpt.words import count
 
 from .partition import NxdLayout
 from .stages import stage_tensors
@@ -51,7 +52,7 @@ def dp_of(optimizer: Any, layout: NxdLayout | None = None) -> tuple[int, int]:
     rank, size = int(rank), int(size)
     if par is not None and par.ep_size == 1 and (rank, size) != (par.dp_rank, par.dp_size):
         raise StateMismatchError(
-            f"ZeRO-1 optimizer shards over {size} rank(s) as local_rank {rank}, but the parallel layout says dp_rank "
+            f"ZeRO-1 optimizer shards over {count(size, 'rank')} as local_rank {rank}, but the parallel layout says dp_rank "
             f"{par.dp_rank} of dp_size {par.dp_size}; pass the optimizer's sharding group as dp_rank=/dp_size="
         )
     return rank, size

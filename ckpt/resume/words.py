@@ -1,8 +1,8 @@
-"""Words for counts in reports: ``1 session``, ``2 sessions``, ``1 boundary``."""
+"""Words for counts in reports: ``1 session``, ``2 sessions``, ``1 boundary`` (the one helper is
+:func:`ckpt.words.count`; ``plural`` is its name here)."""
 
 from __future__ import annotations
 
+from ckpt.words import count as plural
 
-def plural(n: int, one: str, many: str | None = None) -> str:
-    """``n`` and the noun in the right number (``many`` defaults to ``one + "s"``)."""
-    return f"{n} {one if n == 1 else (many or one + 's')}"
+__all__ = ["plural"]

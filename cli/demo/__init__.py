@@ -21,6 +21,7 @@ import sys
 import click
 
 from ckpt.errors import CkptError
+from ckpt.words import count
 
 from ..common import err, out
 
@@ -194,7 +195,7 @@ def demo(workdir: str, ranks: int, steps: int, kill_at: int) -> None:
         os.makedirs(d)
     # keep every checkpoint so verify-resume can read the restored one's manifest afterwards
     common = ["--steps", str(steps), "--save-every", str(SAVE_EVERY), "--keep-last", "100"]
-    out.print(f"[bold]1/6[/] reference run: {ranks} ranks, {steps} steps")
+    out.print(f"[bold]1/6[/] reference run: {count(ranks, 'rank')}, {count(steps, 'step')}")
     _require_success("reference", *_launch(ranks, ["--run", ref, *common], logs, "reference"))
     out.print(f"[bold]2/6[/] crashing run: SIGKILL at step {kill_at}, right after an async save started")
     codes, _ = _launch(ranks, ["--run", crash, "--kill-at", str(kill_at), *common], logs, "crash")
@@ -271,7 +272,7 @@ def _convert(run_dir: str) -> None:
     a, n, b = CheckpointReader(src), CheckpointReader(neuron), CheckpointReader(back)
     qkv = next(name for name in n.manifest.tensors if "qkv_proj" in name or "q_proj" in name)
     out.print(
-        f"    neuron layout: tp={n.manifest.layout.tp}, {len(n.manifest.tensors)} tensors "
+        f"    neuron layout: tp={n.manifest.layout.tp}, {count(len(n.manifest.tensors), 'tensor')} "
         f"(e.g. {qkv} {list(n.manifest.tensors[qkv].shape)}, partition {n.manifest.tensors[qkv].partition})"
     )
     out.print(f"    [cyan]ckpt convert {neuron} {back} --to cuda[/]")
@@ -279,7 +280,7 @@ def _convert(run_dir: str) -> None:
         name for name in a.manifest.tensors if name in b.manifest.tensors and a.read(name).equal(b.read(name))
     ]
     if len(same) != len(a.manifest.tensors) or b.manifest.scheduler != a.manifest.scheduler:
-        raise DemoFailed(f"round trip changed {len(a.manifest.tensors) - len(same)} tensor(s)")
+        raise DemoFailed(f"round trip changed {count(len(a.manifest.tensors) - len(same), 'tensor')}")
     out.print(
         f"    round trip: all {len(same)} model and optimizer tensors bit-identical; step {b.manifest.step}, "
         "scheduler, RNG and data position carried"

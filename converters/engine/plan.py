@@ -168,6 +168,11 @@ def plan_to_cuda(source: Source, *, config: Mapping[str, Any] | None = None) -> 
         )
         nxd = trees.extra.pop("nxd", None)
         trees.extra["converted_from"] = {"layout": "neuron", "format": source.format, "nxd": nxd}
+        if isinstance(trees.optimizer, dict) and "base" in trees.optimizer:
+            # NxD's ZeRO-1 wrapper shards its base optimizer over DP ranks; full tensors are the base's state
+            base = trees.optimizer.pop("base")
+            trees.optimizer["type"] = base
+        trees.world_size = 1  # one full copy, saved by no CUDA world: not the Neuron ranks it came from
     move_xla_rng_out(trees)
     if cfg is not None:
         trees.extra["config"] = dict(cfg)

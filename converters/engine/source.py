@@ -49,6 +49,8 @@ class Source(ABC):
     trees: Trees
     #: the HF ``config.json`` dict when known
     config: dict[str, Any] | None = None
+    #: False when SRC's files record no training step (its ``trees.step`` is then a placeholder 0)
+    step_recorded: bool = True
     #: Neuron layouts only
     flags: NxdFlags | None = None
     record: NxdRecord | None = None

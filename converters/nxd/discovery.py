@@ -21,7 +21,9 @@ from .naming import parse_step
 
 class TagStatus(str, enum.Enum):
     COMPLETE = "complete"
-    """``done`` exists: NxD considers it loadable."""
+    """``done`` exists and every expected file is present: NxD considers it loadable, and it is."""
+    DAMAGED = "damaged"
+    """``done`` exists (NxD would load it) but files are missing or truncated: damage after the save."""
     INCOMPLETE = "incomplete"
     """no ``done`` and files are missing or truncated: a save that did not finish."""
     UNMARKED = "unmarked"
@@ -48,7 +50,7 @@ def tag_status(tag_dir: str | Path) -> TagInfo:
         return TagInfo(tag_dir.name, tag_dir, parse_step(tag_dir.name), TagStatus.INCOMPLETE, (str(e),))
     problems = tuple(find_problems(files))
     if files.has_done:
-        status = TagStatus.COMPLETE
+        status = TagStatus.DAMAGED if problems else TagStatus.COMPLETE
     elif problems:
         status = TagStatus.INCOMPLETE
     else:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from ckpt.errors import CkptError
 
-from .naming import RankKey, parse_legacy_name, parse_rank_file, rank_file_name
+from .naming import RankKey, parse_legacy_name, parse_rank_file, part_of_tag, rank_file_name
 from .xser import collect_refs, ep00_path, read_info, tensor_file, tensors_dir
 
 
@@ -77,6 +77,9 @@ def scan_tag(path: str | Path) -> TagFiles:
     path = Path(path).absolute()
     if not path.is_dir():
         raise CkptError(f"{path}: not a directory")
+    part = part_of_tag(path)
+    if part is not None:
+        raise CkptError(part)
     model_dir = path / "model"
     if not model_dir.is_dir() and any(parse_rank_file(p.name) for p in path.iterdir()):
         model_dir = path  # the converter's model/ folder given directly
@@ -165,6 +168,18 @@ def _file_problems(f: Path, xser: bool) -> list[str]:
     return [f"{torn[0]}: not a complete torch.save zip (truncated?)"] if torn else []
 
 
+def _optimizer_gone(files: TagFiles) -> list[str]:
+    """A training tag that had an optimizer but holds none of its files: an empty ``optim/`` folder, or a
+    ``scheduler.pt`` (NxD saves a scheduler with its optimizer) without ``optim/``.  Its grid cannot show the gap,
+    and read as it is the tag would silently convert to weights alone."""
+    optim = files.path / "optim"
+    if optim.is_dir():
+        return [f"{optim}: holds no optimizer rank files (optim/dp_rank_*_tp_rank_*_pp_rank_*.pt)"]
+    if files.scheduler is not None and (files.has_done or files.has_checkpoint_marker):
+        return [f"{optim}: missing (the tag holds scheduler.pt, so its save had an optimizer)"]
+    return []
+
+
 def missing_rank_files(files: TagFiles) -> list[str]:
     """The model/optim (or legacy) rank files that the tag's grid expects but are absent, one line each.
 
@@ -176,6 +191,8 @@ def missing_rank_files(files: TagFiles) -> list[str]:
     if files.is_legacy:
         return _grid_problems("legacy", set(files.legacy), files.tp_size, files.pp_size, 1)
     problems = _grid_problems("model", set(files.model), files.tp_size, files.pp_size, files.ep_size)
+    if not files.optim:
+        problems += _optimizer_gone(files)
     if files.optim:
         # ZeRO-1 names optim files without ep; a non-ZeRO run with EP names them like the model files
         ep = files.ep_size if files.dp_size == 1 else 1

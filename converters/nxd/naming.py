@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from pathlib import Path
 
 RankKey = tuple[int, int, int]
 """(tp, pp, ep) of one model-parallel rank; ep is 0 without expert parallelism."""
@@ -68,3 +69,32 @@ def parse_step(tag: str) -> int | None:
     """
     m = _LAST_NUMBER.search(tag)
     return int(m.group(1)) if m else None
+
+
+#: what a training tag holds beside ``model/``, and what the user loses by pointing at ``model/`` alone
+_TAG_PARTS = {
+    "optim": "the optimizer state (optim/)",
+    "scheduler.pt": "the scheduler (scheduler.pt)",
+    "user_content.pt": "the step and user state (user_content.pt)",
+    "done": "the 'done' marker",
+    "checkpoint": "the 'checkpoint' marker",
+}
+
+
+def part_of_tag(path: str | Path) -> str | None:
+    """When ``path`` is the ``model/`` or ``optim/`` folder of an NxD training tag, the one line saying so and what
+    the rest of the tag holds (a conversion or inspection of the part alone would silently lose it); else None.
+
+    Reads listings only (no torch), so the CLI can say it before importing the reader.
+    """
+    p = Path(path)
+    if p.name not in ("model", "optim") or not p.is_dir():
+        return None
+    tag = p.parent
+    if not (tag / "model").is_dir() or not any(parse_rank_file(c.name) for c in (tag / "model").iterdir()):
+        return None
+    beside = [what for name, what in _TAG_PARTS.items() if name != p.name and (tag / name).exists()]
+    if p.name == "model" and not beside:
+        return None  # converter output: model/ is the whole tag
+    also = f", which also holds {', '.join(beside)}" if beside else ""
+    return f"{path} is the {p.name}/ folder of the NxD tag {tag}{also}; point at the whole tag: {tag}"

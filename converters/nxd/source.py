@@ -274,6 +274,9 @@ class NxdTagSource(Source):
             step = meta.step
             if step is None and isinstance(user, dict) and isinstance(user.get("total_steps"), int):
                 step = user["total_steps"]
+        self.step_recorded = (
+            step is not None
+        )  # no file names one: unknown (the placeholder 0 is never shown as it)
         step = int(step or 0)
         self.trees = Trees(
             step=step,

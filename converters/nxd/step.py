@@ -1,22 +1,40 @@
 """The step an NxD tag stands for, read from its contents (the tag's name is only a name).
 
 NxD records no step field.  By convention the training script puts ``total_steps`` into ``user_content.pt``; a
-scheduler stepped once per optimizer step has ``last_epoch`` equal to the step; the tag name (``step_<N>``) is
-whatever the user typed, and a renamed or copied tag (``run7``) keeps its contents but not its number.  So the
-step is, in order: ``user_content.pt``'s ``total_steps`` (or ``global_step`` / ``step``), ``scheduler.pt``'s
-``last_epoch``, the digits of the tag's name; when the sources that exist disagree, a warning names them all.
+scheduler stepped once per optimizer step has ``last_epoch`` equal to the step.  A tag's name is whatever the user
+typed (``llama_v7``, ``tp4``, a renamed or copied ``run7``): digits in it are not a step, so a tag whose files name
+none has an unknown step (None; ``--step`` supplies it).  So the step is, in order: ``user_content.pt``'s
+``total_steps`` (or ``global_step`` / ``step``), ``scheduler.pt``'s ``last_epoch``, and a name only where a
+registered *strict* template (:data:`NAME_TEMPLATES`, e.g. a tool's documented tag naming) parses the whole name;
+when the sources that exist disagree, a warning names them all.
 """
 
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 from ckpt.errors import CkptError
 
 from .files import TagFiles
-from .naming import parse_step
+from .tagname import name_step as nxdt_name_step
 from .xser import load_checked
+
+#: strict tag-name parsers ``name -> step | None`` (None: the name is not in the template), tried in order.  Only a
+#: naming that a tool documents as recording the step belongs here (one that parses the *whole* name); the digits of
+#: an arbitrary name never do: NxD Training's ``<run>--step=N-consumed_samples=X[-last].ckpt`` (tagname.py).
+NAME_TEMPLATES: list[Callable[[str], int | None]] = [nxdt_name_step]
+
+
+def name_step(name: str) -> tuple[str, int] | None:
+    """``(where, step)`` from the first :data:`NAME_TEMPLATES` parser that accepts ``name``, else None."""
+    for parse in NAME_TEMPLATES:
+        v = parse(name)
+        if v is not None:
+            return f"tag name {name!r}", v
+    return None
+
 
 #: keys of ``user_content.pt`` that hold the global step, by preference
 USER_STEP_KEYS = ("total_steps", "global_step", "step")
@@ -64,14 +82,15 @@ def step_sources(
         v = _int(scheduler.get("last_epoch"))
         if v is not None:
             found.append((f"scheduler.pt last_epoch={v}", v))
-    v = parse_step(files.path.name)
-    if v is not None:
-        found.append((f"tag name {files.path.name!r}", v))
+    named = name_step(files.path.name)
+    if named is not None:
+        found.append(named)
     return found
 
 
 def tag_step(files: TagFiles, *, verify: bool = True, warn: bool = True, **loaded: Any) -> int | None:
-    """The tag's step (see the module docstring); None when no source names one.  Warns when sources disagree."""
+    """The tag's step (see the module docstring); None (unknown) when no file, nor a strict name template, records
+    one.  Warns when sources disagree."""
     found = step_sources(files, verify=verify, **loaded)
     if not found:
         return None

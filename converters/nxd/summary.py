@@ -33,7 +33,7 @@ def is_nxd_dir(path: str | Path) -> bool:
 
 def _row(info: TagInfo) -> dict[str, Any]:
     row: dict[str, Any] = {
-        "step": info.step,
+        "step": None,  # unknown until the tag's files say (never the digits of its name)
         "tag": info.name,
         "status": info.status.value,
         "problems": list(info.problems),

@@ -28,7 +28,6 @@ import dataclasses
 import re
 import warnings
 from collections.abc import Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +40,7 @@ from .export import NxdExport
 from .files import TagFiles, scan_tag
 from .source import NxdTagSource
 from .step import step_sources
+from .tagname import TagName, name_step, parse_tag_name
 from .xser import load_checked
 
 NAME = "nxdt"
@@ -49,53 +49,7 @@ NAME = "nxdt"
 ADAPTER = "nxdt"
 LIGHTNING_VERSION_KEY = "pytorch-lightning_version"
 
-_TEMPLATE = re.compile(
-    r"^(?P<run>.+?)--step=(?P<step>\d+)-consumed_samples=(?P<samples>\d+(?:\.\d+)?)(?P<last>-last)?\.ckpt$"
-)
 _MEGATRON = re.compile(r"(?:^|\.)language_model\.")
-
-
-@dataclass(frozen=True)
-class TagName:
-    """What an NxD Training tag name records: ``<run>--step=<step>-consumed_samples=<samples>[-last].ckpt``."""
-
-    run: str
-    step: int
-    consumed_samples: int
-    last: bool = False
-
-    def __str__(self) -> str:
-        # Lightning formats the logged float metric: 1280 -> "1280.0" (NxD Training's regex needs the ".")
-        return (
-            f"{self.run}--step={self.step}-consumed_samples={float(self.consumed_samples)}"
-            f"{'-last' if self.last else ''}.ckpt"
-        )
-
-
-def parse_tag_name(name: str) -> TagName | None:
-    """The step and data position an NxD Training tag name records; None for a name not of that template.
-
-    Only the documented template is read (see the module docstring).  ``consumed_samples`` is written as a float
-    (Lightning formats the logged metric); a fractional count is no sample count and is refused.
-    """
-    m = _TEMPLATE.match(name)
-    if m is None:
-        return None
-    samples = float(m["samples"])
-    if not samples.is_integer():
-        raise CkptError(f"{name}: consumed_samples={m['samples']} is not a whole number of samples")
-    return TagName(m["run"], int(m["step"]), int(samples), bool(m["last"]))
-
-
-def name_step(name: str) -> int | None:
-    """The step a tag name records under NxD Training's template, else None (never raises): a strict name parser
-    for the NxD reader's step sources, which take no digits from an arbitrary name."""
-    try:
-        parsed = parse_tag_name(name)
-    except CkptError:
-        return None
-    return parsed.step if parsed is not None else None
-
 
 def is_lightning_dict(obj: Any) -> bool:
     """A Lightning checkpoint dict (what NxD Training leaves in ``user_content.pt``)."""
