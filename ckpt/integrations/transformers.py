@@ -141,7 +141,12 @@ class CkptCallback(TrainerCallback):
             from ckpt.converters.digest import live_digest
 
             digest = live_digest(model)
-        self.ledger.restore(step, path, model_digest=digest)
+        self.ledger.restore(
+            step,
+            path,
+            model_digest=digest.tensors if digest is not None else None,
+            model_views=digest.views if digest is not None else None,
+        )
 
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self.ledger is not None:

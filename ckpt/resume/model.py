@@ -42,7 +42,10 @@ class SessionStart:
 @dataclass(frozen=True, slots=True)
 class Restore:
     """State was loaded from the checkpoint of ``step`` at ``path``; ``inferred`` when a reader guessed it.
-    ``model_digest``: the model's digest right after the restore (name -> digest), when the writer logged one."""
+    ``model_digest``: the model's digest right after the restore (name -> digest), when the writer logged one, and
+    ``model_views`` what each was taken over (:func:`ckpt.converters.digest.tensor_view`); ``unloaded``: checkpoint
+    tensors the restore did not load and ``unfilled``: model tensors it left as they were (a ``strict=False`` load
+    whose names did not match)."""
 
     time: float | None
     step: int
@@ -50,6 +53,9 @@ class Restore:
     seconds: float | None = None
     inferred: bool = False
     model_digest: dict[str, str] | None = None
+    model_views: dict[str, str] | None = None
+    unloaded: tuple[str, ...] = ()
+    unfilled: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
