@@ -25,7 +25,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import xxhash
@@ -90,6 +90,11 @@ def tensor_view(view: str, dtype: str, shape: Sequence[int], boxes: Iterable[Box
     return f"{view} {dtype}{list(shape)} {where}"
 
 
+def whole(view: str) -> str:
+    """The :func:`tensor_view` of the same tensor hashed whole (one box)."""
+    return view.rsplit(" ", 1)[0] + " whole" if view else view
+
+
 def manifest_view(m: Manifest) -> str:
     """The view a checkpoint of ours stores its tensors in: :data:`HF_VIEW` for the CUDA layout (state_dict names,
     full tensors), else a tag of its layout (sizes, kind and the Neuron record: the names, fusions and head order)."""
@@ -109,7 +114,7 @@ class CheckpointDigest:
 
     tensors: ModelDigest
     layout: str
-    views: Mapping[str, str] = field(default_factory=dict)
+    views: Mapping[str, str]
 
     @property
     def hf(self) -> bool:
@@ -304,4 +309,5 @@ __all__ = [
     "source_digest",
     "tensor_digest",
     "tensor_view",
+    "whole",
 ]

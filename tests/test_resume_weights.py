@@ -98,9 +98,20 @@ def session(run: Path, stop: int, *, bug: str | None = None) -> int | None:
     return restored
 
 
-def verify(run: Path):
-    facts = ManifestFacts(checkpoints_dir(run))
-    return verify_run(load_run(run), facts=facts)
+class CountingFacts(ManifestFacts):
+    """The run's checkpoints, counting the reads of a checkpoint's data through the engine's HF view."""
+
+    def __init__(self, root: Path) -> None:
+        super().__init__(root)
+        self.hf_view_reads: list[int] = []
+
+    def view_digest(self, step: int, path: str | None) -> object:
+        self.hf_view_reads.append(step)
+        return super().view_digest(step, path)
+
+
+def verify(run: Path, facts: ManifestFacts | None = None):
+    return verify_run(load_run(run), facts=facts or ManifestFacts(checkpoints_dir(run)))
 
 
 def test_a_restore_that_loads_no_tensor_is_named(tmp_path: Path) -> None:
@@ -145,8 +156,10 @@ def test_clean_restarts_stay_continuous(tmp_path: Path, restarts: int) -> None:
     assert session(run, 37) == 20
     if restarts == 2:
         assert session(run, 45) == 30
-    result = verify(run)
+    facts = CountingFacts(checkpoints_dir(run))
+    result = verify(run, facts)
     assert len(result.verdicts) == restarts
+    assert facts.hf_view_reads == []  # the stored layout is the model's: digests from the chunk checksums alone
     for v in result.verdicts:
         w = v.check("weights")
         assert w.status is Status.PASS, w.summary
@@ -248,13 +261,14 @@ class FillsACopy(Restorer):
         super().fill(dataclasses.replace(nt, tensor=nt.tensor.detach().clone()), entry_name)
 
 
-def llama_session(run: Path, stop: int, **restore: object) -> int | None:
+def llama_session(run: Path, stop: int, dtype: torch.dtype = torch.float32, **restore: object) -> int | None:
     """One process of a tiny Llama run with ``ckpt.CheckpointManager``: restore the newest checkpoint (``restore``:
-    extra arguments, the optimizer is left out with ``strict=False``), train to ``stop``, save every 10 steps."""
+    extra arguments, the optimizer is left out with ``strict=False``), train to ``stop`` in ``dtype``, save every 10
+    steps."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(**LLAMA))
+    model = LlamaForCausalLM(LlamaConfig(**LLAMA)).to(dtype)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     with LedgerWriter(run, world_size=1, deterministic=True) as ledger:
         mgr = ckpt.CheckpointManager(str(checkpoints_dir(run)), async_save=False, on_event=ledger.on_event)
@@ -299,7 +313,9 @@ def test_a_restore_checked_against_its_neuron_layout_checkpoint_passes(
     llama_session(run, 25)
     assert llama_session(run, 30) == 20
     to_neuron(run, 20, tp, *args)
-    result = verify(run)
+    facts = CountingFacts(checkpoints_dir(run))
+    result = verify(run, facts)
+    assert facts.hf_view_reads == [20]
     (v,) = result.verdicts
     w = v.check("weights")
     assert w.status is Status.PASS, w.summary
@@ -337,3 +353,29 @@ def test_a_non_strict_restore_of_a_neuron_layout_checkpoint_names_what_it_left(t
     assert "not restored (1 of 11 tensors differ: model.layers.0.mlp.gate_up_proj.weight; 1 the restore" in w.summary
     assert "model.layers.0.mlp.gate_proj.weight, model.layers.0.mlp.up_proj.weight left as they were" in w.summary
     assert w.numbers["view"] == "stored" and w.numbers["compared"] == 10
+
+
+@pytest.mark.parametrize("saved,resumed", [(torch.bfloat16, torch.float32), (torch.float32, torch.bfloat16)])
+def test_a_restore_into_another_dtype_is_compared_only_when_the_cast_is_exact(
+    tmp_path: Path, saved: torch.dtype, resumed: torch.dtype
+) -> None:
+    """A BF16 checkpoint restored into an F32 model: the model cast back is the checkpoint's bytes, compared from
+    the stored checksums.  An F32 checkpoint restored into a BF16 model: the cast lost bits, no view holds both in
+    one dtype, and the comparison is skipped with the reason (before, it read as 12 tensors not restored)."""
+    run = tmp_path / "run"
+    llama_session(run, 25, saved)
+    assert llama_session(run, 30, resumed) == 20
+    facts = CountingFacts(checkpoints_dir(run))
+    (v,) = verify(run, facts).verdicts
+    assert facts.hf_view_reads == []  # whole tensors would not compare either: the checkpoint's data is not read
+    w = v.check("weights")
+    if saved == torch.bfloat16:
+        assert w.status is Status.PASS and w.numbers["view"] == "stored", w.summary
+        assert w.summary.startswith("weights after restore equal step_00000020's (12 tensors)")
+    else:
+        assert w.status is Status.SKIP and w.numbers["compared"] == 0, w.summary
+        assert w.summary.endswith("step_00000020 differs from the 1 earlier checkpoint")  # that part is checked
+        assert "weights after restore not compared with step_00000020's: 12 in another dtype, shape or layout (" in (
+            w.summary
+        )
+        assert "the model's hf BF16[64, 32] whole, the checkpoint's hf F32[64, 32] whole" in w.summary

@@ -89,7 +89,7 @@ def _why(live_views: Mapping[str, str], left: list[str], ref: Any, ref_label: st
 def _compare_restore(ctx: CheckContext, cur: Any, path: str | None, label: str) -> _Restored | str:
     """The restore digest compared with the checkpoint's in a common view, or why it cannot be (a string)."""
     from ckpt.converters.diff import compare_digests
-    from ckpt.converters.digest import UNKNOWN, common_view
+    from ckpt.converters.digest import UNKNOWN, common_view, whole
 
     r = ctx.boundary.restore
     assert r is not None and r.model_digest
@@ -100,8 +100,9 @@ def _compare_restore(ctx: CheckContext, cur: Any, path: str | None, label: str) 
         return "rank 0 held none of the model's tensors whole (a sharded model: DTensor or TP parts)"
     ck, lv, left = common_view(live, views, cur, live)
     ref, ref_label, hf_view = cur, label, False
-    if left and (not cur.hf or any(n in cur.tensors for n in left)):
-        # the stored layout is not the model's (a Neuron layout, other chunks or dtypes): the engine's full view
+    if left and (not cur.hf or any(whole(cur.views.get(n, "")) == views.get(n) for n in left)):
+        # the stored layout is not the model's (a Neuron layout, other chunks): the engine's full view.  An HF-view
+        # checkpoint differs from that only in its boxes, so it is read only where whole tensors would compare.
         full = getattr(ctx.weights, "view_digest", None)
         got = full(ctx.boundary.restored_step, path) if callable(full) else None
         if got is None:
@@ -192,16 +193,10 @@ def check_weights(ctx: CheckContext) -> CheckResult:
     nums["earlier_compared"] = compared
     if compared:
         done.append(f"{label} differs from the {compared} earlier checkpoint{'s' if compared != 1 else ''}")
-    if skipped is not None:
-        done.append(skipped)
-    if not done or (skipped is not None and len(done) == 1):
-        return CheckResult(
-            NAME,
-            Status.SKIP,
-            skipped or f"no restore digest logged and no earlier checkpoint to compare {label} with",
-            None,
-            nums,
-        )
+    if skipped is not None or not done:
+        # the restore could not be checked: a skip, whatever the earlier checkpoints showed
+        first = skipped or f"no restore digest logged and no earlier checkpoint to compare {label} with"
+        return CheckResult(NAME, Status.SKIP, "; ".join([first, *done]), None, nums)
     return CheckResult(NAME, Status.PASS, "; ".join(done), None, nums).judged(
         Basis.CHECKPOINT, Confidence.EXACT
     )
