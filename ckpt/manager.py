@@ -150,13 +150,17 @@ class CheckpointManager:
         if self.on_event is not None and self.coll.rank == 0:
             info: dict[str, Any] = {"step": result.step, "path": result.path, "seconds": seconds}
             if model is not None and self.digest_restores:
-                info["model_digest"] = self._restored_digest(result, model)
+                digest = self._restored_digest(result, model)
+                info.update(model_digest=digest.tensors, model_views=digest.views)
+            if result.unexpected and result.missing:  # strict=False: names that did not match were not loaded
+                info.update(unloaded=list(result.unexpected), unfilled=list(result.missing))
             self.on_event("restore", info)
 
-    def _restored_digest(self, result: RestoreResult, model: Any) -> dict[str, str]:
-        """The model's digest right after the restore, hashed in the restored checkpoint's chunk boxes, so that it
-        equals the checkpoint's own digest (made from its stored checksums) iff the weights were restored.  One read
-        of the model on rank 0 (xxh3 at memory speed; a device model is copied to the host tensor by tensor)."""
+    def _restored_digest(self, result: RestoreResult, model: Any) -> Any:
+        """The model's digest right after the restore (``LiveDigest``), hashed in the restored checkpoint's chunk
+        boxes and view, so that it equals the checkpoint's own digest (made from its stored checksums) iff the
+        weights were restored.  One read of the model on rank 0 (xxh3 at memory speed; a device model is copied to
+        the host tensor by tensor)."""
         from .converters.digest import live_digest
         from .reader import read_manifest
 

@@ -26,7 +26,7 @@ from ckpt.dtypes import dtype_from_name
 from ckpt.errors import CheckpointExistsError, LayoutError
 from ckpt.layouts import Piece
 from ckpt.layouts.record import NxdRecord
-from ckpt.manifest import MANIFEST_NAME, Box
+from ckpt.manifest import MANIFEST_NAME, Box, Manifest
 from ckpt.reader import CheckpointReader
 from ckpt.storage import Storage, open_storage
 from ckpt.writer import StreamingWriter
@@ -36,6 +36,16 @@ from .engine.export import Progress
 
 NAME = "ckpt"
 CUDA_KINDS = ("replicated", "dtensor", "fsdp", "ddp", "cuda", "full")
+
+
+def manifest_layout(m: Manifest) -> str | None:
+    """``"neuron"`` for a Neuron-layout manifest (TP boxes, NxD's fused and head-ordered tensors), ``"cuda"`` for
+    full tensors under their state_dict names, None for a layout neither reader knows."""
+    if m.layout.kind == "nxd" or (m.backend == "neuron" and isinstance(m.extra.get("nxd"), dict)):
+        return "neuron"
+    if m.layout.kind in CUDA_KINDS or m.layout.tp == 1:
+        return "cuda"
+    return None
 
 
 def detect(path: str, storage_options: Mapping[str, Any] | None = None) -> bool:
@@ -64,7 +74,8 @@ class ManifestSource(Source):
         self._cache: OrderedDict[str, torch.Tensor] = OrderedDict()
         self._cache_size = cache_tensors
         nxd = m.extra.get("nxd")
-        if m.layout.kind == "nxd" or (m.backend == "neuron" and isinstance(nxd, dict)):
+        kind = manifest_layout(m)
+        if kind == "neuron":
             if nxd is None:
                 raise LayoutError(f"{self.path}: Neuron-layout checkpoint without extra.nxd; unknown layout")
             self.layout = "neuron"
@@ -75,7 +86,7 @@ class ManifestSource(Source):
             )  # EP lives in the layout, not extra.nxd
             self.zero1 = m.layout.zero_stage == 1
             self.config = dict(config) if config is not None else self.record.config
-        elif m.layout.kind in CUDA_KINDS or m.layout.tp == 1:
+        elif kind == "cuda":
             self.layout = "cuda"
             cfg = config if config is not None else m.extra.get("config")
             self.config = dict(cfg) if cfg else None

@@ -8,25 +8,30 @@ its *boxes* (offsets, lengths) and, for each box, the xxh3-64 of the box's raw b
   checkpoint's digest comes from its manifest and indexes without reading data (:func:`manifest_digest`); a
   compressed chunk is read and hashed once decoded;
 * any other format (HF folder, Trainer ``checkpoint-N``, DCP, NxD tag) is hashed through the conversion engine's
-  full view, one whole tensor per box (:func:`source_digest`);
-* a live model is hashed in the boxes of the checkpoint it is compared with (:func:`live_digest`), so the digest of a
-  correctly restored model equals the checkpoint's, whatever the checkpoint's chunking.
+  full view, one whole tensor per box (:func:`source_digest`; ``full_view=True`` does the same for our format and
+  NxD tags, whatever their layout);
+* a live model is hashed in the boxes of the checkpoint it was restored from (:func:`live_digest`), so the digest of
+  a correctly restored model equals the checkpoint's, whatever the checkpoint's chunking.
 
-Two digests compare per name (:func:`ckpt.converters.diff.compare_digests`); digests made with different boxes
-(two checkpoints saved on different numbers of ranks) say nothing about equality: :class:`CheckpointDigest` carries
-the boxes' signature.
+Two digests of one tensor are comparable only when taken in the same *view*: the same meaning of its name (the
+HF/state_dict view, or one Neuron layout's own names and head order), dtype, shape and boxes.  Every digest carries
+that per tensor (:func:`tensor_view`); :func:`common_view` keeps the tensors two digests hold in the same view, so
+that a checkpoint stored in another layout than the live model's is never read as a failed restore.  Digests made
+with different boxes say nothing about equality.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+import dataclasses
+import json
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import xxhash
 
 from ckpt.codecs import checksum
-from ckpt.dtypes import dtype_from_name
+from ckpt.dtypes import dtype_from_name, dtype_name
 from ckpt.manifest import Box, Manifest
 
 if TYPE_CHECKING:
@@ -37,6 +42,15 @@ ModelDigest = dict[str, str]
 MODEL_ROLES = ("parameter", "buffer")
 #: the digest of a tensor that could not be hashed (compared as unknown, never as a difference)
 UNKNOWN = "-"
+#: the view of full tensors under their HF/state_dict names, unpermuted (a CUDA-layout checkpoint, the conversion
+#: engine's full view, a live model restored from either)
+HF_VIEW = "hf"
+#: dtype pairs (stored, live) whose cast is exact both ways: a live tensor cast back reproduces the stored bytes
+_EXACT_WIDENING = {
+    ("BF16", "F32"), ("F16", "F32"), ("BF16", "F64"), ("F16", "F64"), ("F32", "F64"),
+    ("I8", "I16"), ("I8", "I32"), ("I8", "I64"), ("I16", "I32"), ("I16", "I64"), ("I32", "I64"),
+    ("U8", "I16"), ("U8", "I32"), ("U8", "I64"),
+}  # fmt: skip
 
 
 def boxes_digest(items: Iterable[tuple[Box, str]]) -> str:
@@ -63,13 +77,58 @@ def tensor_digest(t: torch.Tensor) -> str:
     return boxes_digest([(Box.full(tuple(t.shape)), raw_checksum(t))])
 
 
+def tensor_view(view: str, dtype: str, shape: Sequence[int], boxes: Iterable[Box] | None = None) -> str:
+    """What a tensor's digest was taken over, as a short string: the view its name means something in (:data:`HF_VIEW`
+    or a Neuron layout's tag, :func:`manifest_view`), the dtype and shape hashed, and ``whole`` or the boxes'
+    signature.  Two digests of one name are comparable iff their views are equal."""
+    shape = tuple(int(d) for d in shape)
+    bx = sorted((tuple(b.offsets), tuple(b.lengths)) for b in boxes) if boxes is not None else None
+    if bx is None or bx == [((0,) * len(shape), shape)]:
+        where = "whole"
+    else:
+        where = "boxes:" + xxhash.xxh3_64(repr(bx).encode()).hexdigest()
+    return f"{view} {dtype}{list(shape)} {where}"
+
+
+def whole(view: str) -> str:
+    """The :func:`tensor_view` of the same tensor hashed whole (one box)."""
+    return view.rsplit(" ", 1)[0] + " whole" if view else view
+
+
+def manifest_view(m: Manifest) -> str:
+    """The view a checkpoint of ours stores its tensors in: :data:`HF_VIEW` for the CUDA layout (state_dict names,
+    full tensors), else a tag of its layout (sizes, kind and the Neuron record: the names, fusions and head order)."""
+    from .ckpt import manifest_layout
+
+    if manifest_layout(m) == "cuda":
+        return HF_VIEW
+    record = json.dumps([dataclasses.asdict(m.layout), m.extra.get("nxd")], sort_keys=True, default=str)
+    return f"{m.layout.kind}:{xxhash.xxh3_64(record.encode()).hexdigest()}"
+
+
 @dataclass(frozen=True)
 class CheckpointDigest:
-    """A checkpoint's model digest and the signature of the boxes it was made in (:func:`layout_signature`): two
-    digests compare only when their layouts are equal."""
+    """A checkpoint's model digest, the signature of the boxes it was made in (:func:`layout_signature`: two
+    checkpoints' digests compare only when their layouts are equal) and each tensor's view (:func:`tensor_view`:
+    a live digest compares with it tensor by tensor where the views are equal)."""
 
     tensors: ModelDigest
     layout: str
+    views: Mapping[str, str]
+
+    @property
+    def hf(self) -> bool:
+        """Every tensor in the HF/state_dict view (the conversion engine's full view would show the same names)."""
+        return all(v.split(" ", 1)[0] == HF_VIEW for v in self.views.values())
+
+
+@dataclass(frozen=True)
+class LiveDigest:
+    """A live model's digest (:func:`live_digest`) and each tensor's view (:func:`tensor_view`), as the ledger's
+    restore event records them (``model_digest``, ``model_views``)."""
+
+    tensors: ModelDigest
+    views: dict[str, str]
 
 
 def layout_signature(boxes: Mapping[str, Iterable[Box]]) -> str:
@@ -86,6 +145,8 @@ def manifest_digest(reader: Any) -> CheckpointDigest:
     checksums; a compressed chunk is read and hashed decoded."""
     out: ModelDigest = {}
     boxes: dict[str, list[Box]] = {}
+    views: dict[str, str] = {}
+    view = manifest_view(reader.manifest)
     for name, e in reader.manifest.tensors.items():
         if e.role not in MODEL_ROLES:
             continue
@@ -101,32 +162,38 @@ def manifest_digest(reader: Any) -> CheckpointDigest:
                 items.append((s.box, raw_checksum(tmp)))
         out[name] = boxes_digest(items)
         boxes[name] = [s.box for s in e.shards]
-    return CheckpointDigest(out, layout_signature(boxes))
+        views[name] = tensor_view(view, e.dtype, e.shape, boxes[name])
+    return CheckpointDigest(out, layout_signature(boxes), views)
 
 
 def source_digest(
-    path: str, *, config: Mapping[str, Any] | None = None, **run_options: Any
+    path: str, *, config: Mapping[str, Any] | None = None, full_view: bool = False, **run_options: Any
 ) -> CheckpointDigest:
     """The model digest of a checkpoint in any format ``ckpt convert`` reads: our format from its manifest; a Neuron
     layout (NxD tag) in the boxes its rank files store (no model config needed); any other through the engine's full
-    (HF-named) view.  One tensor at a time."""
+    (HF-named) view.  ``full_view``: through the engine's full view whatever the format (what a live model restored
+    through a layout conversion is comparable with; one read of the model).  One tensor at a time."""
     from .formats import detect
 
     fmt = detect(path, run_options.get("storage_options"))
-    if fmt.name == "ckpt":
+    if fmt.name == "ckpt" and not full_view:
         from ckpt.reader import CheckpointReader
 
         return manifest_digest(CheckpointReader(path, run_options.get("storage_options")))
-    if fmt.name == "nxd":
+    if fmt.name == "nxd" and not full_view:
         return _stored_digest(path, config, run_options)
     from .diff import open_view
 
     view = open_view(path, config=config, **run_options)
     try:
-        names = view.model_names()
-        tensors = {name: tensor_digest(view.tensor(name)) for name in names}
-        full = {name: [Box.full(view.descs[name].shape)] for name in names}
-        return CheckpointDigest(tensors, layout_signature(full))
+        tensors: ModelDigest = {}
+        views: dict[str, str] = {}
+        for name in view.model_names():
+            t = view.tensor(name)
+            tensors[name] = tensor_digest(t)
+            views[name] = tensor_view(HF_VIEW, dtype_name(t.dtype), t.shape)
+        full = {name: [Box.full(view.descs[name].shape)] for name in tensors}
+        return CheckpointDigest(tensors, layout_signature(full), views)
     finally:
         view.close()
 
@@ -147,6 +214,7 @@ def _stored_digest(
         assert source.flags is not None
         out: ModelDigest = {}
         boxes: dict[str, list[Box]] = {}
+        views: dict[str, str] = {}
         for name, desc in source.tensors.items():
             if desc.role not in MODEL_ROLES:
                 continue
@@ -161,51 +229,85 @@ def _stored_digest(
                 items.append((box, raw_checksum(source.read(Piece(name, (r, pp), None)))))
             out[name] = boxes_digest(items)
             boxes[name] = [b for b, _ in items]
-        return CheckpointDigest(out, layout_signature(boxes))
+            views[name] = tensor_view("nxd-tag", desc.dtype, desc.shape, boxes[name])
+        return CheckpointDigest(out, layout_signature(boxes), views)
     finally:
         source.close()
 
 
-def live_digest(model: Any, like: Manifest | None = None) -> ModelDigest:
+def live_digest(model: Any, like: Manifest | None = None) -> LiveDigest:
     """The digest of a live model's parameters and buffers (state_dict names), each hashed in the boxes and dtype
-    of the same tensor in ``like`` (the restored checkpoint's full manifest), else whole and as it is.
+    of the same tensor in ``like`` (the restored checkpoint's full manifest, whose view the model was restored in),
+    else whole and as it is, in the HF view.
 
     A tensor this process does not hold whole (a DTensor shard, a TP rank's part) gets :data:`UNKNOWN`: rank 0 alone
-    cannot hash it in the checkpoint's boxes, and comparisons skip it.
+    cannot hash it in the checkpoint's boxes, and comparisons skip it.  A tensor the restore cast lossily (stored
+    F32, live BF16) is hashed in its own dtype: its bytes cannot equal the stored ones, and its view says so.
     """
     from torch.distributed.tensor import DTensor
 
     from ckpt.state import model_tensors
 
+    view = manifest_view(like) if like is not None else HF_VIEW
     out: ModelDigest = {}
+    views: dict[str, str] = {}
     for nt in model_tensors(model):
         t = nt.tensor
         entry = like.tensors.get(nt.name) if like is not None else None
         if isinstance(t, DTensor) or (entry is not None and tuple(t.shape) != tuple(entry.shape)):
             out[nt.name] = UNKNOWN
             continue
-        these = tuple(s.box for s in entry.shards) if entry is not None else ()
-        if entry is not None and dtype_from_name(entry.dtype) != t.dtype:
-            t = t.detach().to(dtype_from_name(entry.dtype))
-        if not these:
-            out[nt.name] = tensor_digest(t)
-            continue
         host = t.detach().cpu() if t.device.type != "cpu" else t.detach()
+        if entry is not None and entry.dtype != dtype_name(host.dtype):
+            if (entry.dtype, dtype_name(host.dtype)) in _EXACT_WIDENING:
+                host = host.to(dtype_from_name(entry.dtype))
+            else:
+                entry = None  # a lossy cast at restore: hashed as it is
+        these = tuple(s.box for s in entry.shards) if entry is not None else ()
+        views[nt.name] = tensor_view(view, dtype_name(host.dtype), host.shape, these or None)
+        if not these:
+            out[nt.name] = tensor_digest(host)
+            continue
         out[nt.name] = boxes_digest(
             (b, raw_checksum(host[b.relative_to(Box.full(tuple(host.shape)))])) for b in these
         )
-    return out
+    return LiveDigest(out, views)
+
+
+def common_view(
+    live: Mapping[str, str], live_views: Mapping[str, str], ckpt: CheckpointDigest, names: Iterable[str]
+) -> tuple[dict[str, str], dict[str, str], list[str]]:
+    """The ``names`` of a live digest that ``ckpt`` holds in the same view (:func:`tensor_view`): (the checkpoint's
+    digests of them, the live ones, the names left over).  Names the live side could not hash are dropped."""
+    a: dict[str, str] = {}
+    b: dict[str, str] = {}
+    rest: list[str] = []
+    for n in names:
+        if live.get(n, UNKNOWN) == UNKNOWN:
+            continue
+        v = live_views.get(n)
+        if v is not None and ckpt.views.get(n) == v and ckpt.tensors.get(n, UNKNOWN) != UNKNOWN:
+            a[n], b[n] = ckpt.tensors[n], live[n]
+        else:
+            rest.append(n)
+    return a, b, rest
 
 
 __all__ = [
     "CheckpointDigest",
+    "HF_VIEW",
+    "LiveDigest",
     "ModelDigest",
     "UNKNOWN",
     "boxes_digest",
+    "common_view",
     "live_digest",
     "manifest_digest",
+    "manifest_view",
     "raw_checksum",
     "layout_signature",
     "source_digest",
     "tensor_digest",
+    "tensor_view",
+    "whole",
 ]

@@ -10,6 +10,7 @@ ledger, restarted in new sessions (each a new ``LedgerWriter`` and manager, as a
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 from pathlib import Path
@@ -17,15 +18,18 @@ from pathlib import Path
 import pytest
 import torch
 from ckpt.cli.main import cli
+from ckpt.converters.digest import LiveDigest
 from click.testing import CliRunner
 from torch import nn
 
 import ckpt
+from ckpt.loader import Restorer
 from ckpt.resume.checks import Cause, Status
 from ckpt.resume.ledger import LedgerWriter, checkpoints_dir, digest_ids
 from ckpt.resume.manifest_facts import ManifestFacts
 from ckpt.resume.sources import load_run
 from ckpt.resume.verify import verify_run
+from ckpt.state import NamedTensor
 
 SAVE_EVERY = 10
 
@@ -94,9 +98,20 @@ def session(run: Path, stop: int, *, bug: str | None = None) -> int | None:
     return restored
 
 
-def verify(run: Path):
-    facts = ManifestFacts(checkpoints_dir(run))
-    return verify_run(load_run(run), facts=facts)
+class CountingFacts(ManifestFacts):
+    """The run's checkpoints, counting the reads of a checkpoint's data through the engine's HF view."""
+
+    def __init__(self, root: Path) -> None:
+        super().__init__(root)
+        self.hf_view_reads: list[int] = []
+
+    def view_digest(self, step: int, path: str | None) -> object:
+        self.hf_view_reads.append(step)
+        return super().view_digest(step, path)
+
+
+def verify(run: Path, facts: ManifestFacts | None = None):
+    return verify_run(load_run(run), facts=facts or ManifestFacts(checkpoints_dir(run)))
 
 
 def test_a_restore_that_loads_no_tensor_is_named(tmp_path: Path) -> None:
@@ -141,8 +156,10 @@ def test_clean_restarts_stay_continuous(tmp_path: Path, restarts: int) -> None:
     assert session(run, 37) == 20
     if restarts == 2:
         assert session(run, 45) == 30
-    result = verify(run)
+    facts = CountingFacts(checkpoints_dir(run))
+    result = verify(run, facts)
     assert len(result.verdicts) == restarts
+    assert facts.hf_view_reads == []  # the stored layout is the model's: digests from the chunk checksums alone
     for v in result.verdicts:
         w = v.check("weights")
         assert w.status is Status.PASS, w.summary
@@ -169,7 +186,8 @@ def test_restore_event_carries_the_digest_of_the_checkpoint_it_loaded(tmp_path: 
         mgr.restore(3, model=model, optimizer=opt)
         with torch.no_grad():
             model.fc2.bias[1] += 1  # a model that is not the checkpoint's: its digest differs in that tensor
-        ledger.on_event("restore", {"step": 3, "path": None, "model_digest": live_digest(model, mgr.last_restore)})
+        changed_digest = live_digest(model, mgr.last_restore)
+        ledger.on_event("restore", {"step": 3, "path": None, "model_digest": changed_digest.tensors})
         ledger.step(4, 1.0, 1e-2)  # a ledger holds steps
         mgr.close()
     want = source_digest(str(tmp_path / "ck" / "step_00000003")).tensors
@@ -178,7 +196,7 @@ def test_restore_event_carries_the_digest_of_the_checkpoint_it_loaded(tmp_path: 
     assert [n for n in want if changed[n] != want[n]] == ["fc2.bias"]
 
 
-def live_digest(model: nn.Module, result: ckpt.RestoreResult) -> dict[str, str]:
+def live_digest(model: nn.Module, result: ckpt.RestoreResult) -> LiveDigest:
     from ckpt.converters.digest import live_digest as digest
 
     from ckpt.reader import read_manifest
@@ -226,3 +244,158 @@ def test_an_nxd_tag_holding_an_earlier_tags_weights_is_named(tmp_path: Path, sta
         assert weights["summary"].startswith("step_6 holds the same model as step_3")
     else:
         assert weights["status"] == "pass" and "differs from the 1 earlier checkpoint" in weights["summary"], weights
+
+
+# ------------------------------------------------------------------------ checkpoints in the Neuron layout
+LLAMA = {
+    "vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 4,
+    "num_key_value_heads": 2, "max_position_embeddings": 16, "tie_word_embeddings": False,
+}  # fmt: skip
+
+
+class FillsACopy(Restorer):
+    """A backend restorer (``restore(restorer=)``) with a real bug class: each model tensor is read into a staging
+    copy that is never copied back, so the model keeps its fresh initialisation."""
+
+    def fill(self, nt: NamedTensor, entry_name: str) -> None:
+        super().fill(dataclasses.replace(nt, tensor=nt.tensor.detach().clone()), entry_name)
+
+
+def llama_session(run: Path, stop: int, dtype: torch.dtype = torch.float32, **restore: object) -> int | None:
+    """One process of a tiny Llama run with ``ckpt.CheckpointManager``: restore the newest checkpoint (``restore``:
+    extra arguments, the optimizer is left out with ``strict=False``), train to ``stop`` in ``dtype``, save every 10
+    steps."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**LLAMA)).to(dtype)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with LedgerWriter(run, world_size=1, deterministic=True) as ledger:
+        mgr = ckpt.CheckpointManager(str(checkpoints_dir(run)), async_save=False, on_event=ledger.on_event)
+        state = {"model": model} if restore.get("strict") is False else {"model": model, "optimizer": opt}
+        restored = mgr.restore_latest(**state, **restore)
+        for step in range((restored or 0) + 1, stop + 1):
+            tokens = torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(step))
+            loss = model(input_ids=tokens, labels=tokens).loss
+            opt.zero_grad()
+            loss.backward()
+            lr = opt.param_groups[0]["lr"]
+            opt.step()
+            ledger.step(step, loss.item(), lr, samples=4 * step, data_digest=digest_ids([step]))
+            if step % SAVE_EVERY == 0:
+                mgr.save(step, model=model, optimizer=opt)
+        mgr.close()
+    model.config.to_json_file(str(run / "config.json"))
+    return restored
+
+
+def to_neuron(run: Path, step: int, tp: int, *args: str) -> None:
+    """Replace the run's checkpoint of ``step`` with the same checkpoint in the Neuron layout (``ckpt convert --to
+    neuron``: TP boxes, fused gate/up, NxD's KV replication and head order), as a Trainium run stores it."""
+    ck = checkpoints_dir(run) / f"step_{step:08d}"
+    res = CliRunner().invoke(
+        cli, ["convert", str(ck), str(run / "neuron"), "--to", "neuron", "--tp", str(tp), "--config",
+              str(run / "config.json"), *args],
+    )  # fmt: skip
+    assert res.exit_code == 0, res.output
+    shutil.rmtree(ck)
+    shutil.move(run / "neuron", ck)
+
+
+@pytest.mark.parametrize("tp,args", [(2, ()), (4, ("--qkv-linear", "--kv-size-multiplier", "2"))])
+def test_a_restore_checked_against_its_neuron_layout_checkpoint_passes(
+    tmp_path: Path, tp: int, args: tuple[str, ...]
+) -> None:
+    """The checkpoint the run restored holds the restored weights in the Neuron layout (other boxes, a fused
+    gate_up_proj; at TP 4 a fused, replicated QKV in NxD's head order): compared in the conversion engine's HF view,
+    every tensor of the model equals it; the stored layout is never read as a failed restore."""
+    run = tmp_path / "run"
+    llama_session(run, 25)
+    assert llama_session(run, 30) == 20
+    to_neuron(run, 20, tp, *args)
+    facts = CountingFacts(checkpoints_dir(run))
+    result = verify(run, facts)
+    assert facts.hf_view_reads == [20]
+    (v,) = result.verdicts
+    w = v.check("weights")
+    assert w.status is Status.PASS, w.summary
+    assert w.summary.startswith("weights after restore equal step_00000020's (12 tensors, in its HF view)")
+    assert w.numbers["view"] == "hf" and w.numbers["compared"] == 12 and w.numbers["not_compared"] == 0
+    assert result.exit_code == 0, [(c.name, c.summary) for c in v.checks]
+
+
+def test_a_restore_that_left_fresh_weights_fails_against_its_neuron_layout_checkpoint(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    llama_session(run, 25)
+    assert llama_session(run, 30, restorer=FillsACopy) == 20
+    to_neuron(run, 20, 2)
+    result = verify(run)
+    (v,) = result.verdicts
+    w = v.check("weights")
+    assert w.status is Status.FAIL and w.cause is Cause.WEIGHTS_NOT_RESTORED, w.summary
+    assert w.summary.startswith("weights after restore differ from step_00000020's (compared in its HF view): ")
+    assert "not restored (12 of 12 tensors differ: model.embed_tokens.weight" in w.summary
+    assert w.numbers["view"] == "hf" and w.numbers["not_restored"] == w.numbers["compared"] == 12
+    assert result.exit_code == 1
+
+
+def test_a_non_strict_restore_of_a_neuron_layout_checkpoint_names_what_it_left(tmp_path: Path) -> None:
+    """``strict=False`` lets an HF model load a Neuron-layout checkpoint: the tensors of matching names are restored
+    (equal in the checkpoint's own view), the fused gate_up_proj is not, and the MLP keeps its initialisation."""
+    run = tmp_path / "run"
+    llama_session(run, 25)
+    to_neuron(run, 20, 2)
+    assert llama_session(run, 30, strict=False) == 20
+    result = verify(run)
+    (v,) = result.verdicts
+    w = v.check("weights")
+    assert w.status is Status.FAIL and w.cause is Cause.WEIGHTS_NOT_RESTORED, w.summary
+    assert "not restored (1 of 11 tensors differ: model.layers.0.mlp.gate_up_proj.weight; 1 the restore" in w.summary
+    assert "model.layers.0.mlp.gate_proj.weight, model.layers.0.mlp.up_proj.weight left as they were" in w.summary
+    assert w.numbers["view"] == "stored" and w.numbers["compared"] == 10
+
+
+@pytest.mark.parametrize("saved,resumed", [(torch.bfloat16, torch.float32), (torch.float32, torch.bfloat16)])
+def test_a_restore_into_another_dtype_is_compared_only_when_the_cast_is_exact(
+    tmp_path: Path, saved: torch.dtype, resumed: torch.dtype
+) -> None:
+    """A BF16 checkpoint restored into an F32 model: the model cast back is the checkpoint's bytes, compared from
+    the stored checksums.  An F32 checkpoint restored into a BF16 model: the cast lost bits, no view holds both in
+    one dtype, and the comparison is skipped with the reason (before, it read as 12 tensors not restored)."""
+    run = tmp_path / "run"
+    llama_session(run, 25, saved)
+    assert llama_session(run, 30, resumed) == 20
+    facts = CountingFacts(checkpoints_dir(run))
+    (v,) = verify(run, facts).verdicts
+    assert facts.hf_view_reads == []  # whole tensors would not compare either: the checkpoint's data is not read
+    w = v.check("weights")
+    if saved == torch.bfloat16:
+        assert w.status is Status.PASS and w.numbers["view"] == "stored", w.summary
+        assert w.summary.startswith("weights after restore equal step_00000020's (12 tensors)")
+    else:
+        assert w.status is Status.SKIP and w.numbers["compared"] == 0, w.summary
+        assert w.summary.endswith("step_00000020 differs from the 1 earlier checkpoint")  # that part is checked
+        assert "weights after restore not compared with step_00000020's: 12 in another dtype, shape or layout (" in (
+            w.summary
+        )
+        assert "the model's hf BF16[64, 32] whole, the checkpoint's hf F32[64, 32] whole" in w.summary
+
+
+def test_a_restore_digest_logged_without_views_is_not_compared(tmp_path: Path) -> None:
+    """A ledger written before restore events carried ``model_views``: the digest's boxes and view are unknown, so
+    it is never read as a failed restore, even when the checkpoint is now in another layout."""
+    run = tmp_path / "run"
+    llama_session(run, 25)
+    assert llama_session(run, 30) == 20
+    to_neuron(run, 20, 2)
+    ledger = run / "ledger.jsonl"
+    records = [json.loads(line) for line in ledger.read_text().splitlines()]
+    assert sum(r.pop("model_views", None) is not None for r in records) == 1
+    ledger.write_text("".join(json.dumps(r) + "\n" for r in records))
+    (v,) = verify(run).verdicts
+    w = v.check("weights")
+    assert w.status is Status.SKIP, w.summary
+    assert w.summary == (
+        "weights after restore not compared with step_00000020's: the restore digest was logged without the view "
+        "of each tensor (by an older ckpt)"
+    )

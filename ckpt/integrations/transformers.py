@@ -197,7 +197,13 @@ class CkptCallback(TrainerCallback):
             from ckpt.converters.digest import live_digest
 
             digest = live_digest(model)
-        self.ledger.restore(step, path, model_digest=digest, optimizer_step=opt_step)
+        self.ledger.restore(
+            step,
+            path,
+            model_digest=digest.tensors if digest is not None else None,
+            model_views=digest.views if digest is not None else None,
+            optimizer_step=opt_step,
+        )
 
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self.ledger is not None:

@@ -102,6 +102,10 @@ class TrainerCheckpointFacts:
         cands.append(self.root / f"checkpoint-{step}")
         return folder_digest(cands, self._digests, self.notes)
 
+    def view_digest(self, step: int, path: str | None) -> Any:
+        """The same digest: a Trainer checkpoint is hashed in the conversion engine's full HF-named view already."""
+        return self.digest(step, path)
+
     def __call__(self, step: int, path: str | None) -> CheckpointFacts | None:
         key = (step, path)
         if key not in self._cache:

@@ -246,11 +246,16 @@ class LedgerWriter:
         *,
         model_digest: Mapping[str, str] | None = None,
         optimizer_step: int | None = None,
+        model_views: Mapping[str, str] | None = None,
+        unloaded: Iterable[str] = (),
+        unfilled: Iterable[str] = (),
     ) -> None:
         """Record that state of step ``step`` was loaded from ``path`` in ``seconds``; log it before training.
 
-        ``model_digest`` (optional, ``ckpt.converters.digest.live_digest`` of the model right after the restore,
-        hashed in the checkpoint's boxes) lets the verifier name weights that were not restored.
+        ``model_digest`` and ``model_views`` (optional, ``ckpt.converters.digest.live_digest`` of the model right
+        after the restore: each tensor's digest and the view it was taken in) let the verifier name weights that
+        were not restored; without the views the digests are not compared.  ``unloaded`` / ``unfilled``: the
+        checkpoint's tensors the restore did not load and the model's it left as they were (``strict=False``).
         ``optimizer_step`` (optional, :func:`optimizer_step`) is the live optimizer's update counter after the
         load: the verifier then knows the optimizer state arrived and does not blame a loss jump on it.
         """
@@ -263,6 +268,11 @@ class LedgerWriter:
             fields["model_digest"] = dict(model_digest)
         if optimizer_step is not None:
             fields["optimizer_step"] = int(optimizer_step)
+        if model_views is not None:
+            fields["model_views"] = dict(model_views)
+        for key, names in (("unloaded", list(unloaded)), ("unfilled", list(unfilled))):
+            if names:
+                fields[key] = [str(n) for n in names]
         self._event("restore", **fields)
 
     def save(
@@ -288,7 +298,8 @@ class LedgerWriter:
         """Adapter for ``CheckpointManager(on_event=ledger.on_event)``: the manager's own save/restore events.
 
         Why here and not in the manager: the manager stays free of ledger code and emits plain dicts
-        (``save``: step, path, blocking_s, total_s, bytes; ``restore``: step, path, seconds, model_digest); this maps them
+        (``save``: step, path, blocking_s, total_s, bytes; ``restore``: step, path, seconds, model_digest, model_views,
+        unloaded, unfilled); this maps them
         to ledger events.  Saves arrive on the async writer thread once committed, which is exactly when the
         ledger wants them.  Unknown kinds are ignored so a newer manager cannot break an older ledger.
         """
@@ -306,6 +317,9 @@ class LedgerWriter:
                 info.get("path"),
                 seconds=info.get("seconds"),
                 model_digest=info.get("model_digest"),
+                model_views=info.get("model_views"),
+                unloaded=info.get("unloaded") or (),
+                unfilled=info.get("unfilled") or (),
             )
 
     def compile(self, seconds: float, what: str | None = None) -> None:

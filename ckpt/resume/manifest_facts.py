@@ -115,6 +115,7 @@ class ManifestFacts:
         self.notes: list[str] = []
         self._cache: dict[tuple[int, str | None], CheckpointFacts | None] = {}
         self._digests: dict[str, Any] = {}
+        self._views: dict[str, Any] = {}
 
     def checkpoints(self) -> list[tuple[int, str]]:
         """(step, path) of every committed checkpoint under the root, oldest first (for the weights check)."""
@@ -146,6 +147,24 @@ class ManifestFacts:
             found = self._digests[cand] = manifest_digest(reader)
             return found
         return None
+
+    def view_digest(self, step: int, path: str | None) -> Any:
+        """The checkpoint's model digest through the conversion engine's full HF-named view (one read of the model,
+        cached): what a live model compares with when the checkpoint's stored layout is not the model's (a Neuron
+        layout, other chunks or dtypes); None (and a note) when the engine cannot present it in full."""
+        from ckpt.converters.digest import source_digest
+        from ckpt.errors import CkptError
+
+        if self.digest(step, path) is None:
+            return None
+        cand = next(c for c in self._candidates(step, path) if self._digests.get(c) is not None)
+        if cand not in self._views:
+            try:
+                self._views[cand] = source_digest(cand, full_view=True, storage_options=self.storage_options)
+            except (CkptError, OSError, ValueError) as exc:
+                self.notes.append(f"{cand}: weights not readable in the HF view ({exc})")
+                self._views[cand] = None
+        return self._views[cand]
 
     def _candidates(self, step: int, path: str | None) -> list[str]:
         from ckpt.discovery import step_dir

@@ -43,7 +43,10 @@ class SessionStart:
 class Restore:
     """State was loaded from the checkpoint of ``step`` at ``path``; ``inferred`` when a reader guessed it.
 
-    ``model_digest``: the model's digest right after the restore (name -> digest), when the writer logged one.
+    ``model_digest``: the model's digest right after the restore (name -> digest), when the writer logged one, and
+    ``model_views`` what each was taken over (:func:`ckpt.converters.digest.tensor_view`); ``unloaded``: checkpoint
+    tensors the restore did not load and ``unfilled``: model tensors it left as they were (a ``strict=False`` load
+    whose names did not match).
     ``optimizer_step`` is the live optimizer's update counter read right after the restore (``None`` when not
     logged): equal to ``step``, it proves the optimizer state was loaded, so a loss jump is not blamed on it.
     """
@@ -55,6 +58,9 @@ class Restore:
     inferred: bool = False
     model_digest: dict[str, str] | None = None
     optimizer_step: int | None = None
+    model_views: dict[str, str] | None = None
+    unloaded: tuple[str, ...] = ()
+    unfilled: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

@@ -34,6 +34,7 @@ class NxdTagCheckpoints:
         self.root = Path(root)
         self.notes: list[str] = []
         self._digests: dict[Path, Any] = {}
+        self._views: dict[Path, Any] = {}
 
     def __call__(self, step: int, path: str | None) -> CheckpointFacts | None:
         return None
@@ -50,6 +51,14 @@ class NxdTagCheckpoints:
 
     def digest(self, step: int, path: str | None) -> Any:
         """The model digest of the tag of ``step`` (cached); None when there is none or it cannot be read."""
+        return folder_digest(self._candidates(step, path), self._digests, self.notes, allow_unmarked=True)
+
+    def view_digest(self, step: int, path: str | None) -> Any:
+        """The tag's model digest through the conversion engine's full HF-named view (what a live model restored
+        through a layout conversion compares with; one read, cached); None when the engine cannot present it."""
+        cands = self._candidates(step, path)
+        return folder_digest(cands, self._views, self.notes, allow_unmarked=True, full_view=True)
+
+    def _candidates(self, step: int, path: str | None) -> list[Path]:
         cands = [Path(path), self.root / Path(path).name] if path else []
-        cands += [Path(p) for s, p in self.checkpoints() if s == step]
-        return folder_digest(cands, self._digests, self.notes, allow_unmarked=True)
+        return cands + [Path(p) for s, p in self.checkpoints() if s == step]

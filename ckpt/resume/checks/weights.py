@@ -3,19 +3,25 @@
 Two defects no loss curve proves (a model back at an earlier state can train on as smoothly as the right one):
 
 * the model after a restore is not the checkpoint's: the restore event carries the model's digest right after
-  loading (``CheckpointManager`` and ``CkptCallback`` log it), compared with the restored checkpoint's digest; a
-  load that matched no key, or a model re-initialised after the load, is named with how many tensors differ;
+  loading (``CheckpointManager`` and ``CkptCallback`` log it, with the view each tensor was hashed in), compared
+  with the restored checkpoint's digest where both are in one view (:func:`ckpt.converters.digest.common_view`):
+  first the checkpoint's stored layout (our format: the chunk checksums, no data read), then, for what that leaves,
+  the conversion engine's full HF-named view (one read of the checkpoint: a Neuron layout, other chunks).  Only
+  tensors held in the same view whose bytes differ, or tensors the restore itself says it did not load
+  (``strict=False``), are evidence of a failed restore; names that do not map, dtypes or shapes that differ, a
+  sharded model or a layout the engine cannot present leave the comparison skipped, with the reason;
 * a checkpoint holds the same weights as an earlier one although steps were trained in between (a save made while
   other weights were swapped in, a stale reference saved): the restored checkpoint's digest is compared with the
   run's earlier checkpoints' (unless every logged LR between them is 0, when identical weights are expected).
 
-Digests come from :mod:`ckpt.converters.digest` (our format: the manifest's chunk checksums, no data read; a Trainer
-``checkpoint-N``: hashed through the conversion engine) and are compared by :func:`ckpt.converters.diff.compare_digests`.
+Digests come from :mod:`ckpt.converters.digest` and are compared by :func:`ckpt.converters.diff.compare_digests`.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from ckpt.resume.checks.base import Basis, Cause, CheckResult, Confidence, Status
@@ -47,6 +53,72 @@ def _trained_between(ctx: CheckContext, lo: int, hi: int) -> bool:
     return not lrs or any(lr != 0 for lr in lrs)
 
 
+@dataclass(frozen=True)
+class _Restored:
+    """The restore digest against the checkpoint: names compared equal / differing, whether the engine's HF view
+    was used, and the live names left uncompared with why."""
+
+    compared: int
+    differ: tuple[str, ...]
+    hf_view: bool
+    left: tuple[str, ...]
+    why: str
+
+
+def _why(live_views: Mapping[str, str], left: list[str], ref: Any, ref_label: str) -> str:
+    """Why ``left`` could not be compared, with an example: no tensor of that name in the checkpoint's view, or
+    one in another dtype, shape or layout."""
+    absent = [n for n in left if n not in ref.tensors]
+    other = [n for n in left if n in ref.tensors]
+    parts = []
+    if absent:
+        ours = sorted(ref.tensors)
+        have = f" (it holds {_names(tuple(ours))})" if ours else ""
+        parts.append(
+            f"{len(absent)} with no tensor of their name in {ref_label}{have}: {_names(tuple(absent))}"
+        )
+    if other:
+        n = other[0]
+        parts.append(
+            f"{len(other)} in another dtype, shape or layout ({n}: the model's {live_views.get(n)}, "
+            f"the checkpoint's {ref.views.get(n)})"
+        )
+    return "; ".join(parts)
+
+
+def _compare_restore(ctx: CheckContext, cur: Any, path: str | None, label: str) -> _Restored | str:
+    """The restore digest compared with the checkpoint's in a common view, or why it cannot be (a string)."""
+    from ckpt.converters.diff import compare_digests
+    from ckpt.converters.digest import UNKNOWN, common_view, whole
+
+    r = ctx.boundary.restore
+    assert r is not None and r.model_digest
+    live, views = r.model_digest, r.model_views
+    if views is None:
+        return "the restore digest was logged without the view of each tensor (by an older ckpt)"
+    if all(v == UNKNOWN for v in live.values()):
+        return "rank 0 held none of the model's tensors whole (a sharded model: DTensor or TP parts)"
+    ck, lv, left = common_view(live, views, cur, live)
+    ref, ref_label, hf_view = cur, label, False
+    if left and (not cur.hf or any(whole(cur.views.get(n, "")) == views.get(n) for n in left)):
+        # the stored layout is not the model's (a Neuron layout, other chunks): the engine's full view.  An HF-view
+        # checkpoint differs from that only in its boxes, so it is read only where whole tensors would compare.
+        full = getattr(ctx.weights, "view_digest", None)
+        got = full(ctx.boundary.restored_step, path) if callable(full) else None
+        if got is None:
+            if not ck:
+                return f"{label} is stored in another layout than the model's and cannot be read in full as HF tensors"
+        else:
+            more_ck, more_lv, left = common_view(live, views, got, left)
+            ck.update(more_ck)
+            lv.update(more_lv)
+            ref, ref_label, hf_view = got, f"{label}'s HF view", bool(more_ck)
+    cmp = compare_digests(ck, lv)
+    return _Restored(
+        len(ck), cmp.differ, hf_view, tuple(left), _why(views, left, ref, ref_label) if left else ""
+    )
+
+
 def check_weights(ctx: CheckContext) -> CheckResult:
     from ckpt.converters.diff import compare_digests
 
@@ -63,23 +135,44 @@ def check_weights(ctx: CheckContext) -> CheckResult:
         )
     label = _label(path, n)
     nums: dict[str, Any] = {"checkpoint": label, "tensors": len(cur.tensors)}
-    live = b.restore.model_digest if b.restore is not None else None
+    r = b.restore
     done = []
-    if live:
-        cmp = compare_digests(cur.tensors, live)
-        nums.update(compared=cmp.total, not_restored=cmp.not_matching)
-        if cmp.not_matching:
-            which = cmp.differ + cmp.only_a
-            absent = f"; {len(cmp.only_a)} not in the model at all" if cmp.only_a else ""
-            return CheckResult(
-                NAME,
-                Status.FAIL,
-                f"weights after restore differ from {label}'s: not restored ({cmp.not_matching} of {cmp.total} "
-                f"tensors differ: {_names(which)}{absent})",
-                Cause.WEIGHTS_NOT_RESTORED,
-                nums,
-            ).judged(Basis.CHECKPOINT, Confidence.EXACT)
-        done.append(f"weights after restore equal {label}'s ({cmp.total} tensors)")
+    skipped = None
+    got = _compare_restore(ctx, cur, path, label) if r is not None and r.model_digest else None
+    unloaded = r.unloaded if r is not None and r.unloaded and r.unfilled else ()
+    if isinstance(got, str):
+        skipped = f"weights after restore not compared with {label}'s: {got}"
+    elif got is not None:
+        nums.update(compared=got.compared, not_restored=len(got.differ), not_compared=len(got.left))
+        nums["view"] = "hf" if got.hf_view else "stored"
+    if unloaded or (isinstance(got, _Restored) and got.differ):
+        differ = got.differ if isinstance(got, _Restored) else ()
+        compared = got.compared if isinstance(got, _Restored) else 0
+        extra = tuple(u for u in unloaded if u not in differ)
+        bad = differ + extra
+        nums.update(not_restored=len(bad))
+        tail = (
+            f"; {len(extra)} the restore did not load: no model tensor of that name, the model's own "
+            f"{_names(r.unfilled)} left as they were"
+            if extra and r is not None
+            else ""
+        )
+        how = " (compared in its HF view)" if isinstance(got, _Restored) and got.hf_view else ""
+        return CheckResult(
+            NAME,
+            Status.FAIL,
+            f"weights after restore differ from {label}'s{how}: not restored ({len(bad)} of "
+            f"{compared + len(extra)} tensors differ: {_names(bad)}{tail})",
+            Cause.WEIGHTS_NOT_RESTORED,
+            nums,
+        ).judged(Basis.CHECKPOINT, Confidence.EXACT)
+    if isinstance(got, _Restored):
+        if got.compared:
+            how = ", in its HF view" if got.hf_view else ""
+            left = f"; {len(got.left)} not compared: {got.why}" if got.left else ""
+            done.append(f"weights after restore equal {label}'s ({got.compared} tensors{how}){left}")
+        else:
+            skipped = f"weights after restore not compared with {label}'s: {got.why}"
     earlier = sorted(((s, p) for s, p in w.checkpoints() if s < n), reverse=True)
     compared = 0
     for s, p in earlier:
@@ -100,14 +193,10 @@ def check_weights(ctx: CheckContext) -> CheckResult:
     nums["earlier_compared"] = compared
     if compared:
         done.append(f"{label} differs from the {compared} earlier checkpoint{'s' if compared != 1 else ''}")
-    if not done:
-        return CheckResult(
-            NAME,
-            Status.SKIP,
-            f"no restore digest logged and no earlier checkpoint to compare {label} with",
-            None,
-            nums,
-        )
+    if skipped is not None or not done:
+        # the restore could not be checked: a skip, whatever the earlier checkpoints showed
+        first = skipped or f"no restore digest logged and no earlier checkpoint to compare {label} with"
+        return CheckResult(NAME, Status.SKIP, "; ".join([first, *done]), None, nums)
     return CheckResult(NAME, Status.PASS, "; ".join(done), None, nums).judged(
         Basis.CHECKPOINT, Confidence.EXACT
     )

@@ -103,11 +103,16 @@ def _add(session: Session, kind: object, rec: dict) -> None:
             raise TypeError("env must be an object")
         session.add_event(SessionStart(time=t, env=env))
     elif kind == "restore":
-        digest = rec.get("model_digest")
-        if digest is not None and not (
-            isinstance(digest, dict) and all(isinstance(v, str) for v in digest.values())
-        ):
-            raise TypeError("model_digest must be an object of digest strings")
+        digest, views = rec.get("model_digest"), rec.get("model_views")
+        for key, value in (("model_digest", digest), ("model_views", views)):
+            if value is not None and not (
+                isinstance(value, dict) and all(isinstance(v, str) for v in value.values())
+            ):
+                raise TypeError(f"{key} must be an object of strings")
+        names = {key: rec.get(key) or [] for key in ("unloaded", "unfilled")}
+        for key, value in names.items():
+            if not (isinstance(value, list) and all(isinstance(v, str) for v in value)):
+                raise TypeError(f"{key} must be a list of tensor names")
         session.add_event(
             Restore(
                 time=t,
@@ -116,6 +121,9 @@ def _add(session: Session, kind: object, rec: dict) -> None:
                 seconds=_opt_float(rec, "seconds"),
                 model_digest=digest,
                 optimizer_step=_opt_int(rec, "optimizer_step"),
+                model_views=views,
+                unloaded=tuple(names["unloaded"]),
+                unfilled=tuple(names["unfilled"]),
             )
         )
     elif kind == "save":
