@@ -293,7 +293,41 @@ def common_view(
     return a, b, rest
 
 
+@dataclass(frozen=True)
+class DigestComparison:
+    """Two model digests  compared by name: ``differ`` (both hold it, other values), ``only_a``
+    (``a`` holds it, ``b`` does not), ``only_b``; ``total`` is the number of names ``a`` holds."""
+
+    differ: tuple[str, ...]
+    only_a: tuple[str, ...]
+    only_b: tuple[str, ...]
+    total: int
+
+    @property
+    def same(self) -> bool:
+        return not (self.differ or self.only_a or self.only_b)
+
+    @property
+    def not_matching(self) -> int:
+        """Names of ``a`` whose value ``b`` does not reproduce (different, or absent from ``b``)."""
+        return len(self.differ) + len(self.only_a)
+
+
+def compare_digests(a: Mapping[str, str], b: Mapping[str, str]) -> DigestComparison:
+    """Compare two model digests name by name (made in the same boxes: :class:`CheckpointDigest`); a tensor either
+    side could not hash (:data:`UNKNOWN`) is not compared."""
+    differ = tuple(n for n in a if n in b and a[n] != b[n] and UNKNOWN not in (a[n], b[n]))
+    return DigestComparison(
+        differ=differ,
+        only_a=tuple(n for n in a if n not in b),
+        only_b=tuple(n for n in b if n not in a),
+        total=sum(v != UNKNOWN and b.get(n) != UNKNOWN for n, v in a.items()),
+    )
+
+
 __all__ = [
+    "DigestComparison",
+    "compare_digests",
     "CheckpointDigest",
     "HF_VIEW",
     "LiveDigest",

@@ -14,7 +14,7 @@ Two defects no loss curve proves (a model back at an earlier state can train on 
   other weights were swapped in, a stale reference saved): the restored checkpoint's digest is compared with the
   run's earlier checkpoints' (unless every logged LR between them is 0, when identical weights are expected).
 
-Digests come from :mod:`ckpt.converters.digest` and are compared by :func:`ckpt.converters.diff.compare_digests`.
+Digests come from :mod:`ckpt.converters.digest` and are compared by :func:`ckpt.converters.digest.compare_digests`.
 """
 
 from __future__ import annotations
@@ -88,8 +88,7 @@ def _why(live_views: Mapping[str, str], left: list[str], ref: Any, ref_label: st
 
 def _compare_restore(ctx: CheckContext, cur: Any, path: str | None, label: str) -> _Restored | str:
     """The restore digest compared with the checkpoint's in a common view, or why it cannot be (a string)."""
-    from ckpt.converters.diff import compare_digests
-    from ckpt.converters.digest import UNKNOWN, common_view, whole
+    from ckpt.converters.digest import UNKNOWN, common_view, compare_digests, whole
 
     r = ctx.boundary.restore
     assert r is not None and r.model_digest
@@ -120,7 +119,7 @@ def _compare_restore(ctx: CheckContext, cur: Any, path: str | None, label: str) 
 
 
 def check_weights(ctx: CheckContext) -> CheckResult:
-    from ckpt.converters.diff import compare_digests
+    from ckpt.converters.digest import compare_digests
 
     b = ctx.boundary
     n = b.restored_step
