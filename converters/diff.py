@@ -57,7 +57,7 @@ class EngineView(View):
     """A checkpoint ``ckpt convert`` reads, through the engine's CUDA (full) plan; nothing is written."""
 
     def __init__(self, path: str, config: Mapping[str, Any] | None, run: Any) -> None:
-        from .convert import _NO_STEP_FORMATS, ConvertOptions, open_source, plan_conversion
+        from .convert import ConvertOptions, open_source, plan_conversion
 
         opts = ConvertOptions(to="cuda", config=dict(config) if config is not None else None)
         self.source = open_source(path, opts, run)
@@ -69,7 +69,8 @@ class EngineView(View):
         self.path, self.format = path, self.source.format
         self.parts = {t.desc.name: t for t in self.conv.tensors}
         self.descs = {n: t.desc for n, t in self.parts.items()}
-        self.step = None if self.source.format in _NO_STEP_FORMATS else int(self.conv.trees.step)
+        step = self.conv.trees.step
+        self.step = int(step) if self.source.step_recorded and step is not None else None  # None: no file records one
         self.verify = run.verify
 
     def tensor(self, name: str) -> torch.Tensor:
