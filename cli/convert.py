@@ -42,10 +42,10 @@ Examples:
       --format hf-trainer --config config.json                       # NxD Training tag -> HF Trainer folder
   ckpt convert out/checkpoint-10 exp/checkpoints/llama--step=10-consumed_samples=1280.0.ckpt --to neuron \
       --format nxdt --tp 8 --dp 4 --qkv-linear --consumed-samples 1280  # and back, as NxD Training names it
-  ckpt convert big/ out/ --to cuda --workers 4 --dry-run
+  ckpt convert big/ out/big --to cuda --workers 4 --dry-run
   ckpt convert peft_adapter/ out/lora_tag --to neuron --format nxd --tp 8 --qkv-linear --config base/config.json
   ckpt convert run/lora_step_500 out/peft --to cuda --format peft --config base/config.json
-  ckpt convert run/lora_step_500 out/lora_ckpt --to cuda --format ckpt --config base/config.json  # resume on GPU
+  ckpt convert run/lora_step_500 out/lora_ckpt --to cuda --format ckpt --config base/config.json --step 500
   ckpt convert base_hf/ out/merged --to cuda --format hf --merge-lora out/peft
 
 \b

@@ -22,6 +22,7 @@ place to extend when a doc gains an example.
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import json
 import os
 import re
@@ -44,10 +45,14 @@ NOT_RUN: dict[str, str] = {
     "python3 -m venv .venv": "creates a virtualenv and installs from PyPI (network); `ckpt demo` runs in test_demo.py",
     ".venv/bin/python -m pytest": "the whole test suite, this file included",
     'ckpt verify-resume runs/small-trn --replay "torchrun --nproc-per-node 32 train.py': "the user's own train.py on 32 torchrun processes; --replay runs in verify-resume.md's tiny_llama example",
+    ".venv/bin/python bench/verify_resume_truth.py": "a ~5 min benchmark (80 training runs); its runs' generator is tested in tests/test_resume_truth.py",
 }
 
 #: text in a documented command -> what the workspace calls it (placeholders only; keep this short)
-SUBSTITUTE: dict[str, str] = {}
+SUBSTITUTE: dict[str, str] = {
+    # guide.md's NxD Training section: the config of the run's model; config.json has Llama-3-8B's head ratio
+    "llama3_8B/config.json": "config.json",
+}
 
 #: command prefix -> documented exit code other than 0
 EXPECTED_EXIT: dict[str, int] = {}
@@ -315,6 +320,8 @@ def workspace(tmp_path_factory: pytest.TempPathFactory) -> Path:
     torch.manual_seed(0)
     LlamaForCausalLM(_llama3_shaped_config()).save_pretrained(ws / "hf_model")
     shutil.copytree(gpu500, ws / "big")
+    _nxd_training(ws, gpu500)
+    _optimum_neuron(ws, tmp_path_factory.mktemp("optimum_neuron"))
     # LoRA: a PEFT adapter on hf_model (the base), and the NxD tag a Trainium LoRA job saves.
     _lora_adapter(ws / "hf_model", ws / "peft_adapter")
     for name in ("base", "base_hf"):
@@ -337,6 +344,45 @@ def workspace(tmp_path_factory: pytest.TempPathFactory) -> Path:
     ckpt.save(str(ws / "ckpt" / "step_00001000"), step=1000, model=user["model"], optimizer=user["opt"],
               dataloader=user["loader"])  # fmt: skip
     return ws
+
+
+def _nxd_training(ws: Path, gpu500: Path) -> None:
+    """guide.md's and convert --help's NxD Training examples: the GPU job's Trainer checkpoints and the NxD Training
+    tags of the same model (``--config config.json``), named by NxD Training's template.  The Lightning-made tag of
+    fixtures/nxdt is another model (llama_gqa_h64) at step 3, so it cannot stand under these names and config; the
+    tags are what the documented GPU -> Trainium command writes (that NxD Training's restore takes such a tag, and a
+    Trainer resumes from its way back: tests/test_nxdt.py)."""
+    for folder, step in (
+        ("out/checkpoint-10", 10),
+        ("gpu/checkpoint-800", 800),
+        ("gpu/checkpoint-1500", 1500),
+    ):
+        _ckpt("convert", gpu500, folder, "--to", "cuda", "--format", "hf-trainer", "--step", step,
+              "--config", "config.json", cwd=ws)  # fmt: skip
+    tags = {
+        "out/checkpoint-1000": "exp/checkpoints/hf_llama3_8B--step=1000-consumed_samples=1024000.0.ckpt",
+        "out/checkpoint-10": "exp/checkpoints/llama--step=10-consumed_samples=1280.0.ckpt",
+    }
+    for src, tag in tags.items():
+        samples = tag.rsplit("=", 1)[1].split(".")[0]
+        _ckpt("convert", src, tag, "--to", "neuron", "--format", "nxdt", "--tp", "8", "--dp", "2", "--qkv-linear",
+              "--consumed-samples", samples, cwd=ws)  # fmt: skip
+
+
+def _optimum_neuron(ws: Path, scratch: Path) -> None:
+    """guide.md's optimum-neuron examples: NeuronTrainer ``checkpoint-N`` folders built by
+    fixtures/optimum_neuron/build.py (README there), a full run's with NeuronTrainer's default xser files and a LoRA
+    run's, with the LoRA run's base model.  The built folders hold steps 3 and 5 under the docs' ``checkpoint-500``:
+    the step is read from ``trainer_state.json``, never from the folder's name (guide.md)."""
+    spec = importlib.util.spec_from_file_location(
+        "optimum_neuron_build", FIXTURES / "optimum_neuron" / "build.py"
+    )
+    build = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(build)
+    for made, folder in ((build.build(scratch, "xser"), "run"), (build.build_lora(scratch), "lora_run")):
+        (ws / folder).mkdir(exist_ok=True)
+        shutil.move(made, ws / folder / "checkpoint-500")
+    shutil.copytree(FIXTURES / "nxd_lora" / "base", ws / "base_model")
 
 
 def _lora_adapter(base: Path, dst: Path) -> None:
