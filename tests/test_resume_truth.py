@@ -21,6 +21,8 @@ LEDGER = {("ledger", e, None) for e in (1, 5)}
 EXPECT: dict[str, dict[bool, set[tuple[str, int, bool | None]]]] = {
     "weights_fresh": {True: ALL_VIEWS, False: ALL_VIEWS},
     "weights_stale": {True: ALL_VIEWS - {("tensorboard", 5, False)}, False: set()},  # logs alone: see docs
+    # the previous checkpoint's weights: the ledger's checkpoint facts show it even without overlap
+    "weights_stale_saved": {True: ALL_VIEWS - {("tensorboard", 5, False)} | LEDGER, False: LEDGER},
     "lr_halved": {True: ALL_VIEWS, False: {v for v in ALL_VIEWS if v[1] == 1}},
     "scheduler_lost": {True: ALL_VIEWS, False: ALL_VIEWS},
     "lr_off_by_one": {True: ALL_VIEWS, False: {v for v in ALL_VIEWS if v[1] == 1}},

@@ -43,6 +43,7 @@ DEFECTS = (
     "clean_nondeterministic",
     "weights_fresh",
     "weights_stale",
+    "weights_stale_saved",
     "lr_halved",
     "scheduler_lost",
     "lr_off_by_one",
@@ -58,7 +59,9 @@ SIZES = {"small": (16, 1), "large": (128, 2)}
 """Model sizes: (hidden width, hidden layers)."""
 OVERLAP_STEPS = 7
 STALE_STEPS = 10
-"""A stale checkpoint holds the weights of this many steps before its step (an async save gone wrong)."""
+"""``weights_stale``: checkpoint N holds the weights of this many steps before N, a step with no checkpoint of its
+own (an async save that copied too early).  ``weights_stale_saved``: checkpoint N holds checkpoint N - save_every's
+weights (a staging buffer reused from the previous save), which the checkpoints' own digests show."""
 NONDETERMINISM = 1e-4
 """``clean_nondeterministic``: Gaussian noise of this size relative to each gradient's scale, from a stream
 that no restore carries (what atomics-based kernels do on GPUs, exaggerated)."""
@@ -210,6 +213,7 @@ def _train(
     save: bool = True,
     noise: torch.Generator | None = None,
     stale: CheckpointManager | None = None,
+    stale_saved: CheckpointManager | None = None,
 ) -> None:
     """Steps ``first``..``last`` (1-based counts of updates), logging each and saving every ``save_every``."""
     x, y = _data(cfg)
@@ -233,11 +237,15 @@ def _train(
         )
         if stale is not None and step == cfg.restored - STALE_STEPS:
             snapshot = copy.deepcopy(st.model)
-        if stale is not None and step == cfg.restored:
-            # The async-save bug: checkpoint N holds the weights of step N - STALE_STEPS, all else current.
+        if stale is not None and step == cfg.restored - cfg.save_every:
+            previous = copy.deepcopy(st.model)
+        if stale is not None and stale_saved is not None and step == cfg.restored:
+            # The async-save bugs: checkpoint N holds older weights (step N - STALE_STEPS, or the previous
+            # checkpoint's), all else current; each copy is written aside for its branch.
             current = copy.deepcopy(st.model.state_dict())
-            st.model.load_state_dict(snapshot.state_dict())
-            stale.save(step, **st.as_dict())
+            for old, where in ((snapshot, stale), (previous, stale_saved)):
+                st.model.load_state_dict(old.state_dict())
+                where.save(step, **st.as_dict())
             st.model.load_state_dict(current)
         if save and step % cfg.save_every == 0 and step in cfg.needed_saves:
             mgr.save(step, overwrite=True, **st.as_dict())
@@ -266,7 +274,7 @@ def _saves_only(ledger: LedgerWriter) -> Callable[[str, dict[str, Any]], None]:
 
 def trunk(cfg: TruthConfig, root: Path) -> Path:
     """Session 1: train to the crash, checkpointing; also write the stale copy of checkpoint N aside
-    (``root/stale``), which the ``weights_stale`` branch puts in place of checkpoint N."""
+    (``root/stale``, ``root/stale_saved``), which the ``weights_stale*`` branches put in place of checkpoint N."""
     with _one_thread():
         return _trunk(cfg, root)
 
@@ -277,8 +285,10 @@ def _trunk(cfg: TruthConfig, root: Path) -> Path:
     mgr = _manager(run, logs)
     st = _build(cfg, init_seed=cfg.seed)
     stale = CheckpointManager(str(root / "stale"), async_save=False)
-    _train(cfg, st, logs, mgr, 1, cfg.crash, stale=stale)
+    stale_saved = CheckpointManager(str(root / "stale_saved"), async_save=False)
+    _train(cfg, st, logs, mgr, 1, cfg.crash, stale=stale, stale_saved=stale_saved)
     stale.close()
+    stale_saved.close()
     mgr.close()
     logs.crash()
     return run
@@ -293,10 +303,11 @@ def branch(cfg: TruthConfig, root: Path, defect: str) -> Path:
         shutil.rmtree(run)
     shutil.copytree(root / "trunk", run)
     n = cfg.restored
-    if defect == "weights_stale":
+    if defect in ("weights_stale", "weights_stale_saved"):
+        aside = root / ("stale" if defect == "weights_stale" else "stale_saved")
         target = Path(CheckpointManager(str(checkpoints_dir(run)), async_save=False).path_for(n))
         shutil.rmtree(target)
-        shutil.copytree(Path(CheckpointManager(str(root / "stale"), async_save=False).path_for(n)), target)
+        shutil.copytree(Path(CheckpointManager(str(aside), async_save=False).path_for(n)), target)
     restarts = [(n, cfg.total)]
     if defect == "clean_two_restarts":
         n2 = n + cfg.save_every
