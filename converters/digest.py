@@ -198,6 +198,30 @@ def source_digest(
         view.close()
 
 
+#: the adapter name PEFT leaves out of an adapter file's tensor names: ``save_pretrained`` writes the ``default``
+#: adapter at the folder's top level and any other one in a subfolder of its name
+PEFT_DEFAULT_ADAPTER = "default"
+
+
+def adapter_digest(path: str) -> CheckpointDigest:
+    """The digest of a PEFT adapter folder (``adapter_model.safetensors``, read by :func:`.peft.read_adapter`, the
+    bytes as stored) under the names the live ``PeftModel``'s state_dict gives the same tensors:
+    ``base_model.model.<module>.lora_A.weight`` in the file is ``base_model.model.<module>.lora_A.default.weight``
+    in the model (the folder's top level holds the ``default`` adapter).  What a Trainer checkpoint of a PEFT model
+    holds, compared with the restore digest name for name; the frozen base weights are not in it."""
+    from .peft import PREFIX, read_adapter
+
+    tensors: ModelDigest = {}
+    views: dict[str, str] = {}
+    full: dict[str, list[Box]] = {}
+    for hf, t in read_adapter(path).tensors.items():  # plain lora_A/lora_B matrices only (others refused)
+        live = PREFIX + hf.removesuffix(".weight") + f".{PEFT_DEFAULT_ADAPTER}.weight"
+        tensors[live] = tensor_digest(t)
+        views[live] = tensor_view(HF_VIEW, dtype_name(t.dtype), t.shape)
+        full[live] = [Box.full(tuple(t.shape))]
+    return CheckpointDigest(tensors, layout_signature(full), views)
+
+
 def _stored_digest(
     path: str, config: Mapping[str, Any] | None, run_options: Mapping[str, Any]
 ) -> CheckpointDigest:
@@ -326,6 +350,7 @@ def compare_digests(a: Mapping[str, str], b: Mapping[str, str]) -> DigestCompari
 
 
 __all__ = [
+    "adapter_digest",
     "DigestComparison",
     "compare_digests",
     "CheckpointDigest",

@@ -75,9 +75,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--bug",
-        choices=("data_reset", "reinit_weights"),
-        help="resume with a classic mistake: data restarted from the first batch (ignore_data_skip), or the "
-        "model's weights re-initialised after the checkpoint loaded (optimizer, scheduler, data restored)",
+        choices=("data_reset", "reinit_weights", "reinit_lora_b"),
+        help="resume with a classic mistake: data restarted from the first batch (ignore_data_skip), the "
+        "model's weights re-initialised after the checkpoint loaded (optimizer, scheduler, data restored), or "
+        "(with --lora) the adapter's lora_B zeroed again as when a resume silently drops the adapter",
+    )
+    p.add_argument(
+        "--lora",
+        action="store_true",
+        help="train an all-linear LoRA adapter (peft.LoraConfig, PEFT's defaults)",
     )
     a = p.parse_args(argv)
     torch.set_num_threads(1)
@@ -105,14 +111,31 @@ def main(argv: list[str] | None = None) -> int:
                         if isinstance(mod, torch.nn.Linear):
                             mod.weight.copy_(torch.randn(mod.weight.shape, generator=g) * 0.02)
 
+    class ReinitLoraB(TrainerCallback):
+        """The adapter a resume silently dropped: every ``lora_B`` back to PEFT's initial zeros after the Trainer
+        loaded the checkpoint (no RNG drawn, so the restored streams stay untouched)."""
+
+        def on_train_begin(self, args, state, control, model=None, **kw):
+            if state.global_step > 0:
+                with torch.no_grad():
+                    for name, t in model.named_parameters():
+                        if ".lora_B." in name:
+                            t.zero_()
+
     from transformers import set_seed
 
     set_seed(a.seed)
+    model = tiny_llama()
+    if a.lora:
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(target_modules="all-linear"))
+    bugs = {"reinit_weights": ReinitWeights, "reinit_lora_b": ReinitLoraB}
     trainer = Trainer(
-        model=tiny_llama(),
+        model=model,
         args=training_args(a.out, a.steps, a.save_every, a.seed, ignore_data_skip=a.bug == "data_reset"),
         train_dataset=corpus(a.seed),
-        callbacks=[CkptCallback(), KillAt(), *([ReinitWeights()] if a.bug == "reinit_weights" else [])],
+        callbacks=[CkptCallback(), KillAt(), *([bugs[a.bug]()] if a.bug in bugs else [])],
     )
     resume = True if a.resume == "latest" else a.resume
     trainer.train(resume_from_checkpoint=resume)

@@ -167,6 +167,65 @@ def test_trainer_checkpoint_facts_are_read_without_unpickling_code(crashed: Path
     assert set(f.optimizer_steps.values()) == {10} and f.scheduler_last_lr > 0
 
 
+# ------------------------------------------------------------------------------- PEFT LoRA (issue 22)
+LORA_STEPS, LORA_KILL_AT = 30, 25
+
+
+@pytest.fixture(scope="module")
+def lora_crashed(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """An all-linear LoRA (``peft.LoraConfig(target_modules="all-linear")``, PEFT's defaults) on the tiny Llama,
+    checkpoints every 10 steps, SIGKILLed after step 25: ``checkpoint-20`` holds the adapter alone."""
+    out = tmp_path_factory.mktemp("lora") / "out"
+    rc = train(out, "--lora", "--steps", LORA_STEPS, "--save-every", 10, "--kill-at", LORA_KILL_AT)
+    assert rc == -signal.SIGKILL
+    ck = out / "checkpoint-20"
+    assert (ck / "adapter_model.safetensors").is_file() and not (ck / "model.safetensors").exists()
+    return out
+
+
+def lora_resumed(crashed: Path, dest: Path, bug: str | None = None) -> Path:
+    out = dest / "out"
+    shutil.copytree(crashed, out)
+    args = ("--lora", "--steps", LORA_STEPS, "--save-every", 10, "--resume", out / "checkpoint-20")
+    assert train(out, *args, *(("--bug", bug) if bug else ())) == 0
+    return out
+
+
+def test_peft_adapter_reinitialised_after_the_resume_loaded_it_is_named(
+    lora_crashed: Path, tmp_path: Path
+) -> None:
+    """lora_B back to PEFT's zeros after ``resume_from_checkpoint`` loaded checkpoint-20 (an adapter the resume
+    silently dropped): the weights check compares the restore digest with the adapter file under the live
+    PeftModel's names and names the lora_B tensors; the optimizer, which did come back, is not blamed."""
+    out = lora_resumed(lora_crashed, tmp_path, bug="reinit_lora_b")
+    run = load_run(out)
+    assert run.sessions[1].restores[0].optimizer_step == 20
+    res = CliRunner().invoke(cli, ["verify-resume", str(out), "--json"])
+    assert res.exit_code == 1, res.output
+    assert "optimizer state lost" not in res.output
+    (b,) = json.loads(res.output)["boundaries"]
+    checks = {c["check"]: c for c in b["checks"]}
+    assert b["restored_step"] == 20 and checks["data"]["status"] == "pass", checks["data"]
+    w = checks["weights"]
+    assert w["status"] == "fail" and "weights after restore differ from checkpoint-20's" in w["summary"], w
+    (v,) = verify_run(run, facts=TrainerCheckpointFacts(out)).verdicts
+    assert v.check("weights").cause is Cause.WEIGHTS_NOT_RESTORED
+    # every lora_B (one per linear module) differs, every lora_A came back; the frozen base is not in the file
+    assert w["numbers"]["compared"] == 2 * w["numbers"]["not_restored"] > 0
+    named = w["summary"].split("tensors differ: ", 1)[1]
+    assert ".lora_B.default.weight" in named and ".lora_A." not in named
+
+
+def test_clean_peft_resume_compares_the_adapter_and_passes(lora_crashed: Path, tmp_path: Path) -> None:
+    out = lora_resumed(lora_crashed, tmp_path)
+    res = CliRunner().invoke(cli, ["verify-resume", str(out), "--json"])
+    assert res.exit_code == 0, res.output
+    (b,) = json.loads(res.output)["boundaries"]
+    w = {c["check"]: c for c in b["checks"]}["weights"]
+    assert w["status"] == "pass" and "weights after restore equal checkpoint-20's" in w["summary"], w
+    assert w["numbers"]["compared"] > 0 and w["numbers"]["not_restored"] == 0
+
+
 # ------------------------------------------------------------------------------------ --format hf-trainer
 def convert(*args: object) -> str:
     res = CliRunner().invoke(cli, ["convert", *map(str, args)])

@@ -55,11 +55,15 @@ def facts_from_mapping(facts: Mapping[int, CheckpointFacts]) -> FactsProvider:
 
 
 def folder_digest(
-    candidates: Iterable[str | os.PathLike[str]], cache: dict[Path, Any], notes: list[str], **run_options: Any
+    candidates: Iterable[str | os.PathLike[str]],
+    cache: dict[Path, Any],
+    notes: list[str],
+    read: Callable[..., Any] | None = None,
+    **run_options: Any,
 ) -> Any:
     """The model digest (:func:`ckpt.converters.digest.source_digest`) of the first existing folder among
-    ``candidates`` (the logged path, the same name under the root, the step's folder), cached in ``cache``; None
-    (and a note) when it cannot be read.  Shared by the folder-per-checkpoint providers (Trainer, NxD tags)."""
+    ``candidates`` (the logged path, the same name under the root, the step's folder; ``read`` in its place where
+    given), cached in ``cache``; None (and a note) when it cannot be read.  Shared by the folder-per-checkpoint providers (Trainer, NxD tags)."""
     from ckpt.converters.digest import source_digest
     from ckpt.errors import CkptError
 
@@ -69,7 +73,7 @@ def folder_digest(
         if not d.is_dir():
             continue
         try:
-            found = cache[d] = source_digest(str(d), **run_options)
+            found = cache[d] = (read or source_digest)(str(d), **run_options)
         except (CkptError, OSError, ValueError) as exc:
             notes.append(f"{d}: weights unreadable ({exc})")
             return None

@@ -77,6 +77,17 @@ def facts_from_trainer_checkpoint(folder: str | os.PathLike[str], step: int | No
     )
 
 
+def trainer_digest(folder: str) -> Any:
+    """The model digest of one ``checkpoint-N``: a PEFT model's checkpoint holds the adapter alone
+    (``adapter_model.safetensors``), hashed under the names the live ``PeftModel`` gives its tensors
+    (:func:`ckpt.converters.digest.adapter_digest`), so the restore digest compares with it; any other through the
+    conversion engine's full HF-named view."""
+    from ckpt.converters import peft
+    from ckpt.converters.digest import adapter_digest, source_digest
+
+    return adapter_digest(folder) if peft.detect(folder) else source_digest(folder)
+
+
 class TrainerCheckpointFacts:
     """A :data:`ckpt.resume.facts.FactsProvider` over the ``checkpoint-N`` folders of a Trainer output dir."""
 
@@ -100,10 +111,11 @@ class TrainerCheckpointFacts:
         read of the model, cached); None when it cannot be read."""
         cands = [Path(path), self.root / Path(path).name] if path else []
         cands.append(self.root / f"checkpoint-{step}")
-        return folder_digest(cands, self._digests, self.notes)
+        return folder_digest(cands, self._digests, self.notes, read=trainer_digest)
 
     def view_digest(self, step: int, path: str | None) -> Any:
-        """The same digest: a Trainer checkpoint is hashed in the conversion engine's full HF-named view already."""
+        """The same digest: a Trainer checkpoint is hashed in the conversion engine's full HF-named view already (a
+        PEFT model's adapter-only checkpoint in the live ``PeftModel``'s names, :func:`trainer_digest`)."""
         return self.digest(step, path)
 
     def __call__(self, step: int, path: str | None) -> CheckpointFacts | None:
