@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -190,13 +191,15 @@ def _ckpt_optimizer(reader: Any, hf_of: dict[str, str], src: str) -> dict[str, A
 
 
 def _source_step(src: str, run: RunOptions) -> int | None:
-    """The step the adapter source records: an NxD tag's (``tag_step``), else None (a PEFT folder records none)."""
+    """The step the adapter source records: an NxD tag's (``tag_step``), an adapter checkpoint of ours (its
+    manifest's), else None (a PEFT folder records none)."""
     if nxd_lora.is_lora_tag(src):
         from .nxd.files import scan_tag
         from .nxd.step import tag_step
 
         return tag_step(scan_tag(Path(src)), verify=run.verify)
-    return None
+    manifest = _adapter_manifest(src, run.storage_options)
+    return int(manifest.step) if manifest is not None else None
 
 
 def convert_adapter(src: str, dst: str, opts: ConvertOptions, run: RunOptions | None = None) -> LoraResult:
@@ -242,7 +245,13 @@ def convert_adapter(src: str, dst: str, opts: ConvertOptions, run: RunOptions | 
         except TypeError as e:
             raise LayoutError(f"layout flags: {e}") from None
         spec = LayoutSpec.of(ModelDims.from_hf_config(cfg), flags)
-        nbytes, notes = nxd_lora.write_lora_tag(adapter, spec, dst, run.storage_options)
+        step = opts.step if opts.step is not None else _source_step(src, run)
+        nbytes, notes = nxd_lora.write_lora_tag(adapter, spec, dst, run.storage_options, step=step)
+        if step is None:  # said once the tag is written, so that a refusal stays one error line
+            warnings.warn(
+                f"{src} records no training step: the NxD LoRA tag records none either (pass --step N to set it)",
+                stacklevel=2,
+            )
     return LoraResult(dst, len(adapter.tensors), nbytes, opts.format, notes)
 
 

@@ -126,3 +126,18 @@ def test_a_source_added_to_the_table_is_detected_and_read(
     path.unlink()
     with pytest.raises(RunInputError, match=r"TensorBoard events, CSV or \*\.losses\.txt in"):
         load_run(tmp_path)
+
+
+def test_event_files_in_many_directories_are_refused_in_one_short_line(tmp_path: Path) -> None:
+    """A folder above several TensorBoard runs (train/, eval/, other experiments) is refused naming a few of them,
+    not every directory: the error stays one readable line however many runs sit below."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    for i in range(6):
+        with SummaryWriter(str(tmp_path / f"run{i}" / ("x" * 120))) as w:
+            w.add_scalar("train/loss", 1.0, 1)
+    with pytest.raises(RunInputError) as e:
+        sources.load_run(tmp_path, "tensorboard")
+    msg = str(e.value)
+    assert "event files in 6 directories" in msg and "+3 more" in msg and "pass one of them" in msg
+    assert "\n" not in msg and len(msg) < 1000

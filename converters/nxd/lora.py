@@ -253,11 +253,18 @@ def check_every_layer(adapter: Adapter, layers: int) -> None:
 
 
 def write_lora_tag(
-    adapter: Adapter, spec: LayoutSpec, dst: str, storage_options: dict[str, Any] | None = None
+    adapter: Adapter,
+    spec: LayoutSpec,
+    dst: str,
+    storage_options: dict[str, Any] | None = None,
+    *,
+    step: int | None = None,
 ) -> tuple[int, tuple[str, ...]]:
     """Write ``adapter`` as an NxD LoRA tag in layout ``spec`` at ``dst`` (checked fully before any byte is
-    written; published whole with ``done`` last), widened where NxD's fused layers need it.  Returns the bytes of
-    tensor data written and the summary lines (the widening, when there was one)."""
+    written; published whole with ``done`` last), widened where NxD's fused layers need it.  ``step`` (None: not
+    known) goes into ``user_content.pt`` as ``total_steps``, where NxD training scripts keep it and the tag's
+    readers look first.  Returns the bytes of tensor data written and the summary lines (the widening, when there
+    was one)."""
     from ckpt.storage.folder import begin_folder
 
     from ..lora_optim import to_nxd
@@ -287,6 +294,8 @@ def write_lora_tag(
             if optims:
                 save_nxd_file(optims[(tp, pp)], txn.storage, f"optim/{rank_file_name(0, tp, pp)}", False)
         txn.storage.put_bytes(CONFIG_NAME, (json.dumps(tag_cfg, indent=2, sort_keys=True) + "\n").encode())
+        if step is not None:
+            save_nxd_file({"total_steps": int(step)}, txn.storage, "user_content.pt", False)
         txn.commit({"done": b"1"})
     if not shards:
         warnings.warn(f"{dst}: the adapter laid out to no tensors", stacklevel=2)

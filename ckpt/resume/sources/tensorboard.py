@@ -152,8 +152,11 @@ def find_event_files(path: Path) -> list[Path]:
     files = sorted(p for p in path.rglob("*") if "tfevents" in p.name and p.is_file())
     dirs = {p.parent for p in files}
     if len(dirs) > 1:
-        listed = ", ".join(sorted(str(d) for d in dirs))
-        raise RunInputError(f"event files in several directories under {path} ({listed}); pass one of them")
+        names = sorted(str(d) for d in dirs)
+        listed = ", ".join(names[:3]) + (f", +{len(names) - 3} more" if len(names) > 3 else "")
+        raise RunInputError(
+            f"event files in {len(names)} directories under {path} ({listed}); pass one of them"
+        )
     return files
 
 
