@@ -20,7 +20,7 @@ from ckpt.resume.cost import RunCost
 from ckpt.resume.model import Run
 from ckpt.resume.report import CHECK_COLUMNS, NO_BOUNDARY, boundary_title, check_rows, run_line, verdict_line
 from ckpt.resume.verify import Verification
-from ckpt.resume.words import plural
+from ckpt.words import count
 
 from .common import human_bytes, out
 from .table import Col, print_table
@@ -125,7 +125,7 @@ def render_cost(run: Run, cost: RunCost, console: Console | None = None) -> None
         )
     cols = [Col("session")] + [Col(c, "right") for c in ("steps", "first", "last", "restored", "saves")]
     print_table(
-        console, [*cols, Col("exit")], rows, title=f"{run.path}: {plural(len(run.sessions), 'session')}"
+        console, [*cols, Col("exit")], rows, title=f"{run.path}: {count(len(run.sessions), 'session')}"
     )
     rows = [
         [

@@ -12,7 +12,7 @@ from typing import NamedTuple
 
 from ckpt.resume.compare import Comparison, RunSide
 from ckpt.resume.environment import env_summary
-from ckpt.resume.words import plural
+from ckpt.words import count
 
 VERDICTS = {
     "equal": "good",
@@ -47,7 +47,7 @@ def side_line(side: RunSide) -> str:
     """What one run is, after its label: ``path (source, N sessions, M effective steps, values P)``."""
     r = side.run
     return (
-        f"{r.path} ({r.source}, {plural(len(r.sessions), 'session')}, "
+        f"{r.path} ({r.source}, {count(len(r.sessions), 'session')}, "
         f"{len(side.curve)} effective steps, values {r.precision})"
     )
 

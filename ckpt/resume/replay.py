@@ -23,7 +23,7 @@ from typing import Any
 
 from ckpt.resume.errors import RunInputError
 from ckpt.resume.verify import Verification
-from ckpt.resume.words import plural
+from ckpt.words import count
 
 
 def replay_lr(scheduler_factory: Callable[[Any], Any], *, base_lr: float, steps: int) -> dict[int, float]:
@@ -134,7 +134,7 @@ def replay_command(
         raise RunInputError(f"--replay-steps must be at least 1, got {steps}")
     if steps > logged_after:
         notes.append(
-            f"the run logged only {plural(logged_after, 'step')} after {from_step}: the rest is not compared"
+            f"the run logged only {count(logged_after, 'step')} after {from_step}: the rest is not compared"
         )
     work = Path(scratch) if scratch else Path(tempfile.mkdtemp(prefix="ckpt-replay-"))
     work.mkdir(parents=True, exist_ok=True)

@@ -13,7 +13,7 @@ from typing import NamedTuple
 
 from ckpt.resume.checks import Status
 from ckpt.resume.verify import BoundaryVerdict, Verification
-from ckpt.resume.words import plural
+from ckpt.words import count
 
 EXIT_CONTINUOUS = 0
 EXIT_DISCONTINUITY = 1
@@ -72,7 +72,7 @@ def run_line(result: Verification) -> tuple[str, str]:
     """(the run's path, what it is): ``("runs/x/ledger.jsonl", " (jsonl, 2 sessions, ...)")``."""
     run = result.run
     return run.path, (
-        f" ({run.source}, {plural(len(run.sessions), 'session')}, {run.num_steps} step records, values {run.precision})"
+        f" ({run.source}, {count(len(run.sessions), 'session')}, {run.num_steps} step records, values {run.precision})"
     )
 
 
@@ -85,7 +85,7 @@ def boundary_title(v: BoundaryVerdict) -> str:
     mode = "bitwise" if v.deterministic else "tolerance"
     return (
         f"Boundary {b.index}: restored step {b.restored_step}{src} ({how}, {b.reason}){crash}; "
-        f"first step {b.post.steps[0].step}, {plural(len(b.overlap), 'step overlaps', 'steps overlap')} the pre-crash log; loss mode: {mode}"
+        f"first step {b.post.steps[0].step}, {count(len(b.overlap), 'step overlaps', 'steps overlap')} the pre-crash log; loss mode: {mode}"
     )
 
 
@@ -108,7 +108,7 @@ def verdict_line(result: Verification) -> tuple[str, str]:
         return "DISCONTINUITY", ": " + "; ".join(dict.fromkeys(c.value for c in result.causes))
     warned = [c.value for c in result.causes]
     extra = f" (warnings: {'; '.join(dict.fromkeys(warned))})" if warned else ""
-    return "CONTINUOUS", f" at {plural(len(result.verdicts), 'boundary', 'boundaries')}{extra}"
+    return "CONTINUOUS", f" at {count(len(result.verdicts), 'boundary', 'boundaries')}{extra}"
 
 
 def render_text(result: Verification) -> str:

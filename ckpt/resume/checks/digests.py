@@ -17,7 +17,7 @@ from ckpt.data.digest import combine_digests, is_global
 from ckpt.resume.checks.base import Basis, Cause, CheckResult, Confidence, Status
 from ckpt.resume.checks.context import CheckContext
 from ckpt.resume.model import StepRecord
-from ckpt.resume.words import plural
+from ckpt.words import count
 
 
 def dp_change(ctx: CheckContext) -> tuple[int, int] | None:
@@ -117,19 +117,19 @@ def _check_data_across(ctx: CheckContext, change: tuple[int, int]) -> CheckResul
         return CheckResult(
             "data",
             Status.PASS,
-            f"{moved}: {plural(len(common_steps), 'global batch digest')} equal to the pre-crash run",
+            f"{moved}: {count(len(common_steps), 'global batch digest')} equal to the pre-crash run",
             None,
             nums,
         ).judged(Basis.OVERLAP, Confidence.EXACT)
     nums["windows_compared"] = len(common)
-    for count in common:
-        if post_w[count] != pre_w[count]:
-            nums.update(first_mismatch_samples=count)
+    for seen in common:
+        if post_w[seen] != pre_w[seen]:
+            nums.update(first_mismatch_samples=seen)
             return CheckResult(
                 "data",
                 Status.FAIL,
-                f"{moved}: the first {count} samples after step {n} differ from the pre-crash run's "
-                f"(global digest {post_w[count]} vs {pre_w[count]})",
+                f"{moved}: the first {seen} samples after step {n} differ from the pre-crash run's "
+                f"(global digest {post_w[seen]} vs {pre_w[seen]})",
                 Cause.DATA_POSITION_LOST,
                 nums,
             ).judged(Basis.OVERLAP, Confidence.EXACT)
@@ -171,7 +171,7 @@ def check_data(ctx: CheckContext) -> CheckResult:
     checked = []
     if dd:
         nums["digests_compared"] = len(dd)
-        checked.append(plural(len(dd), "batch digest"))
+        checked.append(count(len(dd), "batch digest"))
         bad = [(s, a, c) for s, a, c in dd if a != c]
         if bad:
             s, a, c = bad[0]
@@ -190,7 +190,7 @@ def check_data(ctx: CheckContext) -> CheckResult:
             )
     if sm:
         nums["samples_compared"] = len(sm)
-        checked.append(plural(len(sm), "sample count"))
+        checked.append(count(len(sm), "sample count"))
         bad_s = [(s, a, c) for s, a, c in sm if a != c]
         if bad_s:
             s, a, c = bad_s[0]
@@ -277,7 +277,7 @@ def check_rng(ctx: CheckContext) -> CheckResult:
     bad = [(s, a, c) for s, a, c in pairs if a != c]
     if not bad:
         return CheckResult(
-            "rng", Status.PASS, f"{plural(len(pairs), 'RNG digest')} equal to the pre-crash run", None, nums
+            "rng", Status.PASS, f"{count(len(pairs), 'RNG digest')} equal to the pre-crash run", None, nums
         )
     s, a, c = bad[0]
     nums.update(first_mismatch=s, mismatched=len(bad))

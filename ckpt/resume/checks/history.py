@@ -5,7 +5,7 @@ from __future__ import annotations
 from ckpt.resume.checks.base import Cause, CheckResult, Status
 from ckpt.resume.checks.context import CheckContext
 from ckpt.resume.environment import NEURON_KEYS, VERSION_KEYS
-from ckpt.resume.words import plural
+from ckpt.words import count
 
 
 def check_lost_work(ctx: CheckContext) -> CheckResult:
@@ -38,7 +38,7 @@ def check_lost_work(ctx: CheckContext) -> CheckResult:
             Cause.UNCOMMITTED_CHECKPOINT,
             nums,
         )
-    redone = plural(crash - n, "step") if crash is not None and crash >= n else "? steps"
+    redone = count(crash - n, "step") if crash is not None and crash >= n else "? steps"
     return CheckResult(
         "lost_work",
         Status.PASS,

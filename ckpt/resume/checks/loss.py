@@ -25,7 +25,7 @@ import math
 from ckpt.resume.checks.base import Basis, Cause, CheckResult, Confidence, Status
 from ckpt.resume.checks.context import CheckContext
 from ckpt.resume.checks.stats import diff_sigma, median, robust_sigma, theil_sen
-from ckpt.resume.words import plural
+from ckpt.words import count
 
 MEDIAN_SE = 1.2533
 """Standard error of a median of k Gaussian values, in units of sigma / sqrt(k)."""
@@ -104,7 +104,7 @@ def _paired(ctx: CheckContext, pairs: list[tuple[int, float, float]], nums: dict
         spike_at = big[0] if big else None
     # Few pairs: no spread to test against, so only a shift of twice the floor counts.
     shifted = abs(mean) > floor and (t > opt.paired_t if k >= 3 else abs(mean) > 2 * floor)
-    over = f"{plural(k, 'overlapping step')} (same steps before the crash)"
+    over = f"{count(k, 'overlapping step')} (same steps before the crash)"
     if shifted or spike_at is not None:
         nums["shifted"] = True
         if shifted:
@@ -179,14 +179,14 @@ def _trend(ctx: CheckContext, post: list[tuple[int, float]], nums: dict) -> Chec
     top = max(head, key=lambda x: x[1])
     spike_z = top[1] / sigma
     nums.update(median_shift=med, level_z=z, max_z=spike_z, window=k)
-    src = f"the trend of the last {plural(m, 'logged step')} before the boundary"
+    src = f"the trend of the last {count(m, 'logged step')} before the boundary"
     shift = z > opt.level_z and k >= 3
     spike = spike_z > opt.spike_z
     nums["shifted"] = shift or spike
     if shift or spike:
         if shift:
             what = (
-                f"{_symptom(med, level)}: median of the first {plural(k, 'step')} {med:+.4g} above {src}, "
+                f"{_symptom(med, level)}: median of the first {count(k, 'step')} {med:+.4g} above {src}, "
                 f"{z:.1f} standard errors (noise sigma {sigma:.3g})"
             )
         else:
@@ -212,7 +212,7 @@ def _deterministic(ctx: CheckContext, pairs: list[tuple[int, float, float]], num
     if not diff:
         nums.update(first_step=pairs[0][0], last_step=pairs[-1][0])
         return CheckResult(
-            "loss", Status.PASS, f"{plural(len(pairs), 'overlapping step')} equal bit for bit", None, nums
+            "loss", Status.PASS, f"{count(len(pairs), 'overlapping step')} equal bit for bit", None, nums
         ).judged(Basis.OVERLAP, Confidence.EXACT)
     s, p, v = diff[0]
     nums.update(first_mismatch=s, pre=p, post=v, mismatched=len(diff))

@@ -17,7 +17,7 @@ import numpy as np
 from ckpt.resume.checks.base import Basis, Cause, CheckResult, Confidence, Status
 from ckpt.resume.checks.context import CheckContext
 from ckpt.resume.checks.lr_trajectory import scan
-from ckpt.resume.words import plural
+from ckpt.words import count
 
 
 def _reference(ctx: CheckContext) -> tuple[dict[int, float], dict[int, float]]:
@@ -129,7 +129,7 @@ def check_lr(ctx: CheckContext) -> CheckResult:
         src = "pre-crash log" if basis is Basis.OVERLAP else "pre-crash log + replayed schedule"
         nums.update(first_step=compared[0][0], last_step=compared[-1][0])
         return CheckResult(
-            "lr", Status.PASS, f"{plural(len(compared), 'step')} equal to the {src} bit for bit", None, nums
+            "lr", Status.PASS, f"{count(len(compared), 'step')} equal to the {src} bit for bit", None, nums
         ).judged(basis, Confidence.EXACT)
     cause, text = classify(mism[:k], ref)
     s, v = mism[0]

@@ -27,7 +27,7 @@ import math
 from dataclasses import dataclass, field
 
 from ckpt.resume.checks.base import Cause, Confidence
-from ckpt.resume.words import plural
+from ckpt.words import count
 
 REPEAT_STEPS = 5
 """How many post-resume LRs must equal an earlier stretch (fewer when fewer were logged, at least 2)."""
@@ -197,7 +197,7 @@ def judge(
             )
         return Finding(
             Cause.LR_SHIFTED,
-            f"LR is {plural(k, 'step')} behind: step {s1} repeats step {p}'s {b0!r}",
+            f"LR is {count(k, 'step')} behind: step {s1} repeats step {p}'s {b0!r}",
             Confidence.HIGH,
             nums,
         )
@@ -205,7 +205,7 @@ def judge(
         nums["frozen_steps"] = len(head)
         return Finding(
             Cause.LR_FROZEN,
-            f"LR stays {head[0]!r} for the first {plural(len(head), 'step')} after the resume; it changed every step before",
+            f"LR stays {head[0]!r} for the first {count(len(head), 'step')} after the resume; it changed every step before",
             Confidence.HIGH,
             nums,
         )

@@ -5,7 +5,7 @@ from __future__ import annotations
 from ckpt.resume.boundaries import Boundary
 from ckpt.resume.checks.base import Cause, CheckResult, Status
 from ckpt.resume.checks.context import CheckContext
-from ckpt.resume.words import plural
+from ckpt.words import count
 
 
 def cadence(steps: list[int]) -> int:
@@ -42,7 +42,7 @@ def check_step(ctx: CheckContext) -> CheckResult:
             return CheckResult(
                 "step",
                 Status.FAIL,
-                f"resumed at step N+{first - n} = {first} after restoring {n}: {plural(k, 'step')} skipped",
+                f"resumed at step N+{first - n} = {first} after restoring {n}: {count(k, 'step')} skipped",
                 Cause.STEPS_SKIPPED,
                 nums,
             )
@@ -50,7 +50,7 @@ def check_step(ctx: CheckContext) -> CheckResult:
             return CheckResult(
                 "step",
                 Status.FAIL,
-                f"resumed at step {first} after restoring {n}: {plural(-k, 'step')} repeated",
+                f"resumed at step {first} after restoring {n}: {count(-k, 'step')} repeated",
                 Cause.STEPS_REPEATED,
                 nums,
             )
@@ -71,7 +71,7 @@ def check_step(ctx: CheckContext) -> CheckResult:
         return CheckResult(
             "step",
             Status.FAIL,
-            f"resumed at step {first} but the newest checkpoint is step {newest}: {plural(n - newest, 'step')} skipped",
+            f"resumed at step {first} but the newest checkpoint is step {newest}: {count(n - newest, 'step')} skipped",
             Cause.STEPS_SKIPPED,
             nums,
         )
