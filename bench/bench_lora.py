@@ -64,7 +64,7 @@ def main() -> None:
     args = ap.parse_args()
 
     import ckpt
-    from ckpt.saver import Checkpointer
+    from ckpt.saving.checkpointer import Checkpointer
 
     stat = statistics.median if args.stat == "median" else min
     model, opt = build(args.hidden, args.layers, args.rank)

@@ -38,7 +38,7 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     from ckpt import Checkpointer
-    from ckpt.replicas import tensor_digest
+    from ckpt.saving.replicated import tensor_digest
 
     model = _model(args.mib)
     ck = Checkpointer()

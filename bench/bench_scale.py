@@ -14,16 +14,16 @@ T logical tensors (bf16 matrices 4096 x {4096, 11008, 1024}, every tenth a 4096 
 the harness measures, per rank:
 
 - planning: ``before`` = today's path (``all_gather`` of every rank's pieces + ``assign_writers`` over all of
-  them, run on every rank); ``after`` = the scalable path (``ckpt.planning.plan_local`` on the rank's own pieces
+  them, run on every rank); ``after`` = the scalable path (``ckpt.saving.planning.plan_local`` on the rank's own pieces
   with replica groups derived from its placements, an O(1) ``all_reduce`` check), timed on a few representative
   ranks (sampling: rank 0, N/2 and N-1; the others are the same computation on different numbers);
 - bytes moved by the planning collectives, per rank (received + sent, pickled sizes as ``all_gather_object``
   sends them; the fake collective counts them);
 - commit: ``before``: rank 0 building the v1 manifest from every rank's receipt (every chunk); ``after``: each
   writer sealing its own index and state file (slowest rank reported), rank 0 checking the written boxes and
-  writing the v2 top manifest (``ckpt.commit_v2``); the bytes every rank sends rank 0, and the manifest's size;
+  writing the v2 top manifest (``ckpt.format.seal``); the bytes every rank sends rank 0, and the manifest's size;
 - restore: one rank of a resharded job (N -> N/2 and N -> 2N) reading the metadata it needs and planning which
-  stored chunks to read for its boxes (``ckpt.reader.overlapping``), without reading data.
+  stored chunks to read for its boxes (``ckpt.format.reader.overlapping``), without reading data.
 
 Cases whose ``before`` path would hold more than ``--max-pieces`` pieces in memory are extrapolated linearly in
 N x T from the largest measured case of the same layout and T (marked ``~`` in the table): that path is linear in
@@ -49,13 +49,14 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, ".."))
 
 from ckpt import rng as rng_mod  # noqa: E402
-from ckpt.commit import Receipt, build_manifest, data_file_name  # noqa: E402
-from ckpt.commit_v2 import build_top, write_rank_files  # noqa: E402
-from ckpt.manifest import Box, Layout, Manifest, TensorDesc  # noqa: E402
-from ckpt.manifest_v2 import Locator  # noqa: E402
+from ckpt.format.index import Locator  # noqa: E402
+from ckpt.format.manifest import Box, Layout, Manifest, TensorDesc  # noqa: E402
+from ckpt.format.publish import Receipt, build_manifest, data_file_name  # noqa: E402
+from ckpt.format.reader import overlapping  # noqa: E402
+from ckpt.format.seal import build_top, write_rank_files  # noqa: E402
 from ckpt.neuron.parallel import ParallelInfo  # noqa: E402
 from ckpt.neuron.partition import NxdLayout  # noqa: E402
-from ckpt.planning import (  # noqa: E402
+from ckpt.saving.planning import (  # noqa: E402
     DEFAULT_CHUNK_BYTES,
     Group,
     Piece,
@@ -66,9 +67,8 @@ from ckpt.planning import (  # noqa: E402
     plan_local,
     world_group,
 )
-from ckpt.reader import overlapping  # noqa: E402
-from ckpt.rng_rule import base_record_of, stream_digests  # noqa: E402
-from ckpt.state import NamedTensor  # noqa: E402
+from ckpt.state.rng_rule import base_record_of, stream_digests  # noqa: E402
+from ckpt.state.training import NamedTensor  # noqa: E402
 from ckpt.storage import open_storage  # noqa: E402
 
 HIDDEN = 4096
@@ -353,7 +353,7 @@ def after(sim: Sim, repeat: int) -> dict[str, Any]:
 
 
 def after_commit(sim: Sim, rng_tree: Any, repeat: int) -> dict[str, Any]:
-    """Commit and restore with format v2 as the saver runs it (ckpt.commit_v2): each writer seals its own index and
+    """Commit and restore with format v2 as the saver runs it (ckpt.format.seal): each writer seals its own index and
     state file (timed per rank, slowest reported), rank 0 checks the written boxes and writes the top manifest;
     writers from the local planning (every rank planned once)."""
     import tempfile

@@ -23,8 +23,8 @@ import torch  # noqa: E402
 from torture.scale import many_checkpoints, many_tensors  # noqa: E402
 
 import ckpt  # noqa: E402
-from ckpt.discovery import list_checkpoints  # noqa: E402
-from ckpt.integrity import verify_checkpoint  # noqa: E402
+from ckpt.format.integrity import verify_checkpoint  # noqa: E402
+from ckpt.restoring.discovery import list_checkpoints  # noqa: E402
 
 
 def main() -> int:

@@ -22,8 +22,8 @@ __version__ = "0.1.0"
 # Public name -> the module that defines it.  Imported on first use (PEP 562), so that ``import ckpt`` and the
 # commands that never touch a tensor (``ckpt --help``, ``ls``, ``inspect``, ``report``) do not pay for torch.
 _EXPORTS = {
-    "CheckpointInfo": "discovery",
-    "list_checkpoints": "discovery",
+    "CheckpointInfo": "restoring.discovery",
+    "list_checkpoints": "restoring.discovery",
     "AsyncSaveError": "errors",
     "BaseMismatchError": "errors",
     "CheckpointExistsError": "errors",
@@ -35,23 +35,22 @@ _EXPORTS = {
     "StorageError": "errors",
     "UnsafePickleError": "errors",
     "diff": "converters.diff",
-    "RestoreResult": "loader",
-    "restore": "loader",
+    "RestoreResult": "restoring.loader",
+    "restore": "restoring.loader",
     "CheckpointManager": "manager",
-    "FORMAT_VERSION": "manifest",
-    "Box": "manifest",
-    "Layout": "manifest",
-    "Manifest": "manifest",
-    "CheckpointReader": "reader",
-    "open_checkpoint": "reader",
-    "Checkpointer": "saver",
-    "SaveResult": "saver",
-    "StagingInfo": "saver",
+    "FORMAT_VERSION": "format.manifest",
+    "Box": "format.manifest",
+    "Layout": "format.manifest",
+    "Manifest": "format.manifest",
+    "CheckpointReader": "format.reader",
+    "open_checkpoint": "format.reader",
+    "Checkpointer": "saving.checkpointer",
+    "SaveResult": "saving.checkpointer",
+    "StagingInfo": "saving.checkpointer",
 }
 
 if TYPE_CHECKING:
     from .converters.diff import diff
-    from .discovery import CheckpointInfo, list_checkpoints
     from .errors import (
         AsyncSaveError,
         BaseMismatchError,
@@ -64,11 +63,12 @@ if TYPE_CHECKING:
         StorageError,
         UnsafePickleError,
     )
-    from .loader import RestoreResult, restore
+    from .format.manifest import FORMAT_VERSION, Box, Layout, Manifest
+    from .format.reader import CheckpointReader, open_checkpoint
     from .manager import CheckpointManager
-    from .manifest import FORMAT_VERSION, Box, Layout, Manifest
-    from .reader import CheckpointReader, open_checkpoint
-    from .saver import Checkpointer, SaveResult, StagingInfo
+    from .restoring.discovery import CheckpointInfo, list_checkpoints
+    from .restoring.loader import RestoreResult, restore
+    from .saving.checkpointer import Checkpointer, SaveResult, StagingInfo
 
 
 _SUBMODULES = ("data", "dcp", "integrations", "resume")
@@ -92,7 +92,7 @@ def __dir__() -> list[str]:
 
 def save(path: str, *, step: int, **state: Any) -> SaveResult:
     """Save one checkpoint synchronously to ``path`` (call on every rank). See :meth:`Checkpointer.save`."""
-    from .saver import Checkpointer
+    from .saving.checkpointer import Checkpointer
 
     saver = Checkpointer(async_save=False, storage_options=state.pop("storage_options", None))
     return saver.save(path, step=step, **state).result()

@@ -28,7 +28,7 @@ JSON (``user.dcp``), never pickled; a value JSON cannot hold is refused with its
 Contract (DCP's call order, every rank): ``reset`` -> ``read_metadata`` (every rank reads the small manifest
 itself) -> ``set_up_storage_reader`` -> ``prepare_local_plan`` -> (coordinator) ``prepare_global_plan`` ->
 ``read_data``.  Each stored shard (its box) is one DCP chunk; a read item is a box inside one chunk, read with
-:meth:`ckpt.reader.CheckpointReader.read_box_into` (checksums verified), so only the bytes a rank needs are read.
+:meth:`ckpt.format.reader.CheckpointReader.read_box_into` (checksums verified), so only the bytes a rank needs are read.
 """
 
 from __future__ import annotations
@@ -59,10 +59,10 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 from torch.futures import Future
 
-from ckpt.dtypes import dtype_from_name
 from ckpt.errors import CkptError
-from ckpt.manifest import Box, Layout
-from ckpt.reader import CheckpointReader
+from ckpt.format.dtypes import dtype_from_name
+from ckpt.format.manifest import Box, Layout
+from ckpt.format.reader import CheckpointReader
 
 __all__ = ["Reader", "Writer"]
 
@@ -247,7 +247,7 @@ class Writer(StorageWriter):
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         from ckpt import treecodec
-        from ckpt.writer import StreamingWriter
+        from ckpt.format.writer import StreamingWriter
 
         rank, attempt = plan.storage_data
         writer = StreamingWriter(
@@ -300,9 +300,9 @@ class Writer(StorageWriter):
         return fut
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
-        from ckpt.commit import build_manifest, publish
-        from ckpt.dtypes import dtype_name
-        from ckpt.manifest import TensorDesc
+        from ckpt.format.dtypes import dtype_name
+        from ckpt.format.manifest import TensorDesc
+        from ckpt.format.publish import build_manifest, publish
         from ckpt.storage import open_storage
 
         receipts, values = [], {}

@@ -13,7 +13,6 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
-from .discovery import CheckpointInfo, list_checkpoints, missing_files, parse_step, step_dir
 from .distributed import Collective
 from .errors import (
     BaseMismatchError,
@@ -23,10 +22,11 @@ from .errors import (
     StateMismatchError,
     StorageError,
 )
-from .loader import RestoreResult, restore
-from .manifest import MANIFEST_NAME
-from .reader import CheckpointReader
-from .saver import Checkpointer, SaveResult, check_step
+from .format.manifest import MANIFEST_NAME
+from .format.reader import CheckpointReader
+from .restoring.discovery import CheckpointInfo, list_checkpoints, missing_files, parse_step, step_dir
+from .restoring.loader import RestoreResult, restore
+from .saving.checkpointer import Checkpointer, SaveResult, check_step
 from .storage import open_storage
 
 # a checkpoint that is damaged or incomplete: restore_latest falls back to an older one
@@ -162,7 +162,7 @@ class CheckpointManager:
         weights were restored.  One read of the model on rank 0 (xxh3 at memory speed; a device model is copied to
         the host tensor by tensor)."""
         from .converters.digest import live_digest
-        from .reader import read_manifest
+        from .format.reader import read_manifest
 
         m = result.manifest
         if m.v2 is not None and not any(e.shards for e in m.tensors.values()):

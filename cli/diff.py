@@ -141,7 +141,7 @@ def _print(r: Any, show_all: bool) -> None:
 
 
 def _nbytes(t: Any) -> int:
-    from ckpt.dtypes import dtype_from_name
+    from ckpt.format.dtypes import dtype_from_name
 
     n = 1
     for s in t.shape_b:

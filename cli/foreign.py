@@ -67,8 +67,8 @@ def inspect_foreign(path: str, as_json: bool) -> None:
 
 def verify_foreign(path: str, as_json: bool) -> list[str]:
     """Read every tensor of the folder; returns the problems found (empty: all readable)."""
-    from ckpt.dtypes import dtype_from_name
     from ckpt.errors import CkptError
+    from ckpt.format.dtypes import dtype_from_name
     from ckpt.layouts import Piece
 
     source = open_foreign(path)  # headers and sizes are checked on opening

@@ -21,7 +21,7 @@ def inspect(checkpoint: str, as_json: bool, shards: bool) -> None:
 
     CHECKPOINT is one of ours (its folder or its manifest.json), an NxD tag, or a Hugging Face or DCP folder.
     """
-    from ckpt.reader import CheckpointReader
+    from ckpt.format.reader import CheckpointReader
 
     from .where import resolve_checkpoint
 
@@ -96,7 +96,7 @@ def inspect(checkpoint: str, as_json: bool, shards: bool) -> None:
             )
     out.print(f"progress: {m.progress}", markup=False)
     if m.rng:
-        from ckpt.rng_rule import plan_across
+        from ckpt.state.rng_rule import plan_across
 
         carried, derived = plan_across(m.rng, m.rng_base)
         seed = (

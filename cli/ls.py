@@ -1,6 +1,6 @@
 """``ckpt ls ROOT``: every checkpoint under a root, ordered by step, with its status.
 
-Ours at any name up to :data:`~ckpt.discovery.FIND_DEPTH` levels down (``step_<N>``, ``conv/gpu-500``), NxD tags,
+Ours at any name up to :data:`~ckpt.restoring.discovery.FIND_DEPTH` levels down (``step_<N>``, ``conv/gpu-500``), NxD tags,
 HF Trainer ``checkpoint-N``, HF and DCP folders: one table per kind, one JSON list with a ``format`` per row.  Each
 status comes from the checks the kind's reader makes when ``verify`` / ``convert`` opens it (our manifest and its
 files; an NxD tag's files and zip directories; a foreign folder's headers and sizes).
@@ -19,7 +19,7 @@ from ckpt.words import count
 from .common import human_bytes, layout_text, out
 
 if TYPE_CHECKING:
-    from ckpt.discovery import CheckpointInfo, Found
+    from ckpt.restoring.discovery import CheckpointInfo, Found
     from ckpt.storage import Storage
 
 EPILOG = """\b
@@ -41,8 +41,8 @@ A step no file records shows as "unknown". Exit codes: 0 listed, 1 a checkpoint 
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
 def ls(root: str, check_files: bool, as_json: bool) -> None:
     """List the checkpoints under ROOT (ours, NxD tags, Trainer/HF/DCP folders): step, size, layout, status."""
-    from ckpt.discovery import find_checkpoints, list_checkpoints
     from ckpt.errors import CkptError
+    from ckpt.restoring.discovery import find_checkpoints, list_checkpoints
     from ckpt.storage import open_storage
 
     from .where import explain_empty_root
@@ -82,7 +82,7 @@ def ls(root: str, check_files: bool, as_json: bool) -> None:
 
 
 def _ours(storage: Storage, rel: str, check_files: bool) -> CheckpointInfo:
-    from ckpt.discovery import inspect_any
+    from ckpt.restoring.discovery import inspect_any
 
     return inspect_any(storage, rel, check_files)
 
@@ -91,7 +91,7 @@ def _absent(storage: Storage, i: CheckpointInfo) -> CheckpointInfo:
     """A deleted data file is visible in the folder's listing: one listing each, no stat."""
     import dataclasses
 
-    from ckpt.discovery import absent_files
+    from ckpt.restoring.discovery import absent_files
 
     if i.status == "committed" and i.manifest is not None:
         sub = storage.child(i.name)

@@ -45,8 +45,8 @@ def verify(checkpoint: str, as_json: bool) -> None:
         return
     from rich.progress import BarColumn, DownloadColumn, Progress, TransferSpeedColumn
 
-    from ckpt.integrity import verify_checkpoint
-    from ckpt.reader import CheckpointReader
+    from ckpt.format.integrity import verify_checkpoint
+    from ckpt.format.reader import CheckpointReader
 
     reader = CheckpointReader(checkpoint)
     total = sum(s.nbytes for t in reader.manifest.tensors.values() for s in t.shards)

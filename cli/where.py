@@ -11,7 +11,7 @@ import os
 import re
 from typing import Any
 
-from ckpt.manifest import MANIFEST_NAME
+from ckpt.format.manifest import MANIFEST_NAME
 from ckpt.words import holds_not_one
 
 STEP_DIR = re.compile(r"^step_\d+$")

@@ -7,7 +7,7 @@ tensor's columns (a dim-1 split such as ``o_proj``), which would read every row 
 those tensors are read whole once into a small cache and sliced.
 
 Target (:class:`ManifestExport`): units are target tensors (byte-balanced over workers); every worker streams its
-share into data files named with the attempt id (:class:`ckpt.writer.StreamingWriter`), and the coordinator's
+share into data files named with the attempt id (:class:`ckpt.format.writer.StreamingWriter`), and the coordinator's
 ``manifest.json`` is the commit.  Aborting removes the attempt's data files.
 """
 
@@ -21,15 +21,15 @@ from typing import Any
 
 import torch
 
-from ckpt.commit import Receipt, build_manifest, publish
-from ckpt.dtypes import dtype_from_name
 from ckpt.errors import CheckpointExistsError, LayoutError
+from ckpt.format.dtypes import dtype_from_name
+from ckpt.format.manifest import MANIFEST_NAME, Box, Manifest
+from ckpt.format.publish import Receipt, build_manifest, publish
+from ckpt.format.reader import CheckpointReader
+from ckpt.format.writer import StreamingWriter
 from ckpt.layouts import Piece
 from ckpt.layouts.record import NxdRecord
-from ckpt.manifest import MANIFEST_NAME, Box, Manifest
-from ckpt.reader import CheckpointReader
 from ckpt.storage import Storage, open_storage
-from ckpt.writer import StreamingWriter
 
 from .engine import Conversion, OutPart, Source, Staging, Trees, UnitReceipt, check_cover, write_share
 from .engine.export import Progress

@@ -40,10 +40,10 @@ from typing import Any
 import torch
 
 from ckpt import treecodec
-from ckpt.dtypes import dtype_from_name, dtype_name
 from ckpt.errors import CkptError, CorruptionError, LayoutError
+from ckpt.format.dtypes import dtype_from_name, dtype_name
+from ckpt.format.manifest import TensorDesc
 from ckpt.layouts import Piece
-from ckpt.manifest import TensorDesc
 from ckpt.safe_unpickle import load_pickle, load_torch_buffer, load_torch_file
 from ckpt.storage import open_storage
 from ckpt.storage.folder import FolderTxn, begin_folder

@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ckpt.errors import CkptError
-from ckpt.manifest import TensorDesc
+from ckpt.format.manifest import TensorDesc
 
 if TYPE_CHECKING:
     import torch
@@ -122,7 +122,7 @@ def _is_peft(path: str) -> bool:
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
-    from ckpt.dtypes import dtype_name
+    from ckpt.format.dtypes import dtype_name
 
     return dtype_name(dtype)
 

@@ -30,9 +30,9 @@ from typing import TYPE_CHECKING, Any
 
 import xxhash
 
-from ckpt.codecs import checksum
-from ckpt.dtypes import dtype_from_name, dtype_name
-from ckpt.manifest import Box, Manifest
+from ckpt.format.codecs import checksum
+from ckpt.format.dtypes import dtype_from_name, dtype_name
+from ckpt.format.manifest import Box, Manifest
 
 if TYPE_CHECKING:
     import torch
@@ -177,7 +177,7 @@ def source_digest(
 
     fmt = detect(path, run_options.get("storage_options"))
     if fmt.name == "ckpt" and not full_view:
-        from ckpt.reader import CheckpointReader
+        from ckpt.format.reader import CheckpointReader
 
         return manifest_digest(CheckpointReader(path, run_options.get("storage_options")))
     if fmt.name == "nxd" and not full_view:
@@ -270,7 +270,7 @@ def live_digest(model: Any, like: Manifest | None = None) -> LiveDigest:
     """
     from torch.distributed.tensor import DTensor
 
-    from ckpt.state import model_tensors
+    from ckpt.state.training import model_tensors
 
     view = manifest_view(like) if like is not None else HF_VIEW
     out: ModelDigest = {}

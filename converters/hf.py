@@ -23,11 +23,11 @@ from typing import Any
 
 import torch
 
-from ckpt.dtypes import dtype_from_name
 from ckpt.errors import CkptError, CorruptionError, LayoutError
+from ckpt.format.datafile import safetensors_header, tensor_bytes
+from ckpt.format.dtypes import dtype_from_name
+from ckpt.format.manifest import TensorDesc
 from ckpt.layouts import Piece
-from ckpt.manifest import TensorDesc
-from ckpt.shardfile import safetensors_header, tensor_bytes
 from ckpt.storage import open_storage
 from ckpt.storage.folder import FolderTxn, begin_folder
 from ckpt.words import count

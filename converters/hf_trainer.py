@@ -36,10 +36,10 @@ import numpy as np
 import torch
 
 from ckpt import treecodec
-from ckpt.dtypes import dtype_name
 from ckpt.errors import CkptError, LayoutError
+from ckpt.format.dtypes import dtype_name
+from ckpt.format.manifest import TensorDesc
 from ckpt.layouts import Piece
-from ckpt.manifest import TensorDesc
 from ckpt.safe_unpickle import load_torch_file
 from ckpt.storage import open_storage
 

@@ -45,7 +45,7 @@ class LoraResult:
 
 def _adapter_manifest(src: str, storage_options: dict[str, Any] | None) -> Any:
     """The manifest of an adapter-only checkpoint of ours at ``src`` (None for anything else)."""
-    from ckpt.manifest import MANIFEST_NAME, Manifest
+    from ckpt.format.manifest import MANIFEST_NAME, Manifest
     from ckpt.storage import open_storage
 
     try:
@@ -76,7 +76,7 @@ _PEFT_NAME = re.compile(r"^(?P<mod>.+)\.lora_(?P<ab>[AB])\.(?P<adapter>[^.]+)\.w
 def read_ckpt_adapter(src: str, run: RunOptions) -> peft.Adapter:
     """The LoRA adapter of an adapter-only checkpoint saved from a PEFT model (``save(adapter_only=True)``): its
     trainable tensors (PEFT's ``...lora_A.<adapter>.weight`` names, one adapter) and the recorded PEFT config."""
-    from ckpt.reader import CheckpointReader
+    from ckpt.format.reader import CheckpointReader
 
     reader = CheckpointReader(src, run.storage_options, run.verify)
     m = reader.manifest

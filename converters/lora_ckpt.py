@@ -20,8 +20,8 @@ from typing import Any
 
 import torch
 
-from ckpt.adapters import BaseIdentity
 from ckpt.errors import CkptError, LayoutError
+from ckpt.saving.adapters import BaseIdentity
 
 from . import peft
 
@@ -100,8 +100,8 @@ def write_ckpt_adapter(
     codec: str = "raw",
 ) -> int:
     """Write ``adapter`` (and its optimizer state) as an adapter-only checkpoint at ``dst``; returns bytes written."""
-    from ckpt.saver import Checkpointer
-    from ckpt.state import optimizer_capture
+    from ckpt.saving.checkpointer import Checkpointer
+    from ckpt.state.training import optimizer_capture
 
     names = {h: peft_param_name(h) for h in adapter.tensors}
     holder = _Holder({names[h]: t for h, t in adapter.tensors.items()}, adapter.to_peft_config())

@@ -10,9 +10,9 @@ import sys
 import torch
 import torch_xla.core.xla_model as xm
 
-from ckpt.reader import CheckpointReader
-from ckpt.saver import Checkpointer
-from ckpt.state import optim_name
+from ckpt.format.reader import CheckpointReader
+from ckpt.saving.checkpointer import Checkpointer
+from ckpt.state.training import optim_name
 
 
 def sha(t: torch.Tensor) -> str:

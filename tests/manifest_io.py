@@ -1,8 +1,8 @@
 """Reading and editing a saved checkpoint's manifest the same way under format v1 and v2, for tests.
 
 Tests assert facts about a manifest (its tensors, shards, files, trees), not about how one format version lays them
-out on disk, so they read through the public reader (:func:`ckpt.reader.read_manifest`), which gives the full
-in-memory :class:`~ckpt.manifest.Manifest` from either version.  Tests that edit a manifest on disk (a gap, a bad
+out on disk, so they read through the public reader (:func:`ckpt.format.reader.read_manifest`), which gives the full
+in-memory :class:`~ckpt.format.manifest.Manifest` from either version.  Tests that edit a manifest on disk (a gap, a bad
 field) edit the v1-shaped document of it and have it written back in the version it was stored in, sealed as a
 (buggy) tool would write it, so that what they damage is the fact they mean to damage, not the encoding.
 """
@@ -14,8 +14,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ckpt.manifest import MANIFEST_NAME, Manifest, seal
-from ckpt.reader import read_manifest
+from ckpt.format.manifest import MANIFEST_NAME, Manifest, seal
+from ckpt.format.reader import read_manifest
 from ckpt.storage import open_storage
 
 
@@ -65,7 +65,7 @@ def rewrite_manifest(path: str | Path, edit: Callable[[dict[str, Any]], None]) -
     if version == 1:
         (root / MANIFEST_NAME).write_text(seal(doc))
         return
-    from ckpt.manifest_v2 import encode
+    from ckpt.format.index import encode
 
     old = index_files(root)
     attempt = old[0].split("-", 1)[1].split(".", 1)[0] if old else "edited"

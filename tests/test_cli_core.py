@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import ckpt
-from ckpt.manifest import seal
+from ckpt.format.manifest import seal
 
 
 def run(*args: str) -> subprocess.CompletedProcess:

@@ -1,4 +1,4 @@
-"""ckpt.codecs: the chunk checksum (xxh3-64 of the stored bytes), its incremental form, the codec names, and
+"""ckpt.format.codecs: the chunk checksum (xxh3-64 of the stored bytes), its incremental form, the codec names, and
 zstd compression that refuses output of the wrong size."""
 
 from __future__ import annotations
@@ -9,7 +9,8 @@ import zstandard
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ckpt.codecs import (
+from ckpt.errors import ManifestError
+from ckpt.format.codecs import (
     CODECS,
     StreamingChecksum,
     check_checksum_format,
@@ -18,7 +19,6 @@ from ckpt.codecs import (
     compress,
     decompress,
 )
-from ckpt.errors import ManifestError
 
 
 @settings(max_examples=100, deadline=None)

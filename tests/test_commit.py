@@ -1,4 +1,4 @@
-"""ckpt.commit: receipts become a manifest only when they cover every described tensor (no gap, no box outside
+"""ckpt.format.publish: receipts become a manifest only when they cover every described tensor (no gap, no box outside
 its tensor, no box twice, no tensor nobody described), and publishing the manifest is create-only."""
 
 from __future__ import annotations
@@ -9,10 +9,10 @@ from typing import Any
 
 import pytest
 
-from ckpt.commit import Receipt, build_manifest, publish
 from ckpt.errors import CheckpointExistsError, ManifestError
-from ckpt.manifest import MANIFEST_NAME, Layout, Manifest, TensorDesc
-from ckpt.reader import read_manifest
+from ckpt.format.manifest import MANIFEST_NAME, Layout, Manifest, TensorDesc
+from ckpt.format.publish import Receipt, build_manifest, publish
+from ckpt.format.reader import read_manifest
 
 CSUM = "xxh3_64:0123456789abcdef"
 ENV = {"python": "3", "world_size": 2}

@@ -1,4 +1,4 @@
-"""The saver's format v2 commit (ckpt.commit_v2): writers seal their own index and state file, rank 0 checks boxes.
+"""The saver's format v2 commit (ckpt.format.seal): writers seal their own index and state file, rank 0 checks boxes.
 
 Real files on local storage, two simulated writer ranks; the result is read back with the ordinary reading API and
 compared with what the v1 commit of the same receipts gives.
@@ -12,12 +12,12 @@ import pytest
 import torch
 from manifest_schema import assert_valid
 
-from ckpt.commit import Receipt, build_manifest, data_file_name, publish, write_data_file
-from ckpt.commit_v2 import build_top, write_rank_files
 from ckpt.errors import ManifestError
-from ckpt.manifest import MANIFEST_NAME, Box, Layout, TensorDesc
-from ckpt.planning import chunk_boxes
-from ckpt.reader import CheckpointReader, read_manifest
+from ckpt.format.manifest import MANIFEST_NAME, Box, Layout, TensorDesc
+from ckpt.format.publish import Receipt, build_manifest, data_file_name, publish, write_data_file
+from ckpt.format.reader import CheckpointReader, read_manifest
+from ckpt.format.seal import build_top, write_rank_files
+from ckpt.saving.planning import chunk_boxes
 from ckpt.storage import open_storage
 
 SHAPE = (6, 4)

@@ -14,8 +14,8 @@ from ckpt.converters.nxd.source import NxdTagSource
 from hypothesis import HealthCheck, assume, given, settings
 
 from ckpt import open_checkpoint
-from ckpt.dtypes import dtype_from_name
 from ckpt.errors import LayoutError
+from ckpt.format.dtypes import dtype_from_name
 from ckpt.layouts import LayoutSpec, bit_equal
 from ckpt.layouts.spec import NxdFlags
 from tests.test_convert_roundtrip import cases, write_cuda_checkpoint

@@ -148,7 +148,7 @@ def test_dcp_import_of_dcp_save(trained, tmp_path: Path) -> None:
     for n, p in model.named_parameters():
         st = opt.state[p]
         assert bit_equal(r.read(f"optim/{n}/exp_avg"), st["exp_avg"])
-        assert bit_equal(ckpt.treecodec.decode(r.manifest.optimizer["state"][n]["step"]), st["step"])
+        assert bit_equal(ckpt.format.treecodec.decode(r.manifest.optimizer["state"][n]["step"]), st["step"])
     assert r.manifest.optimizer["param_groups"][0]["lr"] == opt.param_groups[0]["lr"]
 
 

@@ -14,9 +14,9 @@ from ckpt.converters.convert import convert
 from ckpt.converters.options import ConvertOptions
 from safetensors.torch import load_file
 
+from ckpt.format.reader import CheckpointReader
 from ckpt.layouts import LayoutSpec
 from ckpt.layouts.experts import full_state_to_nxd_ep
-from ckpt.reader import CheckpointReader
 
 transformers = pytest.importorskip("transformers")
 BASE = {

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 import ckpt
-import ckpt.saver
+import ckpt.saving.checkpointer
 from ckpt.errors import AsyncSaveError, CheckpointExistsError
-from ckpt.manifest import MANIFEST_NAME
+from ckpt.format.manifest import MANIFEST_NAME
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -21,13 +21,13 @@ pytestmark = pytest.mark.timeout(60)
 def gated_writer(monkeypatch: pytest.MonkeyPatch) -> threading.Event:
     """Make the background writer wait for the returned event before writing (with the real writer)."""
     gate = threading.Event()
-    real = ckpt.saver.write_data_file
+    real = ckpt.saving.checkpointer.write_data_file
 
     def write(*args: Any, **kwargs: Any) -> Any:
         assert gate.wait(30), "test never opened the gate"
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(ckpt.saver, "write_data_file", write)
+    monkeypatch.setattr(ckpt.saving.checkpointer, "write_data_file", write)
     return gate
 
 
@@ -83,7 +83,7 @@ def test_background_failure_commits_nothing_and_raises_at_wait(
     def broken(*args: Any, **kwargs: Any) -> Any:
         raise OSError("disk on fire")
 
-    monkeypatch.setattr(ckpt.saver, "write_data_file", broken)
+    monkeypatch.setattr(ckpt.saving.checkpointer, "write_data_file", broken)
     model, opt = make()
     saver = ckpt.Checkpointer(async_save=True)
     saver.save(str(tmp_path / "c"), step=1, model=model, optimizer=opt)
@@ -105,7 +105,7 @@ def test_background_failure_raises_at_the_next_save_or_close(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, surface: str
 ) -> None:
     monkeypatch.setattr(
-        ckpt.saver, "write_data_file", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("boom"))
+        ckpt.saving.checkpointer, "write_data_file", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("boom"))
     )
     model, opt = make()
     saver = ckpt.Checkpointer(async_save=True)

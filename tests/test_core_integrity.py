@@ -1,4 +1,4 @@
-"""ckpt.integrity: coverage gaps/overlaps and file damage are each reported with the file and tensor."""
+"""ckpt.format.integrity: coverage gaps/overlaps and file damage are each reported with the file and tensor."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import torch
 from manifest_io import rewrite_manifest
 
 import ckpt
-from ckpt.integrity import verify_checkpoint
+from ckpt.format.integrity import verify_checkpoint
 
 
 def _save(path, chunk_bytes=64):

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 import ckpt
-from ckpt.discovery import step_dir
-from ckpt.manifest import MANIFEST_NAME
+from ckpt.format.manifest import MANIFEST_NAME
+from ckpt.restoring.discovery import step_dir
 from ckpt.storage import Storage, open_storage
 
 pytestmark = pytest.mark.timeout(120)

@@ -1,4 +1,4 @@
-"""Local writer planning (ckpt.planning.plan_local): every distinct box gets exactly one writer, computed by each
+"""Local writer planning (ckpt.saving.planning.plan_local): every distinct box gets exactly one writer, computed by each
 rank from its own pieces and replica groups, and the all-reduced check catches ranks that disagree.
 
 All ranks of a job are simulated in the test process (pure functions, no I/O); tests/test_core_scale_ranks.py
@@ -12,8 +12,8 @@ import math
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ckpt.manifest import Box, TensorDesc
-from ckpt.planning import Group, Piece, mesh_group, plan_check, plan_local, world_group
+from ckpt.format.manifest import Box, TensorDesc
+from ckpt.saving.planning import Group, Piece, mesh_group, plan_check, plan_local, world_group
 
 
 def split(length: int, parts: int, index: int) -> tuple[int, int]:

@@ -10,7 +10,7 @@ import torch
 
 import ckpt
 from ckpt.errors import CorruptionError
-from ckpt.manifest import Box
+from ckpt.format.manifest import Box
 
 
 @pytest.fixture(params=["raw", "zstd"])
@@ -111,7 +111,7 @@ def test_truncated_file_is_detected(saved: tuple[Path, dict[str, torch.Tensor]])
         reader.read("big")
     with pytest.raises(CorruptionError, match="short read"):
         reader.read_box_into("big", Box((9, 0), (1, 3)), torch.empty(1, 3))
-    from ckpt.discovery import missing_files
+    from ckpt.restoring.discovery import missing_files
     from ckpt.storage import open_storage
 
     assert missing_files(open_storage(path), reader.manifest) == [

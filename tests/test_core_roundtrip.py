@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 import ckpt
 from ckpt import treecodec
 from ckpt.errors import ManifestError
-from ckpt.manifest import MANIFEST_NAME, Box, Manifest, seal
+from ckpt.format.manifest import MANIFEST_NAME, Box, Manifest, seal
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.bool]
 SETTINGS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])

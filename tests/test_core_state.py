@@ -11,7 +11,7 @@ import torch
 
 import ckpt
 from ckpt.errors import CkptError, ManifestError
-from ckpt.tokenizer import identity
+from ckpt.state.tokenizer import identity
 
 
 def _model() -> torch.nn.Module:

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 import ckpt
-from ckpt.manifest import Box
-from ckpt.writer import StreamingWriter
+from ckpt.format.manifest import Box
+from ckpt.format.writer import StreamingWriter
 
 
 @pytest.mark.parametrize("background", [True, False])
@@ -28,7 +28,7 @@ def test_many_tensors_stream_into_several_files_and_read_back(tmp_path, backgrou
 
 
 def test_background_write_error_surfaces_and_nothing_is_committed(tmp_path, monkeypatch):
-    import ckpt.shardfile as writer_mod  # write_data_file imports it from here at call time
+    import ckpt.format.datafile as writer_mod  # write_data_file imports it from here at call time
 
     calls = {"n": 0}
     real = writer_mod.write_shard_file

@@ -179,7 +179,7 @@ def llama_state(zeros: bool = False) -> dict[str, torch.Tensor]:
 
 def _model_for(path: str) -> dict[str, torch.Tensor]:
     """Zero tensors named, shaped and typed like the checkpoint's model tensors (a fresh model to restore into)."""
-    from ckpt.dtypes import dtype_from_name
+    from ckpt.format.dtypes import dtype_from_name
 
     m = ckpt.open_checkpoint(path).manifest
     return {
@@ -222,7 +222,7 @@ def _save_all(rank: int, world: int, root: str) -> dict[str, Any]:
         if (
             k == "plain"
         ):  # the same state as a CheckpointManager's step folder (issue 17's report: restore_latest)
-            from ckpt.discovery import step_dir
+            from ckpt.restoring.discovery import step_dir
 
             ckpt.save(
                 f"{root}/mgr/{step_dir(SAVE_AT)}", step=SAVE_AT, model=model, dataloader=loader, rng_seed=1234

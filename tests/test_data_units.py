@@ -30,7 +30,7 @@ from ckpt.data import DataPosition, RankPosition, combine_digests, sample_digest
 from ckpt.data.position import merge
 from ckpt.data.sampler import Resume, ResumedDistributedSampler, global_order, rank_share, reposition
 from ckpt.errors import ManifestError, StateMismatchError
-from ckpt.manifest import Manifest, seal
+from ckpt.format.manifest import Manifest, seal
 from ckpt.resume.checks import Cause, Status
 from ckpt.resume.facts import CheckpointFacts, facts_from_mapping
 from ckpt.resume.ledger import LedgerWriter, digest_ids

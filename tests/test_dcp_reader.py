@@ -18,7 +18,7 @@ from conftest import run_ranks
 from test_core_multirank import Net, make  # the same small model as the multi-rank restore tests
 
 import ckpt
-from ckpt.state import optim_name
+from ckpt.state.training import optim_name
 
 pytestmark = pytest.mark.timeout(300)
 

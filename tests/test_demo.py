@@ -84,7 +84,7 @@ def _with_fault(tmp_path, code: str) -> dict[str, str]:
             r"no checkpoint had committed before the crash, so there was nothing to resume from",
         ),
         (  # the restore forgets the RNG streams: attention dropout draws other masks
-            "    import ckpt.rng\n    ckpt.rng.restore_across = lambda *a, **k: ([], [])\n",
+            "    import ckpt.state.rng\n    ckpt.state.rng.restore_across = lambda *a, **k: ([], [])\n",
             r"after the resume differ from the reference run \(first: step (6|11)\)",
         ),
     ],

@@ -24,9 +24,9 @@ from manifest_schema import assert_valid
 
 import ckpt
 from ckpt import treecodec
-from ckpt.manifest import MANIFEST_NAME, Manifest
-from ckpt.reader import CheckpointReader
-from ckpt.tokenizer import identity
+from ckpt.format.manifest import MANIFEST_NAME, Manifest
+from ckpt.format.reader import CheckpointReader
+from ckpt.state.tokenizer import identity
 
 GOLDEN = Path(__file__).resolve().parent.parent / "fixtures" / "golden" / "v1"
 STEP_DIR = "step_00000003"

@@ -17,9 +17,9 @@ import xxhash
 from manifest_schema import assert_valid
 
 import ckpt
-from ckpt.integrity import verify_checkpoint
-from ckpt.manifest import MANIFEST_NAME, Manifest
-from ckpt.reader import CheckpointReader
+from ckpt.format.integrity import verify_checkpoint
+from ckpt.format.manifest import MANIFEST_NAME, Manifest
+from ckpt.format.reader import CheckpointReader
 
 ROOT = Path(__file__).resolve().parent.parent / "fixtures" / "golden"
 STEP_DIR = "step_00000003"

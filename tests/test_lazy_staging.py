@@ -20,10 +20,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import ckpt
-from ckpt.reader import CheckpointReader
-from ckpt.saver import Checkpointer
-from ckpt.staging import HostStager
-from ckpt.state import optim_name
+from ckpt.format.reader import CheckpointReader
+from ckpt.saving.checkpointer import Checkpointer
+from ckpt.saving.staging import HostStager
+from ckpt.state.training import optim_name
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -15,10 +15,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from ckpt.loader import Restorer, restore
-from ckpt.reader import CheckpointReader
-from ckpt.saver import Checkpointer
-from ckpt.state import optim_name
+from ckpt.format.reader import CheckpointReader
+from ckpt.restoring.loader import Restorer, restore
+from ckpt.saving.checkpointer import Checkpointer
+from ckpt.state.training import optim_name
 
 pytestmark = [
     pytest.mark.cuda,

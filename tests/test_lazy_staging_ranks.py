@@ -12,8 +12,8 @@ import torch.nn as nn
 from conftest import run_ranks
 from test_lazy_staging import digests, make, mutate_everything, saved_digests, sha, train_step
 
-from ckpt.saver import Checkpointer
-from ckpt.state import optim_name
+from ckpt.saving.checkpointer import Checkpointer
+from ckpt.state.training import optim_name
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -14,7 +14,7 @@ from click.testing import CliRunner
 
 import ckpt
 from ckpt.errors import BaseMismatchError, StateMismatchError
-from ckpt.manifest import MANIFEST_NAME
+from ckpt.format.manifest import MANIFEST_NAME
 from ckpt.resume.continuity import check_continuation
 from tests._lora_models import build
 from tests._lora_train import train_lora

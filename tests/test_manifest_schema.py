@@ -26,7 +26,7 @@ from manifest_schema import assert_valid, schema, schema_errors
 
 import ckpt
 from ckpt.errors import ManifestError
-from ckpt.manifest import BACKENDS, MANIFEST_NAME, ROLES, Box, Manifest, check_relpath, seal
+from ckpt.format.manifest import BACKENDS, MANIFEST_NAME, ROLES, Box, Manifest, check_relpath, seal
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -160,7 +160,7 @@ def test_async_manager_validates(tmp_path: Path) -> None:
 
 
 def test_streaming_writer_validates(tmp_path: Path) -> None:
-    from ckpt.writer import StreamingWriter
+    from ckpt.format.writer import StreamingWriter
 
     w = StreamingWriter(str(tmp_path / "c"), codec="zstd", flush_bytes=64, chunk_bytes=40)
     full = torch.arange(48, dtype=torch.float32).reshape(6, 8)
@@ -347,8 +347,8 @@ def test_unknown_members_are_allowed_by_both(plain: dict[str, Any]) -> None:
 
 
 def test_schema_enums_are_the_codes_constants() -> None:
-    from ckpt.codecs import CODECS
-    from ckpt.dtypes import dtype_name
+    from ckpt.format.codecs import CODECS
+    from ckpt.format.dtypes import dtype_name
 
     defs = schema()["$defs"]
     assert tuple(defs["tensor"]["properties"]["role"]["enum"]) == ROLES

@@ -18,13 +18,13 @@ from hypothesis import strategies as st
 from manifest_schema import assert_valid
 
 import ckpt
-from ckpt.commit import publish
 from ckpt.errors import CkptError, ManifestError
-from ckpt.manifest import MANIFEST_NAME, Box, Layout, Manifest, seal
-from ckpt.manifest_v2 import blocks, blocks_overlapping, split
-from ckpt.reader import CheckpointReader, read_manifest
+from ckpt.format.index import blocks, blocks_overlapping, split
+from ckpt.format.manifest import MANIFEST_NAME, Box, Layout, Manifest, seal
+from ckpt.format.publish import publish
+from ckpt.format.reader import CheckpointReader, read_manifest
+from ckpt.format.writer import StreamingWriter
 from ckpt.storage import open_storage
-from ckpt.writer import StreamingWriter
 
 WORLD = 4
 SHAPES = {"emb": (10, 3), "norm": (4,), "w": (16, 4), "odd": (3, 5)}
@@ -60,7 +60,7 @@ def make(path: Path, version: int, chunk_bytes: int = 32) -> Manifest:
     receipts = [w.finish() for w in writers]
     for w in writers:
         w.close()
-    from ckpt.commit import build_manifest
+    from ckpt.format.publish import build_manifest
 
     m = build_manifest(
         step=5,
@@ -203,7 +203,7 @@ def test_pieces_naming_a_rank_without_index_are_refused(v2: Path) -> None:
 
 
 def test_verify_and_retention_see_the_indexes(v2: Path) -> None:
-    from ckpt.integrity import verify_checkpoint
+    from ckpt.format.integrity import verify_checkpoint
 
     assert verify_checkpoint(ckpt.open_checkpoint(str(v2))) == []
     (v2 / "leftover.bin").write_bytes(b"x")

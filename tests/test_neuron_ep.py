@@ -14,11 +14,11 @@ import torch
 from conftest import run_ranks
 from safetensors.torch import load_file
 
+from ckpt.format.reader import CheckpointReader
 from ckpt.layouts import LayoutSpec
 from ckpt.layouts.experts import full_state_to_nxd_ep
 from ckpt.layouts.names import EXPERT_STACKED
 from ckpt.layouts.partition import nxd_partition
-from ckpt.reader import CheckpointReader
 
 transformers = pytest.importorskip("transformers")
 TP, EP = 2, 2

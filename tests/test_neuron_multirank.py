@@ -20,8 +20,8 @@ from ckpt.converters import nxd
 from conftest import run_ranks
 from safetensors.torch import load_file
 
+from ckpt.format.reader import CheckpointReader
 from ckpt.layouts import LayoutSpec, bit_equal, nxd_to_full_state
-from ckpt.reader import CheckpointReader
 from ckpt.safe_unpickle import load_torch_file
 
 FIX = Path(__file__).resolve().parent.parent / "fixtures" / "nxd" / "llama_gqa_h64"

@@ -99,7 +99,7 @@ def runs(nxd_src: str, tmp_path_factory: pytest.TempPathFactory) -> dict[str, An
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_manifest_partitions_come_from_nxd_layers(runs: dict[str, Any], name: str) -> None:
-    from ckpt.reader import CheckpointReader
+    from ckpt.format.reader import CheckpointReader
 
     tp, pp, _, mult = LAYOUTS[name]
     m = CheckpointReader(str(runs["root"] / name / "ckpt")).manifest
@@ -153,7 +153,7 @@ def _nxd_convert_to_full(nxd_src: str, base: Path, tp: int, pp: int, kv: int, mu
 def _rules_disagree(model: torch.nn.Module) -> list[str]:
     """Parameters where the layout from NxD's attributes differs from ckpt's ``nxd-llama`` rules for the same name."""
     from ckpt.neuron import NxdLayout, ParallelInfo
-    from ckpt.state import model_tensors
+    from ckpt.state.training import model_tensors
 
     par = ParallelInfo.detect()
     by_attr, by_rule = NxdLayout(model, par, rule_set=None), NxdLayout(torch.nn.Module(), par)

@@ -139,8 +139,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
 
 def test_each_stage_restores_its_optimizer_state_bit_exact(runs: dict[str, Any]) -> None:
+    from ckpt.format.reader import CheckpointReader
     from ckpt.layouts import bit_equal
-    from ckpt.reader import CheckpointReader
 
     m = CheckpointReader(f"{runs['root']}/ckpt").manifest
     assert (m.layout.tp, m.layout.pp, m.layout.zero_stage) == (TP, PP, 0)

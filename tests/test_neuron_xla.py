@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from ckpt.reader import CheckpointReader
+from ckpt.format.reader import CheckpointReader
 
 pytest.importorskip("torch_xla")
 pytest.importorskip("transformers")

@@ -17,8 +17,8 @@ from xla_blocked import run_without_torch_xla
 
 from ckpt import treecodec
 from ckpt.errors import CkptError, CorruptionError, UnsafePickleError
+from ckpt.format.reader import CheckpointReader
 from ckpt.layouts import LayoutSpec, bit_equal, nxd_to_full_state
-from ckpt.reader import CheckpointReader
 
 FIX = Path(__file__).resolve().parent.parent / "fixtures" / "nxd" / "llama_gqa_h64"
 CASES = {

@@ -230,7 +230,7 @@ def test_nxd_tag_to_ckpt_neuron_and_back_keeps_ep(tmp_path):
     cfg, hf, ranks = truth("mixtral_tp2_ep2")
     write_nxd_tag(tmp_path / "a", ranks, hf, xser=False)
     convert(str(tmp_path / "a"), str(tmp_path / "ck"), ConvertOptions(to="neuron", config=cfg))
-    from ckpt.reader import CheckpointReader
+    from ckpt.format.reader import CheckpointReader
 
     m = CheckpointReader(str(tmp_path / "ck")).manifest
     assert (m.layout.tp, m.layout.ep) == (TP, EP)
@@ -280,8 +280,8 @@ def trained_tag(tag: Path, case: str, ep: int) -> tuple[dict, dict[str, torch.Te
 def test_moe_plain_optimizer_per_ep_rank_converts_exactly(ep, tmp_path):
     """Expert moments follow their expert: NxD tag -> our CUDA checkpoint gives AdamW's state of the whole HF model,
     moment for moment (and the weights after the step); back to an NxD tag gives the same rank files' state."""
-    from ckpt.reader import CheckpointReader
-    from ckpt.state import optim_name
+    from ckpt.format.reader import CheckpointReader
+    from ckpt.state.training import optim_name
 
     cfg, weights, want = trained_tag(tmp_path / "a", "mixtral_tp2_ep2", ep)
     convert(str(tmp_path / "a"), str(tmp_path / "cuda"), ConvertOptions(to="cuda", config=cfg))
@@ -479,8 +479,8 @@ def test_ep_zero1_optimizer_converts_exactly_both_ways(case, tmp_path):
     """NeuronEPZero1Optimizer (dp 4 = ep 2 x expert-dp 2): non-expert moments merged over the 4 DP files, expert
     moments of EP rank k over DP ranks k and k+2; -> our CUDA checkpoint equals AdamW's state of the whole HF model;
     -> NxD tag (--dp 4 --ep 2) writes every optim file exactly as NxD's state_dict() made it."""
-    from ckpt.reader import CheckpointReader
-    from ckpt.state import optim_name
+    from ckpt.format.reader import CheckpointReader
+    from ckpt.state.training import optim_name
 
     cfg, want, files = ep_zero1_tag(tmp_path / "a", case, dp=4)
     convert(str(tmp_path / "a"), str(tmp_path / "cuda"), ConvertOptions(to="cuda", config=cfg))

@@ -29,9 +29,9 @@ from ckpt.converters.nxd.reader import NxdTag, NxdTagMeta
 from ckpt.converters.nxd.writer import TagWriter
 
 from ckpt import treecodec
+from ckpt.format.reader import CheckpointReader
+from ckpt.format.writer import StreamingWriter
 from ckpt.layouts import LayoutSpec, ModelDims, bit_equal
-from ckpt.reader import CheckpointReader
-from ckpt.writer import StreamingWriter
 
 ROOT = Path(__file__).resolve().parent.parent
 FIX = ROOT / "fixtures" / "nxd" / "llama_gqa_h64"
@@ -246,7 +246,7 @@ from ckpt.converters import nxd
 from ckpt.converters.ckpt import ManifestSource
 from ckpt.converters.engine import plan_to_neuron
 from ckpt.layouts.spec import NxdFlags
-from ckpt.reader import CheckpointReader
+from ckpt.format.reader import CheckpointReader
 from tests.test_nxd_streaming import reference_write_nxd, write_nxd
 
 def status(key):

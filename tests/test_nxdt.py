@@ -256,7 +256,7 @@ def _lightning_resume(tag: Path, hf: Path, ck: Path) -> dict:
     from lightning.pytorch.plugins.io import CheckpointIO
     from transformers import LlamaConfig, LlamaForCausalLM, get_cosine_schedule_with_warmup
 
-    from ckpt.loader import restore
+    from ckpt.restoring.loader import restore
 
     cfg = json.loads(CONFIG.read_text())
     hp = json.loads((TRUTH / "truth.json").read_text())["training"]

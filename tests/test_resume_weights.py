@@ -23,13 +23,13 @@ from click.testing import CliRunner
 from torch import nn
 
 import ckpt
-from ckpt.loader import Restorer
+from ckpt.restoring.loader import Restorer
 from ckpt.resume.checks import Cause, Status
 from ckpt.resume.ledger import LedgerWriter, checkpoints_dir, digest_ids
 from ckpt.resume.manifest_facts import ManifestFacts
 from ckpt.resume.sources import load_run
 from ckpt.resume.verify import verify_run
-from ckpt.state import NamedTensor
+from ckpt.state.training import NamedTensor
 
 SAVE_EVERY = 10
 
@@ -199,7 +199,7 @@ def test_restore_event_carries_the_digest_of_the_checkpoint_it_loaded(tmp_path: 
 def live_digest(model: nn.Module, result: ckpt.RestoreResult) -> LiveDigest:
     from ckpt.converters.digest import live_digest as digest
 
-    from ckpt.reader import read_manifest
+    from ckpt.format.reader import read_manifest
     from ckpt.storage import open_storage
 
     return digest(model, read_manifest(open_storage(result.path)))

@@ -1,4 +1,4 @@
-"""ckpt.shardfile: data files are valid safetensors files (any safetensors reader opens them), each chunk lands
+"""ckpt.format.datafile: data files are valid safetensors files (any safetensors reader opens them), each chunk lands
 where ``write_shard_file`` says with the checksum of its stored bytes, and zstd chunks are U8 entries that
 decompress to the tensor's bytes."""
 
@@ -17,8 +17,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from safetensors import safe_open
 
-from ckpt.codecs import checksum, decompress
-from ckpt.shardfile import Chunk, flat_dense, tensor_bytes, write_shard_file
+from ckpt.format.codecs import checksum, decompress
+from ckpt.format.datafile import Chunk, flat_dense, tensor_bytes, write_shard_file
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.int32, torch.uint8, torch.bool]
 if hasattr(torch, "float8_e4m3fn"):

@@ -1,4 +1,4 @@
-"""ckpt.staging on the CPU: staged copies equal their sources and stop following them, live as aligned views in
+"""ckpt.saving.staging on the CPU: staged copies equal their sources and stop following them, live as aligned views in
 one host arena, and the arena is reused by the next save (grown only when the state grows)."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ckpt.staging import ALIGN, HostStager
+from ckpt.saving.staging import ALIGN, HostStager
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.int8, torch.bool]
 

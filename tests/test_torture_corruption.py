@@ -26,7 +26,7 @@ from manifest_io import rewrite_manifest
 
 import ckpt
 from ckpt.errors import CkptError, ManifestError
-from ckpt.manifest import Manifest
+from ckpt.format.manifest import Manifest
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -19,8 +19,8 @@ from conftest import REAL_S3_URL
 from torture.faultproxy import Fault, FaultProxy, fault_proxy
 
 import ckpt
-from ckpt.discovery import list_checkpoints
 from ckpt.errors import CkptError, StorageError
+from ckpt.restoring.discovery import list_checkpoints
 from ckpt.storage import open_storage
 
 pytestmark = [

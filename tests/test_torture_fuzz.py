@@ -31,7 +31,7 @@ from hypothesis import strategies as st
 
 import ckpt
 from ckpt.errors import CkptError, ManifestError, UnsafePickleError
-from ckpt.manifest import Manifest, seal
+from ckpt.format.manifest import Manifest, seal
 from ckpt.safe_unpickle import load_pickle, load_torch_file
 
 pytestmark = pytest.mark.timeout(300)

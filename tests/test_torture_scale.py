@@ -13,8 +13,8 @@ import torch
 from torture.scale import many_checkpoints, many_tensors
 
 import ckpt
-from ckpt.discovery import list_checkpoints
-from ckpt.integrity import verify_checkpoint
+from ckpt.format.integrity import verify_checkpoint
+from ckpt.restoring.discovery import list_checkpoints
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -62,7 +62,7 @@ def test_a_single_tensor_over_2_gib_round_trips(tmp_path: Path) -> None:
     assert torch.equal(back, big)
     del back
     part = torch.empty(8192, dtype=torch.uint8)  # a box straddling the 2 GiB offset
-    from ckpt.manifest import Box
+    from ckpt.format.manifest import Box
 
     reader.read_box_into("big", Box(((1 << 31) - 4096,), (8192,)), part)
     assert torch.equal(part, big[(1 << 31) - 4096 : (1 << 31) + 4096])

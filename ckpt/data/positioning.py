@@ -6,8 +6,8 @@ import warnings
 from dataclasses import dataclass
 from typing import Any
 
-from .. import treecodec
 from ..errors import StateMismatchError
+from ..format import treecodec
 from .adapters import adapter_for, describe
 from .first_iter import keep_rng_on_next_iter
 from .position import DataPosition, RankPosition, merge
@@ -70,7 +70,7 @@ def restore(
         warnings.warn(msg + "; strict=False: loading rank-wise anyway", stacklevel=3)
     if str(rank) not in manifest.data:
         raise StateMismatchError(f"{where}: checkpoint holds no data-loader state for rank {rank}")
-    from ..state import load_state_into
+    from ..state.training import load_state_into
 
     load_state_into(loader, treecodec.decode(manifest.data[str(rank)]), "dataloader")
     keep_rng_on_next_iter(loader)

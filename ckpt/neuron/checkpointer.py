@@ -10,7 +10,7 @@ Same API as :class:`ckpt.Checkpointer` / :func:`ckpt.restore` / :class:`ckpt.Che
 * ZeRO-1 optimizers are saved merged by parameter name (:mod:`.zero1`);
 * restore reads every tensor of this rank to the host first and uploads them to the XLA device in one batch.
 
-XLA seed and NxD RNG tracker are recorded by :mod:`ckpt.rng` whenever torch_xla is imported.
+XLA seed and NxD RNG tracker are recorded by :mod:`ckpt.state.rng` whenever torch_xla is imported.
 """
 
 from __future__ import annotations
@@ -21,16 +21,16 @@ from typing import Any
 
 import torch
 
-from ckpt.dtypes import dtype_from_name
 from ckpt.errors import StateMismatchError
+from ckpt.format.dtypes import dtype_from_name
+from ckpt.format.manifest import Layout
 from ckpt.layouts.families import rule_set_for_config
 from ckpt.layouts.record import NxdRecord
-from ckpt.loader import Restorer, RestoreResult
-from ckpt.loader import restore as core_restore
 from ckpt.manager import CheckpointManager
-from ckpt.manifest import Layout
-from ckpt.saver import Checkpointer, SaveResult
-from ckpt.state import NamedTensor, model_tensors, param_names_in_optimizer_order
+from ckpt.restoring.loader import Restorer, RestoreResult
+from ckpt.restoring.loader import restore as core_restore
+from ckpt.saving.checkpointer import Checkpointer, SaveResult
+from ckpt.state.training import NamedTensor, model_tensors, param_names_in_optimizer_order
 
 from .parallel import ParallelInfo
 from .partition import NxdLayout
@@ -57,7 +57,7 @@ def _hf_config(model: Any) -> dict[str, Any] | None:
 
 
 class NeuronCheckpointer(Checkpointer):
-    """A :class:`~ckpt.saver.Checkpointer` for NxD / torch-xla training (construct on every rank).
+    """A :class:`~ckpt.saving.checkpointer.Checkpointer` for NxD / torch-xla training (construct on every rank).
 
     Args:
         parallel: this process's ranks and sizes; default ``ParallelInfo.detect(**parallel_args)`` (NxD's
@@ -71,7 +71,7 @@ class NeuronCheckpointer(Checkpointer):
         config: the Hugging Face ``config.json`` dict; default ``model.config.to_dict()`` when the model has one.
         replicated: globs of parameters that have no NxD attributes and that the rule set does not know, which are
             replicated on every TP rank (recorded in ``extra.nxd``); with TP > 1 any other such parameter is refused.
-        The remaining keywords go to :class:`~ckpt.saver.Checkpointer` (``async_save``, ``process_group``, ...).
+        The remaining keywords go to :class:`~ckpt.saving.checkpointer.Checkpointer` (``async_save``, ``process_group``, ...).
     """
 
     def __init__(
@@ -193,7 +193,7 @@ class NeuronCheckpointer(Checkpointer):
 
 
 class NeuronRestorer(Restorer):
-    """A :class:`~ckpt.loader.Restorer` that uploads to XLA in batches and fills ZeRO-1 optimizers.
+    """A :class:`~ckpt.restoring.loader.Restorer` that uploads to XLA in batches and fills ZeRO-1 optimizers.
 
     Model tensors are read to host buffers and uploaded in one call per ``batch_bytes`` (bounding host memory).
     """
@@ -283,7 +283,7 @@ class NeuronRestorer(Restorer):
             if hooked is None:
                 if tuple(param.shape) != e.shape:
                     continue  # core path decides (it reads the whole tensor)
-                from ckpt.manifest import Box
+                from ckpt.format.manifest import Box
 
                 shape, box = e.shape, Box.full(e.shape)
             else:

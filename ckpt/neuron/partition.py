@@ -22,13 +22,13 @@ from typing import Any
 import torch
 
 from ckpt.errors import CkptError, LayoutError
+from ckpt.format.manifest import Box
 from ckpt.layouts.families import family_for_rule_set
 from ckpt.layouts.names import EXPERT_STACKED, nxd_to_hf_names
 from ckpt.layouts.partition import Partition, nxd_partition
 from ckpt.layouts.rules import check_known, rules_with
-from ckpt.manifest import Box
-from ckpt.planning import Group
-from ckpt.state import NamedTensor
+from ckpt.saving.planning import Group
+from ckpt.state.training import NamedTensor
 
 from .parallel import ParallelInfo
 
@@ -150,7 +150,7 @@ class NxdLayout:
         return tuple(shape), Box(tuple(offsets), box.lengths), part
 
     def replica_group(self, nt: NamedTensor, partition: Partition | None) -> Group | None:
-        """The ranks holding the same box as this rank (ckpt.planning.Group), from the parallel state alone.
+        """The ranks holding the same box as this rank (ckpt.saving.planning.Group), from the parallel state alone.
 
         Replicas differ from this rank only in DP rank (unless ZeRO-1 split the state over DP), TP rank (unless
         the tensor is TP-partitioned) and PP stage (a parameter several stages hold).  None under expert

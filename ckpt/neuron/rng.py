@@ -2,7 +2,7 @@
 
 NxD's ``XLARNGStatesTracker`` (``parallel_layers/random.py``) maps a name (``"model-parallel-rng"``) to a state
 taken with ``torch.get_rng_state()``: a uint8 tensor, not an int.  Both kinds are kept as they are (ints as ints,
-tensors as cloned CPU tensors, encoded by :mod:`ckpt.treecodec`), together with the tracker's used seeds, so that
+tensors as cloned CPU tensors, encoded by :mod:`ckpt.format.treecodec`), together with the tracker's used seeds, so that
 a restore puts back exactly what ``get_states()`` returned.
 """
 
@@ -60,7 +60,7 @@ def restore_xla(state: dict[str, Any]) -> list[str]:
 
 
 def reseed_xla(stream: str, seed: int) -> None:
-    """Re-derive an XLA stream (ckpt.rng's rule across a DP change): the device seed, or every NxD tracker state."""
+    """Re-derive an XLA stream (ckpt.state.rng's rule across a DP change): the device seed, or every NxD tracker state."""
     if stream == "xla_seed":
         import torch_xla.core.xla_model as xm
 

@@ -1,6 +1,6 @@
 """Staging for saves from XLA devices: sync the pending graph, then one batched device->host transfer.
 
-The core :class:`~ckpt.staging.HostStager` copies tensor by tensor into a pinned arena, which on XLA would be one
+The core :class:`~ckpt.saving.staging.HostStager` copies tensor by tensor into a pinned arena, which on XLA would be one
 transfer (and one graph execution) per tensor.  Here the whole save is fetched with one runtime call after one
 ``sync``; the fetched host tensors are fresh buffers owned by the stager until the background write finished, so
 the training loop may continue (and mutate its device tensors) as soon as :meth:`XlaStager.stage` returns.

@@ -15,11 +15,11 @@ from typing import Any
 import torch
 
 from ckpt import treecodec
-from ckpt.dtypes import dtype_from_name
 from ckpt.errors import StateMismatchError
+from ckpt.format.dtypes import dtype_from_name
+from ckpt.format.manifest import Box
 from ckpt.layouts import zero1
-from ckpt.manifest import Box
-from ckpt.state import NamedTensor, optim_name, optimizer_meta, param_names_in_optimizer_order
+from ckpt.state.training import NamedTensor, optim_name, optimizer_meta, param_names_in_optimizer_order
 from ckpt.words import count
 
 from .partition import NxdLayout

@@ -115,7 +115,7 @@ def tokenizer_id(tokenizer: Any) -> str:
     different tokenizer than the checkpoint was trained with is caught by file hash, whatever its name.
     """
     from ckpt.resume.manifest_facts import tokenizer_id_of
-    from ckpt.tokenizer import identity
+    from ckpt.state.tokenizer import identity
 
     tid = tokenizer_id_of(identity(tokenizer))
     assert tid is not None  # identity() always returns a sha256

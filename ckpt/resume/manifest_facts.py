@@ -2,7 +2,7 @@
 
 Only the manifest (one small JSON document) is read, never tensor data: the counters the verifier needs are
 all in it.  Optimizer per-parameter ``step`` scalars and the scheduler state are stored through
-:mod:`ckpt.treecodec`, so they are decoded here (a 0-d ``step`` tensor becomes an int).
+:mod:`ckpt.format.treecodec`, so they are decoded here (a 0-d ``step`` tensor becomes an int).
 
 The provider looks a checkpoint up by the restore event's path first (the manager logs the exact folder it
 restored), then by step under the checkpoints root (``step_XXXXXXXX``); a checkpoint that retention has
@@ -29,7 +29,7 @@ def _as_int(value: Any) -> int | None:
 
 
 def tokenizer_id_of(identity: Mapping[str, Any] | None) -> str | None:
-    """``name@sha256[:16]`` of a tokenizer identity (``ckpt.tokenizer.identity``), the ledger's format too.
+    """``name@sha256[:16]`` of a tokenizer identity (``ckpt.state.tokenizer.identity``), the ledger's format too.
 
     Why one format: the session's ``tokenizer_id`` and the checkpoint's identity are compared as strings;
     log ``ckpt.resume.ledger.tokenizer_id(tokenizer)`` so the two agree.
@@ -66,7 +66,7 @@ def scheduler_position(sched: Any) -> tuple[int | None, float | None]:
 
 
 def facts_from_manifest(manifest: Any) -> CheckpointFacts:
-    """Counters of one checkpoint from its :class:`ckpt.manifest.Manifest`."""
+    """Counters of one checkpoint from its :class:`ckpt.format.manifest.Manifest`."""
     from ckpt import treecodec
 
     opt_steps: dict[str, int] = {}
@@ -119,8 +119,8 @@ class ManifestFacts:
 
     def checkpoints(self) -> list[tuple[int, str]]:
         """(step, path) of every committed checkpoint under the root, oldest first (for the weights check)."""
-        from ckpt.discovery import list_checkpoints
         from ckpt.errors import CkptError
+        from ckpt.restoring.discovery import list_checkpoints
 
         try:
             infos = list_checkpoints(self.root, storage_options=self.storage_options)
@@ -133,7 +133,7 @@ class ManifestFacts:
         its manifest's chunk checksums (no data read for ``raw`` chunks); None when it cannot be read."""
         from ckpt.converters.digest import manifest_digest
         from ckpt.errors import CkptError
-        from ckpt.reader import CheckpointReader
+        from ckpt.format.reader import CheckpointReader
 
         for cand in self._candidates(step, path):
             if cand in self._digests:
@@ -167,7 +167,7 @@ class ManifestFacts:
         return self._views[cand]
 
     def _candidates(self, step: int, path: str | None) -> list[str]:
-        from ckpt.discovery import step_dir
+        from ckpt.restoring.discovery import step_dir
 
         out = []
         if path:
@@ -185,7 +185,7 @@ class ManifestFacts:
 
     def _load(self, step: int, path: str | None) -> CheckpointFacts | None:
         from ckpt.errors import CkptError
-        from ckpt.reader import read_manifest
+        from ckpt.format.reader import read_manifest
         from ckpt.storage import open_storage
 
         last_error = None

@@ -100,8 +100,8 @@ def replay_command(
     Raises :class:`RunInputError` (exit 2) for an unusable run, checkpoint or command; the discontinuities
     found are in the returned verification (exit 1).
     """
-    from ckpt.discovery import list_checkpoints, step_dir
     from ckpt.errors import CkptError
+    from ckpt.restoring.discovery import list_checkpoints, step_dir
     from ckpt.resume.continuity import compare_to_reference, effective_history
     from ckpt.resume.ledger import checkpoints_dir, ledger_path
     from ckpt.resume.manifest_facts import ManifestFacts

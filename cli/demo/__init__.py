@@ -183,7 +183,7 @@ def _check_resume(ref: str, crash: str, steps: int, committed: list[int]) -> int
 )
 def demo(workdir: str, ranks: int, steps: int, kill_at: int) -> None:
     """Train on several ranks, crash mid async-save, resume, and prove the losses continue bit for bit."""
-    from ckpt.discovery import list_checkpoints
+    from ckpt.restoring.discovery import list_checkpoints
     from ckpt.resume.cost import recovery_cost
     from ckpt.resume.sources import load_run
 
@@ -251,8 +251,8 @@ def _convert(run_dir: str) -> None:
     The round trip must give every model and optimizer tensor back bit for bit, with the training state
     (step, scheduler, RNG, data position) carried along, which is what a Trainium <-> GPU move relies on.
     """
-    from ckpt.discovery import list_checkpoints
-    from ckpt.reader import CheckpointReader
+    from ckpt.format.reader import CheckpointReader
+    from ckpt.restoring.discovery import list_checkpoints
 
     committed = [i for i in list_checkpoints(os.path.join(run_dir, "checkpoints")) if i.status == "committed"]
     src = os.path.join(run_dir, "checkpoints", committed[-1].name)

@@ -24,10 +24,10 @@ from typing import Any
 import torch
 
 from ckpt.errors import LayoutError
+from ckpt.format.manifest import Box, TensorDesc
 from ckpt.layouts import LayoutSpec, Piece, TensorPlan
 from ckpt.layouts.names import EXPERT_STACKED, expert_view, nxd_to_hf_names
-from ckpt.manifest import Box, TensorDesc
-from ckpt.state import optim_name
+from ckpt.state.training import optim_name
 
 from .source import MODEL_ROLES, Rank, Source, slice_of
 

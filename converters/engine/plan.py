@@ -22,16 +22,16 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ckpt.dtypes import dtype_from_name, dtype_name
 from ckpt.errors import LayoutError, StateMismatchError
+from ckpt.format.dtypes import dtype_from_name, dtype_name
+from ckpt.format.manifest import Box, Layout, TensorDesc
 from ckpt.layouts import LayoutSpec, Piece, TensorMeta, TensorPlan, plan_full_to_nxd, plan_nxd_to_full
 from ckpt.layouts.names import hf_to_nxd_name, nxd_to_hf_names
 from ckpt.layouts.partition import partition_entry
 from ckpt.layouts.pipeline import pp_ranks_of
 from ckpt.layouts.record import NxdRecord
 from ckpt.layouts.spec import ModelDims, NxdFlags
-from ckpt.manifest import Box, Layout, TensorDesc
-from ckpt.state import optim_name
+from ckpt.state.training import optim_name
 
 from .compose import compose_all, dedup_replicas, rename_plan
 from .experts import expert_view, hf_names, stacked_name, stacked_parts, with_expert_views

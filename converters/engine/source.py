@@ -22,14 +22,14 @@ from typing import Any, ClassVar, Literal
 
 import torch
 
-from ckpt.dtypes import dtype_from_name
 from ckpt.errors import LayoutError
+from ckpt.format.dtypes import dtype_from_name
+from ckpt.format.manifest import TensorDesc
 from ckpt.layouts import LayoutSpec, Piece, TensorMeta
 from ckpt.layouts.names import nxd_to_hf_names
 from ckpt.layouts.pipeline import pp_ranks_of
 from ckpt.layouts.record import NxdRecord
 from ckpt.layouts.spec import NxdFlags
-from ckpt.manifest import TensorDesc
 
 from .trees import Trees
 

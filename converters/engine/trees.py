@@ -1,6 +1,6 @@
 """Everything of a checkpoint that is not a model or optimizer tensor, and how it is renamed between layouts.
 
-The trees travel in manifest (encoded, :mod:`ckpt.treecodec`) form, so a conversion never decodes what it does not
+The trees travel in manifest (encoded, :mod:`ckpt.format.treecodec`) form, so a conversion never decodes what it does not
 need to change: optimizer ``param_groups`` and per-parameter scalar state are renamed with their tensors (NxD fuses
 q/k/v and gate/up into one parameter, so a rename can merge or split entries), and the XLA RNG records, which only
 torch_xla can restore, move to ``extra.neuron_rng`` on the CUDA side and back.
@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ckpt.errors import LayoutError
-from ckpt.manifest import Manifest
+from ckpt.format.manifest import Manifest
 
 #: rng record keys that only torch_xla can restore; kept as metadata (``extra.neuron_rng``) on the CUDA side.
 XLA_RNG_KEYS = ("xla_seed", "xla_nxd_tracker")

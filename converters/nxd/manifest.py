@@ -19,8 +19,8 @@ from typing import Any
 import torch
 
 from ckpt import treecodec
-from ckpt.manifest import Manifest
-from ckpt.reader import CheckpointReader
+from ckpt.format.manifest import Manifest
+from ckpt.format.reader import CheckpointReader
 
 from ..ckpt import ManifestSource
 from ..convert import convert

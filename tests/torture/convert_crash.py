@@ -186,7 +186,7 @@ def check_dst(case: str, dst: Path, ref: Reference, report: ConvertCrashReport) 
             report.leftover_ckpt_data_files += len(list(dst.glob("*.safetensors"))) if dst.exists() else 0
             return "nothing"
         import ckpt
-        from ckpt.integrity import verify_checkpoint
+        from ckpt.format.integrity import verify_checkpoint
 
         try:
             problems = verify_checkpoint(ckpt.open_checkpoint(str(dst)))

@@ -26,9 +26,9 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from ckpt.discovery import list_checkpoints
-from ckpt.integrity import verify_checkpoint
-from ckpt.reader import CheckpointReader
+from ckpt.format.integrity import verify_checkpoint
+from ckpt.format.reader import CheckpointReader
+from ckpt.restoring.discovery import list_checkpoints
 from ckpt.storage import open_storage
 from ckpt.storage.s3 import S3Storage
 

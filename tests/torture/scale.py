@@ -9,8 +9,8 @@ import shutil
 import torch
 
 import ckpt
-from ckpt.discovery import step_dir
-from ckpt.manifest import seal
+from ckpt.format.manifest import seal
+from ckpt.restoring.discovery import step_dir
 
 
 def many_checkpoints(root: str, count: int) -> None:

@@ -5,7 +5,7 @@ data file by a background thread while the caller prepares the next batch (readi
 with the disk writes).  At most one file is in flight, so memory stays bounded by twice ``flush_bytes`` plus the
 tensor being added, whatever the model size.  :meth:`commit` writes the manifest (create-only) once everything is on storage; :meth:`abort` removes
 what was written.  Several processes (e.g. ranks under torchrun) can each write a disjoint share of the tensors
-with their own writer and let one of them commit all receipts with :func:`ckpt.commit.build_manifest`.
+with their own writer and let one of them commit all receipts with :func:`ckpt.format.publish.build_manifest`.
 """
 
 from __future__ import annotations
@@ -17,12 +17,12 @@ from typing import Any
 
 import torch
 
-from .commit import Receipt, build_manifest, data_file_name, publish, write_data_file
+from ..errors import CheckpointExistsError, CkptError
+from ..saving.planning import DEFAULT_CHUNK_BYTES, chunk_boxes
+from ..storage import Storage, open_storage
 from .dtypes import dtype_name
-from .errors import CheckpointExistsError, CkptError
 from .manifest import MANIFEST_NAME, Box, Layout, Manifest, TensorDesc
-from .planning import DEFAULT_CHUNK_BYTES, chunk_boxes
-from .storage import Storage, open_storage
+from .publish import Receipt, build_manifest, data_file_name, publish, write_data_file
 
 DEFAULT_FLUSH_BYTES = 512 << 20
 

@@ -14,8 +14,8 @@ from typing import Any
 
 import torch
 
-from . import treecodec
-from .errors import StateMismatchError
+from ..errors import StateMismatchError
+from ..format import treecodec
 
 OPTIM_PREFIX = "optim/"
 

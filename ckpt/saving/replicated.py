@@ -1,7 +1,7 @@
 """Comparing replicated state across ranks before one copy is saved.
 
 The saver writes each replicated box (DDP replicas, TP-replicated norms, PP-shared tensors) from one rank only
-(:func:`ckpt.planning.assign_writers`).  If the copies diverged (a desynchronised run: a real bug class), which rank
+(:func:`ckpt.saving.planning.assign_writers`).  If the copies diverged (a desynchronised run: a real bug class), which rank
 wrote would decide what the checkpoint holds, silently.  So every holder hashes its copy (xxh3-128 of the bytes) and
 the small digests are all-gathered; any difference refuses the save on every rank, naming the tensor and which ranks
 hold which value.  Cost: one read of every replicated byte per rank (plus a device->host copy of XLA tensors) and
@@ -19,9 +19,9 @@ from collections.abc import Mapping
 import torch
 import xxhash
 
-from .distributed import Collective
-from .errors import ReplicaMismatchError
-from .manifest import Box
+from ..distributed import Collective
+from ..errors import ReplicaMismatchError
+from ..format.manifest import Box
 from .planning import CHECK_MOD, Group, Piece, _h64
 
 #: how many disagreeing tensors one error names
@@ -85,7 +85,7 @@ def check_replica_groups(
     """Collective: :func:`check_replicas` for pieces whose replica groups the local plan derived (``held``: this
     rank's pieces that have replicas, with their groups), in bytes per rank independent of the world size.
 
-    Two independent hash pairs (each sum modulo ``CHECK_MOD``, as ``ckpt.planning.plan_check``): a differing copy
+    Two independent hash pairs (each sum modulo ``CHECK_MOD``, as ``ckpt.saving.planning.plan_check``): a differing copy
     goes unnoticed with probability about 2**-62.  On a difference every rank falls back to the all-gather, which
     names the tensor and the ranks (ReplicaMismatchError)."""
     a1 = b1 = a2 = b2 = 0

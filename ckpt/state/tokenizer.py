@@ -12,7 +12,7 @@ import os
 import tempfile
 from typing import Any
 
-from .errors import CkptError
+from ..errors import CkptError
 
 
 def _hash_folder(path: str) -> tuple[str, list[str]]:

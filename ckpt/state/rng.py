@@ -1,6 +1,6 @@
 """Capture and restore every random number generator a training step draws from.
 
-Stored as plain numbers/tensors through :mod:`ckpt.treecodec` (never pickled NumPy objects) so that a manifest
+Stored as plain numbers/tensors through :mod:`ckpt.format.treecodec` (never pickled NumPy objects) so that a manifest
 loads with no code execution.  The XLA seed is captured only when torch_xla is already imported: importing it
 here would initialise a device just to save a checkpoint.
 """
@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from . import treecodec
+from ..format import treecodec
 from .rng_rule import META_KEYS, base_record, derive_seed, stream_keys
 
 
@@ -28,7 +28,7 @@ def capture() -> dict[str, Any]:
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state_all()
     if "torch_xla" in sys.modules:
-        from .neuron.rng import capture_xla
+        from ..neuron.rng import capture_xla
 
         state.update(capture_xla())
     return treecodec.encode(state, "rng")
@@ -61,7 +61,7 @@ def restore(encoded: dict[str, Any]) -> list[str]:
             torch.cuda.set_rng_state(s, i)
         done.append("cuda")
     if any(k.startswith("xla") for k in state):
-        from .neuron.rng import restore_xla
+        from ..neuron.rng import restore_xla
 
         done.extend(restore_xla(state))
     return done
@@ -74,7 +74,7 @@ def _tuplify(value: Any) -> Any:
 
 
 # ---------------------------------------------------------------------------------------------- across a DP change
-# The rule and its pure parts live in ckpt.rng_rule; this applies it to the live generators.
+# The rule and its pure parts live in ckpt.state.rng_rule; this applies it to the live generators.
 
 
 def _seed_stream(stream: str, seed: int) -> bool:
@@ -91,7 +91,7 @@ def _seed_stream(stream: str, seed: int) -> bool:
     elif stream in ("xla_seed", "xla_nxd_tracker"):
         if "torch_xla" not in sys.modules:
             return False
-        from .neuron.rng import reseed_xla
+        from ..neuron.rng import reseed_xla
 
         reseed_xla(stream, seed)
     else:

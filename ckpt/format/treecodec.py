@@ -17,9 +17,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..errors import ManifestError
+from .datafile import flat_dense
 from .dtypes import dtype_from_name, dtype_name
-from .errors import ManifestError
-from .shardfile import flat_dense
 
 JSON = Any  # a value made of dict/list/str/int/float/bool/None
 

@@ -9,9 +9,9 @@ in the top manifest, and describes where each tensor's pieces are once, as a reg
 rank formula when the sharding is regular (FSDP, HSDP, TP, ZeRO-1), or as an explicit list of boxes otherwise.  A
 restoring rank reads the top manifest, only the indexes of ranks holding pieces that overlap its boxes
 (:class:`Locator`) and only its own state file; tools that want everything (``ckpt verify``, converters) load
-every file into the same in-memory :class:`~ckpt.manifest.Manifest` as v1 (:func:`materialize`).
+every file into the same in-memory :class:`~ckpt.format.manifest.Manifest` as v1 (:func:`materialize`).
 
-Writing: the training-loop saver has each rank write its own index and state file (:mod:`ckpt.commit_v2`);
+Writing: the training-loop saver has each rank write its own index and state file (:mod:`ckpt.format.seal`);
 writers holding every shard in one process encode an in-memory manifest (:func:`encode`).  Either way both versions
 hold exactly the same facts.
 """
@@ -25,9 +25,9 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from ..errors import ManifestError
 from .codecs import CODECS, check_checksum_format, check_codec
 from .dtypes import itemsize
-from .errors import ManifestError
 from .manifest import (
     FORMAT,
     SEAL_RE,
@@ -47,7 +47,7 @@ INDEX_FORMAT = "ckpt-index"
 STATE_FORMAT = "ckpt-rank-state"
 
 #: The format version a save or conversion writes when not told (``Checkpointer(format_version=...)``,
-#: ``ckpt.commit.publish(..., version=...)``): the one place that decides it.  2 keeps the top manifest small at any
+#: ``ckpt.format.publish.publish(..., version=...)``): the one place that decides it.  2 keeps the top manifest small at any
 #: world size; 1 is still written on request and always read.
 DEFAULT_FORMAT_VERSION = 2
 
@@ -400,7 +400,7 @@ def encode(m: Manifest, attempt: str) -> tuple[str, dict[str, str]]:
     """(top manifest JSON, {file: JSON} of the index and state files) of an in-memory manifest ``m`` in format v2.
 
     The path of writers that hold every shard in one process (converters, DCP export, ``StreamingWriter``); the
-    training-loop saver has each rank write its own files instead (:mod:`ckpt.commit_v2`)."""
+    training-loop saver has each rank write its own files instead (:mod:`ckpt.format.seal`)."""
     rank_of = {p: f.rank for p, f in m.files.items()}
     chunks: dict[int, list[list[JSON]]] = {r: [] for r in set(rank_of.values())}
     for name, t in m.tensors.items():

@@ -11,10 +11,10 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from .errors import CkptError
-from .manifest import MANIFEST_NAME, Manifest
-from .reader import read_manifest
-from .storage import Storage, open_storage
+from ..errors import CkptError
+from ..format.manifest import MANIFEST_NAME, Manifest
+from ..format.reader import read_manifest
+from ..storage import Storage, open_storage
 
 STEP_RE = re.compile(r"^step_(\d+)$")
 

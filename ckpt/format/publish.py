@@ -10,11 +10,11 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import environment
-from .errors import ManifestError
+from ..errors import ManifestError
+from ..state import environment
+from ..storage import Storage
+from .index import DEFAULT_FORMAT_VERSION
 from .manifest import MANIFEST_NAME, Box, FileEntry, Layout, Manifest, Shard, TensorDesc, TensorEntry
-from .manifest_v2 import DEFAULT_FORMAT_VERSION
-from .storage import Storage
 
 
 @dataclass
@@ -45,7 +45,7 @@ def write_data_file(
 ) -> int:
     """Write ``(tensor name, box, host tensor)`` chunks as data file ``fname`` (published whole) and record it and
     every chunk in ``receipt``; returns the file size.  Chunk keys are ``<name>@<offsets>``."""
-    from .shardfile import Chunk, write_shard_file
+    from .datafile import Chunk, write_shard_file
 
     keys = [f"{name}@{','.join(map(str, box.offsets))}" for name, box, _ in chunks]
     # the chunks are staged host tensors that stay unchanged until the file is published: lend them to the
@@ -189,7 +189,7 @@ def publish(storage: Storage, manifest: Manifest, version: int | None = None) ->
     if version == 1:
         storage.put_bytes(MANIFEST_NAME, manifest.to_json().encode(), exclusive=True)
         return
-    from .manifest_v2 import encode
+    from .index import encode
 
     attempts = {p.split("-")[1].split(".")[0] for p in manifest.files if p.startswith("r") and "-" in p}
     attempt = sorted(attempts)[0] if len(attempts) == 1 else uuid.uuid4().hex[:8]

@@ -15,14 +15,14 @@ import re
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from ..errors import ManifestError
 from .codecs import check_checksum_format, check_codec
 from .codecs import checksum as checksum_of
 from .dtypes import itemsize
-from .errors import ManifestError
 
 FORMAT = "ckpt"
 FORMAT_VERSION = (
-    2  # the newest version this ckpt reads (the version written: ckpt.manifest_v2.DEFAULT_FORMAT_VERSION)
+    2  # the newest version this ckpt reads (the version written: ckpt.format.index.DEFAULT_FORMAT_VERSION)
 )
 MANIFEST_NAME = "manifest.json"
 
@@ -168,10 +168,10 @@ class Manifest:
     format_version: int = 1
     #: the global data position, independent of the DP size (ckpt.data.position.DataPosition); None: not known
     data_position: dict[str, JSON] | None = None
-    #: the RNG rule's inputs for a restore on another DP size (ckpt.rng.base_record); None: no RNG saved
+    #: the RNG rule's inputs for a restore on another DP size (ckpt.state.rng.base_record); None: no RNG saved
     rng_base: dict[str, JSON] | None = None
-    # format v2 only: pieces per tensor and the index table (ckpt.manifest_v2.Layout2); tensors' shards are empty
-    # until the indexes are read (ckpt.reader.read_manifest reads them all unless asked not to)
+    # format v2 only: pieces per tensor and the index table (ckpt.format.index.Layout2); tensors' shards are empty
+    # until the indexes are read (ckpt.format.reader.read_manifest reads them all unless asked not to)
     v2: Any = field(default=None, compare=False, repr=False)
 
     @property
@@ -179,7 +179,7 @@ class Manifest:
         return sum(f.size for f in self.files.values())
 
     def to_json(self) -> str:
-        """Format v1: every shard and every rank's trees in this one document (v2: ckpt.manifest_v2.encode)."""
+        """Format v1: every shard and every rank's trees in this one document (v2: ckpt.format.index.encode)."""
         doc = manifest_doc(self, version=1)
         doc["tensors"] = {n: _tensor_to_json(t) for n, t in self.tensors.items()}
         return seal(doc)
@@ -199,7 +199,7 @@ class Manifest:
         version = _check_header(doc, source)
         verify_seal(raw, source)
         if version == 2:
-            from .manifest_v2 import parse_top
+            from .index import parse_top
 
             flat, layout2 = parse_top(doc, source)
             return replace(_from_doc(flat, source), v2=layout2)
@@ -261,7 +261,7 @@ def verify_seal(raw: bytes, source: str) -> None:
     if m is None:
         raise ManifestError(
             f"{source} is damaged: its checksum is missing or is not the file's first member "
-            f'(expected {SEAL_HEAD.decode()}<16 hex digits>",): damaged, or edited by hand without ckpt.manifest.seal'
+            f'(expected {SEAL_HEAD.decode()}<16 hex digits>",): damaged, or edited by hand without ckpt.format.manifest.seal'
         )
     stored = m.group(1).decode()
     computed = checksum_of(b"{" + raw[SEAL_LEN:])
@@ -423,7 +423,7 @@ def _data_position(value: Any, source: str) -> dict[str, JSON] | None:
     """Validated (ckpt.data.position.DataPosition.from_json raises ManifestError naming the field), kept as JSON."""
     if value is None:
         return None
-    from .data.position import DataPosition
+    from ..data.position import DataPosition
 
     DataPosition.from_json(value, source)
     return value

@@ -15,12 +15,12 @@ import math
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
-from .batchread import DirectRead, read_direct
+from ..errors import CkptError, CorruptionError, ManifestError, StorageError
+from ..restoring.batchread import DirectRead, read_direct
+from ..storage import Storage, open_storage
 from .codecs import checksum, decompress
 from .dtypes import dtype_from_name, itemsize
-from .errors import CkptError, CorruptionError, ManifestError, StorageError
 from .manifest import MANIFEST_NAME, Box, Manifest, Shard, TensorEntry
-from .storage import Storage, open_storage
 
 if TYPE_CHECKING:
     import torch
@@ -47,7 +47,7 @@ def read_manifest(storage: Storage, full: bool = True) -> Manifest:
         ) from None
     m = Manifest.from_json(raw, storage.display(MANIFEST_NAME))
     if m.v2 is not None and full:
-        from .manifest_v2 import materialize
+        from .index import materialize
 
         m = materialize(storage, m, m.v2, storage.display(MANIFEST_NAME))
     return m
@@ -82,7 +82,7 @@ class CheckpointReader:
         self._queue: list[DirectRead] | None = None  # reads deferred inside deferred()
         self.locator: Any = None
         if self.manifest.v2 is not None and lazy:
-            from .manifest_v2 import Locator
+            from .index import Locator
 
             self.locator = Locator(
                 self.storage, self.manifest, self.manifest.v2, self.storage.display(MANIFEST_NAME)
@@ -121,7 +121,7 @@ class CheckpointReader:
         stores, checksums on another thread).  ``defer``: inside :meth:`deferred`, only queue those reads; they
         run with everything else queued when the block ends, so ``out`` must not be used before then.
         """
-        from .shardfile import tensor_bytes
+        from .datafile import tensor_bytes
 
         e = self.entry(name)
         if tuple(out.shape) != box.lengths:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from functools import cache
 from typing import TYPE_CHECKING
 
-from .errors import ManifestError
+from ..errors import ManifestError
 
 if TYPE_CHECKING:
     import torch

@@ -28,9 +28,9 @@ from typing import Any
 
 import torch
 
-from .dtypes import itemsize
-from .errors import StateMismatchError
-from .manifest import Box, TensorDesc
+from ..errors import StateMismatchError
+from ..format.dtypes import itemsize
+from ..format.manifest import Box, TensorDesc
 
 # Tensors are stored in chunks of at most this many bytes along dim 0: a rank restoring a different sharding reads
 # at most one chunk beyond its box per tensor edge, and every chunk carries its own checksum.

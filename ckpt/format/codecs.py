@@ -10,7 +10,7 @@ from __future__ import annotations
 import xxhash
 import zstandard
 
-from .errors import ManifestError
+from ..errors import ManifestError
 
 CHECKSUM_ALGO = "xxh3_64"
 CODECS = ("raw", "zstd")

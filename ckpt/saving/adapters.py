@@ -24,8 +24,8 @@ from typing import Any
 import torch
 import xxhash
 
-from .errors import BaseMismatchError, StateMismatchError
-from .words import count
+from ..errors import BaseMismatchError, StateMismatchError
+from ..words import count
 
 DIGEST_ALGO = "xxh3_128"
 

@@ -16,10 +16,10 @@ import threading
 from collections.abc import Sequence
 from typing import NamedTuple
 
-from .codecs import StreamingChecksum
-from .errors import CorruptionError
-from .manifest import Shard, TensorEntry
-from .storage import Read, ReadFailed, Storage
+from ..errors import CorruptionError
+from ..format.codecs import StreamingChecksum
+from ..format.manifest import Shard, TensorEntry
+from ..storage import Read, ReadFailed, Storage
 
 INLINE_HASH_BYTES = 256 << 10  # reads smaller than this are hashed by the thread that read them (no hand-off)
 

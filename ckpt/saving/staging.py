@@ -7,7 +7,7 @@ run as DMA on a side stream).  :meth:`HostStager.begin` lays the tensors out in 
   next (CUDA: the current stream waits on the copy's event, so the host never blocks);
 * *lazy* tensors are copied while training continues: a helper thread on CPU, the side stream on CUDA.  The
   caller must call :meth:`Staged.before_mutation` before it mutates one of them; the checkpointer does that from
-  ``Optimizer.step`` pre-hooks (:mod:`ckpt.saver`).
+  ``Optimizer.step`` pre-hooks (:mod:`ckpt.saving.checkpointer`).
 
 The background writer calls :meth:`Staged.wait` before reading the arena.  The arena is reused by the next save,
 which the checkpointer starts only after the previous one finished, and it grows only when the state grows.

@@ -14,7 +14,7 @@ Call order (every rank calls :meth:`Checkpointer.save` with the same path and st
    else (buffers, frozen weights, XLA tensors) is copied before ``save`` returns (see :meth:`Checkpointer.staged`);
 4. write (background thread when async): one safetensors data file per rank under the checkpoint prefix;
 5. commit (collective): format v2 (the default): each rank seals its own index and state file and sends rank 0
-   their checksums and the boxes it wrote (ckpt.commit_v2); format v1: its receipt (every chunk) and trees; or its
+   their checksums and the boxes it wrote (ckpt.format.seal); format v1: its receipt (every chunk) and trees; or its
    error.  Rank 0 writes ``manifest.json`` create-only iff every rank succeeded, then tells every rank the outcome.
 
 A failure anywhere means no manifest, hence no checkpoint; an async failure is raised at the next
@@ -35,17 +35,22 @@ from typing import Any
 
 import torch
 
-from . import adapters, rng_rule, treecodec
-from . import data as data_mod
-from . import rng as rng_mod
-from . import tokenizer as tokenizer_mod
-from .commit import Receipt, build_manifest, data_file_name, publish, write_data_file
-from .commit_v2 import build_top, write_rank_files
-from .distributed import Collective
-from .dtypes import dtype_name
-from .errors import AsyncSaveError, CheckpointExistsError, CkptError, StateMismatchError
-from .manifest import MANIFEST_NAME, Box, Layout, Manifest, TensorDesc
-from .manifest_v2 import DEFAULT_FORMAT_VERSION
+from .. import data as data_mod
+from ..distributed import Collective
+from ..errors import AsyncSaveError, CheckpointExistsError, CkptError, StateMismatchError
+from ..format import treecodec
+from ..format.dtypes import dtype_name
+from ..format.index import DEFAULT_FORMAT_VERSION
+from ..format.manifest import MANIFEST_NAME, Box, Layout, Manifest, TensorDesc
+from ..format.publish import Receipt, build_manifest, data_file_name, publish, write_data_file
+from ..format.seal import build_top, write_rank_files
+from ..state import rng as rng_mod
+from ..state import rng_rule
+from ..state import tokenizer as tokenizer_mod
+from ..state.training import NamedTensor, model_tensors, optimizer_capture, state_dict_of
+from ..storage import Storage, open_storage
+from ..words import count
+from . import adapters
 from .planning import (
     DEFAULT_CHUNK_BYTES,
     Group,
@@ -59,11 +64,8 @@ from .planning import (
     plan_local,
     world_group,
 )
-from .replicas import check_replica_groups, check_replicas, replicated_keys
+from .replicated import check_replica_groups, check_replicas, replicated_keys
 from .staging import HostStager, Staged
-from .state import NamedTensor, model_tensors, optimizer_capture, state_dict_of
-from .storage import Storage, open_storage
-from .words import count
 
 # A layout hook: given a named tensor, return (global shape, local box, local tensor, partition metadata) when the
 # tensor is a shard of a bigger logical tensor that plain torch cannot describe (NxD TP shards), else None.
@@ -144,7 +146,7 @@ class Checkpointer:
     copies everything before returning).  One save is in flight at a time; ``close()`` waits for it.
 
     Replicated state (a box of a tensor that several ranks hold: DDP replicas, TP-replicated norms) is written by one
-    rank only, so its copies are compared first (:mod:`ckpt.replicas`: an all-reduce of hashes of xxh3 digests within
+    rank only, so its copies are compared first (:mod:`ckpt.saving.replicated`: an all-reduce of hashes of xxh3 digests within
     each replica group; the digests are all-gathered only to name a difference):
     on the first save of this checkpointer, and on every save when ``verify_replicas=True`` here or in
     :meth:`save`.  A copy that differs refuses the save on every rank (``ReplicaMismatchError``), nothing written.
@@ -166,7 +168,7 @@ class Checkpointer:
     ) -> None:
         if format_version not in (None, 1, 2):
             raise CkptError(
-                f"format_version={format_version!r}: expected 1 or 2 (default: ckpt.manifest_v2.DEFAULT_FORMAT_VERSION)"
+                f"format_version={format_version!r}: expected 1 or 2 (default: ckpt.format.index.DEFAULT_FORMAT_VERSION)"
             )
         self.async_save = async_save
         self.lazy = lazy
@@ -178,7 +180,7 @@ class Checkpointer:
         self.storage_options = storage_options
         self.layout_hook = layout_hook
         self.stager = stager or HostStager()
-        self.format_version = format_version  # None: ckpt.manifest_v2.DEFAULT_FORMAT_VERSION
+        self.format_version = format_version  # None: ckpt.format.index.DEFAULT_FORMAT_VERSION
         self._plan_key: list[str] | None = None
         self._plan: dict[tuple[str, Box], int] | None = None
         self._per_rank: list[list[Piece]] | None = None  # the exact path's gathered pieces
@@ -230,7 +232,7 @@ class Checkpointer:
         checkpointer, or always if it was made with ``verify_replicas=True``).
         ``adapter_only=True`` (a fine-tune of a frozen base: PEFT, NxD ``LoraModel``) saves the trainable parameters
         only, with their optimizer state, and records the frozen base by identity in ``manifest.adapter``
-        (:mod:`ckpt.adapters`; ``base_source`` says where the base was loaded from, default: its config's
+        (:mod:`ckpt.saving.adapters`; ``base_source`` says where the base was loaded from, default: its config's
         ``_name_or_path``).  Save the base itself once with a plain save when it is not on storage already.
         ``lazy`` (async saves; default: the checkpointer's ``lazy``): copy the optimizer's tensors in the background
         (class docstring); ``last_staging`` says what was copied how, and why anything was copied eagerly.
@@ -653,7 +655,7 @@ class Checkpointer:
         )
 
     def _top_v2(self, job: _Job, reports: list[dict[str, Any]]) -> tuple[str, int]:
-        """Format v2: the top manifest from every rank's summary (ckpt.commit_v2), and the bytes of data."""
+        """Format v2: the top manifest from every rank's summary (ckpt.format.seal), and the bytes of data."""
         trees = dict(job.trees)
         by_rank = sorted(reports, key=lambda r: r["rank"])
         if any(r["has_data"] for r in by_rank):
@@ -713,8 +715,8 @@ def _loader_state(loader: Any) -> Any:
             "dataloader= is a plain torch DataLoader, which keeps no position: wrap it with "
             "ckpt.data.track(loader) and iterate the wrapper, or use torchdata's StatefulDataLoader"
         )
-    from .data.adapters import adapter_for, describe
-    from .data.tracked import TrackedLoader
+    from ..data.adapters import adapter_for, describe
+    from ..data.tracked import TrackedLoader
 
     if isinstance(loader, TrackedLoader) and adapter_for(loader) is None:
         # A tracked loader keeps only a batch count; its position is restored through the sampler, which only an

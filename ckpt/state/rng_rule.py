@@ -10,7 +10,7 @@ per-rank streams cannot map one to one, so each stream is either
   checkpoint is restored on the same DP size.
 
 The base seed is the caller's ``rng_seed=`` at save, or else one derived from rank 0's saved record; both are in
-the manifest's ``rng_base`` (docs/format.md).  Applying the rule is :func:`ckpt.rng.restore_across`.
+the manifest's ``rng_base`` (docs/format.md).  Applying the rule is :func:`ckpt.state.rng.restore_across`.
 """
 
 from __future__ import annotations

@@ -13,14 +13,20 @@ from typing import Any
 
 import torch
 
-from . import rng as rng_mod
-from . import treecodec
-from .dtypes import dtype_from_name
-from .errors import StateMismatchError
-from .manifest import Box, Manifest
-from .planning import local_box
-from .reader import CheckpointReader
-from .state import NamedTensor, load_state_into, model_tensors, optim_name, param_names_in_optimizer_order
+from ..errors import StateMismatchError
+from ..format import treecodec
+from ..format.dtypes import dtype_from_name
+from ..format.manifest import Box, Manifest
+from ..format.reader import CheckpointReader
+from ..saving.planning import local_box
+from ..state import rng as rng_mod
+from ..state.training import (
+    NamedTensor,
+    load_state_into,
+    model_tensors,
+    optim_name,
+    param_names_in_optimizer_order,
+)
 from .upload import PinnedUploader
 
 MODEL_ROLES = ("parameter", "buffer")
@@ -227,7 +233,7 @@ def restore(
 
     Model and optimizer are restored for this rank's current sharding.  On the DP size the checkpoint was saved
     with, RNG and data-loader state are this rank's own; on another, the data loader continues the global data
-    position (ckpt.data: loaders an adapter knows, others are refused) and RNG streams follow ckpt.rng's rule
+    position (ckpt.data: loaders an adapter knows, others are refused) and RNG streams follow ckpt.state.rng's rule
     (shared streams carried, per-rank ones re-derived); ``RestoreResult`` says which.  ``strict`` (default)
     refuses missing/unexpected names and a loader that cannot be re-split.  ``restorer`` (a ``Restorer`` subclass or factory taking ``(reader, layout_hook)``) lets a
     backend change how tensors reach their device or how a non-torch.optim optimizer is filled.
@@ -247,7 +253,7 @@ def restore(
     missing: list[str] = []
     unexpected: list[str] = []
     if model is not None and m.adapter is not None:
-        from . import adapters
+        from ..saving import adapters
 
         if check_base:
             rank, world = _rank()
@@ -271,7 +277,7 @@ def restore(
     rank, world = _rank()
     data_outcome = None
     if dataloader is not None:
-        from .data import restore as restore_data
+        from ..data import restore as restore_data
 
         data_outcome = restore_data(dataloader, m, rank, world, reader.path, strict)
     carried: list[str] = []

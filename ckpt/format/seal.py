@@ -1,6 +1,6 @@
 """The format v2 commit of the training-loop saver: each writer seals its own files, rank 0 checks pieces.
 
-With format v1 (and with :func:`ckpt.manifest_v2.encode`) rank 0 receives every rank's receipt, one entry per
+With format v1 (and with :func:`ckpt.format.index.encode`) rank 0 receives every rank's receipt, one entry per
 chunk, validates them chunk by chunk and serialises them all: O(N x T) work and bytes on one rank.  Here:
 
 1. every writer, after publishing its data file, writes its index (its chunks: where each lies, its checksum) and
@@ -8,10 +8,10 @@ chunk, validates them chunk by chunk and serialises them all: O(N x T) work and 
 2. it sends rank 0 a :class:`RankSummary`: its data files' sizes, the two files' checksums and the boxes it
    wrote (one per tensor it writes, before chunking: T per rank at most);
 3. rank 0 checks that the boxes tile every tensor (:func:`build_top`, the same rules as
-   ``ckpt.commit.build_manifest`` applies to chunks), describes each tensor's pieces and writes the top manifest,
+   ``ckpt.format.publish.build_manifest`` applies to chunks), describes each tensor's pieces and writes the top manifest,
    which seals every index's and state file's checksum.
 
-A writer's chunks lie inside the box it reports by construction (``ckpt.planning.chunk_boxes``), and their byte
+A writer's chunks lie inside the box it reports by construction (``ckpt.saving.planning.chunk_boxes``), and their byte
 ranges inside its file (it just wrote them); readers validate both again when they read an index.
 """
 
@@ -21,9 +21,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from .commit import Receipt, check_box, check_covered, manifest_of
-from .manifest import Box, FileEntry, Layout, TensorDesc, TensorEntry
-from .manifest_v2 import (
+from ..storage import Storage
+from .index import (
     IndexEntry,
     chunk_row,
     describe_boxes,
@@ -35,7 +34,8 @@ from .manifest_v2 import (
     state_text,
     top_text,
 )
-from .storage import Storage
+from .manifest import Box, FileEntry, Layout, TensorDesc, TensorEntry
+from .publish import Receipt, check_box, check_covered, manifest_of
 
 
 @dataclass

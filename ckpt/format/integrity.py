@@ -12,7 +12,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from .errors import CkptError
+from ..errors import CkptError
 from .manifest import Manifest
 from .reader import CheckpointReader
 
