@@ -48,7 +48,6 @@ from typing import Any
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, ".."))
 
-from ckpt import rng as rng_mod  # noqa: E402
 from ckpt.format.index import Locator  # noqa: E402
 from ckpt.format.manifest import Box, Layout, Manifest, TensorDesc  # noqa: E402
 from ckpt.format.publish import Receipt, build_manifest, data_file_name  # noqa: E402
@@ -67,6 +66,7 @@ from ckpt.saving.planning import (  # noqa: E402
     plan_local,
     world_group,
 )
+from ckpt.state import rng as rng_mod  # noqa: E402
 from ckpt.state.rng_rule import base_record_of, stream_digests  # noqa: E402
 from ckpt.state.training import NamedTensor  # noqa: E402
 from ckpt.storage import open_storage  # noqa: E402

@@ -149,7 +149,8 @@ def readback(data: Path) -> int:
     import torch
     from safetensors.torch import load_file
 
-    from ckpt import open_checkpoint, treecodec
+    from ckpt import open_checkpoint
+    from ckpt.format import treecodec
 
     truth = load_file(str(data / "truth.safetensors"))
     groups = json.loads((data / "truth.json").read_text())["param_groups"]

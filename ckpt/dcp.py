@@ -141,7 +141,7 @@ class Reader(StorageReader):
         for item in plan.items:
             fqn = item.storage_index.fqn
             if item.type is LoadItemType.BYTE_IO:
-                from ckpt import treecodec
+                from ckpt.format import treecodec
 
                 buf = io.BytesIO()
                 torch.save(treecodec.decode(self._values[fqn]), buf)
@@ -246,7 +246,7 @@ class Writer(StorageWriter):
         return fqn[len(self.prefix) :] if self.prefix and fqn.startswith(self.prefix) else fqn
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
-        from ckpt import treecodec
+        from ckpt.format import treecodec
         from ckpt.format.writer import StreamingWriter
 
         rank, attempt = plan.storage_data

@@ -39,8 +39,8 @@ from typing import Any
 
 import torch
 
-from ckpt import treecodec
 from ckpt.errors import CkptError, CorruptionError, LayoutError
+from ckpt.format import treecodec
 from ckpt.format.dtypes import dtype_from_name, dtype_name
 from ckpt.format.manifest import TensorDesc
 from ckpt.layouts import Piece

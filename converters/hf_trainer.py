@@ -35,8 +35,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from ckpt import treecodec
 from ckpt.errors import CkptError, LayoutError
+from ckpt.format import treecodec
 from ckpt.format.dtypes import dtype_name
 from ckpt.format.manifest import TensorDesc
 from ckpt.layouts import Piece

@@ -166,7 +166,7 @@ def read_any(src: str, opts: ConvertOptions, run: RunOptions) -> tuple[peft.Adap
 
 def _ckpt_optimizer(reader: Any, hf_of: dict[str, str], src: str) -> dict[str, Any] | None:
     """The optimizer state of an adapter checkpoint in :attr:`peft.Adapter.optimizer`'s form (HF adapter names)."""
-    from ckpt import treecodec
+    from ckpt.format import treecodec
 
     meta = reader.manifest.optimizer
     if meta is None:

@@ -49,8 +49,8 @@ from typing import Any
 
 import torch
 
-from ckpt import treecodec
 from ckpt.errors import CkptError, LayoutError
+from ckpt.format import treecodec
 from ckpt.safe_unpickle import load_torch_file
 from ckpt.storage.folder import FolderTxn, begin_folder
 

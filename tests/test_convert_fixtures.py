@@ -11,7 +11,8 @@ from ckpt.converters import nxd
 from ckpt.converters.convert import ConvertOptions, convert, load_config
 from safetensors.torch import load_file
 
-from ckpt import open_checkpoint, treecodec
+from ckpt import open_checkpoint
+from ckpt.format import treecodec
 from ckpt.layouts import bit_equal
 
 ROOT = Path(__file__).resolve().parent.parent / "fixtures" / "nxd" / "llama_gqa_h64"

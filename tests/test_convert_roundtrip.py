@@ -17,8 +17,9 @@ from ckpt.converters.convert import ConvertOptions, convert
 from hypothesis import HealthCheck, assume, event, given, settings
 from hypothesis import strategies as st
 
-from ckpt import open_checkpoint, treecodec
+from ckpt import open_checkpoint
 from ckpt.errors import LayoutError
+from ckpt.format import treecodec
 from ckpt.format.writer import StreamingWriter
 from ckpt.layouts import LayoutSpec, bit_equal, full_state_to_nxd
 from ckpt.layouts.partition import nxd_partition

@@ -16,8 +16,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import ckpt
-from ckpt import treecodec
 from ckpt.errors import ManifestError
+from ckpt.format import treecodec
 from ckpt.format.manifest import MANIFEST_NAME, Box, Manifest, seal
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.bool]

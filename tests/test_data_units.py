@@ -24,18 +24,18 @@ from torch.utils.data import DataLoader, DistributedSampler
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 import ckpt
-from ckpt import rng as rng_mod
-from ckpt import treecodec
 from ckpt.data import DataPosition, RankPosition, combine_digests, sample_digest, track
 from ckpt.data.position import merge
 from ckpt.data.sampler import Resume, ResumedDistributedSampler, global_order, rank_share, reposition
 from ckpt.errors import ManifestError, StateMismatchError
+from ckpt.format import treecodec
 from ckpt.format.manifest import Manifest, seal
 from ckpt.resume.checks import Cause, Status
 from ckpt.resume.facts import CheckpointFacts, facts_from_mapping
 from ckpt.resume.ledger import LedgerWriter, digest_ids
 from ckpt.resume.sources import load_run
 from ckpt.resume.verify import verify_run
+from ckpt.state import rng as rng_mod
 
 
 def _spec(n: int, world: int, shuffle: bool, drop_last: bool, seed: int) -> dict:

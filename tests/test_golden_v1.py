@@ -23,7 +23,7 @@ from click.testing import CliRunner
 from manifest_schema import assert_valid
 
 import ckpt
-from ckpt import treecodec
+from ckpt.format import treecodec
 from ckpt.format.manifest import MANIFEST_NAME, Manifest
 from ckpt.format.reader import CheckpointReader
 from ckpt.state.tokenizer import identity

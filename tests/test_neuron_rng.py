@@ -28,7 +28,7 @@ nd = types.ModuleType("neuronx_distributed"); nd.parallel_layers = pl
 sys.modules.update({"neuronx_distributed": nd, "neuronx_distributed.parallel_layers": pl,
                     "neuronx_distributed.parallel_layers.random": rnd})
 import torch_xla, torch_xla.core.xla_model as xm
-from ckpt import rng
+from ckpt.state import rng
 T.add("model-parallel-rng", 2718 + 1)
 xm.set_rng_state(77)
 dev = torch_xla.device()

@@ -15,8 +15,8 @@ from ckpt.converters import nxd
 from safetensors.torch import load_file
 from xla_blocked import run_without_torch_xla
 
-from ckpt import treecodec
 from ckpt.errors import CkptError, CorruptionError, UnsafePickleError
+from ckpt.format import treecodec
 from ckpt.format.reader import CheckpointReader
 from ckpt.layouts import LayoutSpec, bit_equal, nxd_to_full_state
 

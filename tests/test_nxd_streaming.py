@@ -28,7 +28,7 @@ from ckpt.converters.nxd.export import NxdExport
 from ckpt.converters.nxd.reader import NxdTag, NxdTagMeta
 from ckpt.converters.nxd.writer import TagWriter
 
-from ckpt import treecodec
+from ckpt.format import treecodec
 from ckpt.format.reader import CheckpointReader
 from ckpt.format.writer import StreamingWriter
 from ckpt.layouts import LayoutSpec, ModelDims, bit_equal

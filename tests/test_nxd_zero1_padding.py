@@ -13,7 +13,8 @@ from ckpt.converters.convert import load_config
 from click.testing import CliRunner
 from safetensors.torch import load_file
 
-from ckpt import open_checkpoint, treecodec
+from ckpt import open_checkpoint
+from ckpt.format import treecodec
 from ckpt.layouts import bit_equal
 
 ROOT = Path(__file__).resolve().parent.parent / "fixtures" / "nxd" / "llama_zero1_pad_dp3"

@@ -65,7 +65,7 @@ class NxdRecord:
 
     def to_extra(self) -> dict[str, Any]:
         """The JSON object stored as ``extra.nxd`` (optional members only when set)."""
-        from ckpt import treecodec
+        from ckpt.format import treecodec
 
         out: dict[str, Any] = {"rule_set": self.rule_set}
         out.update({k: getattr(self, k) for k in _FLAG_KEYS})
@@ -83,7 +83,7 @@ class NxdRecord:
     @classmethod
     def from_extra(cls, value: Any, where: str) -> NxdRecord:
         """Parse ``extra.nxd`` of the manifest at ``where``; a malformed or unknown member is a ManifestError."""
-        from ckpt import treecodec
+        from ckpt.format import treecodec
 
         if not isinstance(value, Mapping):
             raise ManifestError(f"{where}: extra.nxd is {type(value).__name__}, expected an object")

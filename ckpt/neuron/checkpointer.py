@@ -48,7 +48,7 @@ def _hf_config(model: Any) -> dict[str, Any] | None:
     to_dict = getattr(cfg, "to_dict", None)
     if to_dict is None:
         return None
-    from ckpt import treecodec
+    from ckpt.format import treecodec
 
     try:
         return treecodec.decode(treecodec.encode(to_dict(), "config"))

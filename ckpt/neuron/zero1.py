@@ -14,8 +14,8 @@ from typing import Any
 
 import torch
 
-from ckpt import treecodec
 from ckpt.errors import StateMismatchError
+from ckpt.format import treecodec
 from ckpt.format.dtypes import dtype_from_name
 from ckpt.format.manifest import Box
 from ckpt.layouts import zero1

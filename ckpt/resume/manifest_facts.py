@@ -67,7 +67,7 @@ def scheduler_position(sched: Any) -> tuple[int | None, float | None]:
 
 def facts_from_manifest(manifest: Any) -> CheckpointFacts:
     """Counters of one checkpoint from its :class:`ckpt.format.manifest.Manifest`."""
-    from ckpt import treecodec
+    from ckpt.format import treecodec
 
     opt_steps: dict[str, int] = {}
     state = (manifest.optimizer or {}).get("state") or {}

@@ -17,8 +17,8 @@ from typing import Any
 
 import torch
 
-from ckpt import treecodec
 from ckpt.errors import CkptError, LayoutError
+from ckpt.format import treecodec
 from ckpt.format.dtypes import dtype_from_name
 from ckpt.layouts.names import EXPERT_STACKED
 from ckpt.layouts.nxd_order import nxd_param_order

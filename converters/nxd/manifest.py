@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from ckpt import treecodec
+from ckpt.format import treecodec
 from ckpt.format.manifest import Manifest
 from ckpt.format.reader import CheckpointReader
 

@@ -25,8 +25,8 @@ from typing import Any
 
 import torch
 
-from ckpt import treecodec
 from ckpt.errors import CkptError, CorruptionError, LayoutError
+from ckpt.format import treecodec
 from ckpt.format.dtypes import dtype_name
 from ckpt.format.manifest import TensorDesc
 from ckpt.layouts import LayoutSpec, Piece, bit_equal, plan_nxd_to_full

@@ -31,8 +31,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from ckpt import treecodec
 from ckpt.errors import CkptError, LayoutError, UnsafePickleError
+from ckpt.format import treecodec
 
 from ..engine import Conversion, Staging
 from . import source as nxd_source

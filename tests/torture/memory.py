@@ -59,7 +59,7 @@ def generate_cuda(path: Path, cfg: dict[str, Any], *, optimizer: bool = True, se
     ``step``), written one tensor at a time; returns the tensor bytes."""
     import torch
 
-    from ckpt import treecodec
+    from ckpt.format import treecodec
     from ckpt.format.writer import StreamingWriter
     from ckpt.layouts import ModelDims
 
