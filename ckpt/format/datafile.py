@@ -7,8 +7,6 @@ compression), then each chunk, checksummed on the exact bytes written.
 
 from __future__ import annotations
 
-import json
-import struct
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -16,10 +14,11 @@ from typing import BinaryIO
 
 import torch
 
-from .codecs import checksum, compress
+from .codecs import compress
 from .dtypes import dtype_name
+from .streamwrite import safetensors_header, write_payloads
 
-WRITE_BLOCK = 1 << 30
+__all__ = ["Chunk", "Written", "flat_dense", "raw_entry", "safetensors_header", "tensor_bytes", "write_shard_file"]
 
 
 @dataclass(frozen=True)
@@ -58,24 +57,6 @@ def flat_dense(t: torch.Tensor) -> torch.Tensor:
     return t.as_strided((t.numel(),), (1,))
 
 
-def safetensors_header(
-    entries: Sequence[tuple[str, str, Sequence[int], int]], metadata: dict[str, str] | None = None
-) -> bytes:
-    """The 8-byte length + JSON header of a safetensors file whose payloads follow back to back, in order.
-
-    ``entries`` are ``(key, dtype name, shape, payload bytes)``; the header is padded with spaces to a multiple of 8
-    (as safetensors writes it) so the data that follows is aligned.  The one header writer: data files and HF shards.
-    """
-    header: dict[str, object] = {"__metadata__": dict(metadata or {})} if metadata is not None else {}
-    pos = 0
-    for key, dtype, shape, nbytes in entries:
-        header[key] = {"dtype": dtype, "shape": list(shape), "data_offsets": [pos, pos + nbytes]}
-        pos += nbytes
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)
-    return struct.pack("<Q", len(raw)) + raw
-
-
 def write_shard_file(
     f: BinaryIO, chunks: Sequence[Chunk], metadata: dict[str, str] | None = None, threads: int = 4
 ) -> tuple[list[Written], int]:
@@ -88,22 +69,15 @@ def write_shard_file(
                 to_compress, pool.map(lambda i: compress(payloads[i]), to_compress), strict=True
             ):
                 payloads[i] = data
-    entries = []
-    for c, p in zip(chunks, payloads, strict=True):
-        if c.codec == "raw":
-            entries.append((c.key, dtype_name(c.tensor.dtype), tuple(c.tensor.shape), len(p)))
-        else:
-            entries.append((c.key, "U8", (len(p),), len(p)))
+    entries = [
+        raw_entry(c) if c.codec == "raw" else (c.key, "U8", (len(p),), len(p))
+        for c, p in zip(chunks, payloads, strict=True)
+    ]
     head = safetensors_header(entries, {"format": "ckpt", **(metadata or {})})
-    f.write(head)
-    written = []
-    offset = len(head)
-    for c, p in zip(chunks, payloads, strict=True):
-        digest = checksum(p)
-        view = memoryview(p)
-        done = 0
-        while done < len(view):
-            done += f.write(view[done : done + WRITE_BLOCK])
-        written.append(Written(c.key, offset, len(p), digest))
-        offset += len(p)
-    return written, offset
+    placed, size = write_payloads(f, head, payloads)
+    return [Written(c.key, *where) for c, where in zip(chunks, placed, strict=True)], size
+
+
+def raw_entry(c: Chunk) -> tuple[str, str, tuple[int, ...], int]:
+    """The safetensors header entry ``(key, dtype, shape, bytes)`` of an uncompressed chunk."""
+    return (c.key, dtype_name(c.tensor.dtype), tuple(c.tensor.shape), c.tensor.numel() * c.tensor.element_size())
