@@ -18,7 +18,15 @@ from .codecs import compress
 from .dtypes import dtype_name
 from .streamwrite import safetensors_header, write_payloads
 
-__all__ = ["Chunk", "Written", "flat_dense", "raw_entry", "safetensors_header", "tensor_bytes", "write_shard_file"]
+__all__ = [
+    "Chunk",
+    "Written",
+    "flat_dense",
+    "raw_entry",
+    "safetensors_header",
+    "tensor_bytes",
+    "write_shard_file",
+]
 
 
 @dataclass(frozen=True)
@@ -80,4 +88,9 @@ def write_shard_file(
 
 def raw_entry(c: Chunk) -> tuple[str, str, tuple[int, ...], int]:
     """The safetensors header entry ``(key, dtype, shape, bytes)`` of an uncompressed chunk."""
-    return (c.key, dtype_name(c.tensor.dtype), tuple(c.tensor.shape), c.tensor.numel() * c.tensor.element_size())
+    return (
+        c.key,
+        dtype_name(c.tensor.dtype),
+        tuple(c.tensor.shape),
+        c.tensor.numel() * c.tensor.element_size(),
+    )

@@ -47,19 +47,36 @@ def write_data_file(
     every chunk in ``receipt``; returns the file size.  Chunk keys are ``<name>@<offsets>``."""
     from .datafile import Chunk, write_shard_file
 
-    keys = [f"{name}@{','.join(map(str, box.offsets))}" for name, box, _ in chunks]
+    keys = [chunk_key(name, box) for name, box, _ in chunks]
     # the chunks are staged host tensors that stay unchanged until the file is published: lend them to the
     # storage (S3 builds its upload parts straight from them)
     with storage.create(fname, borrow=True) as f:
         written, size = write_shard_file(
             f, [Chunk(k, t, codec) for k, (_, _, t) in zip(keys, chunks, strict=True)], metadata
         )
+    record_data_file(receipt, fname, size, chunks, [(w.offset, w.nbytes, w.checksum) for w in written], codec)
+    return size
+
+
+def chunk_key(name: str, box: Box) -> str:
+    """A chunk's key in its data file: ``<name>@<offsets>``."""
+    return f"{name}@{','.join(map(str, box.offsets))}"
+
+
+def record_data_file(
+    receipt: Receipt,
+    fname: str,
+    size: int,
+    chunks: Sequence[tuple[str, Box, Any]],
+    placed: Sequence[tuple[int, int, str]],
+    codec: str,
+) -> None:
+    """Record data file ``fname`` and where each chunk landed in it (``(offset, nbytes, checksum)``) in ``receipt``."""
     receipt.files.append((fname, size))
     receipt.shards.extend(
-        (name, box.offsets, box.lengths, fname, w.offset, w.nbytes, codec, w.checksum)
-        for (name, box, _), w in zip(chunks, written, strict=True)
+        (name, box.offsets, box.lengths, fname, offset, nbytes, codec, digest)
+        for (name, box, _), (offset, nbytes, digest) in zip(chunks, placed, strict=True)
     )
-    return size
 
 
 def check_box(

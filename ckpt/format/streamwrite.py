@@ -16,7 +16,7 @@ from .codecs import StreamingChecksum
 
 # hashed then written block by block: the hash reads the block from memory, the write() finds it still in the
 # CPU cache, so a byte is read from memory once for both (was: a hash pass over the whole chunk, then the write)
-HASH_WRITE_BLOCK = 2 << 20
+HASH_WRITE_BLOCK = 4 << 20
 
 
 def safetensors_header(

@@ -552,7 +552,9 @@ class Checkpointer:
             if job.staged is not None:
                 job.staged.wait()  # lazy copies land in the arena before the writer reads it
             if job.chunks:
-                write_data_file(
+                # a stager that owns a writer (ProcessStager: a process reading its shared arena) writes the file
+                write = getattr(self.stager, "write_data_file", write_data_file)
+                write(
                     job.storage,
                     receipt,
                     data_file_name(rank, job.attempt),

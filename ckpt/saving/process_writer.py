@@ -1,0 +1,203 @@
+"""Staging into shared memory and writing from a persistent writer process: a save's bytes never pass through
+the trainer's interpreter after the copy.
+
+:class:`ProcessStager` is a :class:`~ckpt.saving.staging.HostStager` whose arena is a ``memfd`` mapping shared
+with one long-lived child (:mod:`ckpt.saving.writer_child`).  A save costs the training process one copy of each
+byte into the arena (``copy_`` releases the GIL; lazily, beside the next forward/backward, as before) and one
+JSON line to the child; the child hashes and writes the bytes straight from the arena (the kernel's copy into the
+page cache is the only other copy) in its own process, so neither its CPU-bound Python nor its GIL ever competes
+with the training thread's.  The commit (index, state file, manifest, collectives) stays in the trainer.
+
+Use it with ``Checkpointer(async_save=True, stager=ProcessStager())``.  Saves it cannot serve from the arena fall
+back to the in-process writer: non-local storage, compressed chunks, CUDA state (the arena must be pinned there).
+Crash semantics are the in-process writer's: the trainer commits only after the child answered, a child that dies
+fails the save (restarted for the next one), and the child exits when the trainer does (its lifeline pipe).
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import subprocess
+import sys
+import threading
+import weakref
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from ..errors import StorageError
+from ..format.datafile import Chunk, raw_entry
+from ..format.manifest import Box
+from ..format.publish import Receipt, chunk_key, record_data_file, write_data_file
+from ..storage import Storage
+from ..storage.local import LocalStorage
+from .staging import HostStager
+
+
+class _Writer:
+    """One running child and the pipes to it; it reads the arena behind ``arena_fd``."""
+
+    def __init__(self, arena_fd: int) -> None:
+        r, self.lifeline = os.pipe()
+        try:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "ckpt.saving.writer_child", str(arena_fd), str(r)],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                pass_fds=(arena_fd, r),
+            )
+        except BaseException:
+            os.close(self.lifeline)
+            raise
+        finally:
+            os.close(r)
+
+    def request(self, req: dict[str, Any]) -> dict[str, Any]:
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        try:
+            self.proc.stdin.write(json.dumps(req).encode() + b"\n")
+            self.proc.stdin.flush()
+            line = self.proc.stdout.readline()
+        except (BrokenPipeError, OSError):
+            line = b""
+        if not line:
+            self.stop()
+            raise StorageError(
+                f"writer process {self.proc.pid} exited (code {self.proc.returncode}) while writing "
+                f"{req['fname']}: the data file was not published"
+            )
+        return json.loads(line)
+
+    @property
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def stop(self) -> None:
+        """Close the child's input (it exits between jobs) and its lifeline; kill it if it lingers."""
+        for pipe in (self.proc.stdin, self.proc.stdout):
+            try:
+                if pipe is not None:
+                    pipe.close()
+            except OSError:
+                pass
+        if self.lifeline >= 0:
+            os.close(self.lifeline)
+            self.lifeline = -1
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+class ProcessStager(HostStager):
+    """A host stager whose arena the writer process reads; :meth:`write_data_file` hands a data file to it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._fd = -1
+        self._map: mmap.mmap | None = None
+        self._writer: _Writer | None = None
+        self._lock = threading.Lock()
+        self._finalizer = weakref.finalize(self, _close_all, [])
+
+    # -------------------------------------------------------------------------------------------- the arena
+    def _arena_for(self, nbytes: int, pinned: bool) -> torch.Tensor:
+        if pinned:  # CUDA state: a pinned arena, written by the in-process writer
+            self._drop_shared()
+            return super()._arena_for(nbytes, pinned)
+        a = self._arena
+        if a is not None and self._map is not None and a.numel() >= nbytes:
+            return a
+        self._arena = None
+        self._drop_shared()
+        size = max(nbytes, 1)
+        self._fd = os.memfd_create("ckpt-arena", os.MFD_CLOEXEC)
+        os.ftruncate(self._fd, size)
+        self._map = mmap.mmap(self._fd, size)
+        self._arena = torch.frombuffer(self._map, dtype=torch.uint8)
+        return self._arena
+
+    def _drop_shared(self) -> None:
+        with self._lock:
+            if self._writer is not None:
+                self._writer.stop()
+                self._writer = None
+        self._arena = None
+        self._map = None  # unmapped once the last view of the arena is gone
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+    def release(self) -> None:
+        self._drop_shared()
+        super().release()
+
+    @property
+    def writer_pid(self) -> int | None:
+        """The writer process's id while one runs (tests, benches: its CPU time, crash tests)."""
+        w = self._writer
+        return w.proc.pid if w is not None and w.alive else None
+
+    # -------------------------------------------------------------------------------------------- writing
+    def _spans(self, chunks: Sequence[tuple[str, Box, Any]]) -> list[tuple[int, int]] | None:
+        """Where each chunk's bytes lie in the shared arena, or None when any does not lie there."""
+        a = self._arena
+        if a is None or self._map is None:
+            return None
+        base, end = a.data_ptr(), a.data_ptr() + a.numel()
+        spans = []
+        for _, _, t in chunks:
+            n = t.numel() * t.element_size()
+            if n == 0:
+                spans.append((0, 0))
+                continue
+            p = t.data_ptr()
+            if t.device.type != "cpu" or not t.is_contiguous() or p < base or p + n > end:
+                return None
+            spans.append((p - base, n))
+        return spans
+
+    def write_data_file(
+        self,
+        storage: Storage,
+        receipt: Receipt,
+        fname: str,
+        chunks: Sequence[tuple[str, Box, Any]],
+        codec: str,
+        metadata: dict[str, str] | None = None,
+    ) -> int:
+        """:func:`ckpt.format.publish.write_data_file`, done by the writer process when the bytes are in the
+        shared arena and the storage is a local folder; otherwise by that function in this process."""
+        spans = self._spans(chunks) if codec == "raw" and type(storage) is LocalStorage else None
+        if spans is None:
+            return write_data_file(storage, receipt, fname, chunks, codec, metadata)
+        keys = [chunk_key(name, box) for name, box, _ in chunks]
+        req = {
+            "root": storage.root,
+            "fname": fname,
+            "entries": [raw_entry(Chunk(k, t)) for k, (_, _, t) in zip(keys, chunks, strict=True)],
+            "spans": spans,
+            "metadata": {"format": "ckpt", **(metadata or {})},
+        }
+        with self._lock:
+            if self._writer is None or not self._writer.alive:
+                if self._writer is not None:
+                    self._writer.stop()
+                self._writer = _Writer(self._fd)
+                self._finalizer.detach()
+                self._finalizer = weakref.finalize(self, _close_all, [self._writer])
+            reply = self._writer.request(req)
+        if not reply["ok"]:
+            raise StorageError(f"writer process, {storage.display(fname)}: {reply['error']}")
+        placed = [(int(o), int(n), str(d)) for o, n, d in reply["placed"]]
+        record_data_file(receipt, fname, int(reply["size"]), chunks, placed, codec)
+        return int(reply["size"])
+
+
+def _close_all(writers: list[_Writer]) -> None:
+    for w in writers:
+        w.stop()

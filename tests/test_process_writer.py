@@ -1,0 +1,158 @@
+"""The persistent writer process (ckpt.saving.process_writer): same bytes as the in-process writer, the same
+isolation from the next step, and the same crash semantics: a killed writer fails the save (nothing committed)
+and is replaced for the next one; a killed trainer takes its writer with it; close() stops it."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import xxhash
+
+import ckpt
+from ckpt.errors import AsyncSaveError
+from ckpt.format.datafile import Chunk, write_shard_file
+from ckpt.format.manifest import MANIFEST_NAME
+from ckpt.format.streamwrite import HASH_WRITE_BLOCK
+from ckpt.saving.checkpointer import Checkpointer
+from ckpt.saving.process_writer import ProcessStager
+
+pytestmark = pytest.mark.timeout(120)
+HERE = Path(__file__).parent
+
+
+def make() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.LayerNorm(64), torch.nn.Linear(64, 3))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    step(model, opt)
+    return model, opt
+
+
+def step(model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
+    opt.zero_grad()
+    model(torch.randn(4, 64)).square().mean().backward()
+    opt.step()
+
+
+def data_files(path: Path) -> dict[str, bytes]:
+    return {f.name.split("-")[0]: f.read_bytes() for f in path.iterdir() if f.name.endswith(".safetensors")}
+
+
+def gone(pid: int) -> bool:
+    """The process exited (a zombie waiting for a parent that does not reap counts as exited)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except FileNotFoundError:
+        return True
+
+
+def wait_gone(pid: int, timeout: float = 20.0) -> bool:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if gone(pid):
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_same_bytes_as_the_in_process_writer_and_isolated_from_the_next_step(tmp_path: Path) -> None:
+    model, opt = make()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    plain = Checkpointer(async_save=True)
+    plain.save(str(tmp_path / "thread"), step=1, model=model, optimizer=opt, rng=False).result()
+    proc = Checkpointer(async_save=True, stager=ProcessStager())
+    fut = proc.save(str(tmp_path / "process"), step=1, model=model, optimizer=opt, rng=False)
+    step(model, opt)  # right after save(): the step hook waits for the copy, the writer reads the arena
+    fut.result()
+    pid = proc.stager.writer_pid
+    assert pid is not None and pid != os.getpid()  # written by the writer process, not by this one
+    assert data_files(tmp_path / "process") == data_files(tmp_path / "thread")
+    m2, o2 = make()
+    ckpt.restore(str(tmp_path / "process"), model=m2, optimizer=o2, rng=False)
+    for k, v in m2.state_dict().items():
+        assert torch.equal(v, before[k]), k
+    proc.save(str(tmp_path / "again"), step=2, model=model, optimizer=opt, rng=False).result()
+    assert proc.stager.writer_pid == pid  # one persistent process
+    proc.close()
+    plain.close()
+    assert wait_gone(pid)
+
+
+def test_a_killed_writer_fails_the_save_commits_nothing_and_is_replaced(tmp_path: Path) -> None:
+    model, opt = make()
+    ck = Checkpointer(async_save=True, stager=ProcessStager())
+    ck.save(str(tmp_path / "s1"), step=1, model=model, optimizer=opt, rng=False).result()
+    pid = ck.stager.writer_pid
+    assert pid is not None
+    os.kill(pid, signal.SIGSTOP)  # it cannot start the next job ...
+    fut = ck.save(str(tmp_path / "s2"), step=2, model=model, optimizer=opt, rng=False)
+    time.sleep(0.3)
+    os.kill(pid, signal.SIGKILL)  # ... and dies with it handed over
+    with pytest.raises(AsyncSaveError, match="writer process"):
+        ck.wait()
+    assert fut.done()
+    assert not (tmp_path / "s2" / MANIFEST_NAME).exists()
+    s2 = tmp_path / "s2"
+    assert not s2.exists() or not any(f.name.endswith(".safetensors") for f in s2.iterdir())
+    ck.save(str(tmp_path / "s3"), step=3, model=model, optimizer=opt, rng=False).result()
+    assert ck.stager.writer_pid not in (None, pid)
+    assert (tmp_path / "s3" / MANIFEST_NAME).exists()
+    ck.close()
+
+
+def test_the_writer_dies_with_a_killed_trainer(tmp_path: Path) -> None:
+    trainer = subprocess.Popen(
+        [sys.executable, str(HERE / "_process_writer_trainer.py"), str(tmp_path)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert trainer.stdout is not None and trainer.stdin is not None
+        writer = int(trainer.stdout.readline())
+        assert not gone(writer)
+        os.kill(writer, signal.SIGSTOP)  # the second save is handed over but cannot finish before the kill
+        trainer.stdin.write("go\n")
+        trainer.stdin.flush()
+        assert trainer.stdout.readline().strip() == "saving"
+        trainer.kill()
+        trainer.wait(30)
+        os.kill(writer, signal.SIGCONT)
+        assert wait_gone(writer), "the writer process outlived its trainer"
+    finally:
+        trainer.kill()
+    assert (tmp_path / "step1" / MANIFEST_NAME).exists()
+    assert not (tmp_path / "step2" / MANIFEST_NAME).exists()
+    # it died mid-job (its lifeline), not after finishing the file it had been handed (its input's EOF)
+    step2 = tmp_path / "step2"
+    assert not step2.exists() or not any(f.name.endswith(".safetensors") for f in step2.iterdir())
+
+
+def test_what_the_arena_cannot_serve_is_written_in_process(tmp_path: Path) -> None:
+    model, opt = make()
+    ck = Checkpointer(async_save=True, stager=ProcessStager(), codec="zstd")
+    ck.save(str(tmp_path / "z"), step=1, model=model, optimizer=opt, rng=False).result()
+    assert ck.stager.writer_pid is None  # compressed chunks: no writer process started
+    m2, o2 = make()
+    step(m2, o2)
+    ckpt.restore(str(tmp_path / "z"), model=m2, optimizer=o2, rng=False)
+    for (k, v), w in zip(m2.state_dict().items(), model.state_dict().values(), strict=True):
+        assert torch.equal(v, w), k
+    ck.close()
+
+
+def test_a_chunk_hashed_block_by_block_has_the_checksum_of_its_bytes(tmp_path: Path) -> None:
+    t = torch.arange(HASH_WRITE_BLOCK // 4 * 2 + 5, dtype=torch.float32)  # two blocks and a tail
+    with open(tmp_path / "f", "wb") as f:
+        (w,), size = write_shard_file(f, [Chunk("t@0", t)])
+    raw = (tmp_path / "f").read_bytes()
+    assert size == len(raw) and raw[w.offset :] == t.numpy().tobytes()
+    assert w.checksum == f"xxh3_64:{xxhash.xxh3_64_hexdigest(t.numpy().tobytes())}"
