@@ -21,7 +21,8 @@ has E steps after it), then waits for its last save: that wait is part of the ru
 (each round runs every saver once, in a rotated order) so that the load of a shared machine hits all of them.
 Per run: **overhead per save** = (run time - the same round's ``none`` run time) / saves; **overhead %** = run time
 / ``none`` run time - 1; **background CPU s/GiB** = CPU of every thread but the training one, plus the writer
-process's, per GiB saved.  Savers are built once per size and warmed with one save (arena first touch, writer
+process's, per GiB saved; **train CPU** = CPU time of the training thread / the ``none`` run's - 1 (memory bandwidth and
+caches it lost to the saver, without the scheduler's delays: steadier than wall time on a shared machine).  Savers are built once per size and warmed with one save (arena first touch, writer
 start) before anything is measured: a training job pays those once.
 
 Prints tables and writes ``bench/results/inloop.json`` (``--out``).
@@ -39,6 +40,7 @@ import sys
 import tempfile
 import threading
 import time
+import warnings
 from typing import Any
 
 import torch
@@ -286,11 +288,17 @@ def measure(args: argparse.Namespace, gib: float, work: str, cuda: bool) -> dict
                 if n != "none":
                     ovh.append((res["wall"] - base) / res["saves"])
                     pct.append(res["wall"] / base - 1)
+            tc = [
+                res["train_cpu"] / per["none"][rnd]["train_cpu"] - 1
+                for rnd, res in enumerate(per[n])
+                if "none" in per and n != "none"
+            ]
             bg = [r["bg_cpu"] / (r["saves"] * nbytes / GIB) for r in per[n] if r["saves"]]
             rows[n] = {
                 "runs": per[n],
                 "overhead_per_save_s": statistics.median(ovh) if ovh else 0.0,
                 "overhead_pct": statistics.median(pct) if pct else 0.0,
+                "train_cpu_overhead_pct": statistics.median(tc) if tc else 0.0,
                 "bg_cpu_s_per_gib": statistics.median(bg) if bg else 0.0,
             }
         step_s = statistics.median(r["wall"] for r in per["none"]) / steps if "none" in per else None
@@ -329,7 +337,8 @@ def print_tables(results: dict[str, Any]) -> None:
                 print(
                     f"{n:14} {r['overhead_per_save_s']:10.3f} {r['overhead_pct'] * 100:6.1f}% "
                     f"{f(r['vs_dcp'], '7.2f'):>7} {f(r['vs_dcp_stager'], '9.2f'):>9} "
-                    f"{r['bg_cpu_s_per_gib']:12.3f} {f(r['bg_cpu_vs_copy_write'], '13.2f'):>13}"
+                    f"{r['bg_cpu_s_per_gib']:12.3f} {f(r['bg_cpu_vs_copy_write'], '13.2f'):>13} "
+                    f"{r['train_cpu_overhead_pct'] * 100:8.1f}%"
                 )
 
 
@@ -354,6 +363,7 @@ def main() -> int:
     args = p.parse_args()
     args.every = [int(v) for v in args.every.split(",")]
     torch.set_num_threads(1)
+    warnings.filterwarnings("ignore", category=UserWarning)  # DCP: "overwriting", "TypedStorage"
     if args.profile or args.xla:
         import inloop_profile
 

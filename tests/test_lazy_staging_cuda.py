@@ -94,6 +94,31 @@ def test_cuda_async_save_never_syncs_the_host_and_keeps_save_time_bytes(tmp_path
     assert saved(str(tmp_path / "s")) == want
 
 
+def test_cuda_state_through_the_process_writer_keeps_save_time_bytes(tmp_path: Path) -> None:
+    """ProcessStager page-locks its shared arena (cudaHostRegister): DMA copies into it, the writer process
+    writes from it, and the bytes are those at save() with a step and edits right after."""
+    from ckpt.saving.process_writer import ProcessStager
+
+    m, opt = make()
+    step(m, opt, 0)
+    want = digests(m, opt)
+    stager = ProcessStager()
+    ck = Checkpointer(async_save=True, stager=stager)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        ck.save(str(tmp_path / "s"), step=1, model=m, optimizer=opt, rng=False)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    step(m, opt, 1)
+    ck.staged()
+    mutate(m, opt)
+    ck.wait()
+    assert stager.writer_pid is not None  # the registered arena was served by the writer process
+    ck.close()
+    assert saved(str(tmp_path / "s")) == want
+
+
 def test_restore_onto_cuda_uses_pinned_batched_copies_and_is_exact(tmp_path: Path) -> None:
     m, opt = make()
     step(m, opt, 0)

@@ -9,7 +9,9 @@ page cache is the only other copy) in its own process, so neither its CPU-bound 
 with the training thread's.  The commit (index, state file, manifest, collectives) stays in the trainer.
 
 Use it with ``Checkpointer(async_save=True, stager=ProcessStager())``.  Saves it cannot serve from the arena fall
-back to the in-process writer: non-local storage, compressed chunks, CUDA state (the arena must be pinned there).
+back to the in-process writer: non-local storage, compressed chunks.  For CUDA state the shared arena is
+page-locked in place (``cudaHostRegister``), so device-to-host copies still run as DMA; where CUDA refuses that,
+a plain pinned arena and the in-process writer serve.
 Crash semantics are the in-process writer's: the trainer commits only after the child answered, a child that dies
 fails the save (restarted for the next one), and the child exits when the trainer does (its lifeline pipe).
 """
@@ -101,16 +103,14 @@ class ProcessStager(HostStager):
         self._fd = -1
         self._map: mmap.mmap | None = None
         self._writer: _Writer | None = None
+        self._pinned = False  # the shared arena is page-locked for CUDA copies (cudaHostRegister)
         self._lock = threading.Lock()
         self._finalizer = weakref.finalize(self, _close_all, [])
 
     # -------------------------------------------------------------------------------------------- the arena
     def _arena_for(self, nbytes: int, pinned: bool) -> torch.Tensor:
-        if pinned:  # CUDA state: a pinned arena, written by the in-process writer
-            self._drop_shared()
-            return super()._arena_for(nbytes, pinned)
         a = self._arena
-        if a is not None and self._map is not None and a.numel() >= nbytes:
+        if a is not None and self._map is not None and a.numel() >= nbytes and (self._pinned or not pinned):
             return a
         self._arena = None
         self._drop_shared()
@@ -118,14 +118,25 @@ class ProcessStager(HostStager):
         self._fd = os.memfd_create("ckpt-arena", os.MFD_CLOEXEC)
         os.ftruncate(self._fd, size)
         self._map = mmap.mmap(self._fd, size)
-        self._arena = torch.frombuffer(self._map, dtype=torch.uint8)
-        return self._arena
+        arena = torch.frombuffer(self._map, dtype=torch.uint8)
+        if pinned and not _pin(
+            arena
+        ):  # CUDA state, and the shared pages cannot be page-locked: a pinned arena
+            del arena  # (written by the in-process writer)
+            self._drop_shared()
+            return super()._arena_for(nbytes, pinned)
+        self._pinned = pinned
+        self._arena = arena
+        return arena
 
     def _drop_shared(self) -> None:
         with self._lock:
             if self._writer is not None:
                 self._writer.stop()
                 self._writer = None
+        if self._pinned and self._arena is not None:
+            torch.cuda.cudart().cudaHostUnregister(self._arena.data_ptr())
+        self._pinned = False
         self._arena = None
         self._map = None  # unmapped once the last view of the arena is gone
         if self._fd >= 0:
@@ -196,6 +207,14 @@ class ProcessStager(HostStager):
         placed = [(int(o), int(n), str(d)) for o, n, d in reply["placed"]]
         record_data_file(receipt, fname, int(reply["size"]), chunks, placed, codec)
         return int(reply["size"])
+
+
+def _pin(arena: torch.Tensor) -> bool:
+    """Page-lock ``arena`` in place for DMA from CUDA (as pinned memory is); False when CUDA refuses."""
+    if not torch.cuda.is_available():
+        return False
+    # flag 1: cudaHostRegisterPortable, as DCP's shared-memory stager registers its storages
+    return int(torch.cuda.cudart().cudaHostRegister(arena.data_ptr(), arena.numel(), 1)) == 0
 
 
 def _close_all(writers: list[_Writer]) -> None:
