@@ -108,9 +108,15 @@ def test_a_killed_writer_fails_the_save_commits_nothing_and_is_replaced(tmp_path
     ck.close()
 
 
-def test_the_writer_dies_with_a_killed_trainer(tmp_path: Path) -> None:
+@pytest.mark.parametrize("fork", [False, True])
+def test_the_writer_dies_with_a_killed_trainer(tmp_path: Path, fork: bool) -> None:
     trainer = subprocess.Popen(
-        [sys.executable, str(HERE / "_process_writer_trainer.py"), str(tmp_path)],
+        [
+            sys.executable,
+            str(HERE / "_process_writer_trainer.py"),
+            str(tmp_path),
+            *(["fork"] if fork else []),
+        ],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,
@@ -118,6 +124,7 @@ def test_the_writer_dies_with_a_killed_trainer(tmp_path: Path) -> None:
     try:
         assert trainer.stdout is not None and trainer.stdin is not None
         writer = int(trainer.stdout.readline())
+        worker = int(trainer.stdout.readline()) if fork else None
         assert not gone(writer)
         os.kill(writer, signal.SIGSTOP)  # the second save is handed over but cannot finish before the kill
         trainer.stdin.write("go\n")
@@ -127,8 +134,11 @@ def test_the_writer_dies_with_a_killed_trainer(tmp_path: Path) -> None:
         trainer.wait(30)
         os.kill(writer, signal.SIGCONT)
         assert wait_gone(writer), "the writer process outlived its trainer"
+        assert worker is None or not gone(worker)  # the forked worker still runs: it held no lifeline
     finally:
         trainer.kill()
+        if fork and worker is not None and not gone(worker):
+            os.kill(worker, signal.SIGKILL)
     assert (tmp_path / "step1" / MANIFEST_NAME).exists()
     assert not (tmp_path / "step2" / MANIFEST_NAME).exists()
     # it died mid-job (its lifeline), not after finishing the file it had been handed (its input's EOF)

@@ -38,12 +38,29 @@ from ..storage import Storage
 from ..storage.local import LocalStorage
 from .staging import HostStager
 
+# the write ends of every live writer's lifeline: a process forked from the trainer (a fork-started DataLoader
+# worker) closes its inherited copies, so that only the trainer itself keeps its writer alive
+_LIFELINES: set[int] = set()
+
+
+def _close_lifelines_in_child() -> None:
+    for fd in _LIFELINES:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    _LIFELINES.clear()
+
+
+os.register_at_fork(after_in_child=_close_lifelines_in_child)
+
 
 class _Writer:
     """One running child and the pipes to it; it reads the arena behind ``arena_fd``."""
 
     def __init__(self, arena_fd: int) -> None:
         r, self.lifeline = os.pipe()
+        _LIFELINES.add(self.lifeline)
         try:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "ckpt.saving.writer_child", str(arena_fd), str(r)],
@@ -52,6 +69,7 @@ class _Writer:
                 pass_fds=(arena_fd, r),
             )
         except BaseException:
+            _LIFELINES.discard(self.lifeline)
             os.close(self.lifeline)
             raise
         finally:
@@ -86,6 +104,7 @@ class _Writer:
             except OSError:
                 pass
         if self.lifeline >= 0:
+            _LIFELINES.discard(self.lifeline)
             os.close(self.lifeline)
             self.lifeline = -1
         try:
