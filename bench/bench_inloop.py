@@ -31,7 +31,6 @@ Prints tables and writes ``bench/results/inloop.json`` (``--out``).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import resource
 import shutil
@@ -50,7 +49,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, ".."))
 sys.path.insert(0, HERE)
 
-from bench_stall import DcpSaver, build, state_bytes  # noqa: E402
+from bench_stall import DcpSaver, build, finish, state_bytes  # noqa: E402
 
 from ckpt.saving.checkpointer import Checkpointer  # noqa: E402
 from ckpt.saving.process_writer import ProcessStager  # noqa: E402
@@ -386,13 +385,7 @@ def main() -> int:
     results["load_after"] = os.getloadavg()
     print_tables(results)
     print(f"\nload average before / after: {results['load_before']} / {results['load_after']}")
-    out = args.out or os.path.join(HERE, "results", "inloop.json")
-    os.makedirs(os.path.dirname(out), exist_ok=True)
-    with open(out, "w") as f:
-        json.dump(results, f, indent=2)
-    if not args.dir:
-        shutil.rmtree(work, ignore_errors=True)
-    dist.destroy_process_group()
+    finish(results, args.out or os.path.join(HERE, "results", "inloop.json"), work, keep=bool(args.dir))
     return 0
 
 

@@ -372,13 +372,18 @@ def main() -> int:
         )
     if "goals" in results:
         print(json.dumps(results["goals"]))
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
+    finish(results, args.out, work, keep=bool(args.dir))
+    return 0
+
+
+def finish(results: dict[str, Any], out: str, work: str, keep: bool) -> None:
+    """Write ``results`` to ``out`` (JSON), remove the scratch folder unless ``keep``, leave the process group."""
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    with open(out, "w") as f:
         json.dump(results, f, indent=2)
-    if not args.dir:
+    if not keep:
         shutil.rmtree(work, ignore_errors=True)
     dist.destroy_process_group()
-    return 0
 
 
 if __name__ == "__main__":

@@ -6,7 +6,7 @@ from __future__ import annotations
 import datetime
 import math
 import uuid
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,6 +35,15 @@ def data_file_name(rank: int, attempt: str, seq: int | None = None) -> str:
     return f"r{rank:05d}-{attempt}{tail}.safetensors"
 
 
+# a writer that serves a data file elsewhere (ckpt.saving.process_writer): given the storage, file name, chunk keys,
+# chunks and header metadata, it writes the file and returns ((offset, nbytes, checksum) of each chunk, file size),
+# or None when it cannot serve this file (then it is written here)
+WriteElsewhere = Callable[
+    [Storage, str, list[str], Sequence[tuple[str, Box, Any]], dict[str, str]],
+    "tuple[list[tuple[int, int, str]], int] | None",
+]
+
+
 def write_data_file(
     storage: Storage,
     receipt: Receipt,
@@ -42,41 +51,34 @@ def write_data_file(
     chunks: Sequence[tuple[str, Box, Any]],
     codec: str,
     metadata: dict[str, str] | None = None,
+    elsewhere: WriteElsewhere | None = None,
 ) -> int:
     """Write ``(tensor name, box, host tensor)`` chunks as data file ``fname`` (published whole) and record it and
-    every chunk in ``receipt``; returns the file size.  Chunk keys are ``<name>@<offsets>``."""
+    every chunk in ``receipt``; returns the file size.  Chunk keys are ``<name>@<offsets>``.  ``elsewhere``: a
+    writer to try first (uncompressed files only)."""
     from .datafile import Chunk, write_shard_file
 
-    keys = [chunk_key(name, box) for name, box, _ in chunks]
-    # the chunks are staged host tensors that stay unchanged until the file is published: lend them to the
-    # storage (S3 builds its upload parts straight from them)
-    with storage.create(fname, borrow=True) as f:
-        written, size = write_shard_file(
-            f, [Chunk(k, t, codec) for k, (_, _, t) in zip(keys, chunks, strict=True)], metadata
-        )
-    record_data_file(receipt, fname, size, chunks, [(w.offset, w.nbytes, w.checksum) for w in written], codec)
-    return size
-
-
-def chunk_key(name: str, box: Box) -> str:
-    """A chunk's key in its data file: ``<name>@<offsets>``."""
-    return f"{name}@{','.join(map(str, box.offsets))}"
-
-
-def record_data_file(
-    receipt: Receipt,
-    fname: str,
-    size: int,
-    chunks: Sequence[tuple[str, Box, Any]],
-    placed: Sequence[tuple[int, int, str]],
-    codec: str,
-) -> None:
-    """Record data file ``fname`` and where each chunk landed in it (``(offset, nbytes, checksum)``) in ``receipt``."""
+    keys = [f"{name}@{','.join(map(str, box.offsets))}" for name, box, _ in chunks]
+    meta = {"format": "ckpt", **(metadata or {})}
+    served = (
+        elsewhere(storage, fname, keys, chunks, meta) if elsewhere is not None and codec == "raw" else None
+    )
+    if served is not None:
+        placed, size = served
+    else:
+        # the chunks are staged host tensors that stay unchanged until the file is published: lend them to the
+        # storage (S3 builds its upload parts straight from them)
+        with storage.create(fname, borrow=True) as f:
+            written, size = write_shard_file(
+                f, [Chunk(k, t, codec) for k, (_, _, t) in zip(keys, chunks, strict=True)], metadata
+            )
+        placed = [(w.offset, w.nbytes, w.checksum) for w in written]
     receipt.files.append((fname, size))
     receipt.shards.extend(
         (name, box.offsets, box.lengths, fname, offset, nbytes, codec, digest)
         for (name, box, _), (offset, nbytes, digest) in zip(chunks, placed, strict=True)
     )
+    return size
 
 
 def check_box(

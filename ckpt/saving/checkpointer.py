@@ -552,15 +552,15 @@ class Checkpointer:
             if job.staged is not None:
                 job.staged.wait()  # lazy copies land in the arena before the writer reads it
             if job.chunks:
-                # a stager that owns a writer (ProcessStager: a process reading its shared arena) writes the file
-                write = getattr(self.stager, "write_data_file", write_data_file)
-                write(
+                write_data_file(
                     job.storage,
                     receipt,
                     data_file_name(rank, job.attempt),
                     job.chunks,
                     job.codec,
                     {"step": str(job.step), "rank": str(rank)},
+                    # a stager with its own writer (ProcessStager: a process reading its shared arena) writes it
+                    getattr(self.stager, "write_from_arena", None),
                 )
             if v2:  # this rank's own index and state file; rank 0 gets their checksums and its boxes
                 # a tensor is described by the writer of its first element only (T descriptions in all, not N x T;

@@ -8,7 +8,8 @@ JSON line to the child; the child hashes and writes the bytes straight from the 
 page cache is the only other copy) in its own process, so neither its CPU-bound Python nor its GIL ever competes
 with the training thread's.  The commit (index, state file, manifest, collectives) stays in the trainer.
 
-Use it with ``Checkpointer(async_save=True, stager=ProcessStager())``.  Saves it cannot serve from the arena fall
+Use it with ``Checkpointer(async_save=True, stager=ProcessStager())``; the checkpointer hands
+:meth:`ProcessStager.write_from_arena` to :func:`ckpt.format.publish.write_data_file`.  Saves it cannot serve from the arena fall
 back to the in-process writer: non-local storage, compressed chunks.  For CUDA state the shared arena is
 page-locked in place (``cudaHostRegister``), so device-to-host copies still run as DMA; where CUDA refuses that,
 a plain pinned arena and the in-process writer serve.
@@ -33,7 +34,6 @@ import torch
 from ..errors import StorageError
 from ..format.datafile import Chunk, raw_entry
 from ..format.manifest import Box
-from ..format.publish import Receipt, chunk_key, record_data_file, write_data_file
 from ..storage import Storage
 from ..storage.local import LocalStorage
 from .staging import HostStager
@@ -191,27 +191,26 @@ class ProcessStager(HostStager):
             spans.append((p - base, n))
         return spans
 
-    def write_data_file(
+    def write_from_arena(
         self,
         storage: Storage,
-        receipt: Receipt,
         fname: str,
+        keys: list[str],
         chunks: Sequence[tuple[str, Box, Any]],
-        codec: str,
-        metadata: dict[str, str] | None = None,
-    ) -> int:
-        """:func:`ckpt.format.publish.write_data_file`, done by the writer process when the bytes are in the
-        shared arena and the storage is a local folder; otherwise by that function in this process."""
-        spans = self._spans(chunks) if codec == "raw" and type(storage) is LocalStorage else None
+        metadata: dict[str, str],
+    ) -> tuple[list[tuple[int, int, str]], int] | None:
+        """Have the writer process write data file ``fname`` (:func:`ckpt.format.publish.write_data_file`'s
+        ``elsewhere``): ``((offset, nbytes, checksum) of each chunk, file size)``, or None when the bytes are not
+        all in the shared arena or the storage is not a local folder (the caller then writes the file itself)."""
+        spans = self._spans(chunks) if type(storage) is LocalStorage else None
         if spans is None:
-            return write_data_file(storage, receipt, fname, chunks, codec, metadata)
-        keys = [chunk_key(name, box) for name, box, _ in chunks]
+            return None
         req = {
             "root": storage.root,
             "fname": fname,
             "entries": [raw_entry(Chunk(k, t)) for k, (_, _, t) in zip(keys, chunks, strict=True)],
             "spans": spans,
-            "metadata": {"format": "ckpt", **(metadata or {})},
+            "metadata": metadata,
         }
         with self._lock:
             if self._writer is None or not self._writer.alive:
@@ -223,9 +222,7 @@ class ProcessStager(HostStager):
             reply = self._writer.request(req)
         if not reply["ok"]:
             raise StorageError(f"writer process, {storage.display(fname)}: {reply['error']}")
-        placed = [(int(o), int(n), str(d)) for o, n, d in reply["placed"]]
-        record_data_file(receipt, fname, int(reply["size"]), chunks, placed, codec)
-        return int(reply["size"])
+        return [(int(o), int(n), str(d)) for o, n, d in reply["placed"]], int(reply["size"])
 
 
 def _pin(arena: torch.Tensor) -> bool:
