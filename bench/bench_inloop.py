@@ -21,7 +21,7 @@ has E steps after it), then waits for its last save: that wait is part of the ru
 (each round runs every saver once, in a rotated order) so that the load of a shared machine hits all of them.
 Per run: **overhead per save** = (run time - the same round's ``none`` run time) / saves; **overhead %** = run time
 / ``none`` run time - 1; **background CPU s/GiB** = CPU of every thread but the training one, plus the writer
-process's, per GiB saved; **train CPU** = CPU time of the training thread / the ``none`` run's - 1 (memory bandwidth and
+process's, less the same round's ``none`` run's, per GiB saved; **train CPU** = CPU time of the training thread / the ``none`` run's - 1 (memory bandwidth and
 caches it lost to the saver, without the scheduler's delays: steadier than wall time on a shared machine).  Savers are built once per size and warmed with one save (arena first touch, writer
 start) before anything is measured: a training job pays those once.
 
@@ -31,6 +31,7 @@ Prints tables and writes ``bench/results/inloop.json`` (``--out``).
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import resource
 import shutil
@@ -232,6 +233,47 @@ def train(
     return {"wall": wall, "saves": saves, "bg_cpu": self_cpu() - p0 - own + child, "train_cpu": own}
 
 
+def summarize(
+    per: dict[str, list[dict[str, float]]], nbytes: int, steps: int
+) -> tuple[dict[str, Any], float | None]:
+    """Each saver's row (medians over rounds of the ratios against the same round's ``none`` run) and the step time
+    without checkpoints, from the runs of one size and one save interval."""
+    rows: dict[str, Any] = {}
+    for n in per:
+        ovh, pct = [], []
+        for rnd, res in enumerate(per[n]):
+            base = per["none"][rnd]["wall"] if "none" in per else float("nan")
+            if n != "none":
+                ovh.append((res["wall"] - base) / res["saves"])
+                pct.append(res["wall"] / base - 1)
+        tc = [
+            res["train_cpu"] / per["none"][rnd]["train_cpu"] - 1
+            for rnd, res in enumerate(per[n])
+            if "none" in per and n != "none"
+        ]
+        bg = [  # less what the other threads do without checkpoints (the same round's none run)
+            (r["bg_cpu"] - (per["none"][rnd]["bg_cpu"] if "none" in per else 0.0))
+            / (r["saves"] * nbytes / GIB)
+            for rnd, r in enumerate(per[n])
+            if r["saves"]
+        ]
+        rows[n] = {
+            "runs": per[n],
+            "overhead_per_save_s": statistics.median(ovh) if ovh else 0.0,
+            "overhead_pct": statistics.median(pct) if pct else 0.0,
+            "train_cpu_overhead_pct": statistics.median(tc) if tc else 0.0,
+            "bg_cpu_s_per_gib": statistics.median(bg) if bg else 0.0,
+        }
+    step_s = statistics.median(r["wall"] for r in per["none"]) / steps if "none" in per else None
+    for n, row in rows.items():
+        for ref in ("dcp", "dcp stager"):
+            d = rows.get(ref, {}).get("overhead_per_save_s")
+            row[f"vs_{ref.replace(' ', '_')}"] = row["overhead_per_save_s"] / d if d and n != "none" else None
+        cw = rows.get("copy+write", {}).get("bg_cpu_s_per_gib")
+        row["bg_cpu_vs_copy_write"] = row["bg_cpu_s_per_gib"] / cw if cw and n != "none" else None
+    return rows, step_s
+
+
 def make(name: str, root: str, model: Any, opt: Any, cuda: bool) -> Run:
     os.makedirs(root, exist_ok=True)
     if name == "none":
@@ -279,36 +321,7 @@ def measure(args: argparse.Namespace, gib: float, work: str, cuda: bool) -> dict
                     f"  {gib} GiB every {every}: {n:13} {res['wall']:7.2f} s  bg CPU {res['bg_cpu']:.2f} s",
                     flush=True,
                 )
-        rows: dict[str, Any] = {}
-        for n in names:
-            ovh, pct = [], []
-            for rnd, res in enumerate(per[n]):
-                base = per["none"][rnd]["wall"] if "none" in per else float("nan")
-                if n != "none":
-                    ovh.append((res["wall"] - base) / res["saves"])
-                    pct.append(res["wall"] / base - 1)
-            tc = [
-                res["train_cpu"] / per["none"][rnd]["train_cpu"] - 1
-                for rnd, res in enumerate(per[n])
-                if "none" in per and n != "none"
-            ]
-            bg = [r["bg_cpu"] / (r["saves"] * nbytes / GIB) for r in per[n] if r["saves"]]
-            rows[n] = {
-                "runs": per[n],
-                "overhead_per_save_s": statistics.median(ovh) if ovh else 0.0,
-                "overhead_pct": statistics.median(pct) if pct else 0.0,
-                "train_cpu_overhead_pct": statistics.median(tc) if tc else 0.0,
-                "bg_cpu_s_per_gib": statistics.median(bg) if bg else 0.0,
-            }
-        step_s = statistics.median(r["wall"] for r in per["none"]) / steps if "none" in per else None
-        for n, row in rows.items():
-            for ref in ("dcp", "dcp stager"):
-                d = rows.get(ref, {}).get("overhead_per_save_s")
-                row[f"vs_{ref.replace(' ', '_')}"] = (
-                    row["overhead_per_save_s"] / d if d and n != "none" else None
-                )
-            cw = rows.get("copy+write", {}).get("bg_cpu_s_per_gib")
-            row["bg_cpu_vs_copy_write"] = row["bg_cpu_s_per_gib"] / cw if cw and n != "none" else None
+        rows, step_s = summarize(per, nbytes, steps)
         out["by_every"][str(every)] = {"steps": steps, "saves": saves, "step_s": step_s, "savers": rows}
     for r in runs.values():
         r.close()
@@ -359,8 +372,18 @@ def main() -> int:
     )
     p.add_argument("--xla", action="store_true", help="a traced XLA step with a save in flight vs without")
     p.add_argument("--out", default=None)
+    p.add_argument("--table", default=None, help="recompute and print the tables of a results JSON; no run")
     args = p.parse_args()
     args.every = [int(v) for v in args.every.split(",")]
+    if args.table:
+        with open(args.table) as f:
+            results = json.load(f)
+        for res in results["sizes"].values():
+            for e in res["by_every"].values():
+                per = {n: r["runs"] for n, r in e["savers"].items()}
+                e["savers"], e["step_s"] = summarize(per, res["state_bytes"], e["steps"])
+        print_tables(results)
+        return 0
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore", category=UserWarning)  # DCP: "overwriting", "TypedStorage"
     if args.profile or args.xla:
