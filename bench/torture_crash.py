@@ -32,9 +32,20 @@ def main() -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-delay", type=float, default=1.5, help="upper bound of the random kill delay (s)")
     p.add_argument("--every", type=int, default=1, help="save every N steps")
+    p.add_argument(
+        "--process-writer",
+        action="store_true",
+        help="the trainer writes through ProcessStager's writer process",
+    )
     args = p.parse_args()
     with tempfile.TemporaryDirectory(prefix="ckpt-torture-") as work:
-        common = dict(seed=args.seed, max_delay=args.max_delay, every=args.every, progress=True)
+        common = dict(
+            seed=args.seed,
+            max_delay=args.max_delay,
+            every=args.every,
+            progress=True,
+            process_writer=args.process_writer,
+        )
         if args.storage == "local":
             report = run_trials(os.path.join(work, "run"), work, args.trials, **common)
         else:
@@ -44,7 +55,8 @@ def main() -> int:
     summary["args"] = vars(args)
     print(json.dumps(summary, indent=2))
     os.makedirs(os.path.join(HERE, "results"), exist_ok=True)
-    with open(os.path.join(HERE, "results", f"torture_crash_{args.storage}.json"), "w") as f:
+    tail = "_process_writer" if args.process_writer else ""
+    with open(os.path.join(HERE, "results", f"torture_crash_{args.storage}{tail}.json"), "w") as f:
         json.dump(summary, f, indent=2)
     return 1 if report.corrupt_restores or report.divergent_losses else 0
 

@@ -33,6 +33,13 @@ def test_sigkill_during_async_saves_local(tmp_path: Path) -> None:
     check(report, 8)
 
 
+def test_sigkill_with_the_writer_process_local(tmp_path: Path) -> None:
+    """The same with ProcessStager: no corrupt restore, and every writer process died with its trainer."""
+    report = run_trials(str(tmp_path / "run"), str(tmp_path), 4, seed=6, max_delay=1.0, process_writer=True)
+    check(report, 4)
+    assert report.writers_left == 0
+
+
 @pytest.mark.s3
 @pytest.mark.skipif(bool(REAL_S3_URL), reason="trainer processes are pointed at the loopback moto server")
 def test_sigkill_during_async_saves_s3(s3: Any, tmp_path: Path) -> None:

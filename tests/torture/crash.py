@@ -53,6 +53,7 @@ class CrashReport:
     open_multipart_uploads: int | None = None
     leftover_uncommitted: int = 0
     lazy_saves: int = 0  # saves whose optimizer state was copied in the background (lazy staging)
+    writers_left: int = 0  # writer processes (--process-writer) still running after their trainer was killed
     problems: list[str] = field(default_factory=list)
     seconds: float = 0.0
 
@@ -110,6 +111,21 @@ def _wait_ready(log: str, pid: int, proc: subprocess.Popen, timeout: float) -> d
     raise TimeoutError(f"trainer not ready after {timeout}s")
 
 
+def _exited(pid: int, timeout: float = 10.0) -> bool:
+    """Process ``pid`` is gone (or a zombie) within ``timeout`` seconds."""
+    end = time.monotonic() + timeout
+    while True:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X"):
+                    return True
+        except FileNotFoundError:
+            return True
+        if time.monotonic() > end:
+            return False
+        time.sleep(0.05)
+
+
 def run_trials(
     root: str,
     workdir: str,
@@ -122,6 +138,7 @@ def run_trials(
     keep_last: int = 2,
     ready_timeout: float = 180.0,
     progress: bool = False,
+    process_writer: bool = False,
 ) -> CrashReport:
     """Run ``trials`` kill/restart cycles on ``root`` and one final restart; return the figures."""
     rng = random.Random(seed)
@@ -137,6 +154,7 @@ def run_trials(
         final = trial == trials
         cmd = [sys.executable, TRAINER, "--root", root, "--log", log, "--every", str(every)]
         cmd += ["--keep-last", str(keep_last)] + (["--endpoint", endpoint] if endpoint else [])
+        cmd += ["--process-writer"] if process_writer else []
         proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         ready = _wait_ready(log, proc.pid, proc, ready_timeout)
         report.restores += 1
@@ -168,6 +186,11 @@ def run_trials(
         report.kills += 1
         saves = {e["step"] for e in events if e["ev"] == "save"}
         report.lazy_saves += sum(1 for e in events if e["ev"] == "staged" and e["lazy_bytes"] > 0)
+        writers = {e["writer"] for e in events if e["ev"] == "staged" and e.get("writer")}
+        left = [w for w in writers if not _exited(w)]
+        if left:
+            report.writers_left += len(left)
+            report.problems.append(f"trial {trial}: writer process(es) {left} outlived the killed trainer")
         committed = {e["step"] for e in events if e["ev"] == "committed"}
         if saves - committed:
             report.kills_during_save += 1

@@ -83,6 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--keep-last", type=int, default=2)
     p.add_argument("--max-steps", type=int, default=10**9)
     p.add_argument("--eager", dest="lazy", action="store_false", help="copy all state before save() returns")
+    p.add_argument("--process-writer", action="store_true", help="write data files from a writer process")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     log = EventLog(args.log)
@@ -96,6 +97,10 @@ def main(argv: list[str] | None = None) -> int:
     mgr = ckpt.CheckpointManager(
         args.root, keep_last=args.keep_last, async_save=True, storage_options=options, on_event=on_event
     )
+    if args.process_writer:
+        from ckpt.saving.process_writer import ProcessStager
+
+        mgr.checkpointer.stager = ProcessStager()
     restored = mgr.restore_latest(model=model, optimizer=opt)
     log("ready", restored=restored, digest=state_digest(model, opt) if restored is not None else None)
     step = restored or 0
@@ -111,7 +116,8 @@ def main(argv: list[str] | None = None) -> int:
             log("save", step=step, digest=state_digest(model, opt))
             mgr.save(step, model=model, optimizer=opt, lazy=args.lazy)
             staging = mgr.checkpointer.last_staging
-            log("staged", step=step, lazy_bytes=staging.lazy_bytes if staging else 0)
+            writer = getattr(mgr.checkpointer.stager, "writer_pid", None)
+            log("staged", step=step, lazy_bytes=staging.lazy_bytes if staging else 0, writer=writer)
     mgr.close()
     log("exit", step=step)
     return 0
