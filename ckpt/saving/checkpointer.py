@@ -89,7 +89,7 @@ class Checkpointer:
     ) -> None:
         if format_version not in (None, 1, 2):
             raise CkptError(
-                f"format_version={format_version!r}: expected 1 or 2 (default: ckpt.format.index.DEFAULT_FORMAT_VERSION)"
+                f"format_version={format_version!r}: expected 1 or 2 (default: ckpt.FORMAT_VERSION)"
             )
         self.async_save = async_save
         self.lazy = lazy
@@ -101,7 +101,7 @@ class Checkpointer:
         self.storage_options = storage_options
         self.layout_hook = layout_hook
         self.stager = stager or HostStager()
-        self.format_version = format_version  # None: ckpt.format.index.DEFAULT_FORMAT_VERSION
+        self.format_version = format_version  # None: ckpt.FORMAT_VERSION
         self._writers = WriterPlanner(self.coll)
         self._inflight: Future | None = None
         self._thread: threading.Thread | None = None

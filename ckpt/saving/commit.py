@@ -1,9 +1,10 @@
 """Steps 4 and 5 of a save: write this rank's data file, then commit (collective) with rank 0 publishing last.
 
 :func:`run` is what the background thread of an async save runs (or the caller's thread for a synchronous one):
-each rank writes its data file and, in format v2, seals its own index and state file
-(:func:`ckpt.format.seal.write_rank_files`); every rank reports to rank 0 (its summary or receipt, or its error);
-rank 0 writes ``manifest.json`` create-only iff every rank succeeded, then tells every rank the outcome.
+each rank writes its data file and, in format 2, seals its own index and state file
+(:func:`ckpt.format.publish.write_rank_files`); every rank reports to rank 0 (its summary or receipt, or its
+error); rank 0 publishes the manifest (:func:`ckpt.format.publish.publish`) iff every rank succeeded, then tells
+every rank the outcome.
 """
 
 from __future__ import annotations
@@ -19,10 +20,17 @@ import torch
 from .. import data as data_mod
 from ..distributed import Collective
 from ..errors import AsyncSaveError, CkptError, StateMismatchError
-from ..format.index import DEFAULT_FORMAT_VERSION
-from ..format.manifest import MANIFEST_NAME, Box, Layout, Manifest, TensorDesc
-from ..format.publish import Receipt, build_manifest, data_file_name, publish, write_data_file
-from ..format.seal import build_top, write_rank_files
+from ..format.manifest import FORMAT_VERSION, Box, Layout, Manifest, TensorDesc
+from ..format.publish import (
+    RankFiles,
+    Receipt,
+    build_manifest,
+    data_file_name,
+    manifest_from_summaries,
+    publish,
+    write_data_file,
+    write_rank_files,
+)
 from ..state import rng_rule
 from ..storage import Storage
 from .staging import Staged
@@ -57,7 +65,7 @@ class SaveJob:
     blocking_s: float
     on_commit: Callable[[SaveResult], None] | None = None
     rng_seed: int | None = None
-    written: list[tuple[str, Box]] | None = None  # the boxes this rank writes, before chunking (format v2)
+    written: list[tuple[str, Box]] | None = None  # the boxes this rank writes, before chunking (format 2)
     staged: Staged | None = None
 
 
@@ -65,7 +73,8 @@ def run(coll: Collective, job: SaveJob, format_version: int | None) -> SaveResul
     """Write and commit ``job`` (every rank calls it); raises :class:`AsyncSaveError` on every rank when any
     rank failed, and nothing is committed then."""
     rank = coll.rank
-    v2 = (format_version or DEFAULT_FORMAT_VERSION) == 2
+    version = format_version or FORMAT_VERSION
+    own_files = version == 2  # format 2: every rank seals its own index and state file
     receipt = Receipt(rank)
     report: dict[str, Any] = {"ok": True, "rank": rank, "descs": job.descs}
     try:
@@ -80,7 +89,7 @@ def run(coll: Collective, job: SaveJob, format_version: int | None) -> SaveResul
                 job.codec,
                 {"step": str(job.step), "rank": str(rank)},
             )
-        if v2:  # this rank's own index and state file; rank 0 gets their checksums and its boxes
+        if own_files:  # this rank's own index and state file; rank 0 gets their checksums and its boxes
             # a tensor is described by the writer of its first element only (T descriptions in all, not N x T;
             # the ranks agreed on every description in planning: plan_check / assign_writers)
             origin = {n for n, b in job.written or () if not any(b.offsets)}
@@ -107,14 +116,11 @@ def run(coll: Collective, job: SaveJob, format_version: int | None) -> SaveResul
             outcome = {"ok": False, "error": "; ".join(failed)}
         else:
             try:
-                if v2:
-                    top, nbytes = _top_v2(job, reports)
-                    job.storage.put_bytes(MANIFEST_NAME, top.encode(), exclusive=True)
-                else:
-                    manifest = _manifest(job, reports)
-                    publish(job.storage, manifest, 1)
-                    nbytes = manifest.total_bytes
-                outcome = {"ok": True, "bytes": nbytes}
+                manifest, written = (
+                    _from_summaries(job, reports) if own_files else (_from_receipts(job, reports), None)
+                )
+                publish(job.storage, manifest, version, written)
+                outcome = {"ok": True, "bytes": manifest.total_bytes}
             except Exception as e:  # noqa: BLE001
                 outcome = {"ok": False, "error": f"rank 0 commit: {type(e).__name__}: {e}"}
     outcome = coll.broadcast(outcome)
@@ -154,8 +160,8 @@ def _metas(reports: list[dict[str, Any]]) -> list[TensorDesc]:
     return [d for _, d in sorted(metas.values(), key=lambda v: v[0])]
 
 
-def _manifest(job: SaveJob, reports: list[dict[str, Any]]) -> Manifest:
-    """Format v1: the whole manifest from every rank's receipt and trees."""
+def _from_receipts(job: SaveJob, reports: list[dict[str, Any]]) -> Manifest:
+    """Format 1: the whole manifest from every rank's receipt and trees."""
     receipts = [r["receipt"] for r in reports]
     trees = dict(job.trees)
     by_rank = sorted(reports, key=lambda r: r["rank"])
@@ -176,8 +182,8 @@ def _manifest(job: SaveJob, reports: list[dict[str, Any]]) -> Manifest:
     )
 
 
-def _top_v2(job: SaveJob, reports: list[dict[str, Any]]) -> tuple[str, int]:
-    """Format v2: the top manifest from every rank's summary (ckpt.format.seal), and the bytes of data."""
+def _from_summaries(job: SaveJob, reports: list[dict[str, Any]]) -> tuple[Manifest, RankFiles]:
+    """Format 2: the manifest from every rank's summary, and the per-rank files the ranks wrote."""
     trees = dict(job.trees)
     by_rank = sorted(reports, key=lambda r: r["rank"])
     if any(r["has_data"] for r in by_rank):
@@ -192,7 +198,7 @@ def _top_v2(job: SaveJob, reports: list[dict[str, Any]]) -> tuple[str, int]:
         ):  # only rank 0 sends its whole record; the lowest rank holding one is 0 in practice
             raise CkptError(f"rank 0 saved no RNG state but rank {first['rank']} did")
         trees["rng_base"] = rng_rule.base_record_of(first["rng"], digests, job.rng_seed)
-    return build_top(
+    return manifest_from_summaries(
         step=job.step,
         backend=job.backend,
         layout=job.layout,

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from ..format.manifest import Layout
-    from .checkpointer import SaveResult
+    from .commit import SaveResult
 
 #: The training objects a save captures, passed to :meth:`ckpt.Checkpointer.save` as keywords of these names.
 STATE_KEYWORDS = ("model", "optimizer", "scheduler", "scaler", "dataloader", "tokenizer")
