@@ -43,7 +43,7 @@ from .schema import (
 )
 
 #: The members of a manifest that are trees the saver recorded as they are (taken from a tree mapping by name,
-#: None when absent): what :func:`manifest_from_trees` copies.
+#: None when absent): what :func:`tree_members` copies.
 TREE_MEMBERS = (
     "optimizer",
     "scheduler",
@@ -115,28 +115,10 @@ class Manifest:
         return _from_doc(doc, source)
 
 
-def manifest_from_trees(
-    step: int,
-    created_at: str,
-    backend: str,
-    layout: Layout,
-    tensors: dict[str, TensorEntry],
-    files: dict[str, FileEntry],
-    trees: Mapping[str, Any],
-    **members: Any,
-) -> Manifest:
-    """A :class:`Manifest` whose :data:`TREE_MEMBERS` are taken from ``trees`` (a parsed document, or the trees a
-    save captured) and whose other members are ``members``: the one place that says which members are trees."""
-    return Manifest(
-        step,
-        created_at,
-        backend,
-        layout,
-        tensors,
-        files,
-        **{k: trees.get(k) for k in TREE_MEMBERS},
-        **members,
-    )
+def tree_members(trees: Mapping[str, Any]) -> dict[str, Any]:
+    """The :data:`TREE_MEMBERS` of a manifest taken from ``trees`` (a parsed document, or the trees a save
+    captured), None where absent: the one place that says which members are trees kept as they are."""
+    return {k: trees.get(k) for k in TREE_MEMBERS}
 
 
 def manifest_doc(m: Manifest, version: int) -> dict[str, JSON]:
@@ -267,8 +249,9 @@ def _from_doc(doc: Any, source: str) -> Manifest:
         "data_position": _data_position(doc.get("data_position"), source),
         "rng_base": _rng_base(doc.get("rng_base"), source),
     }
-    return manifest_from_trees(
-        step, created_at, backend, layout, tensors, files, checked,
+    return Manifest(
+        step, created_at, backend, layout, tensors, files,
+        **tree_members(checked),
         rng=doc.get("rng") or {},
         progress=doc.get("progress") or {},
         data=doc.get("data") or {},
@@ -405,7 +388,7 @@ __all__ = [
     "TensorEntry",
     "check_relpath",
     "manifest_doc",
-    "manifest_from_trees",
+    "tree_members",
     "seal",
     "verify_seal",
 ]

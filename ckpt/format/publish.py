@@ -40,7 +40,7 @@ from .index import (
     state_text,
     top_text,
 )
-from .manifest import FORMAT_VERSION, MANIFEST_NAME, Manifest, manifest_from_trees
+from .manifest import FORMAT_VERSION, MANIFEST_NAME, Manifest, tree_members
 from .placement import IndexEntry, describe_boxes
 from .schema import Box, FileEntry, Layout, Shard, TensorDesc, TensorEntry
 
@@ -160,17 +160,10 @@ def build_manifest(
         check_covered(n, m.shape, sum(s.box.numel for s in shards[n]))
         tensors[n] = TensorEntry.of(m, tuple(sorted(shards[n], key=lambda s: s.box.offsets)))
     rank_trees = rank_trees or {}
-    return manifest_of(
-        step,
-        backend,
-        layout,
-        tensors,
-        files,
-        trees,
-        rng={str(r): t["rng"] for r, t in sorted(rank_trees.items()) if "rng" in t} or trees.get("rng", {}),
-        data={str(r): t["data"] for r, t in sorted(rank_trees.items()) if "data" in t}
-        or trees.get("data", {}),
-        env=env,
+    rng = {str(r): t["rng"] for r, t in sorted(rank_trees.items()) if "rng" in t} or trees.get("rng", {})
+    data = {str(r): t["data"] for r, t in sorted(rank_trees.items()) if "data" in t} or trees.get("data", {})
+    return Manifest(
+        step, _now(), backend, layout, tensors, files, **_commit_members(step, layout, trees, rng, data, env)
     )
 
 
@@ -257,32 +250,35 @@ def manifest_from_summaries(
         check_covered(n, d.shape, sum(b.numel for b, _ in boxes[n]))
         pieces[n] = describe_boxes(d.shape, boxes[n])
     tensors = {n: TensorEntry.of(d, ()) for n, d in by_name.items()}
-    m = manifest_of(step, backend, layout, tensors, files, trees, rng={}, data={}, env=env)
+    m = Manifest(
+        step, _now(), backend, layout, tensors, files, **_commit_members(step, layout, trees, {}, {}, env)
+    )
     return m, RankFiles(pieces, indexes, states)
 
 
-def manifest_of(
+def _now() -> str:
+    """A commit's time stamp (the manifest's ``created_at``)."""
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+
+
+def _commit_members(
     step: int,
-    backend: str,
     layout: Layout,
-    tensors: dict[str, TensorEntry],
-    files: dict[str, FileEntry],
     trees: dict[str, Any],
-    *,
     rng: dict[str, Any],
     data: dict[str, Any],
-    env: dict[str, Any] | None,
-) -> Manifest:
-    """The in-memory manifest of a commit (its time stamp and environment taken now unless ``env`` is given)."""
-    created_at = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-    return manifest_from_trees(
-        step, created_at, backend, layout, tensors, files, trees,
-        rng=rng,
-        progress=trees.get("progress", {"step": step}),
-        data=data,
-        environment=env if env is not None else environment.capture(layout.world_size),
-        extra=trees.get("extra", {}),
-    )  # fmt: skip
+    env: dict | None,
+) -> dict[str, Any]:
+    """The members of a commit's manifest besides its head: the trees as the writer captured them, the per-rank
+    trees, and the environment (taken now unless ``env`` is given)."""
+    return {
+        **tree_members(trees),
+        "rng": rng,
+        "progress": trees.get("progress", {"step": step}),
+        "data": data,
+        "environment": env if env is not None else environment.capture(layout.world_size),
+        "extra": trees.get("extra", {}),
+    }
 
 
 def publish(
@@ -319,7 +315,6 @@ __all__ = [
     "check_covered",
     "data_file_name",
     "manifest_from_summaries",
-    "manifest_of",
     "publish",
     "write_data_file",
     "write_rank_files",

@@ -132,15 +132,20 @@ class FileEntry:
 
 @dataclass(frozen=True)
 class Layout:
-    """How the saving job was parallelised. Sizes are 1 where a kind of parallelism was not used."""
+    """How the saving job was parallelised (the manifest's ``layout``). Sizes are 1 where a kind of parallelism was
+    not used; a restore on other sizes reshards from the boxes, so these are facts for tools, not instructions."""
 
     world_size: int = 1
+    #: tensor-, pipeline-, data- and expert-parallel sizes
     tp: int = 1
     pp: int = 1
     dp: int = 1
     ep: int = 1
+    #: 1: the optimizer state was sharded over the DP ranks (ZeRO-1), saved merged by parameter
     zero_stage: int = 0
+    #: a DTensor device mesh: ``{"shape": [...], "dim_names": [...]}``
     mesh: dict[str, JSON] | None = None
+    #: who described the placements: "replicated", "dtensor" or "nxd"
     kind: str = "replicated"
 
 

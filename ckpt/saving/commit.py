@@ -20,17 +20,8 @@ import torch
 from .. import data as data_mod
 from ..distributed import Collective
 from ..errors import AsyncSaveError, CkptError, StateMismatchError
+from ..format import publish
 from ..format.manifest import FORMAT_VERSION, Box, Layout, Manifest, TensorDesc
-from ..format.publish import (
-    RankFiles,
-    Receipt,
-    build_manifest,
-    data_file_name,
-    manifest_from_summaries,
-    publish,
-    write_data_file,
-    write_rank_files,
-)
 from ..state import rng_rule
 from ..storage import Storage
 from .staging import Staged
@@ -75,16 +66,16 @@ def run(coll: Collective, job: SaveJob, format_version: int | None) -> SaveResul
     rank = coll.rank
     version = format_version or FORMAT_VERSION
     own_files = version == 2  # format 2: every rank seals its own index and state file
-    receipt = Receipt(rank)
+    receipt = publish.Receipt(rank)
     report: dict[str, Any] = {"ok": True, "rank": rank, "descs": job.descs}
     try:
         if job.staged is not None:
             job.staged.wait()  # lazy copies land in the arena before the writer reads it
         if job.chunks:
-            write_data_file(
+            publish.write_data_file(
                 job.storage,
                 receipt,
-                data_file_name(rank, job.attempt),
+                publish.data_file_name(rank, job.attempt),
                 job.chunks,
                 job.codec,
                 {"step": str(job.step), "rank": str(rank)},
@@ -95,7 +86,7 @@ def run(coll: Collective, job: SaveJob, format_version: int | None) -> SaveResul
             origin = {n for n, b in job.written or () if not any(b.offsets)}
             report["descs"] = [(pos, d) for pos, d in job.descs if d.name in origin]
             rng = job.rank_trees.get("rng")
-            report["summary"] = write_rank_files(
+            report["summary"] = publish.write_rank_files(
                 job.storage, receipt, job.attempt, job.written or [], rng, job.rank_trees.get("data")
             )
             report["rng_digests"] = rng_rule.stream_digests(rng) if rng is not None else None
@@ -119,7 +110,7 @@ def run(coll: Collective, job: SaveJob, format_version: int | None) -> SaveResul
                 manifest, written = (
                     _from_summaries(job, reports) if own_files else (_from_receipts(job, reports), None)
                 )
-                publish(job.storage, manifest, version, written)
+                publish.publish(job.storage, manifest, version, written)
                 outcome = {"ok": True, "bytes": manifest.total_bytes}
             except Exception as e:  # noqa: BLE001
                 outcome = {"ok": False, "error": f"rank 0 commit: {type(e).__name__}: {e}"}
@@ -171,7 +162,7 @@ def _from_receipts(job: SaveJob, reports: list[dict[str, Any]]) -> Manifest:
         )
     rng_records = {str(r["rank"]): r["trees"]["rng"] for r in by_rank if "rng" in r["trees"]}
     trees["rng_base"] = rng_rule.base_record(rng_records, job.rng_seed)
-    return build_manifest(
+    return publish.build_manifest(
         step=job.step,
         backend=job.backend,
         layout=job.layout,
@@ -182,7 +173,7 @@ def _from_receipts(job: SaveJob, reports: list[dict[str, Any]]) -> Manifest:
     )
 
 
-def _from_summaries(job: SaveJob, reports: list[dict[str, Any]]) -> tuple[Manifest, RankFiles]:
+def _from_summaries(job: SaveJob, reports: list[dict[str, Any]]) -> tuple[Manifest, publish.RankFiles]:
     """Format 2: the manifest from every rank's summary, and the per-rank files the ranks wrote."""
     trees = dict(job.trees)
     by_rank = sorted(reports, key=lambda r: r["rank"])
@@ -198,7 +189,7 @@ def _from_summaries(job: SaveJob, reports: list[dict[str, Any]]) -> tuple[Manife
         ):  # only rank 0 sends its whole record; the lowest rank holding one is 0 in practice
             raise CkptError(f"rank 0 saved no RNG state but rank {first['rank']} did")
         trees["rng_base"] = rng_rule.base_record_of(first["rng"], digests, job.rng_seed)
-    return manifest_from_summaries(
+    return publish.manifest_from_summaries(
         step=job.step,
         backend=job.backend,
         layout=job.layout,
