@@ -2,20 +2,23 @@
 
 Call order (every rank calls :meth:`Checkpointer.save` with the same path and step):
 
-1. capture: flatten model / optimizer into named tensors and the rest into JSON trees (cheap);
-2. plan (collective): each rank derives the replica group of every piece from its placements and computes its
-   share of the writes alone (planning.plan_local); one all-reduce of two numbers proves all ranks agreed.  When
-   a piece has no derivable group or the check fails, the exact path runs: digests all-gathered, and when they
-   changed since the last save the descriptions too, each rank computing the same assignment
+1. capture (:mod:`.capture`): flatten model / optimizer into named tensors and the rest into JSON trees (cheap);
+2. plan (collective, :mod:`.writers`): each rank derives the replica group of every piece from its placements and
+   computes its share of the writes alone (planning.plan_local); one all-reduce of two numbers proves all ranks
+   agreed.  When a piece has no derivable group or the check fails, the exact path runs: digests all-gathered, and
+   when they changed since the last save the descriptions too, each rank computing the same assignment
    (planning.assign_writers);
-3. stage (async only): record this rank's assigned tensors for the host copy.  ``save`` returns here.  Lazy
-   staging (the async default) copies the tensors the optimizer owns in the background while training continues;
-   a ``register_step_pre_hook`` on that optimizer holds the next ``step()`` until they are copied.  Everything
-   else (buffers, frozen weights, XLA tensors) is copied before ``save`` returns (see :meth:`Checkpointer.staged`);
-4. write (background thread when async): one safetensors data file per rank under the checkpoint prefix;
-5. commit (collective): format v2 (the default): each rank seals its own index and state file and sends rank 0
-   their checksums and the boxes it wrote (ckpt.format.seal); format v1: its receipt (every chunk) and trees; or its
-   error.  Rank 0 writes ``manifest.json`` create-only iff every rank succeeded, then tells every rank the outcome.
+3. stage (async only, :mod:`.lazy`): record this rank's assigned tensors for the host copy.  ``save`` returns here.
+   Lazy staging (the async default) copies the tensors the optimizer owns in the background while training
+   continues; a ``register_step_pre_hook`` on that optimizer holds the next ``step()`` until they are copied.
+   Everything else (buffers, frozen weights, XLA tensors) is copied before ``save`` returns (see
+   :meth:`Checkpointer.staged`);
+4. write (background thread when async, :mod:`.commit`): one safetensors data file per rank under the checkpoint
+   prefix;
+5. commit (collective, :mod:`.commit`): format 2 (the default): each rank seals its own index and state file and
+   sends rank 0 their checksums and the boxes it wrote; format 1: its receipt (every chunk) and trees; or its error.
+   Rank 0 publishes ``manifest.json`` (:func:`ckpt.format.publish.publish`) iff every rank succeeded, then tells
+   every rank the outcome.
 
 A failure anywhere means no manifest, hence no checkpoint; an async failure is raised at the next
 ``save``/``wait``/``close``.
