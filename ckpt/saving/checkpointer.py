@@ -54,7 +54,7 @@ from . import adapters
 from .planning import (
     DEFAULT_CHUNK_BYTES,
     Group,
-    Piece,
+    HeldBox,
     assign_writers,
     chunk_boxes,
     digest,
@@ -183,7 +183,7 @@ class Checkpointer:
         self.format_version = format_version  # None: ckpt.format.index.DEFAULT_FORMAT_VERSION
         self._plan_key: list[str] | None = None
         self._plan: dict[tuple[str, Box], int] | None = None
-        self._per_rank: list[list[Piece]] | None = None  # the exact path's gathered pieces
+        self._per_rank: list[list[HeldBox]] | None = None  # the exact path's gathered pieces
         self.last_plan = ""  # "local" or "exact": how the last save agreed on its writers (tests, benches)
         self._inflight: Future | None = None
         self._thread: threading.Thread | None = None
@@ -480,7 +480,7 @@ class Checkpointer:
                 if id(obj) not in self._hooked_strong:
                     self._hooked_strong[id(obj)] = (obj, fn(guard))
 
-    def _assign(self, pieces: list[Piece], groups: list[Group | None]) -> list[bool]:
+    def _assign(self, pieces: list[HeldBox], groups: list[Group | None]) -> list[bool]:
         """Which of this rank's pieces it writes (module docstring, step 2).  Collective."""
         if not self.coll.active:
             self.last_plan = "local"
@@ -501,11 +501,11 @@ class Checkpointer:
 
     def _describe(
         self, named: list[NamedTensor]
-    ) -> tuple[list[Piece], dict[tuple[str, Box], torch.Tensor], list[Group | None]]:
+    ) -> tuple[list[HeldBox], dict[tuple[str, Box], torch.Tensor], list[Group | None]]:
         """This rank's pieces, their local tensors, and the replica group of each where it can be derived."""
         from torch.distributed.tensor import DTensor
 
-        pieces: list[Piece] = []
+        pieces: list[HeldBox] = []
         local: dict[tuple[str, Box], torch.Tensor] = {}
         groups: list[Group | None] = []
         seen: set[str] = set()
@@ -529,7 +529,7 @@ class Checkpointer:
                 group = world_group(self.coll.rank, self.coll.world_size)
             else:
                 group = None
-            p = Piece(
+            p = HeldBox(
                 TensorDesc(nt.name, nt.role, shape, dtype_name(t.dtype), nt.param, nt.key, partition), box
             )
             pieces.append(p)
