@@ -168,7 +168,8 @@ class _SplitAdapter:
 class HfSplitAdapter(_SplitAdapter):
     """A StatefulDataLoader or tracked DataLoader reading a :class:`ckpt.data.hf_split.SplitDataset` in order."""
 
-    name, unit, sequence = hs.KIND, "samples", "order"
+    name = hs.KIND
+    unit, sequence = "samples", "order"
 
     def matches(self, loader: Any) -> bool:
         inner = inner_of(loader)
@@ -197,7 +198,8 @@ class HfIterableAdapter(_SplitAdapter):
     the position is that index, continued on W' ranks by striding W' from it (rank r' first takes index + r').
     """
 
-    name, unit, sequence = hi.KIND, "examples", "stream"
+    name = hi.KIND
+    unit, sequence = "examples", "stream"
 
     def matches(self, loader: Any) -> bool:
         inner = inner_of(loader)

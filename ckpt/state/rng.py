@@ -1,9 +1,9 @@
-r"""Capture and restore every random number generator a training step draws from.
+"""Capture and restore every random number generator a training step draws from.
 
 Stored as plain numbers/tensors through :mod:`ckpt.format.treecodec` (never pickled NumPy objects) so that a manifest
 loads with no code execution.  Python's, NumPy's, torch's and CUDA's generators are handled here; a framework's own
-(torch_xla's seed and NxD's tracker: :mod:`ckpt.neuron.rng`) is an :class:`RngStream` that its package
-:func:`register`\ s when imported, so this core module names no framework package.  A process that uses such a
+(torch_xla's seed and NxD's tracker: :mod:`ckpt.neuron.rng`) is an :class:`RngStream` that its package registers
+(:func:`register`) when imported, so this core module names no framework package.  A process that uses such a
 framework without importing its ckpt package still gets its stream: the packages declared under the entry point group
 :data:`PLUGINS` (name: the framework's module, value: the ckpt module that registers its stream) are imported on
 capture when that framework is already imported (never importing a framework just to save), and on restore or
@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 import random
 import sys
+from collections.abc import Iterable
 from importlib.metadata import EntryPoint, entry_points
 from typing import Any, Protocol
 
@@ -62,7 +63,7 @@ def _plugins() -> tuple[EntryPoint, ...]:
     return tuple(entry_points(group=PLUGINS))
 
 
-def _streams(keys: Any = None) -> list[RngStream]:
+def _streams(keys: Iterable[str] | None = None) -> list[RngStream]:
     """The registered streams, after importing the plugins: those whose framework is imported (``keys`` None), or
     every one when some of ``keys`` is neither built in nor owned by a registered stream."""
     owned = {k for s in _STREAMS for k in s.keys}
