@@ -53,7 +53,10 @@ sys.path.insert(0, HERE)
 from bench_stall import DcpSaver, build, finish, state_bytes  # noqa: E402
 
 from ckpt.saving.checkpointer import Checkpointer  # noqa: E402
+from ckpt.saving.options import SaveOptions  # noqa: E402
 from ckpt.saving.process_writer import ProcessStager  # noqa: E402
+
+NO_RNG = SaveOptions(rng=False)
 
 GIB = 2**30
 TICK = os.sysconf("SC_CLK_TCK")
@@ -117,7 +120,7 @@ class CkptRun(Run):
         self.ck = Checkpointer(async_save=True, stager=ProcessStager() if process else None)
 
     def save(self, step: int) -> None:
-        self.ck.save(self.path(step), step=step, model=self.model, optimizer=self.opt, rng=False)
+        self.ck.save(self.path(step), step=step, model=self.model, optimizer=self.opt, options=NO_RNG)
 
     def drain(self) -> None:
         self.ck.wait()

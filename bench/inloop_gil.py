@@ -46,7 +46,10 @@ def run(mode: str) -> None:
     from bench_stall import DcpSaver, build
 
     from ckpt.saving.checkpointer import Checkpointer
+    from ckpt.saving.options import SaveOptions
     from ckpt.saving.process_writer import ProcessStager
+
+    no_rng = SaveOptions(rng=False)
 
     torch.set_num_threads(1)
     work = tempfile.mkdtemp(prefix="ckpt-gil-")
@@ -66,7 +69,7 @@ def run(mode: str) -> None:
         ck = Checkpointer(async_save=True, stager=ProcessStager() if mode == "ckpt-process" else None)
 
         def save(i: int) -> None:
-            ck.save(os.path.join(work, str(i)), step=i, model=model, optimizer=opt, rng=False)
+            ck.save(os.path.join(work, str(i)), step=i, model=model, optimizer=opt, options=no_rng)
             ck.staged()
             ck.wait()
             shutil.rmtree(os.path.join(work, str(i)), ignore_errors=True)

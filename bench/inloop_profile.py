@@ -29,7 +29,10 @@ from bench_inloop import GIB, HERE, proc_cpu, self_cpu
 from bench_stall import build, state_bytes
 
 from ckpt.saving.checkpointer import Checkpointer
+from ckpt.saving.options import SaveOptions
 from ckpt.saving.process_writer import ProcessStager
+
+NO_RNG = SaveOptions(rng=False)
 
 
 class Probe:
@@ -117,13 +120,15 @@ def saves(gib: float, work: str) -> dict[str, Any]:
     out["probe_idle_late_ms_per_s"] = idle.late / idle.wall * 1e3
     for name, stager in (("ckpt", None), ("ckpt process", ProcessStager())):
         ck = Checkpointer(async_save=True, stager=stager)
-        ck.save(os.path.join(work, name, "warm"), step=0, model=model, optimizer=opt, rng=False).result()
+        ck.save(os.path.join(work, name, "warm"), step=0, model=model, optimizer=opt, options=NO_RNG).result()
         rows = []
         for i in range(3):
             pid = getattr(ck.stager, "writer_pid", None)
             c0, p0, t0 = proc_cpu(pid), self_cpu(), time.thread_time()
             with Probe() as probe:
-                ck.save(os.path.join(work, name, str(i)), step=i + 1, model=model, optimizer=opt, rng=False)
+                ck.save(
+                    os.path.join(work, name, str(i)), step=i + 1, model=model, optimizer=opt, options=NO_RNG
+                )
                 ck.staged()  # the copy (as the next optimizer.step() would)
                 ck.wait()
             bg = self_cpu() - p0 - (time.thread_time() - t0) + proc_cpu(pid) - c0
@@ -166,14 +171,18 @@ def xla(args: argparse.Namespace, work: str) -> dict[str, Any]:
     for name, stager in (("ckpt", None), ("ckpt process", ProcessStager())):
         ck = Checkpointer(async_save=True, stager=stager)
         ck.save(
-            os.path.join(work, "xla", name, "warm"), step=0, model=model, optimizer=opt, rng=False
+            os.path.join(work, "xla", name, "warm"), step=0, model=model, optimizer=opt, options=NO_RNG
         ).result()
         plain, inflight, in_save = [], [], []
         for r in range(args.rounds * 3):
             plain += [step() for _ in range(2)]
             t0 = time.perf_counter()
             ck.save(
-                os.path.join(work, "xla", name, str(r)), step=r + 1, model=model, optimizer=opt, rng=False
+                os.path.join(work, "xla", name, str(r)),
+                step=r + 1,
+                model=model,
+                optimizer=opt,
+                options=NO_RNG,
             )
             in_save.append(time.perf_counter() - t0)
             inflight.append(step())  # the step right after save(): the background write is in flight

@@ -13,7 +13,10 @@ import time
 import torch
 
 from ckpt.saving.checkpointer import Checkpointer
+from ckpt.saving.options import SaveOptions
 from ckpt.saving.process_writer import ProcessStager
+
+NO_RNG = SaveOptions(rng=False)
 
 
 def main(root: str, fork: bool) -> None:
@@ -23,7 +26,7 @@ def main(root: str, fork: bool) -> None:
     model(torch.randn(2, 2048)).sum().backward()
     opt.step()
     ck = Checkpointer(async_save=True, stager=ProcessStager())
-    ck.save(f"{root}/step1", step=1, model=model, optimizer=opt, rng=False).result()
+    ck.save(f"{root}/step1", step=1, model=model, optimizer=opt, options=NO_RNG).result()
     print(ck.stager.writer_pid, flush=True)
     if fork:  # a fork-started DataLoader worker: it outlives a SIGKILLed trainer and must not keep the writer
         child = os.fork()
@@ -32,7 +35,7 @@ def main(root: str, fork: bool) -> None:
             os._exit(0)
         print(child, flush=True)
     sys.stdin.readline()
-    ck.save(f"{root}/step2", step=2, model=model, optimizer=opt, rng=False)
+    ck.save(f"{root}/step2", step=2, model=model, optimizer=opt, options=NO_RNG)
     ck.staged()
     time.sleep(1.0)  # the writer thread hands the job over (one line into the pipe) once the copy is done
     print("saving", flush=True)

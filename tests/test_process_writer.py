@@ -23,7 +23,10 @@ from ckpt.format.datafile import Chunk, write_shard_file
 from ckpt.format.manifest import MANIFEST_NAME
 from ckpt.format.streamwrite import HASH_WRITE_BLOCK
 from ckpt.saving.checkpointer import Checkpointer
+from ckpt.saving.options import SaveOptions
 from ckpt.saving.process_writer import ProcessStager
+
+NO_RNG = SaveOptions(rng=False)
 
 pytestmark = pytest.mark.timeout(120)
 HERE = Path(__file__).parent
@@ -69,9 +72,9 @@ def test_same_bytes_as_the_in_process_writer_and_isolated_from_the_next_step(tmp
     model, opt = make()
     before = {k: v.clone() for k, v in model.state_dict().items()}
     plain = Checkpointer(async_save=True)
-    plain.save(str(tmp_path / "thread"), step=1, model=model, optimizer=opt, rng=False).result()
+    plain.save(str(tmp_path / "thread"), step=1, model=model, optimizer=opt, options=NO_RNG).result()
     proc = Checkpointer(async_save=True, stager=ProcessStager())
-    fut = proc.save(str(tmp_path / "process"), step=1, model=model, optimizer=opt, rng=False)
+    fut = proc.save(str(tmp_path / "process"), step=1, model=model, optimizer=opt, options=NO_RNG)
     step(model, opt)  # right after save(): the step hook waits for the copy, the writer reads the arena
     fut.result()
     pid = proc.stager.writer_pid
@@ -81,7 +84,7 @@ def test_same_bytes_as_the_in_process_writer_and_isolated_from_the_next_step(tmp
     ckpt.restore(str(tmp_path / "process"), model=m2, optimizer=o2, rng=False)
     for k, v in m2.state_dict().items():
         assert torch.equal(v, before[k]), k
-    proc.save(str(tmp_path / "again"), step=2, model=model, optimizer=opt, rng=False).result()
+    proc.save(str(tmp_path / "again"), step=2, model=model, optimizer=opt, options=NO_RNG).result()
     assert proc.stager.writer_pid == pid  # one persistent process
     proc.close()
     plain.close()
@@ -91,11 +94,11 @@ def test_same_bytes_as_the_in_process_writer_and_isolated_from_the_next_step(tmp
 def test_a_killed_writer_fails_the_save_commits_nothing_and_is_replaced(tmp_path: Path) -> None:
     model, opt = make()
     ck = Checkpointer(async_save=True, stager=ProcessStager())
-    ck.save(str(tmp_path / "s1"), step=1, model=model, optimizer=opt, rng=False).result()
+    ck.save(str(tmp_path / "s1"), step=1, model=model, optimizer=opt, options=NO_RNG).result()
     pid = ck.stager.writer_pid
     assert pid is not None
     os.kill(pid, signal.SIGSTOP)  # it cannot start the next job ...
-    fut = ck.save(str(tmp_path / "s2"), step=2, model=model, optimizer=opt, rng=False)
+    fut = ck.save(str(tmp_path / "s2"), step=2, model=model, optimizer=opt, options=NO_RNG)
     time.sleep(0.3)
     os.kill(pid, signal.SIGKILL)  # ... and dies with it handed over
     with pytest.raises(AsyncSaveError, match="writer process"):
@@ -104,7 +107,7 @@ def test_a_killed_writer_fails_the_save_commits_nothing_and_is_replaced(tmp_path
     assert not (tmp_path / "s2" / MANIFEST_NAME).exists()
     s2 = tmp_path / "s2"
     assert not s2.exists() or not any(f.name.endswith(".safetensors") for f in s2.iterdir())
-    ck.save(str(tmp_path / "s3"), step=3, model=model, optimizer=opt, rng=False).result()
+    ck.save(str(tmp_path / "s3"), step=3, model=model, optimizer=opt, options=NO_RNG).result()
     assert ck.stager.writer_pid not in (None, pid)
     assert (tmp_path / "s3" / MANIFEST_NAME).exists()
     ck.close()
@@ -151,7 +154,7 @@ def test_the_writer_dies_with_a_killed_trainer(tmp_path: Path, fork: bool) -> No
 def test_what_the_arena_cannot_serve_is_written_in_process(tmp_path: Path) -> None:
     model, opt = make()
     ck = Checkpointer(async_save=True, stager=ProcessStager(), codec="zstd")
-    ck.save(str(tmp_path / "z"), step=1, model=model, optimizer=opt, rng=False).result()
+    ck.save(str(tmp_path / "z"), step=1, model=model, optimizer=opt, options=NO_RNG).result()
     (blob,) = data_files(tmp_path / "z").values()
     header = json.loads(blob[8 : 8 + struct.unpack("<Q", blob[:8])[0]])
     # compressed chunks (U8 entries), which only the in-process writer writes
