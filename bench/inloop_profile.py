@@ -28,6 +28,7 @@ import xxhash
 from bench_inloop import GIB, HERE, proc_cpu, self_cpu
 from bench_stall import build, state_bytes
 
+from ckpt.format.streamwrite import HASH_WRITE_BLOCK
 from ckpt.saving.checkpointer import Checkpointer
 from ckpt.saving.options import SaveOptions
 from ckpt.saving.process_writer import ProcessStager
@@ -76,7 +77,7 @@ def micro(nbytes: int, work: str) -> dict[str, float]:
     dst = torch.empty_like(src)
     dst.copy_(src)
     view = memoryview(dst.view(torch.uint8).numpy())
-    block = 2 << 20
+    block = HASH_WRITE_BLOCK
     path = os.path.join(work, "micro.bin")
 
     def write(sync: bool) -> None:
