@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 import xxhash
+from torture.crash import exited
 
 import ckpt
 from ckpt.errors import AsyncSaveError
@@ -50,24 +51,6 @@ def data_files(path: Path) -> dict[str, bytes]:
     return {f.name.split("-")[0]: f.read_bytes() for f in path.iterdir() if f.name.endswith(".safetensors")}
 
 
-def gone(pid: int) -> bool:
-    """The process exited (a zombie waiting for a parent that does not reap counts as exited)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
-    except FileNotFoundError:
-        return True
-
-
-def wait_gone(pid: int, timeout: float = 20.0) -> bool:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if gone(pid):
-            return True
-        time.sleep(0.05)
-    return False
-
-
 def test_same_bytes_as_the_in_process_writer_and_isolated_from_the_next_step(tmp_path: Path) -> None:
     model, opt = make()
     before = {k: v.clone() for k, v in model.state_dict().items()}
@@ -88,7 +71,7 @@ def test_same_bytes_as_the_in_process_writer_and_isolated_from_the_next_step(tmp
     assert proc.stager.writer_pid == pid  # one persistent process
     proc.close()
     plain.close()
-    assert wait_gone(pid)
+    assert exited(pid, 20)
 
 
 def test_a_killed_writer_fails_the_save_commits_nothing_and_is_replaced(tmp_path: Path) -> None:
@@ -130,7 +113,7 @@ def test_the_writer_dies_with_a_killed_trainer(tmp_path: Path, fork: bool) -> No
         assert trainer.stdout is not None and trainer.stdin is not None
         writer = int(trainer.stdout.readline())
         worker = int(trainer.stdout.readline()) if fork else None
-        assert not gone(writer)
+        assert not exited(writer, 0)
         os.kill(writer, signal.SIGSTOP)  # the second save is handed over but cannot finish before the kill
         trainer.stdin.write("go\n")
         trainer.stdin.flush()
@@ -138,11 +121,11 @@ def test_the_writer_dies_with_a_killed_trainer(tmp_path: Path, fork: bool) -> No
         trainer.kill()
         trainer.wait(30)
         os.kill(writer, signal.SIGCONT)
-        assert wait_gone(writer), "the writer process outlived its trainer"
-        assert worker is None or not gone(worker)  # the forked worker still runs: it held no lifeline
+        assert exited(writer, 20), "the writer process outlived its trainer"
+        assert worker is None or not exited(worker, 0)  # the forked worker still runs: it held no lifeline
     finally:
         trainer.kill()
-        if fork and worker is not None and not gone(worker):
+        if fork and worker is not None and not exited(worker, 0):
             os.kill(worker, signal.SIGKILL)
     assert (tmp_path / "step1" / MANIFEST_NAME).exists()
     assert not (tmp_path / "step2" / MANIFEST_NAME).exists()

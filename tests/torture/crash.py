@@ -111,7 +111,7 @@ def _wait_ready(log: str, pid: int, proc: subprocess.Popen, timeout: float) -> d
     raise TimeoutError(f"trainer not ready after {timeout}s")
 
 
-def _exited(pid: int, timeout: float = 10.0) -> bool:
+def exited(pid: int, timeout: float = 10.0) -> bool:
     """Process ``pid`` is gone (or a zombie) within ``timeout`` seconds."""
     end = time.monotonic() + timeout
     while True:
@@ -187,7 +187,7 @@ def run_trials(
         saves = {e["step"] for e in events if e["ev"] == "save"}
         report.lazy_saves += sum(1 for e in events if e["ev"] == "staged" and e["lazy_bytes"] > 0)
         writers = {e["writer"] for e in events if e["ev"] == "staged" and e.get("writer")}
-        left = [w for w in writers if not _exited(w)]
+        left = [w for w in writers if not exited(w)]
         if left:
             report.writers_left += len(left)
             report.problems.append(f"trial {trial}: writer process(es) {left} outlived the killed trainer")
