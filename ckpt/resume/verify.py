@@ -123,15 +123,7 @@ def judge_boundary(
     """
     det = _deterministic(b, options)
     f = facts(b.restored_step, b.restore.path if b.restore else None) if facts else None
-    ctx = CheckContext(
-        run=run,
-        boundary=b,
-        options=options,
-        deterministic=det,
-        lr_reference=lr_reference,
-        facts=f,
-        weights=digests_of(facts),
-    )
+    ctx = CheckContext(run, b, options, det, lr_reference=lr_reference, facts=f, weights=digests_of(facts))
     results = [check(ctx) for check in checks]
     _attribute(results)
     return BoundaryVerdict(boundary=b, checks=results, deterministic=det)

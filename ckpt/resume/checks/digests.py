@@ -13,6 +13,10 @@ reports which streams the restore carried and which it re-derived (ckpt's rule; 
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+from typing import Any
+
 from ckpt.data.digest import combine_digests, is_global
 from ckpt.resume.checks.base import Basis, Cause, CheckResult, Confidence, Status
 from ckpt.resume.checks.context import CheckContext
@@ -33,6 +37,24 @@ def dp_change(ctx: CheckContext) -> tuple[int, int] | None:
 
 
 Nums = dict[str, int | str | None]
+Check = Callable[[CheckContext], CheckResult]
+
+
+def _unless_dp_changed(
+    across: Callable[[CheckContext, tuple[int, int]], CheckResult],
+) -> Callable[[Check], Check]:
+    """The check, with ``across(ctx, (saved, resumed))`` in its place at a boundary that changed the number of
+    ranks: a rank's digests are then of another part of the global batch and do not compare step by step."""
+
+    def wrap(check: Check) -> Check:
+        @functools.wraps(check)
+        def run(ctx: CheckContext) -> CheckResult:
+            change = dp_change(ctx)
+            return check(ctx) if change is None else across(ctx, change)
+
+        return run
+
+    return wrap
 
 
 def _lost(message: str, nums: Nums, basis: Basis | None = None) -> CheckResult:
@@ -160,10 +182,18 @@ def _earlier(ctx: CheckContext, attr: str, digest: str, before: int) -> int | No
     return hit if hit is not None and hit < before else None
 
 
+def _compared(
+    triples: list[tuple[int, Any, Any]], noun: str, nums: Nums, key: str, checked: list[str]
+) -> list[tuple[int, Any, Any]]:
+    """The (step, pre-crash, resumed) ``triples`` whose values differ; how many were compared goes to ``nums[key]``
+    and, counted as ``noun``, to the ``checked`` list of the PASS summary."""
+    nums[key] = len(triples)
+    checked.append(count(len(triples), noun))
+    return [(s, a, c) for s, a, c in triples if a != c]
+
+
+@_unless_dp_changed(_check_data_across)
 def check_data(ctx: CheckContext) -> CheckResult:
-    change = dp_change(ctx)
-    if change is not None:
-        return _check_data_across(ctx, change)
     b = ctx.boundary
     pre = b.pre
     nums: Nums = {}
@@ -172,9 +202,7 @@ def check_data(ctx: CheckContext) -> CheckResult:
     sm = [(r.step, p.samples, r.samples) for r, p in pairs if r.samples is not None and p.samples is not None]
     checked = []
     if dd:
-        nums["digests_compared"] = len(dd)
-        checked.append(count(len(dd), "batch digest"))
-        bad = [(s, a, c) for s, a, c in dd if a != c]
+        bad = _compared(dd, "batch digest", nums, "digests_compared", checked)
         if bad:
             s, a, c = bad[0]
             nums.update(first_mismatch=s, mismatched=len(bad))
@@ -188,16 +216,11 @@ def check_data(ctx: CheckContext) -> CheckResult:
                 nums,
             )
     if sm:
-        nums["samples_compared"] = len(sm)
-        checked.append(count(len(sm), "sample count"))
-        bad_s = [(s, a, c) for s, a, c in sm if a != c]
+        bad_s = _compared(sm, "sample count", nums, "samples_compared", checked)
         if bad_s:
             s, a, c = bad_s[0]
             nums.update(first_mismatch=s, pre_samples=a, post_samples=c)
-            return _lost(
-                f"step {s}: {c} samples consumed, {a} before the crash",
-                nums,
-            )
+            return _lost(f"step {s}: {c} samples consumed, {a} before the crash", nums)
     if not checked:
         # No overlap: the post batches must at least not repeat earlier ones, and the sample count must
         # continue from N by the usual per-step increment.
@@ -207,10 +230,7 @@ def check_data(ctx: CheckContext) -> CheckResult:
             j = _earlier(ctx, "data_digest", first.data_digest, first.step)
             if j is not None:
                 nums["repeats_step"] = j
-                return _lost(
-                    f"step {first.step} consumed the batch of step {j} (samples repeated)",
-                    nums,
-                )
+                return _lost(f"step {first.step} consumed the batch of step {j} (samples repeated)", nums)
         at_n, before_n = pre.get(n), pre.get(n - 1)
         if (
             first.samples is not None
@@ -253,10 +273,8 @@ def _rng_across(ctx: CheckContext, change: tuple[int, int]) -> CheckResult:
     )
 
 
+@_unless_dp_changed(_rng_across)
 def check_rng(ctx: CheckContext) -> CheckResult:
-    change = dp_change(ctx)
-    if change is not None:
-        return _rng_across(ctx, change)
     b = ctx.boundary
     pre = b.pre
     pairs = [(r.step, pre[r.step].rng_digest, r.rng_digest) for r in b.post.steps if r.step in pre]
