@@ -544,3 +544,18 @@ def test_ep_rank_with_a_different_non_expert_copy_is_refused(tmp_path):
             str(tmp_path / "t"), str(tmp_path / "out"), ConvertOptions(to="cuda", format="hf", config=cfg)
         )
     assert not (tmp_path / "out").exists()
+
+
+def test_ep_rank_file_holding_other_tensors_is_refused(tmp_path):
+    """EP rank 1's file with a non-expert tensor of another shape than EP rank 0's: named, nothing written."""
+    cfg, hf, ranks = truth("mixtral_tp2_ep2")
+    name = "model.layers.0.mlp.router.linear_router.weight"
+    ranks[(0, 0, 1)][name] = ranks[(0, 0, 1)][name][:-1].clone()
+    write_nxd_tag(tmp_path / "t", ranks, hf, xser=False)
+    with pytest.raises(
+        CorruptionError, match=rf"rank tp 0 pp 0 ep 1 holds {name} \[\d+, \d+\] torch\.\w+, unlike ep 0"
+    ):
+        convert(
+            str(tmp_path / "t"), str(tmp_path / "out"), ConvertOptions(to="cuda", format="hf", config=cfg)
+        )
+    assert not (tmp_path / "out").exists()
