@@ -261,7 +261,7 @@ def test_nxd_optimizer_class_is_what_the_tag_says(tmp_path: Path, edit, base: st
 
 
 def test_infer_optimizer_units() -> None:
-    from ckpt.converters.nxd.source import infer_optimizer
+    from ckpt.converters.nxd.optim_state import infer_optimizer
 
     assert infer_optimizer(
         {"momentum_buffer"}, [{"momentum": 0.9, "dampening": 0, "nesterov": False}]
