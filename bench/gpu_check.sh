@@ -55,7 +55,7 @@ try:
     s = s if s.tag == "testsuite" else s[0]
     res["tests"] = {k: int(s.get(k, 0)) for k in ("tests", "failures", "errors", "skipped")}
 except (OSError, ET.ParseError, IndexError):
-    res["tests"] = None
+    res["tests"] = "skipped: no CUDA device" if dev == "cpu" else None
 try:
     with open(os.path.join(out, "stall_cuda.json")) as f:
         b = json.load(f)
