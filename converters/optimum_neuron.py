@@ -88,6 +88,11 @@ def is_lora_checkpoint(path: str) -> bool:
     return detect(path) and not (p / SHARDS / "model").is_dir()
 
 
+def is_adapter(path: str, storage_options: Mapping[str, Any] | None = None) -> bool:
+    """The format table's adapter probe (:func:`is_lora_checkpoint`)."""
+    return is_lora_checkpoint(path)
+
+
 #: what ``get_peft_model_state_dict`` puts before a module's name
 PEFT_PREFIX = "base_model.model."
 
@@ -410,6 +415,7 @@ __all__ = [
     "OptimumNeuronSource",
     "check_zero1_files",
     "detect",
+    "is_adapter",
     "is_lora_checkpoint",
     "read_lora_checkpoint",
     "export",

@@ -210,16 +210,3 @@ __all__ = [
     "read_adapter",
     "write_adapter",
 ]
-
-
-def open_source(path: str, **_: Any) -> Any:
-    """The engine's verb: a PEFT folder is an adapter, converted by :mod:`converters.lora`, not a model source."""
-    raise LayoutError(
-        f"{path}: a PEFT LoRA adapter is not a model; convert it with --format peft|nxd or merge it into its base "
-        "with --merge-lora"
-    )
-
-
-def export(conv: Any, **_: Any) -> Any:
-    """The engine's verb: only adapters are written as PEFT folders."""
-    raise LayoutError("--format peft holds a LoRA adapter; SRC must be a PEFT folder or an NxD LoRA tag")
