@@ -117,15 +117,7 @@ def read_ckpt_adapter(src: str, run: RunOptions, manifest: Any = None) -> peft.A
         )
     for n in tensors:
         parse_hf(n)
-    return peft.Adapter(
-        optimizer=_ckpt_optimizer(reader, hf_of, src),
-        tensors=tensors,
-        r=int(cfg["r"]),
-        lora_alpha=cfg["lora_alpha"],
-        use_rslora=bool(cfg.get("use_rslora", False)),
-        lora_dropout=float(cfg.get("lora_dropout") or 0.0),
-        peft_config=cfg,
-    )
+    return peft.Adapter.of_config(tensors, cfg, optimizer=_ckpt_optimizer(reader, hf_of, src))
 
 
 def _need_config(opts: ConvertOptions, why: str) -> dict[str, Any]:

@@ -150,11 +150,7 @@ def read_lora_checkpoint(
             f"{cfg_file}: no PEFT adapter config (optimum-neuron writes it next to {ADAPTER_SHARDS}/)"
         )
     check_config(peft_cfg, str(cfg_file))
-    return Adapter(
-        tensors=tensors, r=int(peft_cfg["r"]), lora_alpha=peft_cfg["lora_alpha"],
-        use_rslora=bool(peft_cfg.get("use_rslora", False)), lora_dropout=float(peft_cfg.get("lora_dropout") or 0.0),
-        peft_config=peft_cfg,
-    )  # fmt: skip
+    return Adapter.of_config(tensors, peft_cfg)
 
 
 def detect(path: str, storage_options: Mapping[str, Any] | None = None) -> bool:
@@ -229,17 +225,11 @@ class OptimumNeuronSource(NxdTagSource):
 
     format = NAME
 
-    def __init__(
-        self,
-        path: str | Path,
-        *,
-        config: Mapping[str, Any] | None = None,
-        flags: Mapping[str, Any] | None = None,
-        step: int | None = None,
-        target_format: str | None = None,
-        **kw: Any,
-    ) -> None:
+    def __init__(self, path: str | Path, *, target_format: str | None = None, **kw: Any) -> None:
+        """``kw``: :class:`NxdTagSource`'s (``config``, ``flags``, ``step``...); ``target_format``: see
+        :func:`open_source`."""
         root = Path(path)
+        config, step = kw.pop("config", None), kw.pop("step", None)
         adapters = _adapters(root)
         if adapters and not (root / SHARDS / "model").is_dir():
             raise LayoutError(
@@ -266,7 +256,7 @@ class OptimumNeuronSource(NxdTagSource):
             raise LayoutError(
                 f"{root}: neither trainer_state.json nor {SCHEDULER_NAME} records the step; pass --step N"
             )
-        super().__init__(tag, config=config, flags=flags, step=step if step is not None else recorded, **kw)
+        super().__init__(tag, config=config, step=step if step is not None else recorded, **kw)
         self.path = str(root)
         trees = self.trees
         if scheduler is not None:
@@ -284,25 +274,17 @@ class OptimumNeuronSource(NxdTagSource):
             )
 
 
+#: the ``open_source`` keywords an optimum-neuron folder hands to its NxD tag (:class:`NxdTagSource`)
+_TAG_OPTIONS = ("config", "step", "allow_unmarked", "verify", "param_names", "replicated")
+
+
 def open_source(
-    path: str,
-    *,
-    config: Mapping[str, Any] | None = None,
-    source_flags: Mapping[str, Any] | None = None,
-    step: int | None = None,
-    allow_unmarked: bool = False,
-    verify: bool = True,
-    param_names: Any = None,
-    replicated: Sequence[str] = (),
-    target_format: str | None = None,
-    **_: Any,
+    path: str, *, source_flags: Mapping[str, Any] | None = None, target_format: str | None = None, **kw: Any
 ) -> OptimumNeuronSource:
     """``target_format``: the format being written; one that holds no optimizer state (``hf``) converts a folder
     whose ZeRO-1 optimizer files are incomplete (with a warning), any other refuses it."""
-    return OptimumNeuronSource(
-        path, config=config, flags=source_flags, step=step, allow_unmarked=allow_unmarked, verify=verify,
-        param_names=param_names, replicated=replicated, target_format=target_format,
-    )  # fmt: skip
+    tag = {k: kw[k] for k in _TAG_OPTIONS if k in kw}
+    return OptimumNeuronSource(path, flags=source_flags, target_format=target_format, **tag)
 
 
 def _bytes_of(obj: Any) -> bytes:

@@ -8,7 +8,6 @@ NxD tag that its files cannot record.  Every unknown flag name is refused when t
 from __future__ import annotations
 
 import dataclasses
-import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,6 +17,7 @@ from ckpt.errors import CkptError, LayoutError
 from ckpt.layouts.spec import NxdFlags
 
 from .formats import BY_NAME
+from .jsonfile import read_json_object
 
 DEFAULT_FLUSH_BYTES = 64 << 20
 DEFAULT_SHARD_BYTES = 5 << 30
@@ -152,17 +152,7 @@ def load_config(path: str | None) -> dict[str, Any] | None:
             raise CkptError(
                 f"--config {path}: a directory without config.json; pass the model's config.json (or its folder)"
             )
-    try:
-        value = json.loads(p.read_text())
-    except FileNotFoundError:
-        raise CkptError(f"--config {path}: no such file") from None
-    except OSError as e:
-        raise CkptError(f"--config {path}: cannot read ({e.strerror})") from None
-    except (ValueError, UnicodeDecodeError) as e:
-        raise CkptError(f"--config {path}: not valid JSON ({e})") from None
-    if not isinstance(value, dict):
-        raise CkptError(f"--config {path}: expected a JSON object, got {type(value).__name__}")
-    return value
+    return read_json_object(p, f"--config {path}")
 
 
 __all__ = ["ConvertOptions", "DEFAULT_FLUSH_BYTES", "RunOptions", "SOURCE_FLAGS", "load_config"]
