@@ -35,6 +35,8 @@ class Format:
     holds: tuple[str, ...]
     #: one phrase for ``ckpt convert --help``
     help: str
+    #: what the format is called in prose (``ckpt inspect``/``verify`` of a folder that is not ours)
+    title: str = ""
     #: read from (and written to) object stores, not only local folders
     remote: bool = False
     #: what marks a folder of this format (the unknown-layout error lists these)
@@ -52,6 +54,9 @@ class Format:
     #: named in the "--format X holds the ... layout; use --to ... or --format ..." refusal
     suggested: bool = False
 
+    def __str__(self) -> str:
+        return self.title or self.name
+
     def load(self) -> ModuleType:
         return importlib.import_module(self.module, __package__)
 
@@ -60,12 +65,13 @@ class Format:
 FORMATS: tuple[Format, ...] = (
     Format("ckpt", ".ckpt", ("cuda", "neuron"), "ours, either layout", remote=True, looks_like="manifest.json",
            options=("codec",), step_note="the output records step 0", adapters=True, suggested=True),
-    Format("dcp", ".dcp", ("cuda",), "torch.distributed.checkpoint", looks_like="a DCP .metadata", suggested=True),
+    Format("dcp", ".dcp", ("cuda",), "torch.distributed.checkpoint", "DCP", looks_like="a DCP .metadata",
+           suggested=True),
     Format("optimum-neuron", ".optimum_neuron", ("neuron",), "a NeuronTrainer checkpoint-N folder",
            options=("xser",), nxd_tag=True, adapters=True),
-    Format("hf-trainer", ".hf_trainer", ("cuda",), "an HF Trainer checkpoint-N folder",
+    Format("hf-trainer", ".hf_trainer", ("cuda",), "an HF Trainer checkpoint-N folder", "HF Trainer",
            step_note="its trainer_state.json records global_step 0"),
-    Format("hf", ".hf", ("cuda",), "a Hugging Face model folder", looks_like="an HF config.json + *.safetensors "
+    Format("hf", ".hf", ("cuda",), "a Hugging Face model folder", "Hugging Face", looks_like="an HF config.json + *.safetensors "
            "(with trainer_state.json: a Trainer checkpoint)", options=("max_shard_size",), suggested=True),
     # an NxD tag written by NxD Training: before plain "nxd"
     Format("nxdt", ".nxd.training", ("neuron",), "an NxD Training tag", options=("xser",), nxd_tag=True),
