@@ -85,7 +85,7 @@ def _adapters(p: Path) -> list[Path]:
 def is_lora_checkpoint(path: str) -> bool:
     """A NeuronTrainer LoRA ``checkpoint-N``: ``adapter_*/adapter_shards/`` tags and no ``shards/``."""
     p = Path(path)
-    return detect(path) and not (p / SHARDS / "model").is_dir()
+    return _trainer_folder(path) and not (p / SHARDS / "model").is_dir() and bool(_adapters(p))
 
 
 def is_adapter(path: str, storage_options: Mapping[str, Any] | None = None) -> bool:
@@ -157,11 +157,12 @@ def detect(path: str, storage_options: Mapping[str, Any] | None = None) -> bool:
     """A local folder with an NxD tag ``shards/`` (or LoRA ``adapter_*/adapter_shards/``) and the Trainer's
     ``trainer_state.json`` or ``trn_config.json`` next to it."""
     p = Path(path)
-    if "://" in path or not p.is_dir():
-        return False
-    if not ((p / STATE_NAME).is_file() or (p / TRN_CONFIG).is_file()):
-        return False
-    return (p / SHARDS / "model").is_dir() or bool(_adapters(p))
+    return _trainer_folder(path) and ((p / SHARDS / "model").is_dir() or bool(_adapters(p)))
+
+
+def _trainer_folder(path: str) -> bool:
+    p = Path(path)
+    return "://" not in path and p.is_dir() and ((p / STATE_NAME).is_file() or (p / TRN_CONFIG).is_file())
 
 
 def _json(path: Path, what: str) -> Any:
