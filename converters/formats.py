@@ -71,8 +71,9 @@ FORMATS: tuple[Format, ...] = (
            options=("xser",), nxd_tag=True, adapters=True),
     Format("hf-trainer", ".hf_trainer", ("cuda",), "an HF Trainer checkpoint-N folder", "HF Trainer",
            step_note="its trainer_state.json records global_step 0"),
-    Format("hf", ".hf", ("cuda",), "a Hugging Face model folder", "Hugging Face", looks_like="an HF config.json + *.safetensors "
-           "(with trainer_state.json: a Trainer checkpoint)", options=("max_shard_size",), suggested=True),
+    Format("hf", ".hf", ("cuda",), "a Hugging Face model folder", "Hugging Face",
+           looks_like="an HF config.json + *.safetensors (with trainer_state.json: a Trainer checkpoint)",
+           options=("max_shard_size",), suggested=True),
     # an NxD tag written by NxD Training: before plain "nxd"
     Format("nxdt", ".nxd.training", ("neuron",), "an NxD Training tag", options=("xser",), nxd_tag=True),
     Format("nxd", ".nxd", ("neuron",), "an NxD tag", looks_like="NxD model/ rank files", options=("xser",),
@@ -136,8 +137,8 @@ def detect_source(
 
 
 def detect_adapter(src: str, storage_options: Mapping[str, Any] | None = None) -> Detected:
-    """The adapter pass of :func:`detect_source`: ``adapter`` is False when SRC holds no LoRA adapter (``format``
-    then is the last format asked, ``manifest`` what it read on the way: our model manifest)."""
+    """The adapter pass of :func:`detect_source`.  When SRC holds no LoRA adapter, ``adapter`` is False and
+    ``format`` is ours with the model ``manifest`` read on the way, or else the adapter entry (nothing found yet)."""
     seen = Detected(src, ADAPTER)
     for fmt in FORMATS:
         if not fmt.adapters or (_remote(src) and not fmt.remote):
