@@ -93,19 +93,6 @@ def sided_flags(flags: dict[str, Any]) -> dict[str, dict[str, Any]]:
     return out
 
 
-class _FamiliesOption(click.Option):
-    """``--model-type``: its help lists the families of the layouts registry, looked up only when help is shown
-    (the registry imports torch)."""
-
-    def get_help_record(self, ctx: click.Context) -> tuple[str, str] | None:
-        from ckpt.layouts.families import supported
-
-        self.help = (
-            f"HF model_type of a model whose config.json lacks one ({', '.join(supported())}); never guessed."
-        )
-        return super().get_help_record(ctx)
-
-
 def _format_help() -> str:
     return "Format of DST (" + "; ".join(f"{n}: {formats.get(n).help}" for n in formats.names()) + ")."
 
@@ -142,9 +129,13 @@ def _format_help() -> str:
     "replicated on every TP rank; repeatable. Any other unknown tensor is refused.",
 )
 @click.option(
-    "--model-type", "model_type", type=str, default=None, cls=_FamiliesOption,
-    help="HF model_type of a model whose config.json lacks one; never guessed.",
-)  # fmt: skip
+    "--model-type",
+    "model_type",
+    type=str,
+    default=None,
+    help="HF model_type of a model whose config.json lacks one; never guessed (laying out an unknown one is "
+    "refused, listing the families of the layouts registry).",
+)
 @click.option(
     "--step",
     type=click.IntRange(min=0),
