@@ -1,0 +1,37 @@
+"""Moving whole files between ranks over the tier's gloo group (CPU): host bytes, whatever device trained.
+
+Both sides know every file's size from the step's manifest, so only the bytes travel.  All sends and receives of
+one exchange are posted at once (``isend``/``irecv``): every rank may send and receive in the same exchange without
+a global order, and messages between two ranks arrive in the order they were posted.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+def exchange(
+    group: Any, sends: Sequence[tuple[int, bytes]], recvs: Sequence[tuple[int, int]]
+) -> list[bytes]:
+    """Send each ``(rank, data)`` and receive each ``(rank, size)``; returns the received bytes in ``recvs`` order.
+
+    Ranks are global ranks (the tier group spans the world).  Empty files are not sent.
+    """
+    works = []
+    for dst, data in sends:
+        if len(data):
+            buf = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+            works.append(dist.isend(buf, dst=dst, group=group))
+    out: list[torch.Tensor] = []
+    for src, size in recvs:
+        buf = torch.empty(size, dtype=torch.uint8)
+        out.append(buf)
+        if size:
+            works.append(dist.irecv(buf, src=src, group=group))
+    for w in works:
+        w.wait()
+    return [b.numpy().tobytes() for b in out]
