@@ -187,7 +187,12 @@ class CheckpointManager:
         return result
 
     def _emit_restore(
-        self, result: RestoreResult, seconds: float, model: Any = None, tier: str = "persistent", job_tier: str = ""
+        self,
+        result: RestoreResult,
+        seconds: float,
+        model: Any = None,
+        tier: str = "persistent",
+        job_tier: str = "",
     ) -> None:
         # seconds: wall time of the restore including manifest reads, so recovery-cost reports can use it
         self.last_restore = result = dataclasses.replace(result, tier=tier)
@@ -259,7 +264,13 @@ class CheckpointManager:
         return None
 
     def restore_agreed(
-        self, path: str, step: int, state: dict[str, Any], t0: float, tier: str = "persistent", job_tier: str = ""
+        self,
+        path: str,
+        step: int,
+        state: dict[str, Any],
+        t0: float,
+        tier: str = "persistent",
+        job_tier: str = "",
     ) -> RestoreResult | None:
         """Restore step ``step`` from ``path`` on every rank; None (with a warning) when any rank found damage, so
         that all fall back together.  A checkpoint that does not fit the caller's objects raises on every rank."""

@@ -49,14 +49,23 @@ def steps_in(folder: Path) -> list[str]:
 
 
 @pytest.mark.s3
-@pytest.mark.skipif(bool(REAL_S3_URL), reason="the request-logging proxy speaks plain HTTP to a loopback moto server")
-def test_local_saves_never_touch_the_object_store_and_restore_prefers_the_newest_tier(s3: Any, tmp_path: Path) -> None:
+@pytest.mark.skipif(
+    bool(REAL_S3_URL), reason="the request-logging proxy speaks plain HTTP to a loopback moto server"
+)
+def test_local_saves_never_touch_the_object_store_and_restore_prefers_the_newest_tier(
+    s3: Any, tmp_path: Path
+) -> None:
     local = tmp_path / "nvme"
     with fault_proxy(s3.endpoint) as proxy:
         options = {"client_kwargs": {"endpoint_url": proxy.url}}
         model, opt = make()
         mgr = ckpt.CheckpointManager(
-            s3.url, storage_options=options, local_dir=str(local), local_every=2, persist_every=4, async_save=True
+            s3.url,
+            storage_options=options,
+            local_dir=str(local),
+            local_every=2,
+            persist_every=4,
+            async_save=True,
         )
         before = len(proxy.log)
         snaps = {}
@@ -85,7 +94,9 @@ def test_local_saves_never_touch_the_object_store_and_restore_prefers_the_newest
 
     # restart: the newest step is local (6)
     model2, opt2 = make(seed=1)
-    mgr2 = ckpt.CheckpointManager(s3.url, storage_options=s3.storage_options, local_dir=str(local), local_every=2, persist_every=4)
+    mgr2 = ckpt.CheckpointManager(
+        s3.url, storage_options=s3.storage_options, local_dir=str(local), local_every=2, persist_every=4
+    )
     assert mgr2.restore_latest(model=model2, optimizer=opt2) == 6
     assert mgr2.last_restore is not None and mgr2.last_restore.tier == "local"
     assert state_bytes(model2, opt2) == snaps[6]
@@ -94,7 +105,9 @@ def test_local_saves_never_touch_the_object_store_and_restore_prefers_the_newest
     # the node was replaced (empty local_dir): the persistent step 4
     shutil.rmtree(local)
     model3, opt3 = make(seed=2)
-    mgr3 = ckpt.CheckpointManager(s3.url, storage_options=s3.storage_options, local_dir=str(local), local_every=2, persist_every=4)
+    mgr3 = ckpt.CheckpointManager(
+        s3.url, storage_options=s3.storage_options, local_dir=str(local), local_every=2, persist_every=4
+    )
     assert mgr3.restore_latest(model=model3, optimizer=opt3) == 4
     assert mgr3.last_restore is not None and mgr3.last_restore.tier == "persistent"
     assert state_bytes(model3, opt3) == snaps[4]
@@ -116,7 +129,12 @@ def test_local_steps_older_than_the_newest_persistent_one_are_dropped(tmp_path: 
     model, opt = make()
     local = tmp_path / "shm"
     with ckpt.CheckpointManager(
-        str(tmp_path / "run"), local_dir=str(local), local_every=1, persist_every=3, keep_local=5, async_save=False
+        str(tmp_path / "run"),
+        local_dir=str(local),
+        local_every=1,
+        persist_every=3,
+        keep_local=5,
+        async_save=False,
     ) as mgr:
         for step in range(1, 5):
             train_step(model, opt, step)

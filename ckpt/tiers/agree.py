@@ -90,7 +90,9 @@ def plan(nodes: NodeMap, reports: list[dict[int, dict[str, Any]]], persistent: l
             local.append(Candidate(step, "", note=f"local step {step}: no readable manifest on any node"))
             continue
         seal = max(seals, key=lambda s: seals[s])
-        raw = next((e["raw"] for es in per_node.values() for e in es if e["seal"] == seal and "raw" in e), None)
+        raw = next(
+            (e["raw"] for es in per_node.values() for e in es if e["seal"] == seal and "raw" in e), None
+        )
         if raw is None:
             local.append(Candidate(step, "", note=f"local step {step}: no node leader read its manifest"))
             continue
@@ -107,7 +109,9 @@ def plan(nodes: NodeMap, reports: list[dict[int, dict[str, Any]]], persistent: l
             bad = [b for es in per_node.values() for e in es for b in e.get("bad", ())]
             why = f"; damaged copies: {'; '.join(bad[:2])}" if bad else ""
             local.append(
-                Candidate(step, "", note=f"local step {step}: no node holds an intact {', '.join(lost[:3])}{why}")
+                Candidate(
+                    step, "", note=f"local step {step}: no node holds an intact {', '.join(lost[:3])}{why}"
+                )
             )
             continue
         cand = Candidate(step, LOCAL, raw)
@@ -118,9 +122,7 @@ def plan(nodes: NodeMap, reports: list[dict[int, dict[str, Any]]], persistent: l
                     continue
                 src = min(holders[name], key=lambda h: (h - node) % n_nodes)
                 src_members = nodes.nodes[src]
-                cand.transfers.append(
-                    (src_members[i % len(src_members)], members[i % len(members)], name)
-                )
+                cand.transfers.append((src_members[i % len(src_members)], members[i % len(members)], name))
         for rank in range(sum(len(m_) for m_ in nodes.nodes)):
             own = rank_files(m, rank)
             cand.tiers.append(LOCAL if all(nodes.node_of(rank) in holders[f] for f in own) else PEER)

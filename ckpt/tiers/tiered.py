@@ -51,7 +51,9 @@ class Tiers:
         node_rank: int | None = None,
     ) -> None:
         if keep_local is not None and (isinstance(keep_local, bool) or keep_local < 1):
-            raise CkptError(f"keep_local={keep_local!r}: expected at least 1 (or None to keep every local step)")
+            raise CkptError(
+                f"keep_local={keep_local!r}: expected at least 1 (or None to keep every local step)"
+            )
         if "://" in str(local_dir) and not str(local_dir).startswith("file://"):
             raise CkptError(f"local_dir={local_dir!r}: expected a node-local folder (a path), not a URL")
         self.mgr = mgr
@@ -89,7 +91,10 @@ class Tiers:
             return fut
         self._fut = fut
         self._thread = threading.Thread(
-            target=self._finish, args=(step, tiers, pending, started, written, fut), name="ckpt-tiers", daemon=True
+            target=self._finish,
+            args=(step, tiers, pending, started, written, fut),
+            name="ckpt-tiers",
+            daemon=True,
         )
         self._thread.start()
         return fut
@@ -137,7 +142,9 @@ class Tiers:
             )
         if self.nodes.rank == self.nodes.leader(self.nodes.node):
             sweep(self.root, step, self.keep_local, self.newest_persistent)
-        result = SaveResult(step, path, written.blocking_s, time.perf_counter() - started, written.bytes_written)
+        result = SaveResult(
+            step, path, written.blocking_s, time.perf_counter() - started, written.bytes_written
+        )
         self.mgr.note_save(result)
         return result
 

@@ -14,9 +14,7 @@ import torch
 import torch.distributed as dist
 
 
-def exchange(
-    group: Any, sends: Sequence[tuple[int, bytes]], recvs: Sequence[tuple[int, int]]
-) -> list[bytes]:
+def exchange(group: Any, sends: Sequence[tuple[int, bytes]], recvs: Sequence[tuple[int, int]]) -> list[bytes]:
     """Send each ``(rank, data)`` and receive each ``(rank, size)``; returns the received bytes in ``recvs`` order.
 
     Ranks are global ranks (the tier group spans the world).  Empty files are not sent.
