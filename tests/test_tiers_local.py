@@ -190,3 +190,47 @@ def test_bad_tier_settings_are_refused(tmp_path: Path) -> None:
         ckpt.CheckpointManager(str(tmp_path / "r"), local_dir=str(tmp_path / "l"), persist_every=0)
     with pytest.raises(CkptError, match=r"local_dir='s3://b/x': expected a node-local folder"):
         ckpt.CheckpointManager(str(tmp_path / "r"), local_dir="s3://b/x")
+
+
+def test_the_ledger_records_each_restore_tier_and_report_prices_recovery_per_tier(tmp_path: Path) -> None:
+    import json
+
+    from ckpt.cli.report import report
+    from click.testing import CliRunner
+
+    from ckpt.resume.ledger import LedgerWriter
+
+    run, local = tmp_path / "run", tmp_path / "local"
+
+    def session(first: int, last: int, wipe: bool = False, clean: bool = False) -> None:
+        if wipe:
+            shutil.rmtree(local)
+        model, opt = make()
+        ledger = LedgerWriter(run)
+        mgr = ckpt.CheckpointManager(
+            str(run / "ckpt"), local_dir=str(local), local_every=2, persist_every=4,
+            async_save=False, on_event=ledger.on_event,
+        )  # fmt: skip
+        start = mgr.restore_latest(model=model, optimizer=opt) or 0
+        for step in range(start + 1, last + 1):
+            ledger.step(step, train_step(model, opt, step), 0.01)
+            mgr.save(step, model=model, optimizer=opt)
+        mgr.close()
+        ledger.close(clean=clean)
+
+    session(1, 7)  # dies after step 7: local step 6, persistent 4
+    session(7, 9)  # restores local 6, dies after 9: local 8 (persistent too)
+    session(9, 11, wipe=True, clean=True)  # a replaced node: persistent 8
+    events = [json.loads(line) for line in (run / "ledger.jsonl").read_text().splitlines()]
+    assert [(e["step"], e["tier"]) for e in events if e["kind"] == "restore"] == [
+        (6, "local"),
+        (8, "persistent"),
+    ]
+    doc = json.loads(CliRunner().invoke(report, [str(run), "--json"]).output)
+    assert [(f["restored_step"], f["tier"]) for f in doc["failures"]] == [(6, "local"), (8, "persistent")]
+    assert [(t["tier"], t["failures"], t["steps_recomputed"]) for t in doc["tiers"]] == [
+        ("local", 1, 1),
+        ("persistent", 1, 1),
+    ]
+    text = CliRunner().invoke(report, [str(run)]).output
+    assert "Recovery cost per tier" in text and "persistent" in text

@@ -153,7 +153,7 @@ def run_killed(tmp: Path) -> list[int | None]:
         p.start()
     procs[3].join(timeout=180)
     for p in procs[:3]:
-        p.join(timeout=20)
+        p.join(timeout=5)
     for p in procs:
         if p.is_alive():
             p.kill()
