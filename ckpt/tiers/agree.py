@@ -25,8 +25,8 @@ from ..storage import open_storage
 from .files import FileChecker, all_files, file_size, rank_files
 from .node import NodeMap
 from .policy import LOCAL, PEER, PERSISTENT
-from .retention import FETCH, local_steps
-from .transfer import exchange
+from .retention import FETCH, drop, local_steps
+from .transfer import exchange, read_or_zeros
 
 
 @dataclass
@@ -89,14 +89,15 @@ def plan(nodes: NodeMap, reports: list[dict[int, dict[str, Any]]], persistent: l
         if not seals:
             local.append(Candidate(step, "", note=f"local step {step}: no readable manifest on any node"))
             continue
-        seal = max(seals, key=lambda s: seals[s])
-        raw = next(
-            (e["raw"] for es in per_node.values() for e in es if e["seal"] == seal and "raw" in e), None
-        )
-        if raw is None:
+        raws = {e["seal"]: e["raw"] for es in per_node.values() for e in es if "raw" in e and e["seal"]}
+        if not raws:
             local.append(Candidate(step, "", note=f"local step {step}: no node leader read its manifest"))
             continue
-        m = Manifest.from_json(raw, f"{step_dir(step)}/{MANIFEST_NAME}")
+        # nodes may hold two saves of one step (a commit cut short after a restore abandoned the first): the
+        # newer one, never parts of both
+        parsed = {s: Manifest.from_json(r, f"{step_dir(step)}/{MANIFEST_NAME}") for s, r in raws.items()}
+        seal = max(parsed, key=lambda s: (parsed[s].created_at, seals.get(s, 0), s))
+        raw, m = raws[seal], parsed[seal]
         holders: dict[str, set[int]] = {}
         for node, entries in per_node.items():
             if all(e["seal"] == seal for e in entries):  # a node with another manifest holds another save
@@ -139,20 +140,32 @@ def fetch(coll: Any, nodes: NodeMap, root: Path, cand: Candidate) -> list[str]:
     assert cand.raw is not None
     m = Manifest.from_json(cand.raw, f"{step_dir(cand.step)}/{MANIFEST_NAME}")
     final = root / step_dir(cand.step)
-    token = coll.broadcast(uuid.uuid4().hex[:8])
+    leader = nodes.rank == nodes.leader(nodes.node)
+    if leader and final.exists():
+        try:
+            same = (final / MANIFEST_NAME).read_bytes() == cand.raw
+        except OSError:
+            same = False
+        if not same:  # another save of this step (a timeline a restore abandoned): never mixed with this one
+            drop(final)
+    token = coll.broadcast(uuid.uuid4().hex[:8])  # also: every node's leader is done with the check above
     target = final if final.exists() else root / FETCH / f"{step_dir(cand.step)}-{token}"
     storage = open_storage(str(target))
-    if nodes.rank == nodes.leader(nodes.node) and not (final / MANIFEST_NAME).exists():
+    if leader and not (final / MANIFEST_NAME).exists():
         storage.put_bytes(MANIFEST_NAME, cand.raw, exclusive=False)
-    sends = [(dst, (final / name).read_bytes()) for src, dst, name in cand.transfers if src == nodes.rank]
-    mine = [(src, name) for src, dst, name in cand.transfers if dst == nodes.rank]
     problems: list[str] = []
+    sends = [
+        (dst, read_or_zeros(final / name, file_size(m, name), problems))
+        for src, dst, name in cand.transfers
+        if src == nodes.rank
+    ]
+    mine = [(src, name) for src, dst, name in cand.transfers if dst == nodes.rank]
     try:
         got = exchange(coll.group, sends, [(src, file_size(m, name)) for src, name in mine])
         for (_, name), data in zip(mine, got, strict=True):
             storage.put_bytes(name, data, exclusive=False)
         checker = FileChecker(storage, m)
-        problems = [e for e in (checker.check(name) for _, name in mine) if e is not None]
+        problems += [e for e in (checker.check(name) for _, name in mine) if e is not None]
     except (CkptError, OSError) as e:
         problems.append(f"rank {nodes.rank}: {e}")
     problems = [p for ps in coll.all_gather(problems) for p in ps]

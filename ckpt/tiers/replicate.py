@@ -23,7 +23,7 @@ from ..storage import Storage, open_storage
 from .files import FileChecker, file_size, rank_files
 from .node import NodeMap
 from .retention import drop
-from .transfer import exchange
+from .transfer import exchange, read_or_zeros
 
 
 def share_manifest(coll: Any, nodes: NodeMap, folder: Path) -> tuple[bytes, Manifest]:
@@ -38,7 +38,8 @@ def share_manifest(coll: Any, nodes: NodeMap, folder: Path) -> tuple[bytes, Mani
 def send_replicas(coll: Any, nodes: NodeMap, replicas: int, folder: Path, m: Manifest) -> list[str]:
     """Step 2 of the module docstring; returns this rank's problems (empty: its replicas are sealed)."""
     storage = open_storage(str(folder))
-    mine = [storage.read_bytes(n) for n in rank_files(m, nodes.rank)]
+    problems: list[str] = []
+    mine = [read_or_zeros(folder / n, file_size(m, n), problems) for n in rank_files(m, nodes.rank)]
     sends = [(nodes.peer(nodes.rank, k), data) for k in range(1, replicas + 1) for data in mine]
     names = []
     recvs = []
@@ -51,7 +52,7 @@ def send_replicas(coll: Any, nodes: NodeMap, replicas: int, folder: Path, m: Man
     for n, data in zip(names, received, strict=True):
         storage.put_bytes(n, data, exclusive=False)
     checker = FileChecker(storage, m)
-    return [e for e in map(checker.check, names) if e is not None]
+    return problems + [e for e in map(checker.check, names) if e is not None]
 
 
 def commit(nodes: NodeMap, pending: Path, final: Path) -> None:

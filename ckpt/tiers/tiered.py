@@ -28,13 +28,20 @@ if TYPE_CHECKING:
 _RANK = {LOCAL: 0, PEER: 1, PERSISTENT: 2}
 
 
+_GROUPS: dict[int, Any] = {}
+
+
 def _tier_group(timeout_s: float = 1800.0) -> Any:
-    """A gloo group of its own for the tier's collectives and transfers (created collectively, None alone)."""
+    """A gloo group of its own for the tiers' collectives and transfers, next to the checkpoint group (created
+    collectively by the first manager with tiers, then reused, as ckpt.distributed does; None in one process)."""
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()):
         return None
-    return dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
+    key = id(dist.group.WORLD)
+    if key not in _GROUPS:
+        _GROUPS[key] = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
+    return _GROUPS[key]
 
 
 class Tiers:

@@ -8,10 +8,26 @@ a global order, and messages between two ranks arrive in the order they were pos
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+
+def read_or_zeros(path: Path, size: int, problems: list[str]) -> bytes:
+    """The bytes to send of ``path``; when it cannot be read, ``size`` zeros (the receiver waits for exactly that
+    many, and its check refuses them) and the reason appended to ``problems``: a sender never leaves its peers
+    waiting."""
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        problems.append(f"{path}: cannot read: {e.strerror or type(e).__name__}")
+        return bytes(size)
+    if len(data) != size:
+        problems.append(f"{path}: {len(data)} bytes, the manifest says {size}")
+        return bytes(size)
+    return data
 
 
 def exchange(group: Any, sends: Sequence[tuple[int, bytes]], recvs: Sequence[tuple[int, int]]) -> list[bytes]:
