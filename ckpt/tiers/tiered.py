@@ -10,19 +10,16 @@ import uuid
 import warnings
 from concurrent.futures import Future
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from ..distributed import Collective
 from ..errors import CkptError
 from ..restoring.discovery import step_dir
+from ..saving.checkpointer import SaveResult
 from . import agree, replicate
 from .node import NodeMap
 from .policy import LOCAL, PEER, PERSISTENT, TierPolicy
 from .retention import PENDING, sweep
-
-if TYPE_CHECKING:
-    from ..manager import CheckpointManager
-    from ..saving.checkpointer import SaveResult
 
 # the worst tier any rank restored from names the job's restore (the ledger's record)
 _RANK = {LOCAL: 0, PEER: 1, PERSISTENT: 2}
@@ -44,13 +41,29 @@ def _tier_group(timeout_s: float = 1800.0) -> Any:
     return _GROUPS[key]
 
 
+class Host(Protocol):
+    """What the tiers use of their :class:`~ckpt.manager.CheckpointManager` (which imports this module)."""
+
+    checkpointer: Any
+    storage: Any
+
+    def save_persistent(self, step: int, **state: Any) -> Future: ...
+    def apply_retention(self, newest: int) -> list[int]: ...
+    def note_save(self, result: SaveResult) -> None: ...
+    def list(self, check_files: bool = False) -> list[Any]: ...
+    def path_for(self, step: int) -> str: ...
+    def restore_agreed(
+        self, path: str, step: int, state: dict[str, Any], t0: float, tier: str = ..., job_tier: str = ...
+    ) -> Any: ...
+
+
 class Tiers:
     """Local tier under ``local_dir`` (one folder per node), ``replicas`` copies on peer nodes, the manager's root
     behind it.  Construct on every rank (collective: it creates its process group and learns every rank's node)."""
 
     def __init__(
         self,
-        mgr: CheckpointManager,
+        mgr: Host,
         local_dir: str,
         policy: TierPolicy,
         replicas: int = 0,
@@ -117,8 +130,6 @@ class Tiers:
     def _replicate(
         self, step: int, tiers: tuple[str, ...], pending: Path, started: float, saved: Future
     ) -> SaveResult:
-        from ..saving.checkpointer import SaveResult
-
         # the checkpointer's commit into the pending folders (an async save's error is raised here, once)
         written = self.mgr.checkpointer.wait() or saved.result()
         raw, m = replicate.share_manifest(self.coll, self.nodes, pending)
