@@ -88,30 +88,22 @@ def test_local_saves_never_touch_the_object_store_and_restore_prefers_the_newest
     assert persisted == read_manifest(open_storage(str(local / "step_00000004")))
     # the local tier: the keep_local=2 newest steps, each a committed checkpoint ckpt reads as any other
     assert steps_in(local) == ["step_00000004", "step_00000006"]
-    assert not os.listdir(local / ".pending") if (local / ".pending").exists() else True
+    assert not (local / ".pending").exists()  # swept after the commit
     assert read_manifest(open_storage(str(local / "step_00000006"))).step == 6
     assert requests_at_4 > before
 
-    # restart: the newest step is local (6)
-    model2, opt2 = make(seed=1)
-    mgr2 = ckpt.CheckpointManager(
-        s3.url, storage_options=s3.storage_options, local_dir=str(local), local_every=2, persist_every=4
-    )
-    assert mgr2.restore_latest(model=model2, optimizer=opt2) == 6
-    assert mgr2.last_restore is not None and mgr2.last_restore.tier == "local"
-    assert state_bytes(model2, opt2) == snaps[6]
-    mgr2.close()
+    def restart(seed: int, step: int, tier: str) -> None:
+        model, opt = make(seed)
+        with ckpt.CheckpointManager(
+            s3.url, storage_options=s3.storage_options, local_dir=str(local), local_every=2, persist_every=4
+        ) as mgr:
+            assert mgr.restore_latest(model=model, optimizer=opt) == step
+            assert mgr.last_restore is not None and mgr.last_restore.tier == tier
+        assert state_bytes(model, opt) == snaps[step]
 
-    # the node was replaced (empty local_dir): the persistent step 4
-    shutil.rmtree(local)
-    model3, opt3 = make(seed=2)
-    mgr3 = ckpt.CheckpointManager(
-        s3.url, storage_options=s3.storage_options, local_dir=str(local), local_every=2, persist_every=4
-    )
-    assert mgr3.restore_latest(model=model3, optimizer=opt3) == 4
-    assert mgr3.last_restore is not None and mgr3.last_restore.tier == "persistent"
-    assert state_bytes(model3, opt3) == snaps[4]
-    mgr3.close()
+    restart(1, 6, "local")  # the newest step is local
+    shutil.rmtree(local)  # the node was replaced (empty local_dir): the persistent step 4
+    restart(2, 4, "persistent")
 
 
 def test_without_local_dir_nothing_changes(tmp_path: Path) -> None:
