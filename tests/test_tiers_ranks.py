@@ -134,7 +134,40 @@ def restore_job(rank: int, world: int, tmp: str, cases: list[str]) -> dict[str, 
         res["losses"] = {s: train_step(model, opt, rank, s) for s in range(step + 1, LAST + 1)}
         mgr.close()
         out[case] = res
+    out["in-transit"] = corrupt_in_transit(rank, world, Path(tmp))
     return out
+
+
+def corrupt_in_transit(rank: int, world: int, tmp: Path) -> dict[str, Any]:
+    """A replica damaged on the wire (one byte of what rank 2 receives flipped): the local save is refused on
+    every rank, nothing of it looks committed, and the previous step stays the newest."""
+    import ckpt.tiers.replicate as rep
+
+    real = rep.exchange
+
+    def flip(*a: Any, **k: Any) -> Any:
+        got = real(*a, **k)
+        if rank == 2 and got:
+            b = bytearray(got[-1])
+            b[len(b) // 2] ^= 1
+            got[-1] = bytes(b)
+        return got
+
+    model, opt = fresh(world, seed=5)
+    mgr = manager(tmp, "in-transit", rank // 2, node_rank=rank // 2, async_save=False)
+    assert mgr.restore_latest(model=model, optimizer=opt) == SAVED
+    train_step(model, opt, rank, SAVED + 1)
+    rep.exchange = flip
+    try:
+        mgr.save(SAVED + 2, model=model, optimizer=opt)
+        error = None
+    except ckpt.CkptError as e:
+        error = str(e)
+    finally:
+        rep.exchange = real
+    mgr.close()
+    folder = tmp / "in-transit" / f"node{rank // 2}"
+    return {"error": error, "steps": sorted(n for n in os.listdir(folder) if n.startswith("step_"))}
 
 
 # ------------------------------------------------------------------------------------------------ fixtures
@@ -189,6 +222,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
             data = bytearray(f.read_bytes())
             data[-5] ^= 0x40  # inside the last chunk's bytes
             f.write_bytes(bytes(data))
+    variant("in-transit")
     cases = ["replaced-node", "both-wiped", "bad-replica", "both-copies-bad", "killed"]
     listing = {n: sorted(os.listdir(tmp / "killed" / n)) for n in ("node0", "node1")}
     restored = run_ranks(restore_job, WORLD, str(tmp), cases)
@@ -236,3 +270,11 @@ def test_a_kill_during_replication_leaves_no_committed_looking_step(runs: dict[s
     for node, names in runs["killed_listing"].items():
         assert [n for n in names if n.startswith("step_")] == ["step_00000002"], node
     check(runs, "killed", 2, ["local"] * WORLD)
+
+
+def test_a_replica_damaged_in_transit_is_refused_and_nothing_commits(runs: dict[str, Any]) -> None:
+    got = [r["in-transit"] for r in runs["restored"]]
+    for g in got:
+        assert g["error"] is not None and "local save of step 8 not committed" in g["error"]
+        assert "checksum" in g["error"] or "damaged" in g["error"]
+        assert g["steps"] == ["step_00000004", "step_00000006"]

@@ -26,7 +26,7 @@ from .files import FileChecker, all_files, file_size, rank_files
 from .node import NodeMap
 from .policy import LOCAL, PEER, PERSISTENT
 from .retention import FETCH, drop, local_steps
-from .transfer import exchange, read_or_zeros
+from .transfer import check_received, exchange, read_or_zeros, sent_digests
 
 
 @dataclass
@@ -154,15 +154,18 @@ def fetch(coll: Any, nodes: NodeMap, root: Path, cand: Candidate) -> list[str]:
     if leader and not (final / MANIFEST_NAME).exists():
         storage.put_bytes(MANIFEST_NAME, cand.raw, exclusive=False)
     problems: list[str] = []
-    sends = [
-        (dst, read_or_zeros(final / name, file_size(m, name), problems))
-        for src, dst, name in cand.transfers
-        if src == nodes.rank
-    ]
+    outgoing = [(dst, name) for src, dst, name in cand.transfers if src == nodes.rank]
+    data = {name: read_or_zeros(final / name, file_size(m, name), problems) for _, name in outgoing}
+    sends = [(dst, data[name]) for dst, name in outgoing]
+    digests = sent_digests(coll, data)
     mine = [(src, name) for src, dst, name in cand.transfers if dst == nodes.rank]
     try:
         got = exchange(coll.group, sends, [(src, file_size(m, name)) for src, name in mine])
         for (_, name), data in zip(mine, got, strict=True):
+            bad = check_received(name, data, digests, str(target / name))
+            if bad is not None:
+                problems.append(bad)
+                continue
             storage.put_bytes(name, data, exclusive=False)
         checker = FileChecker(storage, m)
         problems += [e for e in (checker.check(name) for _, name in mine) if e is not None]

@@ -23,7 +23,7 @@ from ..storage import Storage, open_storage
 from .files import FileChecker, file_size, rank_files
 from .node import NodeMap
 from .retention import drop
-from .transfer import exchange, read_or_zeros
+from .transfer import check_received, exchange, read_or_zeros, sent_digests
 
 
 def share_manifest(coll: Any, nodes: NodeMap, folder: Path) -> tuple[bytes, Manifest]:
@@ -39,7 +39,9 @@ def send_replicas(coll: Any, nodes: NodeMap, replicas: int, folder: Path, m: Man
     """Step 2 of the module docstring; returns this rank's problems (empty: its replicas are sealed)."""
     storage = open_storage(str(folder))
     problems: list[str] = []
-    mine = [read_or_zeros(folder / n, file_size(m, n), problems) for n in rank_files(m, nodes.rank)]
+    own = rank_files(m, nodes.rank)
+    mine = [read_or_zeros(folder / n, file_size(m, n), problems) for n in own]
+    digests = sent_digests(coll, dict(zip(own, mine, strict=True)) if replicas else {})
     sends = [(nodes.peer(nodes.rank, k), data) for k in range(1, replicas + 1) for data in mine]
     names = []
     recvs = []
@@ -50,6 +52,10 @@ def send_replicas(coll: Any, nodes: NodeMap, replicas: int, folder: Path, m: Man
             recvs.append((src, file_size(m, n)))
     received = exchange(coll.group, sends, recvs)
     for n, data in zip(names, received, strict=True):
+        bad = check_received(n, data, digests, str(folder / n))
+        if bad is not None:
+            problems.append(bad)
+            continue
         storage.put_bytes(n, data, exclusive=False)
     checker = FileChecker(storage, m)
     return problems + [e for e in map(checker.check, names) if e is not None]

@@ -1,6 +1,8 @@
 """Moving whole files between ranks over the tier's gloo group (CPU): host bytes, whatever device trained.
 
-Both sides know every file's size from the step's manifest, so only the bytes travel.  All sends and receives of
+Both sides know every file's size from the step's manifest, so only the bytes travel; the senders' xxh3 of
+every file they send is gathered first (:func:`sent_digests`), so a receiver also catches damage the manifest's
+checksums do not cover (a data file's safetensors header).  All sends and receives of
 one exchange are posted at once (``isend``/``irecv``): every rank may send and receive in the same exchange without
 a global order, and messages between two ranks arrive in the order they were posted.
 """
@@ -28,6 +30,28 @@ def read_or_zeros(path: Path, size: int, problems: list[str]) -> bytes:
         problems.append(f"{path}: {len(data)} bytes, the manifest says {size}")
         return bytes(size)
     return data
+
+
+def sent_digests(coll: Any, files: dict[str, bytes]) -> dict[str, str]:
+    """Every rank's ``{name: xxh3}`` of the files it is about to send, merged (collective)."""
+    from ..format.codecs import checksum
+
+    out: dict[str, str] = {}
+    for part in coll.all_gather({n: checksum(d) for n, d in files.items()}):
+        out.update(part)
+    return out
+
+
+def check_received(name: str, data: bytes, digests: dict[str, str], where: str) -> str | None:
+    """None when ``data`` is what its sender hashed, else one line naming the file."""
+    from ..format.codecs import checksum
+
+    got = checksum(data)
+    return (
+        None
+        if got == digests.get(name)
+        else f"{where}: damaged in transit (sent {digests.get(name)}, got {got})"
+    )
 
 
 def exchange(group: Any, sends: Sequence[tuple[int, bytes]], recvs: Sequence[tuple[int, int]]) -> list[bytes]:
