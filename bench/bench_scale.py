@@ -21,7 +21,7 @@ the harness measures, per rank:
   sends them; the fake collective counts them);
 - commit: ``before``: rank 0 building the v1 manifest from every rank's receipt (every chunk); ``after``: each
   writer sealing its own index and state file (slowest rank reported), rank 0 checking the written boxes and
-  writing the v2 top manifest (``ckpt.format.seal``); the bytes every rank sends rank 0, and the manifest's size;
+  writing the v2 top manifest (``ckpt.format.publish``); the bytes every rank sends rank 0, and the manifest's size;
 - restore: one rank of a resharded job (N -> N/2 and N -> 2N) reading the metadata it needs and planning which
   stored chunks to read for its boxes (``ckpt.format.reader.overlapping``), without reading data.
 
@@ -48,11 +48,16 @@ from typing import Any
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, ".."))
 
-from ckpt.format.index import Locator  # noqa: E402
+from ckpt.format.index import Locator, top_text  # noqa: E402
 from ckpt.format.manifest import Box, Layout, Manifest, TensorDesc  # noqa: E402
-from ckpt.format.publish import Receipt, build_manifest, data_file_name  # noqa: E402
+from ckpt.format.publish import (  # noqa: E402
+    Receipt,
+    build_manifest,
+    data_file_name,
+    manifest_from_summaries,
+    write_rank_files,
+)
 from ckpt.format.reader import overlapping  # noqa: E402
-from ckpt.format.seal import build_top, write_rank_files  # noqa: E402
 from ckpt.neuron.parallel import ParallelInfo  # noqa: E402
 from ckpt.neuron.partition import NxdLayout  # noqa: E402
 from ckpt.saving.planning import (  # noqa: E402
@@ -134,7 +139,7 @@ class Sim:
         return Layout(world_size=self.world, dp=self.world)
 
     def pieces(self, rank: int) -> list[Piece]:
-        """The pieces ``rank`` holds, as ``Checkpointer._describe`` makes them (empty boxes dropped for NxD
+        """The pieces ``rank`` holds, as ``ckpt.saving.writers.WriterPlanner.describe`` makes them (empty boxes dropped for NxD
         ZeRO-1 as capture_zero1 drops them; DTensor ranks keep their empty boxes)."""
         out: list[Piece] = []
         if self.kind == "ddp":
@@ -254,7 +259,7 @@ def samples(world: int) -> list[int]:
 
 
 def receipts_for(sim: Sim, plan: Callable[[int], list[Piece]], rng_tree: Any) -> list[dict[str, Any]]:
-    """Every rank's commit report (as ``Checkpointer._run`` sends it): its receipt and per-rank trees."""
+    """Every rank's commit report (as ``ckpt.saving.commit.run`` sends it): its receipt and per-rank trees."""
     out = []
     for r in range(sim.world):
         rec = Receipt(r)
@@ -269,7 +274,7 @@ def receipts_for(sim: Sim, plan: Callable[[int], list[Piece]], rng_tree: Any) ->
                 pos += n
         if rec.shards:
             rec.files.append((fname, pos))
-        descs = [(0, p.desc) for p in plan(r)]  # as Checkpointer._run sends them (v1: every tensor it writes)
+        descs = [(0, p.desc) for p in plan(r)]  # as ckpt.saving.commit.run sends them (v1: every tensor it writes)
         out.append({"ok": True, "rank": r, "trees": {"rng": rng_tree}, "receipt": rec, "descs": descs})
     return out
 
@@ -353,7 +358,7 @@ def after(sim: Sim, repeat: int) -> dict[str, Any]:
 
 
 def after_commit(sim: Sim, rng_tree: Any, repeat: int) -> dict[str, Any]:
-    """Commit and restore with format v2 as the saver runs it (ckpt.format.seal): each writer seals its own index and
+    """Commit and restore with format v2 as the saver runs it (ckpt.format.publish): each writer seals its own index and
     state file (timed per rank, slowest reported), rank 0 checks the written boxes and writes the top manifest;
     writers from the local planning (every rank planned once)."""
     import tempfile
@@ -377,7 +382,7 @@ def after_commit(sim: Sim, rng_tree: Any, repeat: int) -> dict[str, Any]:
             )
             res["writer_s"] = max(res["writer_s"], time.process_time() - t0)
             summaries.append(summary)
-        # what each rank sends rank 0 (Checkpointer._run): its summary, the descriptions of what it writes, the
+        # what each rank sends rank 0 (ckpt.saving.commit.run): its summary, the descriptions of what it writes, the
         # digests of its RNG streams
         res["commit_in_bytes"] = sum(
             len(
@@ -396,9 +401,9 @@ def after_commit(sim: Sim, rng_tree: Any, repeat: int) -> dict[str, Any]:
             for s in summaries
         )
 
-        def commit() -> tuple[str, int]:
+        def commit() -> str:
             trees = {"rng_base": base_record_of(rng_tree, [digests] * sim.world, None)}
-            return build_top(
+            m, written = manifest_from_summaries(
                 step=1,
                 backend="cuda",
                 layout=sim.layout(),
@@ -407,8 +412,9 @@ def after_commit(sim: Sim, rng_tree: Any, repeat: int) -> dict[str, Any]:
                 trees=trees,
                 env={},
             )
+            return top_text(m, written.pieces, written.indexes, written.states)  # what publish() writes
 
-        res["commit_s"], (top, _) = best(commit, repeat)
+        res["commit_s"], top = best(commit, repeat)
         res["manifest_bytes"] = len(top.encode())
         res["index_bytes_max"] = max(s.index.size for s in summaries if s.index is not None)
         res["state_bytes_max"] = max(s.state.size for s in summaries if s.state is not None)

@@ -28,6 +28,7 @@ from .format.reader import CheckpointReader
 from .restoring.discovery import CheckpointInfo, list_checkpoints, missing_files, parse_step, step_dir
 from .restoring.loader import RestoreResult, restore
 from .saving.checkpointer import Checkpointer, SaveResult, check_step
+from .saving.options import SaveOptions, split_keywords
 from .storage import open_storage
 from .tiers.policy import TierPolicy
 from .tiers.tiered import Tiers
@@ -104,20 +105,27 @@ class CheckpointManager:
 
     # ------------------------------------------------------------------------------------------------ saving
     def save(self, step: int, **state: Any) -> Future:
-        """Save ``state`` (model=, optimizer=, scheduler=, ...) as step ``step`` to the tiers the policy names (a
-        no-op for the others: the future's result is None); see Checkpointer.save."""
+        """Save ``state`` as step ``step`` to the tiers the policy names (a no-op for the others: the future's
+        result is None): the training objects (model=, optimizer=, scheduler=, ...) and the
+        :class:`~ckpt.SaveOptions` fields as plain keywords (progress=, lazy=, adapter_only=, ...); see
+        Checkpointer.save.  ``on_commit`` is the manager's own (retention, ``on_event``)."""
         check_step(step)
+        objects, options = split_keywords(state, "CheckpointManager.save")
+        if options.on_commit is not None:
+            raise TypeError("CheckpointManager.save() got on_commit=: the manager commits with its own (retention); "
+                            "use CheckpointManager(on_event=...) to hear of saves")  # fmt: skip
         if self.tiers is not None:
-            return self.tiers.save(step, state)
+            return self.tiers.save(step, objects, options)
         if not self.policy.tiers(step):
             fut: Future = Future()
             fut.set_result(None)
             return fut
-        return self.save_persistent(step, **state)
+        return self.save_persistent(step, objects, options)
 
-    def save_persistent(self, step: int, **state: Any) -> Future:
+    def save_persistent(self, step: int, objects: dict[str, Any], options: SaveOptions) -> Future:
         """Save step ``step`` to ``root`` only."""
-        fut = self.checkpointer.save(self.path_for(step), step=step, on_commit=self._after_commit, **state)
+        options = dataclasses.replace(options, on_commit=self._after_commit)
+        fut = self.checkpointer.save(self.path_for(step), step=step, options=options, **objects)
         if fut.done() and fut.exception() is None:
             self._emit_save(fut.result())
         return fut

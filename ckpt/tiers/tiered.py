@@ -47,7 +47,7 @@ class Host(Protocol):
     checkpointer: Any
     storage: Any
 
-    def save_persistent(self, step: int, **state: Any) -> Future: ...
+    def save_persistent(self, step: int, objects: dict[str, Any], options: Any) -> Future: ...
     def apply_retention(self, newest: int) -> list[int]: ...
     def note_save(self, result: SaveResult) -> None: ...
     def list(self, check_files: bool = False) -> list[Any]: ...
@@ -89,8 +89,9 @@ class Tiers:
         self._thread: threading.Thread | None = None
 
     # ------------------------------------------------------------------------------------------------ saving
-    def save(self, step: int, state: dict[str, Any]) -> Future:
-        """Save ``step`` to the tiers the policy names (a resolved future of None when none)."""
+    def save(self, step: int, objects: dict[str, Any], options: Any) -> Future:
+        """Save ``step`` (the training ``objects``, a :class:`~ckpt.SaveOptions`) to the tiers the policy names (a
+        resolved future of None when none)."""
         tiers = self.policy.tiers(step)
         if not tiers:
             fut: Future = Future()
@@ -98,11 +99,11 @@ class Tiers:
             return fut
         self.wait()
         if LOCAL not in tiers:
-            return self.mgr.save_persistent(step, **state)
+            return self.mgr.save_persistent(step, objects, options)
         token = self.coll.broadcast(uuid.uuid4().hex[:8])
         pending = self.root / PENDING / f"{step_dir(step)}-{token}"
         started = time.perf_counter()
-        written = self.mgr.checkpointer.save(str(pending), step=step, **state)
+        written = self.mgr.checkpointer.save(str(pending), step=step, options=options, **objects)
         fut = Future()
         if not self.mgr.checkpointer.async_save:
             self._finish(step, tiers, pending, started, written, fut)
