@@ -84,7 +84,7 @@ class NodeMap:
         if len(sizes) > 1:
             raise CkptError(
                 f"replicas={replicas} needs the same number of ranks on every node; nodes have "
-                f"{sorted(len(m) for m in self.nodes)} (by {self.source})"
+                f"{[len(m) for m in self.nodes]} ranks (by {self.source})"
             )
 
     def peer(self, rank: int, k: int) -> int:
