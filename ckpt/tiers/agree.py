@@ -26,7 +26,7 @@ from .files import FileChecker, all_files, file_size, rank_files
 from .node import NodeMap
 from .policy import LOCAL, PEER, PERSISTENT
 from .retention import FETCH, drop, local_steps
-from .transfer import check_received, exchange, read_or_zeros, sent_digests
+from .transfer import exchange, read_or_zeros, sent_digests, store_received
 
 
 @dataclass
@@ -161,14 +161,7 @@ def fetch(coll: Any, nodes: NodeMap, root: Path, cand: Candidate) -> list[str]:
     mine = [(src, name) for src, dst, name in cand.transfers if dst == nodes.rank]
     try:
         got = exchange(coll.group, sends, [(src, file_size(m, name)) for src, name in mine])
-        for (_, name), data in zip(mine, got, strict=True):
-            bad = check_received(name, data, digests, str(target / name))
-            if bad is not None:
-                problems.append(bad)
-                continue
-            storage.put_bytes(name, data, exclusive=False)
-        checker = FileChecker(storage, m)
-        problems += [e for e in (checker.check(name) for _, name in mine) if e is not None]
+        problems += store_received(storage, target, m, [name for _, name in mine], got, digests)
     except (CkptError, OSError) as e:
         problems.append(f"rank {nodes.rank}: {e}")
     problems = [p for ps in coll.all_gather(problems) for p in ps]

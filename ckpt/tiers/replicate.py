@@ -20,10 +20,10 @@ from ..errors import CheckpointExistsError, CkptError
 from ..format.manifest import MANIFEST_NAME, Manifest
 from ..restoring.discovery import step_dir
 from ..storage import Storage, open_storage
-from .files import FileChecker, file_size, rank_files
+from .files import file_size, rank_files
 from .node import NodeMap
 from .retention import drop
-from .transfer import check_received, exchange, read_or_zeros, sent_digests
+from .transfer import exchange, read_or_zeros, sent_digests, store_received
 
 
 def share_manifest(coll: Any, nodes: NodeMap, folder: Path) -> tuple[bytes, Manifest]:
@@ -51,14 +51,7 @@ def send_replicas(coll: Any, nodes: NodeMap, replicas: int, folder: Path, m: Man
             names.append(n)
             recvs.append((src, file_size(m, n)))
     received = exchange(coll.group, sends, recvs)
-    for n, data in zip(names, received, strict=True):
-        bad = check_received(n, data, digests, str(folder / n))
-        if bad is not None:
-            problems.append(bad)
-            continue
-        storage.put_bytes(n, data, exclusive=False)
-    checker = FileChecker(storage, m)
-    return problems + [e for e in map(checker.check, names) if e is not None]
+    return problems + store_received(storage, folder, m, names, received, digests)
 
 
 def commit(nodes: NodeMap, pending: Path, final: Path) -> None:

@@ -54,6 +54,29 @@ def check_received(name: str, data: bytes, digests: dict[str, str], where: str) 
     )
 
 
+def store_received(
+    storage: Any,
+    folder: Path,
+    m: Any,
+    names: Sequence[str],
+    received: Sequence[bytes],
+    digests: dict[str, str],
+) -> list[str]:
+    """Publish each received file that its sender's digest confirms into ``storage`` (the folder ``folder``), then
+    check them all against the manifest ``m``; returns the problems (a refused file is not written)."""
+    from .files import FileChecker
+
+    problems = []
+    for name, data in zip(names, received, strict=True):
+        bad = check_received(name, data, digests, str(folder / name))
+        if bad is not None:
+            problems.append(bad)
+            continue
+        storage.put_bytes(name, data, exclusive=False)
+    checker = FileChecker(storage, m)
+    return problems + [e for e in map(checker.check, names) if e is not None]
+
+
 def exchange(group: Any, sends: Sequence[tuple[int, bytes]], recvs: Sequence[tuple[int, int]]) -> list[bytes]:
     """Send each ``(rank, data)`` and receive each ``(rank, size)``; returns the received bytes in ``recvs`` order.
 
