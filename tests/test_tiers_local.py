@@ -180,6 +180,8 @@ def test_bad_tier_settings_are_refused(tmp_path: Path) -> None:
         ckpt.CheckpointManager(str(tmp_path / "r"), local_every=5)
     with pytest.raises(CkptError, match=r"persist_every=0: expected a positive integer"):
         ckpt.CheckpointManager(str(tmp_path / "r"), local_dir=str(tmp_path / "l"), persist_every=0)
+    with pytest.raises(CkptError, match=r"local_dir= with process_group=: the tiers' group spans every rank"):
+        ckpt.CheckpointManager(str(tmp_path / "r"), local_dir=str(tmp_path / "l"), process_group=object())
     with pytest.raises(CkptError, match=r"local_dir='s3://b/x': expected a node-local folder"):
         ckpt.CheckpointManager(str(tmp_path / "r"), local_dir="s3://b/x")
 
