@@ -63,7 +63,7 @@ from ckpt.neuron.partition import NxdLayout  # noqa: E402
 from ckpt.saving.planning import (  # noqa: E402
     DEFAULT_CHUNK_BYTES,
     Group,
-    Piece,
+    HeldBox,
     assign_writers,
     chunk_boxes,
     mesh_group,
@@ -138,17 +138,17 @@ class Sim:
             return Layout(world_size=self.world, dp=self.world, mesh={"shape": shape}, kind="dtensor")
         return Layout(world_size=self.world, dp=self.world)
 
-    def pieces(self, rank: int) -> list[Piece]:
+    def pieces(self, rank: int) -> list[HeldBox]:
         """The pieces ``rank`` holds, as ``ckpt.saving.writers.WriterPlanner.describe`` makes them (empty boxes dropped for NxD
         ZeRO-1 as capture_zero1 drops them; DTensor ranks keep their empty boxes)."""
-        out: list[Piece] = []
+        out: list[HeldBox] = []
         if self.kind == "ddp":
-            return [Piece(d, Box.full(d.shape)) for d in self.descs]
+            return [HeldBox(d, Box.full(d.shape)) for d in self.descs]
         if self.kind == "fsdp":
-            return [Piece(d, dim0_box(d.shape, self.world, rank)) for d in self.descs]
+            return [HeldBox(d, dim0_box(d.shape, self.world, rank)) for d in self.descs]
         if self.kind == "hsdp":
             s = rank % SHARD_GROUP
-            return [Piece(d, dim0_box(d.shape, SHARD_GROUP, s)) for d in self.descs]
+            return [HeldBox(d, dim0_box(d.shape, SHARD_GROUP, s)) for d in self.descs]
         tp, pp, dp = self.nxd_sizes
         tp_rank, pp_rank, dp_rank = rank % tp, (rank // tp) % pp, rank // (tp * pp)
         per_stage = -(-len(self.descs) // pp)
@@ -161,12 +161,12 @@ class Sim:
                 if n == 0:
                     continue
                 box = Box((box.offsets[0] + off, *box.offsets[1:]), (n, *box.lengths[1:]))
-            out.append(Piece(d, box))
+            out.append(HeldBox(d, box))
             del i
         return out
 
 
-def groups(sim: Sim, rank: int, pieces: list[Piece]) -> list[Group]:
+def groups(sim: Sim, rank: int, pieces: list[HeldBox]) -> list[Group]:
     """The replica group of each piece, derived as the saver derives it (planning.mesh_group for DTensors,
     NxdLayout.replica_group for NxD, planning.world_group for plain tensors)."""
     n = sim.world
@@ -200,7 +200,7 @@ def groups(sim: Sim, rank: int, pieces: list[Piece]) -> list[Group]:
     return out
 
 
-def restore_boxes(kind: str, world: int, descs: list[TensorDesc], rank: int) -> list[Piece]:
+def restore_boxes(kind: str, world: int, descs: list[TensorDesc], rank: int) -> list[HeldBox]:
     """The boxes rank ``rank`` of a job of ``world`` ranks (same layout family) restores."""
     return Sim(kind, world, descs).pieces(rank)
 
@@ -258,7 +258,7 @@ def samples(world: int) -> list[int]:
     return sorted({0, world // 2, world - 1})
 
 
-def receipts_for(sim: Sim, plan: Callable[[int], list[Piece]], rng_tree: Any) -> list[dict[str, Any]]:
+def receipts_for(sim: Sim, plan: Callable[[int], list[HeldBox]], rng_tree: Any) -> list[dict[str, Any]]:
     """Every rank's commit report (as ``ckpt.saving.commit.run`` sends it): its receipt and per-rank trees."""
     out = []
     for r in range(sim.world):
@@ -291,7 +291,7 @@ def before(sim: Sim, repeat: int) -> dict[str, Any]:
     )
     coll.all_gather_sizes(sizes)
     res["plan_bytes"] = coll.sent + coll.received
-    mine: dict[int, list[Piece]] = {}
+    mine: dict[int, list[HeldBox]] = {}
     for r, pieces in enumerate(per_rank):
         for p in pieces:
             if plan[(p.name, p.box)] == r:
@@ -321,7 +321,7 @@ def before(sim: Sim, repeat: int) -> dict[str, Any]:
     for label, world2 in (("half", max(1, sim.world // 2)), ("double", sim.world * 2)):
         want = restore_boxes(sim.kind, world2, sim.descs, world2 // 2)
 
-        def plan_restore(want: list[Piece] = want) -> int:
+        def plan_restore(want: list[HeldBox] = want) -> int:
             m = Manifest.from_json(raw)
             return sum(len(overlapping(m.tensors[p.name], p.box)) for p in want)
 
@@ -363,7 +363,7 @@ def after_commit(sim: Sim, rng_tree: Any, repeat: int) -> dict[str, Any]:
     writers from the local planning (every rank planned once)."""
     import tempfile
 
-    mine: dict[int, list[Piece]] = {}
+    mine: dict[int, list[HeldBox]] = {}
     for r in range(sim.world):
         pieces = sim.pieces(r)
         write, _ = plan_local(pieces, groups(sim, r, pieces))
@@ -424,7 +424,7 @@ def after_commit(sim: Sim, rng_tree: Any, repeat: int) -> dict[str, Any]:
             rank2 = world2 // 2
             want = restore_boxes(sim.kind, world2, sim.descs, rank2)
 
-            def plan_restore(want: list[Piece] = want, rank2: int = rank2) -> tuple[int, int]:
+            def plan_restore(want: list[HeldBox] = want, rank2: int = rank2) -> tuple[int, int]:
                 m = Manifest.from_json(raw)
                 loc = Locator(storage, m, m.v2, "manifest.json")
                 n = 0

@@ -19,7 +19,7 @@ from ..format.manifest import Box, TensorDesc
 from ..state.training import NamedTensor
 from .planning import (
     Group,
-    Piece,
+    HeldBox,
     assign_writers,
     chunk_boxes,
     digest,
@@ -48,16 +48,16 @@ class WriterPlanner:
         self.coll = coll
         self._plan_key: list[str] | None = None
         self._plan: dict[tuple[str, Box], int] | None = None
-        self._per_rank: list[list[Piece]] | None = None  # the exact path's gathered pieces
+        self._per_rank: list[list[HeldBox]] | None = None  # the exact path's gathered pieces
         self.last_plan = ""  # "local" or "exact": how the last save agreed on its writers (tests, benches)
 
     def describe(
         self, named: list[NamedTensor], layout_hook: LayoutHook | None
-    ) -> tuple[list[Piece], Local, list[Group | None]]:
+    ) -> tuple[list[HeldBox], Local, list[Group | None]]:
         """This rank's pieces, their local tensors, and the replica group of each where it can be derived."""
         from torch.distributed.tensor import DTensor
 
-        pieces: list[Piece] = []
+        pieces: list[HeldBox] = []
         local: Local = {}
         groups: list[Group | None] = []
         seen: set[str] = set()
@@ -81,7 +81,7 @@ class WriterPlanner:
                 group = world_group(self.coll.rank, self.coll.world_size)
             else:
                 group = None
-            p = Piece(
+            p = HeldBox(
                 TensorDesc(nt.name, nt.role, shape, dtype_name(t.dtype), nt.param, nt.key, partition), box
             )
             pieces.append(p)
@@ -89,7 +89,7 @@ class WriterPlanner:
             groups.append(group)
         return pieces, local, groups
 
-    def assign(self, pieces: list[Piece], groups: list[Group | None]) -> list[bool]:
+    def assign(self, pieces: list[HeldBox], groups: list[Group | None]) -> list[bool]:
         """Which of this rank's pieces it writes (ckpt.saving.checkpointer's docstring, step 2).  Collective."""
         if not self.coll.active:
             self.last_plan = "local"
@@ -108,7 +108,7 @@ class WriterPlanner:
             self._plan_key = key
         return [self._plan[(p.name, p.box)] == self.coll.rank for p in pieces]
 
-    def check_replicas(self, pieces: list[Piece], groups: list[Group | None], local: Local) -> None:
+    def check_replicas(self, pieces: list[HeldBox], groups: list[Group | None], local: Local) -> None:
         """Compare the copies of replicated pieces across ranks (:mod:`ckpt.saving.replicated`).  Collective;
         call after :meth:`assign`, whose path says how the replicas are known."""
         if self.last_plan == "exact":
@@ -120,7 +120,7 @@ class WriterPlanner:
 
 
 def chunks_of(
-    mine: list[tuple[Piece, torch.Tensor]], chunk_bytes: int
+    mine: list[tuple[HeldBox, torch.Tensor]], chunk_bytes: int
 ) -> list[tuple[str, Box, torch.Tensor]]:
     """The pieces this rank writes cut into chunks of at most ``chunk_bytes`` along dim 0 (views, no copies)."""
     chunks: list[tuple[str, Box, torch.Tensor]] = []
