@@ -14,7 +14,7 @@ import shutil
 from pathlib import Path
 
 from ..format.manifest import MANIFEST_NAME
-from ..restoring.discovery import parse_step
+from ..restoring.discovery import parse_step, step_dir
 
 #: folders (hidden: ``ckpt ls`` and discovery skip them) holding local saves and restore fetches in flight
 PENDING = ".pending"
@@ -28,7 +28,7 @@ def local_steps(root: Path) -> list[int]:
     except FileNotFoundError:
         return []
     steps = [s for s in map(parse_step, names) if s is not None]
-    return sorted(s for s in steps if (root / f"step_{s:08d}" / MANIFEST_NAME).is_file())
+    return sorted(s for s in steps if (root / step_dir(s) / MANIFEST_NAME).is_file())
 
 
 def drop(folder: Path) -> None:
@@ -46,7 +46,7 @@ def sweep(root: Path, newest: int, keep_local: int | None, newest_persistent: in
     for s in steps:
         stale = s > newest or (newest_persistent is not None and s < newest_persistent and s != newest)
         if s not in keep or stale:
-            drop(root / f"step_{s:08d}")
+            drop(root / step_dir(s))
             deleted.append(s)
     for name in os.listdir(root):  # leftovers of a delete that crashed half-way
         s = parse_step(name)
