@@ -122,3 +122,29 @@ def test_a_file_held_nowhere_makes_the_step_unrestorable_and_older_ones_follow(t
         and "checksum mismatch" in skipped.note
     )
     assert (older.step, older.tier) == (1, "persistent")
+
+
+def test_two_saves_of_one_step_on_different_nodes_are_never_mixed(tmp_path: Path) -> None:
+    """A commit cut short after a restore abandoned a timeline: node 0 still holds the old save of step 3, node 1
+    the new one.  The newer save is chosen, and node 0 gets all of its files (none of the old one's count)."""
+    import json
+
+    from ckpt.format.schema import seal
+
+    old = six_rank_manifest(tmp_path)
+    doc = json.loads(old)
+    doc.pop("checksum")
+    doc["created_at"] = "2099-01-01T00:00:00+00:00"
+    new = seal(doc).encode()
+    m = Manifest.from_json(new, MANIFEST_NAME)
+    files = all_files(m)
+    seal_of = {r: SEAL_RE.match(r).group(1) for r in (old, new)}  # type: ignore[union-attr]
+    nodes = node_map(2, 1)
+    reports = [
+        {3: {"seal": seal_of[old], "held": files, "bad": [], "raw": old}},
+        {3: {"seal": seal_of[new], "held": files, "bad": [], "raw": new}},
+    ]
+    (cand,) = agree.plan(nodes, reports, [])
+    assert cand.raw == new
+    assert sorted(name for _, dst, name in cand.transfers if dst == 0) == sorted(files)
+    assert cand.tiers == ["peer", "local"]
