@@ -99,7 +99,9 @@ class CheckpointManager:
         self.tiers: Tiers | None = None
         if local_dir is not None:
             if process_group is not None:
-                raise CkptError("local_dir= with process_group=: the tiers' group spans every rank of the job")
+                raise CkptError(
+                    "local_dir= with process_group=: the tiers' group spans every rank of the job"
+                )
             self.tiers = Tiers(self, local_dir, self.policy, replicas, keep_local, node_rank)
 
     def path_for(self, step: int) -> str:
