@@ -228,3 +228,29 @@ def test_the_ledger_records_each_restore_tier_and_report_prices_recovery_per_tie
     ]
     text = CliRunner().invoke(report, [str(run)]).output
     assert "Recovery cost per tier" in text and "persistent" in text
+
+
+def test_an_unreachable_object_store_does_not_stop_a_restore_from_the_local_tier(tmp_path: Path) -> None:
+    model, opt = make()
+    local = tmp_path / "nvme"
+    options = {
+        "client_kwargs": {"endpoint_url": "http://127.0.0.1:9"},
+        "config_kwargs": {"retries": {"max_attempts": 1}},
+    }
+    with ckpt.CheckpointManager(
+        "s3://nowhere/run", storage_options=options, local_dir=str(local), local_every=1, persist_every=100,
+        async_save=False,
+    ) as mgr:  # fmt: skip
+        train_step(model, opt, 1)
+        mgr.save(1, model=model, optimizer=opt)  # local only: the store is never asked
+    want = state_bytes(model, opt)
+    model2, opt2 = make(seed=4)
+    with ckpt.CheckpointManager(
+        "s3://nowhere/run", storage_options=options, local_dir=str(local), persist_every=100
+    ) as mgr2:
+        with pytest.warns(
+            UserWarning, match="cannot list the persistent tier, restoring from local steps only"
+        ):
+            assert mgr2.restore_latest(model=model2, optimizer=opt2) == 1
+        assert mgr2.last_restore is not None and mgr2.last_restore.tier == "local"
+    assert state_bytes(model2, opt2) == want

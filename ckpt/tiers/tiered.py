@@ -187,7 +187,13 @@ class Tiers:
         reports = self.coll.all_gather(agree.inventory(self.nodes, self.root))
         candidates = None
         if self.coll.rank == 0:
-            persistent = [i.step for i in self.mgr.list() if i.status == "committed"]
+            try:
+                persistent = [i.step for i in self.mgr.list() if i.status == "committed"]
+            except (CkptError, OSError) as e:  # the object store down: the local tier can still restore
+                warnings.warn(
+                    f"cannot list the persistent tier, restoring from local steps only: {e}", stacklevel=3
+                )
+                persistent = []
             candidates = agree.plan(self.nodes, reports, persistent)
         candidates = self.coll.broadcast(candidates)
         for cand in candidates:
