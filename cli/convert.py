@@ -13,6 +13,7 @@ import click
 from ckpt.converters import formats
 
 from ckpt.errors import CkptError
+from ckpt.layouts import families
 from ckpt.words import count
 
 from .common import err, human_bytes, out
@@ -133,8 +134,7 @@ def _format_help() -> str:
     "model_type",
     type=str,
     default=None,
-    help="HF model_type of a model whose config.json lacks one; never guessed (laying out an unknown one is "
-    "refused, listing the families of the layouts registry).",
+    help=f"HF model_type of a model whose config.json lacks one ({', '.join(families.FAMILIES)}); never guessed.",
 )
 @click.option(
     "--step",
