@@ -122,6 +122,18 @@ class ManifestSource(Source):
     def locate(self, piece: Piece) -> Hashable:
         return (piece.name, self._box(piece))
 
+    @property
+    def storage(self) -> Storage:
+        """Where the data files are read from (what a rank's read count is taken at: engine/meter.py)."""
+        return self.reader.storage
+
+    def extents(self, piece: Piece) -> list[tuple[Hashable, int, int]]:
+        """The stored chunks reading ``piece`` fetches, each whole (``(file, offset, end)``); a slice across
+        columns reads the whole tensor."""
+        e = self.reader.entry(piece.name)
+        box = Box.full(e.shape) if self._column_slice(piece) else self._box(piece)
+        return [(s.file, s.offset, s.offset + s.nbytes) for s, _ in self.reader.overlapping(e, box)]
+
     def read(self, piece: Piece) -> torch.Tensor:
         desc = self.tensors[piece.name]
         box = self._box(piece)
@@ -213,6 +225,10 @@ class ManifestExport:
             raise
         finally:
             writer.close()
+
+    def unit_parts(self, unit: int) -> Sequence[OutPart]:
+        """The parts unit ``unit`` (one target tensor) is made of (what torchrun ranks plan their reads by)."""
+        return self.conv.tensors[unit].parts
 
     def held_bytes(self, retained: Callable[[OutPart], int]) -> int:
         """The streaming writer's batches: one being filled and one being written, ``flush_bytes`` each (plus the

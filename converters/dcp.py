@@ -477,6 +477,12 @@ class DcpExport:
                 offset += buf.n
         return UnitReceipt(worker, tuple(units), entries)
 
+    def unit_parts(self, unit: int) -> Sequence[OutPart]:
+        """The parts write item ``unit`` is cut from (none for a bytes item or a small state the planner holds)."""
+        fqn = self.items[unit].index.fqn
+        name = self.fetch.get(tuple(self.paths.get(fqn, (fqn,))))
+        return self.outs[name].parts if name is not None else ()
+
     def held_bytes(self, retained: Callable[[OutPart], int]) -> int:
         """Nothing: ``torch.save`` streams each item's bytes into the file as it is made (a strided view is
         copied first, which its part's ``retained`` counts)."""

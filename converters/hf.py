@@ -298,6 +298,10 @@ class HFExport:
             sizes[fname] = size
         return UnitReceipt(worker, tuple(units), sizes)
 
+    def unit_parts(self, unit: int) -> list[OutPart]:
+        """The parts shard ``unit`` is made of (what torchrun ranks plan their reads by)."""
+        return [self.outs[d.name].parts[0] for d in self.shards[unit]]
+
     def held_bytes(self, retained: Callable[[OutPart], int]) -> int:
         """Nothing: each tensor is written as soon as it is made (its working set is the part's)."""
         return 0
