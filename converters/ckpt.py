@@ -73,6 +73,7 @@ class ManifestSource(Source):
         self.tensors = {n: e.desc for n, e in m.tensors.items()}
         self._cache: OrderedDict[str, torch.Tensor] = OrderedDict()
         self._cache_size = cache_tensors
+        self._chunks: OrderedDict[tuple[str, str, int], torch.Tensor] = OrderedDict()
         nxd = m.extra.get("nxd")
         kind = manifest_layout(m)
         if kind == "neuron":
@@ -128,24 +129,47 @@ class ManifestSource(Source):
         return self.reader.storage
 
     def extents(self, piece: Piece) -> list[tuple[Hashable, int, int]]:
-        """The stored chunks reading ``piece`` fetches, each whole (``(file, offset, end)``); a slice across
-        columns reads the whole tensor."""
+        """The stored chunks reading ``piece`` fetches, each whole: ``(file, offset, end)``."""
         e = self.reader.entry(piece.name)
-        box = Box.full(e.shape) if self._column_slice(piece) else self._box(piece)
-        return [(s.file, s.offset, s.offset + s.nbytes) for s, _ in self.reader.overlapping(e, box)]
+        return [
+            (s.file, s.offset, s.offset + s.nbytes) for s, _ in self.reader.overlapping(e, self._box(piece))
+        ]
 
     def read(self, piece: Piece) -> torch.Tensor:
         desc = self.tensors[piece.name]
         box = self._box(piece)
-        if box == Box.full(desc.shape):
-            return self._whole(piece.name) if piece.name in self._cache else self.reader.read(piece.name)
-        if any(o or n != s for o, n, s in zip(box.offsets[1:], box.lengths[1:], desc.shape[1:], strict=True)):
-            # a slice across columns: reading it as a box would read every row of the tensor once per slice
-            whole = self._whole(piece.name)
-            return whole[box.relative_to(Box.full(desc.shape))]
+        full = Box.full(desc.shape)
+        if piece.name in self._cache:
+            return self._whole(piece.name)[box.relative_to(full)]
+        if box == full:
+            return self.reader.read(piece.name)
+        e = self.reader.entry(piece.name)
+        cover = self.reader.overlapping(e, box)
+        if self._column_slice(piece) and len(cover) == len(e.shards):
+            # a slice across the columns of row chunks: every chunk holds some of it, and the next TP rank's
+            # slice needs them all again; read the tensor once and keep it
+            return self._whole(piece.name)[box.relative_to(full)]
         out = torch.empty(box.lengths, dtype=dtype_from_name(desc.dtype))
-        self.reader.read_box_into(piece.name, box, out)
+        with self.reader.deferred():  # the chunks inside the box: read straight into it, several at once
+            for shard, inter in cover:
+                where = inter.relative_to(box)
+                if inter == shard.box:
+                    self.reader.read_box_into(piece.name, inter, out[where], defer=True)
+                else:  # a chunk the box cuts: the next slice (another TP rank's) reads its other part
+                    out[where] = self._chunk(e, shard)[inter.relative_to(shard.box)]
         return out
+
+    def _chunk(self, e: Any, shard: Any) -> torch.Tensor:
+        """A stored chunk, kept while the next slices of it are read (each chunk fetched once per pass)."""
+        key = (e.name, shard.file, shard.offset)
+        t = self._chunks.get(key)
+        if t is None:
+            t = self._chunks[key] = self.reader.read_shard(e, shard)
+            while len(self._chunks) > 4:
+                self._chunks.popitem(last=False)
+        else:
+            self._chunks.move_to_end(key)
+        return t
 
     def _whole(self, name: str) -> torch.Tensor:
         t = self._cache.get(name)
@@ -174,6 +198,7 @@ class ManifestSource(Source):
 
     def close(self) -> None:
         self._cache.clear()
+        self._chunks.clear()
 
 
 def open_source(path: str, *, config: Mapping[str, Any] | None, storage_options: dict[str, Any] | None,
