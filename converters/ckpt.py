@@ -165,7 +165,7 @@ class ManifestSource(Source):
         t = self._chunks.get(key)
         if t is None:
             t = self._chunks[key] = self.reader.read_shard(e, shard)
-            while len(self._chunks) > 4:
+            while len(self._chunks) > 1:  # the next slice is the next TP rank's part of the same tensor
                 self._chunks.popitem(last=False)
         else:
             self._chunks.move_to_end(key)
@@ -193,8 +193,14 @@ class ManifestSource(Source):
         return self.stored_bytes(piece) if self._column_slice(piece) else self.piece_bytes(piece)
 
     def cache_bytes(self, pieces: Iterable[Piece]) -> int:
-        sliced = [self.stored_bytes(p) for p in pieces if self._column_slice(p)]
-        return self._cache_size * max(sliced, default=0)
+        """The whole tensors kept for column slices, and the one chunk kept for row slices that cut it."""
+        sliced, cut = [], []
+        for p in pieces:
+            if self._column_slice(p):
+                sliced.append(self.stored_bytes(p))
+            elif self._box(p) != Box.full(self.tensors[p.name].shape):
+                cut.extend(s.nbytes for s in self.reader.entry(p.name).shards)
+        return self._cache_size * max(sliced, default=0) + max(cut, default=0)
 
     def close(self) -> None:
         self._cache.clear()
