@@ -35,6 +35,9 @@ from .engine import Conversion, OutPart, Source, Staging, Trees, UnitReceipt, ch
 from .engine.export import Progress
 
 NAME = "ckpt"
+#: chunks cut by a row slice kept for the next slices (the next TP rank's rows; a fused target tensor such as
+#: ``gate_up_proj`` or ``qkv_proj`` alternates between the chunks of 2 or 3 source tensors)
+CUT_CHUNKS = 3
 CUDA_KINDS = ("replicated", "dtensor", "fsdp", "ddp", "cuda", "full")
 
 
@@ -165,7 +168,7 @@ class ManifestSource(Source):
         t = self._chunks.get(key)
         if t is None:
             t = self._chunks[key] = self.reader.read_shard(e, shard)
-            while len(self._chunks) > 1:  # the next slice is the next TP rank's part of the same tensor
+            while len(self._chunks) > CUT_CHUNKS:
                 self._chunks.popitem(last=False)
         else:
             self._chunks.move_to_end(key)
@@ -193,14 +196,14 @@ class ManifestSource(Source):
         return self.stored_bytes(piece) if self._column_slice(piece) else self.piece_bytes(piece)
 
     def cache_bytes(self, pieces: Iterable[Piece]) -> int:
-        """The whole tensors kept for column slices, and the one chunk kept for row slices that cut it."""
+        """The whole tensors kept for column slices, and the chunks kept for row slices that cut them."""
         sliced, cut = [], []
         for p in pieces:
             if self._column_slice(p):
                 sliced.append(self.stored_bytes(p))
             elif self._box(p) != Box.full(self.tensors[p.name].shape):
                 cut.extend(s.nbytes for s in self.reader.entry(p.name).shards)
-        return self._cache_size * max(sliced, default=0) + max(cut, default=0)
+        return self._cache_size * max(sliced, default=0) + CUT_CHUNKS * max(cut, default=0)
 
     def close(self) -> None:
         self._cache.clear()

@@ -122,7 +122,7 @@ def ranked(sources: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -
     return root, got
 
 
-def needed(src: str, target: str) -> int:
+def needed(src: str, target: str, run: RunOptions | None = None) -> int:
     """The stored source bytes the output is made of, from the plan alone (no read): the union, per stored tensor
     (or, for our format, per data file), of the byte ranges every piece of every output unit touches."""
     from ckpt.converters.convert import make_export, open_source, plan_conversion
@@ -130,7 +130,7 @@ def needed(src: str, target: str) -> int:
     from ckpt.converters.engine.meter import extents, union_bytes
 
     o = opts(target)
-    source = open_source(src, o)
+    source = open_source(src, o, run)
     try:
         export = make_export(plan_conversion(source, o), o, RunOptions())
         spans: dict[Any, list[tuple[int, int]]] = {}
@@ -250,3 +250,38 @@ def test_cli_one_report_from_rank_0(sources: dict[str, Path], tmp_path: Path) ->
     assert [r["rank"] for r in doc["ranks"]] == list(range(WORLD))
     assert set(doc["ranks"][0]) == {"rank", "bytes_read", "bytes_written", "seconds"}
     assert (tmp_path / "out" / "done").exists() or (tmp_path / "out").is_dir()
+
+
+def _ranks_s3(rank: int, world: int, src: str, dst: str, options: dict[str, Any]) -> dict[str, Any]:
+    out = {}
+    for target in ("nxd", "hf"):
+        r = _quiet_convert(src, f"{dst}/{target}", opts(target), run=RunOptions(storage_options=options))
+        out[target] = list(r.ranks)
+    return out
+
+
+@pytest.mark.s3
+def test_four_ranks_from_s3_to_s3(sources: dict[str, Path], serial: dict, s3: Any, tmp_path: Path) -> None:
+    """SRC (our format) and DST on S3 (a real moto server): each rank uploads its own files, rank 0 commits; the
+    objects are the one-process local output, and the ranks' reads (counted at the storage layer: ranged GETs)
+    stay within 1.1x of what the output needs."""
+    src = f"{s3.url}/src"
+    _quiet_convert(
+        str(sources["ckpt"]),
+        src,
+        ConvertOptions(to="cuda"),
+        run=RunOptions(storage_options=s3.storage_options),
+    )
+    got = run_ranks(_ranks_s3, WORLD, src, f"{s3.url}/out", s3.storage_options)
+    fs = s3.fs()
+    fs.invalidate_cache()
+    for target in ("nxd", "hf"):
+        local = tmp_path / target
+        fs.get(f"{s3.url}/out/{target}".removeprefix("s3://") + "/", str(local), recursive=True)
+        assert files(local) == files(serial[("ckpt", target)][0]), target
+        report = got[0][target]
+        assert [r["rank"] for r in report] == list(range(WORLD)) and all(g[target] == [] for g in got[1:])
+        need = needed(src, target, RunOptions(storage_options=s3.storage_options))
+        read = sum(r["bytes_read"] for r in report)
+        assert 0 < read <= 1.1 * need, (target, read, need, report)
+    assert s3.boto3_client().list_multipart_uploads(Bucket=s3.bucket).get("Uploads", []) == []
