@@ -99,20 +99,15 @@ def without_exchange(src: str, argv: list[str], world: int) -> int:
     from ckpt.converters.convert import ConvertOptions, RunOptions, make_export, open_source, plan_conversion
     from ckpt.converters.engine import balance
     from ckpt.converters.engine.exchange import unit_pieces
-    from ckpt.converters.engine.meter import extents, union_bytes
+    from ckpt.converters.engine.meter import needed_bytes
 
     o = ConvertOptions(**_options(argv))
     source = open_source(src, o)
     try:
         export = make_export(plan_conversion(source, o), o, RunOptions())
-        total = 0
-        for share in balance(export.weights, world):
-            spans: dict[Any, list[tuple[int, int]]] = {}
-            for p in unit_pieces(export, share) or ():
-                for k, s, e in extents(source, p):
-                    spans.setdefault(k, []).append((s, e))
-            total += sum(union_bytes(v) for v in spans.values())
-        return total
+        return sum(
+            needed_bytes(source, unit_pieces(export, share) or ()) for share in balance(export.weights, world)
+        )
     finally:
         source.close()
 

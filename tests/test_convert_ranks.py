@@ -127,17 +127,13 @@ def needed(src: str, target: str, run: RunOptions | None = None) -> int:
     (or, for our format, per data file), of the byte ranges every piece of every output unit touches."""
     from ckpt.converters.convert import make_export, open_source, plan_conversion
     from ckpt.converters.engine.exchange import unit_pieces
-    from ckpt.converters.engine.meter import extents, union_bytes
+    from ckpt.converters.engine.meter import needed_bytes
 
     o = opts(target)
     source = open_source(src, o, run)
     try:
         export = make_export(plan_conversion(source, o), o, RunOptions())
-        spans: dict[Any, list[tuple[int, int]]] = {}
-        for p in unit_pieces(export, range(len(export.weights))) or ():
-            for k, s, e in extents(source, p):
-                spans.setdefault(k, []).append((s, e))
-        return sum(union_bytes(v) for v in spans.values())
+        return needed_bytes(source, unit_pieces(export, range(len(export.weights))) or ())
     finally:
         source.close()
 
@@ -206,7 +202,7 @@ def test_without_the_exchange_the_ranks_read_more(sources: dict[str, Path]) -> N
     from ckpt.converters.convert import make_export, open_source, plan_conversion
     from ckpt.converters.engine import balance
     from ckpt.converters.engine.exchange import plan_exchange, unit_pieces
-    from ckpt.converters.engine.meter import extents, union_bytes
+    from ckpt.converters.engine.meter import needed_bytes
 
     o = opts("nxd")
     source = open_source(str(sources["hf"]), o)
@@ -218,15 +214,8 @@ def test_without_the_exchange_the_ranks_read_more(sources: dict[str, Path]) -> N
         assert {n for n in source.tensors if n.endswith(("o_proj.weight", "down_proj.weight"))} <= names
         assert all(len(t.wants) == WORLD for t in shared if t.tensor.name.endswith("o_proj.weight"))
 
-        def alone(pieces: set) -> int:
-            spans: dict = {}
-            for p in pieces:
-                for k, s, e in extents(source, p):
-                    spans.setdefault(k, []).append((s, e))
-            return sum(union_bytes(v) for v in spans.values())
-
-        every_rank = sum(alone(n) for n in needs)
-        once = alone(set().union(*needs))
+        every_rank = sum(needed_bytes(source, n) for n in needs)
+        once = needed_bytes(source, set().union(*needs))
         assert every_rank > 1.1 * once  # the bound the exchange meets would fail without it
     finally:
         source.close()

@@ -38,7 +38,7 @@ import torch
 from ckpt.format.dtypes import dtype_from_name
 from ckpt.layouts import Piece
 
-from .meter import extents, stored_shape, whole
+from .meter import extents, stored_bytes, stored_shape, whole
 from .source import slice_of
 
 #: blocks a rank keeps in memory before spooling the rest to a scratch file
@@ -95,14 +95,6 @@ def _overlap(per_rank: dict[int, list[tuple[int, int]]]) -> bool:
     return False
 
 
-def _size(source: Any, t: Piece) -> int:
-    shape = stored_shape(source, t) or ()
-    n = dtype_from_name(source.tensors[t.name].dtype).itemsize
-    for s in shape:
-        n *= int(s)
-    return n
-
-
 def plan_exchange(source: Any, needs: Sequence[set[Piece]]) -> list[Shared]:
     """The stored tensors more than one rank touches (``needs[r]``: the pieces rank ``r`` reads), each with the
     rank that reads it and the blocks it ships; deterministic (every rank computes the same list)."""
@@ -122,11 +114,11 @@ def plan_exchange(source: Any, needs: Sequence[set[Piece]]) -> list[Shared]:
                 groups.setdefault(whole(p), {}).setdefault(r, set()).add(p)
     load = [0] * len(needs)
     out = []
-    for t in sorted(groups, key=lambda t: (-_size(source, t), _order(t))):
+    for t in sorted(groups, key=lambda t: (-stored_bytes(source, t), _order(t))):
         per = groups[t]
         if len(per) < 2:
             continue  # the contested bytes are another stored tensor's (the same bytes under two names)
-        n = _size(source, t)
+        n = stored_bytes(source, t)
         owner = min(per, key=lambda r: (load[r], r))
         load[owner] += n
         wants = tuple((r, tuple(sorted(per[r], key=_order))) for r in sorted(per))

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -53,9 +53,7 @@ def extents(source: Any, piece: Piece) -> list[Extent]:
     key = ("tensor", source.locate(whole(piece)))
     desc = source.tensors[piece.name]
     itemsize = dtype_from_name(desc.dtype).itemsize
-    total = itemsize
-    for s in shape:
-        total *= int(s)
+    total = stored_bytes(source, piece)
     merged = getattr(source, "zero1", False) and desc.role == "optimizer_state"  # merged over DP files whole
     if piece.dim is None or total == 0 or merged:
         return [(key, 0, total)]
@@ -82,6 +80,27 @@ def union_bytes(spans: list[tuple[int, int]]) -> int:
             total += e - reach
             reach = e
     return total
+
+
+def needed_bytes(source: Any, pieces: Iterable[Piece]) -> int:
+    """The stored bytes reading ``pieces`` touches, each byte once (the union of their :func:`extents`): what a
+    reader of all of them must fetch at least."""
+    spans: dict[Hashable, list[tuple[int, int]]] = {}
+    for p in pieces:
+        for key, s, e in extents(source, p):
+            spans.setdefault(key, []).append((s, e))
+    return sum(union_bytes(v) for v in spans.values())
+
+
+def stored_bytes(source: Any, piece: Piece) -> int:
+    """Bytes of the stored tensor ``piece`` slices (0 when the source does not describe it)."""
+    shape = stored_shape(source, piece)
+    if shape is None:
+        return 0
+    n = dtype_from_name(source.tensors[piece.name].dtype).itemsize
+    for s in shape:
+        n *= int(s)
+    return n
 
 
 class ReadMeter:
@@ -187,4 +206,15 @@ class Clock:
         return time.perf_counter() - self.start
 
 
-__all__ = ["Clock", "Extent", "MeteredSource", "RankStats", "ReadMeter", "extents", "union_bytes", "whole"]
+__all__ = [
+    "Clock",
+    "Extent",
+    "MeteredSource",
+    "RankStats",
+    "ReadMeter",
+    "extents",
+    "needed_bytes",
+    "stored_bytes",
+    "union_bytes",
+    "whole",
+]

@@ -192,7 +192,8 @@ def run_torchrun(
 
     own = False
     if not dist.is_initialized():
-        dist.init_process_group("gloo")
+        with _quiet_stdout():  # gloo says "[Gloo] Rank r is connected to ..." on every rank: one report only
+            dist.init_process_group("gloo")
         own = True
     staging: Staging | None = None
     try:
@@ -296,6 +297,24 @@ def _exchange_and_write(
     finally:
         conv.source = source
         store.close()
+
+
+@contextmanager
+def _quiet_stdout() -> Iterator[None]:
+    """File descriptor 1 points to /dev/null meanwhile (what C++ code prints there included)."""
+    import os
+    import sys
+
+    sys.stdout.flush()
+    saved = os.dup(1)
+    null = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(null, 1)
+        yield
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)
+        os.close(null)
 
 
 @contextmanager
