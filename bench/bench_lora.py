@@ -26,6 +26,8 @@ import time
 
 import torch
 
+from ckpt import SaveOptions
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
@@ -86,10 +88,14 @@ def main() -> None:
         times["full"].append(r.total_s)
         nbytes["full"] = r.bytes_written
         saver = Checkpointer()
-        r = saver.save(path(), step=step, model=model, optimizer=opt, adapter_only=True).result()
+        r = saver.save(
+            path(), step=step, model=model, optimizer=opt, options=SaveOptions(adapter_only=True)
+        ).result()
         times["adapter_first"].append(r.total_s)
         for _ in range(2):
-            r = saver.save(path(), step=step, model=model, optimizer=opt, adapter_only=True).result()
+            r = saver.save(
+                path(), step=step, model=model, optimizer=opt, options=SaveOptions(adapter_only=True)
+            ).result()
             times["adapter"].append(r.total_s)
         nbytes["adapter"] = r.bytes_written
         shutil.rmtree(args.dir)

@@ -23,6 +23,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from ckpt import SaveOptions
+
 
 def _model(mib: int) -> torch.nn.Module:
     g = torch.Generator().manual_seed(0)
@@ -49,7 +51,9 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str
             path = f"{args.dir}/{mode}_{i}"
             dist.barrier()
             t0 = time.perf_counter()
-            ck.save(path, step=i + 1, model=model, verify_replicas=mode == "checked").result()
+            ck.save(
+                path, step=i + 1, model=model, options=SaveOptions(verify_replicas=mode == "checked")
+            ).result()
             dist.barrier()
             times[mode].append(time.perf_counter() - t0)
             if rank == 0:

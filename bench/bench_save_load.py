@@ -25,6 +25,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from ckpt import SaveOptions
+
 
 def make_state(gib: float) -> dict[str, torch.Tensor]:
     from torch.distributed.device_mesh import init_device_mesh
@@ -108,14 +110,19 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, q) -> Non
         # --- ckpt
         add(
             "ckpt save",
-            timed(lambda: saver_sync.save(f"{d}/ckpt-sync", step=1, model=state, rng=False).result()),
+            timed(
+                lambda: saver_sync.save(
+                    f"{d}/ckpt-sync", step=1, model=state, options=SaveOptions(rng=False)
+                ).result()
+            ),
         )
         fut = {}
         add(
             "ckpt async blocking",
             timed(
                 lambda: fut.setdefault(
-                    "f", saver_async.save(f"{d}/ckpt-async", step=1, model=state, rng=False)
+                    "f",
+                    saver_async.save(f"{d}/ckpt-async", step=1, model=state, options=SaveOptions(rng=False)),
                 )
             ),
         )

@@ -21,7 +21,7 @@ the harness measures, per rank:
   sends them; the fake collective counts them);
 - commit: ``before``: rank 0 building the v1 manifest from every rank's receipt (every chunk); ``after``: each
   writer sealing its own index and state file (slowest rank reported), rank 0 checking the written boxes and
-  writing the v2 top manifest (``ckpt.format.seal``); the bytes every rank sends rank 0, and the manifest's size;
+  writing the v2 top manifest (``ckpt.format.publish``); the bytes every rank sends rank 0, and the manifest's size;
 - restore: one rank of a resharded job (N -> N/2 and N -> 2N) reading the metadata it needs and planning which
   stored chunks to read for its boxes (``ckpt.format.reader.overlapping``), without reading data.
 
@@ -48,17 +48,22 @@ from typing import Any
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, ".."))
 
-from ckpt.format.index import Locator  # noqa: E402
+from ckpt.format.index import Locator, top_text  # noqa: E402
 from ckpt.format.manifest import Box, Layout, Manifest, TensorDesc  # noqa: E402
-from ckpt.format.publish import Receipt, build_manifest, data_file_name  # noqa: E402
+from ckpt.format.publish import (  # noqa: E402
+    Receipt,
+    build_manifest,
+    data_file_name,
+    manifest_from_summaries,
+    write_rank_files,
+)
 from ckpt.format.reader import overlapping  # noqa: E402
-from ckpt.format.seal import build_top, write_rank_files  # noqa: E402
 from ckpt.neuron.parallel import ParallelInfo  # noqa: E402
 from ckpt.neuron.partition import NxdLayout  # noqa: E402
 from ckpt.saving.planning import (  # noqa: E402
     DEFAULT_CHUNK_BYTES,
     Group,
-    Piece,
+    HeldBox,
     assign_writers,
     chunk_boxes,
     mesh_group,
@@ -133,17 +138,17 @@ class Sim:
             return Layout(world_size=self.world, dp=self.world, mesh={"shape": shape}, kind="dtensor")
         return Layout(world_size=self.world, dp=self.world)
 
-    def pieces(self, rank: int) -> list[Piece]:
-        """The pieces ``rank`` holds, as ``Checkpointer._describe`` makes them (empty boxes dropped for NxD
+    def pieces(self, rank: int) -> list[HeldBox]:
+        """The pieces ``rank`` holds, as ``ckpt.saving.writers.WriterPlanner.describe`` makes them (empty boxes dropped for NxD
         ZeRO-1 as capture_zero1 drops them; DTensor ranks keep their empty boxes)."""
-        out: list[Piece] = []
+        out: list[HeldBox] = []
         if self.kind == "ddp":
-            return [Piece(d, Box.full(d.shape)) for d in self.descs]
+            return [HeldBox(d, Box.full(d.shape)) for d in self.descs]
         if self.kind == "fsdp":
-            return [Piece(d, dim0_box(d.shape, self.world, rank)) for d in self.descs]
+            return [HeldBox(d, dim0_box(d.shape, self.world, rank)) for d in self.descs]
         if self.kind == "hsdp":
             s = rank % SHARD_GROUP
-            return [Piece(d, dim0_box(d.shape, SHARD_GROUP, s)) for d in self.descs]
+            return [HeldBox(d, dim0_box(d.shape, SHARD_GROUP, s)) for d in self.descs]
         tp, pp, dp = self.nxd_sizes
         tp_rank, pp_rank, dp_rank = rank % tp, (rank // tp) % pp, rank // (tp * pp)
         per_stage = -(-len(self.descs) // pp)
@@ -156,12 +161,12 @@ class Sim:
                 if n == 0:
                     continue
                 box = Box((box.offsets[0] + off, *box.offsets[1:]), (n, *box.lengths[1:]))
-            out.append(Piece(d, box))
+            out.append(HeldBox(d, box))
             del i
         return out
 
 
-def groups(sim: Sim, rank: int, pieces: list[Piece]) -> list[Group]:
+def groups(sim: Sim, rank: int, pieces: list[HeldBox]) -> list[Group]:
     """The replica group of each piece, derived as the saver derives it (planning.mesh_group for DTensors,
     NxdLayout.replica_group for NxD, planning.world_group for plain tensors)."""
     n = sim.world
@@ -195,7 +200,7 @@ def groups(sim: Sim, rank: int, pieces: list[Piece]) -> list[Group]:
     return out
 
 
-def restore_boxes(kind: str, world: int, descs: list[TensorDesc], rank: int) -> list[Piece]:
+def restore_boxes(kind: str, world: int, descs: list[TensorDesc], rank: int) -> list[HeldBox]:
     """The boxes rank ``rank`` of a job of ``world`` ranks (same layout family) restores."""
     return Sim(kind, world, descs).pieces(rank)
 
@@ -253,8 +258,8 @@ def samples(world: int) -> list[int]:
     return sorted({0, world // 2, world - 1})
 
 
-def receipts_for(sim: Sim, plan: Callable[[int], list[Piece]], rng_tree: Any) -> list[dict[str, Any]]:
-    """Every rank's commit report (as ``Checkpointer._run`` sends it): its receipt and per-rank trees."""
+def receipts_for(sim: Sim, plan: Callable[[int], list[HeldBox]], rng_tree: Any) -> list[dict[str, Any]]:
+    """Every rank's commit report (as ``ckpt.saving.commit.run`` sends it): its receipt and per-rank trees."""
     out = []
     for r in range(sim.world):
         rec = Receipt(r)
@@ -269,7 +274,7 @@ def receipts_for(sim: Sim, plan: Callable[[int], list[Piece]], rng_tree: Any) ->
                 pos += n
         if rec.shards:
             rec.files.append((fname, pos))
-        descs = [(0, p.desc) for p in plan(r)]  # as Checkpointer._run sends them (v1: every tensor it writes)
+        descs = [(0, p.desc) for p in plan(r)]  # as ckpt.saving.commit.run sends them (v1: every tensor it writes)
         out.append({"ok": True, "rank": r, "trees": {"rng": rng_tree}, "receipt": rec, "descs": descs})
     return out
 
@@ -286,7 +291,7 @@ def before(sim: Sim, repeat: int) -> dict[str, Any]:
     )
     coll.all_gather_sizes(sizes)
     res["plan_bytes"] = coll.sent + coll.received
-    mine: dict[int, list[Piece]] = {}
+    mine: dict[int, list[HeldBox]] = {}
     for r, pieces in enumerate(per_rank):
         for p in pieces:
             if plan[(p.name, p.box)] == r:
@@ -316,7 +321,7 @@ def before(sim: Sim, repeat: int) -> dict[str, Any]:
     for label, world2 in (("half", max(1, sim.world // 2)), ("double", sim.world * 2)):
         want = restore_boxes(sim.kind, world2, sim.descs, world2 // 2)
 
-        def plan_restore(want: list[Piece] = want) -> int:
+        def plan_restore(want: list[HeldBox] = want) -> int:
             m = Manifest.from_json(raw)
             return sum(len(overlapping(m.tensors[p.name], p.box)) for p in want)
 
@@ -353,12 +358,12 @@ def after(sim: Sim, repeat: int) -> dict[str, Any]:
 
 
 def after_commit(sim: Sim, rng_tree: Any, repeat: int) -> dict[str, Any]:
-    """Commit and restore with format v2 as the saver runs it (ckpt.format.seal): each writer seals its own index and
+    """Commit and restore with format v2 as the saver runs it (ckpt.format.publish): each writer seals its own index and
     state file (timed per rank, slowest reported), rank 0 checks the written boxes and writes the top manifest;
     writers from the local planning (every rank planned once)."""
     import tempfile
 
-    mine: dict[int, list[Piece]] = {}
+    mine: dict[int, list[HeldBox]] = {}
     for r in range(sim.world):
         pieces = sim.pieces(r)
         write, _ = plan_local(pieces, groups(sim, r, pieces))
@@ -377,7 +382,7 @@ def after_commit(sim: Sim, rng_tree: Any, repeat: int) -> dict[str, Any]:
             )
             res["writer_s"] = max(res["writer_s"], time.process_time() - t0)
             summaries.append(summary)
-        # what each rank sends rank 0 (Checkpointer._run): its summary, the descriptions of what it writes, the
+        # what each rank sends rank 0 (ckpt.saving.commit.run): its summary, the descriptions of what it writes, the
         # digests of its RNG streams
         res["commit_in_bytes"] = sum(
             len(
@@ -396,9 +401,9 @@ def after_commit(sim: Sim, rng_tree: Any, repeat: int) -> dict[str, Any]:
             for s in summaries
         )
 
-        def commit() -> tuple[str, int]:
+        def commit() -> str:
             trees = {"rng_base": base_record_of(rng_tree, [digests] * sim.world, None)}
-            return build_top(
+            m, written = manifest_from_summaries(
                 step=1,
                 backend="cuda",
                 layout=sim.layout(),
@@ -407,8 +412,9 @@ def after_commit(sim: Sim, rng_tree: Any, repeat: int) -> dict[str, Any]:
                 trees=trees,
                 env={},
             )
+            return top_text(m, written.pieces, written.indexes, written.states)  # what publish() writes
 
-        res["commit_s"], (top, _) = best(commit, repeat)
+        res["commit_s"], top = best(commit, repeat)
         res["manifest_bytes"] = len(top.encode())
         res["index_bytes_max"] = max(s.index.size for s in summaries if s.index is not None)
         res["state_bytes_max"] = max(s.state.size for s in summaries if s.state is not None)
@@ -418,7 +424,7 @@ def after_commit(sim: Sim, rng_tree: Any, repeat: int) -> dict[str, Any]:
             rank2 = world2 // 2
             want = restore_boxes(sim.kind, world2, sim.descs, rank2)
 
-            def plan_restore(want: list[Piece] = want, rank2: int = rank2) -> tuple[int, int]:
+            def plan_restore(want: list[HeldBox] = want, rank2: int = rank2) -> tuple[int, int]:
                 m = Manifest.from_json(raw)
                 loc = Locator(storage, m, m.v2, "manifest.json")
                 n = 0

@@ -45,6 +45,7 @@ _EXPORTS = {
     "CheckpointReader": "format.reader",
     "open_checkpoint": "format.reader",
     "Checkpointer": "saving.checkpointer",
+    "SaveOptions": "saving.options",
     "SaveResult": "saving.checkpointer",
     "StagingInfo": "saving.checkpointer",
 }
@@ -69,6 +70,7 @@ if TYPE_CHECKING:
     from .restoring.discovery import CheckpointInfo, list_checkpoints
     from .restoring.loader import RestoreResult, restore
     from .saving.checkpointer import Checkpointer, SaveResult, StagingInfo
+    from .saving.options import SaveOptions
 
 
 _SUBMODULES = ("data", "dcp", "integrations", "resume")
@@ -91,11 +93,17 @@ def __dir__() -> list[str]:
 
 
 def save(path: str, *, step: int, **state: Any) -> SaveResult:
-    """Save one checkpoint synchronously to ``path`` (call on every rank). See :meth:`Checkpointer.save`."""
-    from .saving.checkpointer import Checkpointer
+    """Save one checkpoint synchronously to ``path`` (call on every rank). See :meth:`Checkpointer.save`.
 
-    saver = Checkpointer(async_save=False, storage_options=state.pop("storage_options", None))
-    return saver.save(path, step=step, **state).result()
+    ``state``: the training objects (``model=``, ``optimizer=``, ...), the :class:`SaveOptions` fields as plain
+    keywords (``rng=False``, ``progress={...}``, ``adapter_only=True``, ...) and ``storage_options=``."""
+    from .saving.checkpointer import Checkpointer
+    from .saving.options import split_keywords
+
+    storage_options = state.pop("storage_options", None)
+    objects, options = split_keywords(state, "ckpt.save")
+    saver = Checkpointer(async_save=False, storage_options=storage_options)
+    return saver.save(path, step=step, options=options, **objects).result()
 
 
 __all__ = [
@@ -115,6 +123,7 @@ __all__ = [
     "Manifest",
     "ManifestError",
     "RestoreResult",
+    "SaveOptions",
     "SaveResult",
     "StagingInfo",
     "StateMismatchError",

@@ -7,6 +7,7 @@ skipped with a warning), and what to delete.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import warnings
 from collections.abc import Callable
@@ -27,6 +28,7 @@ from .format.reader import CheckpointReader
 from .restoring.discovery import CheckpointInfo, list_checkpoints, missing_files, parse_step, step_dir
 from .restoring.loader import RestoreResult, restore
 from .saving.checkpointer import Checkpointer, SaveResult, check_step
+from .saving.options import split_keywords
 from .storage import open_storage
 
 # a checkpoint that is damaged or incomplete: restore_latest falls back to an older one
@@ -84,9 +86,16 @@ class CheckpointManager:
 
     # ------------------------------------------------------------------------------------------------ saving
     def save(self, step: int, **state: Any) -> Future:
-        """Save ``state`` (model=, optimizer=, scheduler=, ...) as step ``step``; see Checkpointer.save."""
+        """Save ``state`` as step ``step``: the training objects (model=, optimizer=, scheduler=, ...) and the
+        :class:`~ckpt.SaveOptions` fields as plain keywords (progress=, lazy=, adapter_only=, ...); see
+        Checkpointer.save.  ``on_commit`` is the manager's own (retention, ``on_event``)."""
         check_step(step)
-        fut = self.checkpointer.save(self.path_for(step), step=step, on_commit=self._after_commit, **state)
+        objects, options = split_keywords(state, "CheckpointManager.save")
+        if options.on_commit is not None:
+            raise TypeError("CheckpointManager.save() got on_commit=: the manager commits with its own (retention); "
+                            "use CheckpointManager(on_event=...) to hear of saves")  # fmt: skip
+        options = dataclasses.replace(options, on_commit=self._after_commit)
+        fut = self.checkpointer.save(self.path_for(step), step=step, options=options, **objects)
         if fut.done() and fut.exception() is None:
             self._emit_save(fut.result())
         return fut

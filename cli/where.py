@@ -8,20 +8,18 @@ files (no torch).
 from __future__ import annotations
 
 import os
-import re
 from typing import Any
 
 from ckpt.format.manifest import MANIFEST_NAME
+from ckpt.restoring.discovery import parse_step
 from ckpt.words import holds_not_one
-
-STEP_DIR = re.compile(r"^step_\d+$")
 
 
 def _steps(storage: Any) -> list[str]:
     """Our checkpoints directly under ``storage``: ``step_<N>`` folders holding a manifest."""
     try:
         return sorted(
-            n for n in storage.listdir() if STEP_DIR.match(n) and storage.exists(f"{n}/{MANIFEST_NAME}")
+            n for n in storage.listdir() if parse_step(n) is not None and storage.exists(f"{n}/{MANIFEST_NAME}")
         )
     except Exception:  # noqa: BLE001 - a listing that fails says nothing about the level
         return []

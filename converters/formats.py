@@ -80,13 +80,13 @@ def detect(src: str, storage_options: Mapping[str, Any] | None = None) -> Format
 
 def _refuse_a_root(src: str) -> None:
     """SRC one level too high: a folder of our checkpoints or of NxD tags.  Say which one to convert (never pick)."""
-    import re
+    from ckpt.restoring.discovery import parse_step
 
     p = Path(src)
     if not p.is_dir():
         return
     steps = sorted(
-        d.name for d in p.iterdir() if re.fullmatch(r"step_\d+", d.name) and (d / "manifest.json").is_file()
+        d.name for d in p.iterdir() if parse_step(d.name) is not None and (d / "manifest.json").is_file()
     )
     if steps:
         raise CkptError(holds_not_one(src, steps, "checkpoint", "ckpt convert"))

@@ -22,6 +22,7 @@ import torch
 
 from ckpt.errors import CkptError, LayoutError
 from ckpt.saving.adapters import BaseIdentity
+from ckpt.saving.options import SaveOptions
 
 from . import peft
 
@@ -131,7 +132,9 @@ def write_ckpt_adapter(
     saver = _Writer(async_save=False, storage_options=storage_options, codec=codec)
     saver._base = _NoBase(BaseIdentity(None, 0, 0, config, None))  # type: ignore[arg-type]
     try:
-        res = saver.save(dst, step=step, model=holder, optimizer=opt, rng=False, adapter_only=True).result()
+        res = saver.save(
+            dst, step=step, model=holder, optimizer=opt, options=SaveOptions(rng=False, adapter_only=True)
+        ).result()
     finally:
         saver.close()
     return int(res.bytes_written)

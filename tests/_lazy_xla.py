@@ -10,6 +10,7 @@ import sys
 import torch
 import torch_xla.core.xla_model as xm
 
+from ckpt import SaveOptions
 from ckpt.format.reader import CheckpointReader
 from ckpt.saving.checkpointer import Checkpointer
 from ckpt.state.training import optim_name
@@ -52,7 +53,7 @@ def main(path: str) -> None:
             if v.dim() > 0:
                 want[optim_name(names[id(q)], k)] = sha(v)
     ck = Checkpointer(async_save=True)
-    ck.save(path, step=1, model=m, optimizer=opt, rng=False)
+    ck.save(path, step=1, model=m, optimizer=opt, options=SaveOptions(rng=False))
     info = ck.last_staging
     step()  # right away, no staged(): XLA tensors were copied before save() returned
     with torch.no_grad():

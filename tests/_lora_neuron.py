@@ -7,6 +7,8 @@ from typing import Any
 
 import torch
 
+from ckpt import SaveOptions
+
 
 def _param(
     t: torch.Tensor, *, trainable: bool, dim: int | None = None, stride: int = 1
@@ -53,7 +55,11 @@ def save_and_restore(rank: int, world: int, tmp: str) -> dict[str, Any]:
     opt.step()
     saver = NeuronCheckpointer(tp_rank=rank, tp_size=world)
     saver.save(
-        f"{tmp}/a", step=3, model=model, optimizer=opt, adapter_only=True, base_source="nxd/base"
+        f"{tmp}/a",
+        step=3,
+        model=model,
+        optimizer=opt,
+        options=SaveOptions(adapter_only=True, base_source="nxd/base"),
     ).result()
     saver.close()
     par = ParallelInfo(tp_rank=rank, tp_size=world)

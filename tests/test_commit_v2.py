@@ -1,4 +1,5 @@
-"""The saver's format v2 commit (ckpt.format.seal): writers seal their own index and state file, rank 0 checks boxes.
+"""The saver's format 2 commit (ckpt.format.publish: write_rank_files, manifest_from_summaries, publish): writers
+seal their own index and state file, rank 0 checks boxes.
 
 Real files on local storage, two simulated writer ranks; the result is read back with the ordinary reading API and
 compared with what the v1 commit of the same receipts gives.
@@ -14,9 +15,16 @@ from manifest_schema import assert_valid
 
 from ckpt.errors import ManifestError
 from ckpt.format.manifest import MANIFEST_NAME, Box, Layout, TensorDesc
-from ckpt.format.publish import Receipt, build_manifest, data_file_name, publish, write_data_file
+from ckpt.format.publish import (
+    Receipt,
+    build_manifest,
+    data_file_name,
+    manifest_from_summaries,
+    publish,
+    write_data_file,
+    write_rank_files,
+)
 from ckpt.format.reader import CheckpointReader, read_manifest
-from ckpt.format.seal import build_top, write_rank_files
 from ckpt.saving.planning import chunk_boxes
 from ckpt.storage import open_storage
 
@@ -43,7 +51,7 @@ def write(path: Path, boxes: dict[int, list[tuple[str, Box]]] = BOXES) -> tuple[
 
 
 def commit(path: Path, summaries: list) -> None:
-    top, nbytes = build_top(
+    m, written = manifest_from_summaries(
         step=2,
         backend="cpu",
         layout=Layout(world_size=2, dp=2),
@@ -52,8 +60,8 @@ def commit(path: Path, summaries: list) -> None:
         trees={},
         env={},
     )
-    open_storage(str(path)).put_bytes(MANIFEST_NAME, top.encode(), exclusive=True)
-    assert nbytes == sum(s.files[0][1] for s in summaries)
+    publish(open_storage(str(path)), m, 2, written)
+    assert m.total_bytes == sum(s.files[0][1] for s in summaries)
 
 
 def test_v2_commit_holds_what_the_v1_commit_of_the_same_writes_holds(tmp_path: Path) -> None:
@@ -110,7 +118,9 @@ def test_rank_0_refuses_boxes_that_do_not_tile_the_tensors(tmp_path: Path, boxes
         for r, mine in boxes.items()
     ]
     with pytest.raises(ManifestError, match=error):
-        build_top(step=2, backend="cpu", layout=Layout(), metas=DESCS, summaries=summaries, trees={}, env={})
+        manifest_from_summaries(
+            step=2, backend="cpu", layout=Layout(), metas=DESCS, summaries=summaries, trees={}, env={}
+        )
 
 
 def test_a_box_outside_the_shape_is_refused(tmp_path: Path) -> None:
@@ -127,9 +137,9 @@ def test_an_empty_tensor_has_one_empty_block_and_reads_back(tmp_path: Path) -> N
     descs = [*DESCS, TensorDesc("empty", "buffer", (0, 4), "F32")]
     _, summaries = write(tmp_path)
     summaries[0].pieces.append(("empty", (0, 0), (0, 4)))  # written (nothing) by rank 0
-    top, _ = build_top(
+    m, written = manifest_from_summaries(
         step=2, backend="cpu", layout=Layout(world_size=2), metas=descs, summaries=summaries, trees={}, env={}
     )
-    open_storage(str(tmp_path)).put_bytes(MANIFEST_NAME, top.encode(), exclusive=True)
+    publish(open_storage(str(tmp_path)), m, 2, written)
     assert assert_valid(tmp_path)["tensors"]["empty"]["pieces"] == {"split": [], "ranks": [-1]}
     assert CheckpointReader(str(tmp_path), lazy=True).read("empty").shape == (0, 4)

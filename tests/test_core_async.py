@@ -11,7 +11,8 @@ import pytest
 import torch
 
 import ckpt
-import ckpt.saving.checkpointer
+import ckpt.format.publish
+from ckpt import SaveOptions
 from ckpt.errors import AsyncSaveError, CheckpointExistsError
 from ckpt.format.manifest import MANIFEST_NAME
 
@@ -21,13 +22,13 @@ pytestmark = pytest.mark.timeout(60)
 def gated_writer(monkeypatch: pytest.MonkeyPatch) -> threading.Event:
     """Make the background writer wait for the returned event before writing (with the real writer)."""
     gate = threading.Event()
-    real = ckpt.saving.checkpointer.write_data_file
+    real = ckpt.format.publish.write_data_file
 
     def write(*args: Any, **kwargs: Any) -> Any:
         assert gate.wait(30), "test never opened the gate"
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(ckpt.saving.checkpointer, "write_data_file", write)
+    monkeypatch.setattr(ckpt.format.publish, "write_data_file", write)
     return gate
 
 
@@ -83,7 +84,7 @@ def test_background_failure_commits_nothing_and_raises_at_wait(
     def broken(*args: Any, **kwargs: Any) -> Any:
         raise OSError("disk on fire")
 
-    monkeypatch.setattr(ckpt.saving.checkpointer, "write_data_file", broken)
+    monkeypatch.setattr(ckpt.format.publish, "write_data_file", broken)
     model, opt = make()
     saver = ckpt.Checkpointer(async_save=True)
     saver.save(str(tmp_path / "c"), step=1, model=model, optimizer=opt)
@@ -105,7 +106,7 @@ def test_background_failure_raises_at_the_next_save_or_close(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, surface: str
 ) -> None:
     monkeypatch.setattr(
-        ckpt.saving.checkpointer, "write_data_file", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("boom"))
+        ckpt.format.publish, "write_data_file", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("boom"))
     )
     model, opt = make()
     saver = ckpt.Checkpointer(async_save=True)
@@ -171,6 +172,6 @@ def test_saving_an_existing_step_is_refused_unless_overwrite(tmp_path: Path, asy
     with pytest.raises(CheckpointExistsError, match="step 5 is committed"):
         saver.save(path, step=5, model={"w": torch.zeros(3)})
     assert torch.equal(ckpt.open_checkpoint(path).read("w"), torch.ones(3))
-    saver.save(path, step=5, model={"w": torch.full((3,), 2.0)}, overwrite=True)
+    saver.save(path, step=5, model={"w": torch.full((3,), 2.0)}, options=SaveOptions(overwrite=True))
     saver.close()
     assert torch.equal(ckpt.open_checkpoint(path).read("w"), torch.full((3,), 2.0))

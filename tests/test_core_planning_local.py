@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ckpt.format.manifest import Box, TensorDesc
-from ckpt.saving.planning import Group, Piece, mesh_group, plan_check, plan_local, world_group
+from ckpt.saving.planning import Group, HeldBox, mesh_group, plan_check, plan_local, world_group
 
 
 def split(length: int, parts: int, index: int) -> tuple[int, int]:
@@ -32,7 +32,7 @@ def coords(shape: tuple[int, ...], rank: int) -> tuple[int, ...]:
 
 def dtensor_pieces(
     descs: list[TensorDesc], mesh: tuple[int, ...], shard: tuple[bool, ...], rank: int
-) -> tuple[list[Piece], list[Group]]:
+) -> tuple[list[HeldBox], list[Group]]:
     """Pieces of a DTensor state with placements Shard(0) on the mesh dims flagged in ``shard`` (nested, in mesh
     order, as DTensor does) and Replicate on the others."""
     c = coords(mesh, rank)
@@ -43,13 +43,13 @@ def dtensor_pieces(
             if sh:
                 o, n = split(n, size, ci)
                 off += o
-        pieces.append(Piece(d, Box((off, *([0] * (len(d.shape) - 1))), (n, *d.shape[1:]))))
+        pieces.append(HeldBox(d, Box((off, *([0] * (len(d.shape) - 1))), (n, *d.shape[1:]))))
         groups.append(mesh_group(7, mesh, [not s for s in shard], c))
     return pieces, groups
 
 
 def check_job(
-    per_rank: list[tuple[list[Piece], list[Group]]],
+    per_rank: list[tuple[list[HeldBox], list[Group]]],
 ) -> tuple[bool, dict[tuple[str, Box], list[int]]]:
     writers: dict[tuple[str, Box], list[int]] = {}
     a = b = 0
@@ -91,7 +91,7 @@ def test_replicated_state_is_spread_over_the_ranks() -> None:
     descs = [TensorDesc(f"w{i}", "parameter", (16, 4), "F32") for i in range(64)]
     world = 8
     job = [
-        ([Piece(d, Box.full(d.shape)) for d in descs], [world_group(r, world)] * len(descs))
+        ([HeldBox(d, Box.full(d.shape)) for d in descs], [world_group(r, world)] * len(descs))
         for r in range(world)
     ]
     ok, writers = check_job(job)
@@ -103,24 +103,24 @@ def test_replicated_state_is_spread_over_the_ranks() -> None:
 def test_a_replica_with_another_shape_fails_the_check() -> None:
     world = 4
     job = [
-        ([Piece(d, Box.full(d.shape)) for d in DESCS], [world_group(r, world)] * len(DESCS))
+        ([HeldBox(d, Box.full(d.shape)) for d in DESCS], [world_group(r, world)] * len(DESCS))
         for r in range(world)
     ]
     odd = TensorDesc("t3", "parameter", (9, 3), "F32")
     pieces, groups = job[2]
-    job[2] = ([Piece(odd, Box.full(odd.shape)) if p.name == "t3" else p for p in pieces], groups)
+    job[2] = ([HeldBox(odd, Box.full(odd.shape)) if p.name == "t3" else p for p in pieces], groups)
     assert not check_job(job)[0]
 
 
 def test_a_replica_holding_an_extra_tensor_fails_the_check() -> None:
     world = 4
     job = [
-        ([Piece(d, Box.full(d.shape)) for d in DESCS], [world_group(r, world)] * len(DESCS))
+        ([HeldBox(d, Box.full(d.shape)) for d in DESCS], [world_group(r, world)] * len(DESCS))
         for r in range(world)
     ]
     extra = TensorDesc("only_on_rank_1", "buffer", (2,), "F32")
     pieces, groups = job[1]
-    job[1] = ([*pieces, Piece(extra, Box.full(extra.shape))], [*groups, world_group(1, world)])
+    job[1] = ([*pieces, HeldBox(extra, Box.full(extra.shape))], [*groups, world_group(1, world)])
     assert not check_job(job)[0]
 
 
@@ -139,7 +139,7 @@ def test_sharded_ranks_disagreeing_on_a_global_shape_fail_the_check() -> None:
 def test_a_group_index_outside_its_size_is_refused() -> None:
     d = DESCS[0]
     try:
-        plan_local([Piece(d, Box.full(d.shape))], [Group(("g",), 2, 2)])
+        plan_local([HeldBox(d, Box.full(d.shape))], [Group(("g",), 2, 2)])
     except ValueError as e:
         assert "'t0'" in str(e)
     else:

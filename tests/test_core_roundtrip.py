@@ -16,6 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import ckpt
+from ckpt import SaveOptions
 from ckpt.errors import ManifestError
 from ckpt.format import treecodec
 from ckpt.format.manifest import MANIFEST_NAME, Box, Manifest, seal
@@ -225,7 +226,12 @@ def saved(tmp_path: Path) -> Path:
     # v2's top manifest and sealed indexes are tested in tests/test_manifest_v2.py and tests/test_golden_v2.py
     saver = ckpt.Checkpointer(async_save=False, format_version=1)
     saver.save(
-        str(tmp_path / "c"), step=7, model=model, optimizer=opt, scheduler=sched, metadata={"a": (1, 2)}
+        str(tmp_path / "c"),
+        step=7,
+        model=model,
+        optimizer=opt,
+        scheduler=sched,
+        options=SaveOptions(metadata={"a": (1, 2)}),
     ).result()
     return tmp_path / "c"
 

@@ -17,6 +17,7 @@ import torch
 from conftest import run_ranks
 
 import ckpt
+from ckpt import SaveOptions
 from ckpt.errors import StateMismatchError
 
 pytestmark = pytest.mark.timeout(300)
@@ -46,10 +47,10 @@ def _job(rank: int, world: int, root: str) -> dict[str, Any]:
     out["hsdp"] = v2.last_plan
     fsdp = init_device_mesh("cpu", (world,))
     state = {n: distribute_tensor(values(i, s), fsdp, [Shard(0)]) for i, (n, s) in enumerate(SHAPES.items())}
-    c.save(f"{root}/fsdp", step=1, model=state, rng=False).result()
+    c.save(f"{root}/fsdp", step=1, model=state, options=SaveOptions(rng=False)).result()
     out["fsdp"] = c.last_plan
     plain = {n: values(i, s) for i, (n, s) in enumerate(SHAPES.items())}
-    res = c.save(f"{root}/ddp", step=1, model=plain, rng=False).result()
+    res = c.save(f"{root}/ddp", step=1, model=plain, options=SaveOptions(rng=False)).result()
     out["ddp"] = c.last_plan
     out["ddp_bytes"] = res.bytes_written
     # the resharded restore: HSDP 16 -> FSDP 16 (every rank reads other ranks' boxes)
@@ -64,7 +65,7 @@ def _job(rank: int, world: int, root: str) -> dict[str, Any]:
     if rank == 5:
         odd["w2"] = values(2, (18, 3))
     try:
-        c.save(f"{root}/odd", step=1, model=odd, rng=False).result()
+        c.save(f"{root}/odd", step=1, model=odd, options=SaveOptions(rng=False)).result()
         out["odd"] = "saved"
     except StateMismatchError as e:
         out["odd"] = str(e)

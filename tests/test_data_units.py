@@ -25,8 +25,8 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 
 import ckpt
 from ckpt.data import DataPosition, RankPosition, combine_digests, sample_digest, track
-from ckpt.data.position import merge
-from ckpt.data.sampler import Resume, ResumedDistributedSampler, global_order, rank_share, reposition
+from ckpt.data.position import EpochResume, merge
+from ckpt.data.sampler import ResumedDistributedSampler, global_order, rank_share, reposition
 from ckpt.errors import ManifestError, StateMismatchError
 from ckpt.format import treecodec
 from ckpt.format.manifest import Manifest, seal
@@ -91,7 +91,7 @@ def test_resplit_deals_out_exactly_the_rest(n, old, new, drop_last, k) -> None:
 
 def test_resumed_sampler_hands_over_to_the_ordinary_one_next_epoch() -> None:
     s = DistributedSampler(range(30), 2, 1, shuffle=True, seed=4)
-    reposition(s, Resume(_spec(30, 3, True, False, 4), 2, 12, 0))
+    reposition(s, EpochResume(_spec(30, 3, True, False, 4), 2, 12, 0))
     assert isinstance(s, ResumedDistributedSampler) and s.epoch == 2
     assert list(s) == global_order(_spec(30, 3, True, False, 4), 2)[12:][1::2] and len(s) == 9
     s.set_epoch(3)

@@ -23,6 +23,7 @@ from conftest import run_ranks
 from manifest_io import manifest_dict, stored_version
 
 import ckpt
+from ckpt import SaveOptions
 
 FIX = Path(__file__).resolve().parent.parent / "fixtures" / "nxd" / "llama_gqa_h64"
 VERSIONS = (1, 2)
@@ -59,7 +60,12 @@ def _job(rank: int, world: int, root: str) -> dict[int, dict[str, Any]]:
     for v in VERSIONS:
         _seed(rank)
         saver = ckpt.Checkpointer(async_save=False, format_version=v)
-        saver.save(f"{root}/v{v}/step_{STEP:08d}", step=STEP, model=state, progress={"tokens": 96}).result()
+        saver.save(
+            f"{root}/v{v}/step_{STEP:08d}",
+            step=STEP,
+            model=state,
+            options=SaveOptions(progress={"tokens": 96}),
+        ).result()
     out = {}
     for v in VERSIONS:
         live = {

@@ -10,9 +10,10 @@ from hypothesis import strategies as st
 from ckpt.errors import LayoutError
 from ckpt.layouts import LayoutSpec, ModelDims, hf_to_nxd_name, nxd_to_hf_names, zero1
 from ckpt.layouts import tp as tpmod
+from ckpt.layouts.families import get_rule_set
 from ckpt.layouts.gqa import kv_heads_of_rank, kv_share_groups, q_heads_of_rank
 from ckpt.layouts.pipeline import layer_pp_rank, layers_of_pp_rank, pp_ranks_of, stage_layer_counts
-from ckpt.layouts.rules import Kind, get_rule_set, rule_for
+from ckpt.layouts.rules import Kind, rule_for
 
 
 def dims(heads=8, kv=2, layers=4, **kw) -> ModelDims:

@@ -20,6 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import ckpt
+from ckpt import SaveOptions
 from ckpt.format.reader import CheckpointReader
 from ckpt.saving.checkpointer import Checkpointer
 from ckpt.saving.staging import HostStager
@@ -122,7 +123,7 @@ def test_step_right_after_save_waits_for_the_copy_and_saved_bytes_are_save_time(
     stager = GatedStager()
     ck = Checkpointer(async_save=True, stager=stager)
     want = digests(m, opt)
-    ck.save(str(tmp_path / "s1"), step=1, model=m, optimizer=opt, rng=False)
+    ck.save(str(tmp_path / "s1"), step=1, model=m, optimizer=opt, options=SaveOptions(rng=False))
     info = ck.last_staging
     assert info is not None and info.lazy_bytes > 0
     assert info.eager_bytes == 3 * 4 and "not owned by the optimizer" in (info.reason or "")
@@ -150,7 +151,7 @@ def test_load_state_dict_into_the_model_waits_for_the_copy(tmp_path: Path) -> No
     stager = GatedStager()
     ck = Checkpointer(async_save=True, stager=stager)
     want = digests(m, opt)
-    ck.save(str(tmp_path / "s"), step=1, model=m, optimizer=opt, rng=False)
+    ck.save(str(tmp_path / "s"), step=1, model=m, optimizer=opt, options=SaveOptions(rng=False))
     th, errors = blocked(lambda: m.load_state_dict(other.state_dict()))
     th.join(0.3)
     assert th.is_alive(), "load_state_dict overwrote parameters the lazy copy had not read"
@@ -173,7 +174,9 @@ def test_grad_scaler_step_is_guarded(tmp_path: Path) -> None:
         scaler.update()
     ck = Checkpointer(async_save=True)
     want = digests(m, opt)
-    ck.save(str(tmp_path / "s"), step=2, model=m, optimizer=opt, scaler=scaler, rng=False)
+    ck.save(
+        str(tmp_path / "s"), step=2, model=m, optimizer=opt, scaler=scaler, options=SaveOptions(rng=False)
+    )
     assert ck.last_staging is not None and ck.last_staging.lazy_bytes > 0
     opt.zero_grad()
     scaler.scale(m(torch.ones(5, 8)).pow(2).mean()).backward()
@@ -192,13 +195,13 @@ def test_without_an_optimizer_or_with_lazy_false_everything_is_copied_before_ret
     train_step(m, opt, 0)
     ck = Checkpointer(async_save=True)
     want = digests(m, opt)
-    ck.save(str(tmp_path / "a"), step=1, model=m, rng=False)
+    ck.save(str(tmp_path / "a"), step=1, model=m, options=SaveOptions(rng=False))
     assert ck.last_staging is not None and ck.last_staging.lazy_bytes == 0
     assert "no optimizer" in (ck.last_staging.reason or "")
     mutate_everything(m, opt)  # no staged() needed: nothing was left to copy
     ck.wait()
     want_after = digests(m, opt)
-    ck.save(str(tmp_path / "b"), step=2, model=m, optimizer=opt, rng=False, lazy=False)
+    ck.save(str(tmp_path / "b"), step=2, model=m, optimizer=opt, options=SaveOptions(rng=False, lazy=False))
     assert ck.last_staging.lazy_bytes == 0 and "lazy" in (ck.last_staging.reason or "")
     mutate_everything(m, opt)
     ck.close()
@@ -240,7 +243,7 @@ def test_a_wrapper_whose_step_runs_no_hooks_is_staged_eagerly(tmp_path: Path) ->
     train_step(m, opt, 0)
     ck = Checkpointer(async_save=True)
     want = digests(m, inner)
-    ck.save(str(tmp_path / "s"), step=1, model=m, optimizer=opt, rng=False)
+    ck.save(str(tmp_path / "s"), step=1, model=m, optimizer=opt, options=SaveOptions(rng=False))
     assert ck.last_staging is not None and ck.last_staging.lazy_bytes == 0
     assert "does not run step hooks" in (ck.last_staging.reason or "")
     train_step(m, opt, 1)  # would race a lazy copy: no hook runs
@@ -277,7 +280,7 @@ def test_interleaved_saves_steps_and_edits_keep_save_time_bytes(
         if op == "save":
             path = str(root / f"s{i}")
             expected[path] = digests(m, opt)
-            ck.save(path, step=i, model=m, optimizer=opt, rng=False)
+            ck.save(path, step=i, model=m, optimizer=opt, options=SaveOptions(rng=False))
         elif op == "step":
             train_step(m, opt, i)  # no explicit wait: the step pre-hook guards it
         elif op == "edit":

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from ckpt import SaveOptions
 from ckpt.format.reader import CheckpointReader
 from ckpt.restoring.loader import Restorer, restore
 from ckpt.saving.checkpointer import Checkpointer
@@ -80,7 +81,9 @@ def test_cuda_async_save_never_syncs_the_host_and_keeps_save_time_bytes(tmp_path
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        ck.save(str(tmp_path / "s"), step=1, model=m, optimizer=opt, rng=False, lazy=lazy)
+        ck.save(
+            str(tmp_path / "s"), step=1, model=m, optimizer=opt, options=SaveOptions(rng=False, lazy=lazy)
+        )
     finally:
         torch.cuda.set_sync_debug_mode("default")
     info = ck.last_staging
@@ -98,7 +101,7 @@ def test_restore_onto_cuda_uses_pinned_batched_copies_and_is_exact(tmp_path: Pat
     m, opt = make()
     step(m, opt, 0)
     want = digests(m, opt)
-    Checkpointer().save(str(tmp_path / "s"), step=1, model=m, optimizer=opt, rng=False)
+    Checkpointer().save(str(tmp_path / "s"), step=1, model=m, optimizer=opt, options=SaveOptions(rng=False))
     m2, opt2 = make(seed=3)
     step(m2, opt2, 5)
     copies: list[int] = []
@@ -148,7 +151,7 @@ def _fsdp2_nccl_rank(rank: int, world: int, port: int, tmp: str) -> dict[str, ob
         step(m, opt, 0)
         want = _full_digests(m, opt)
         ck = Checkpointer(async_save=True)
-        ck.save(f"{tmp}/fsdp", step=1, model=m, optimizer=opt, rng=False)
+        ck.save(f"{tmp}/fsdp", step=1, model=m, optimizer=opt, options=SaveOptions(rng=False))
         lazy = ck.last_staging.lazy_bytes if ck.last_staging else 0
         step(m, opt, 1 + rank)  # at once: the step hook orders the stream after the copy
         ck.staged()

@@ -12,6 +12,7 @@ import torch.nn as nn
 from conftest import run_ranks
 from test_lazy_staging import digests, make, mutate_everything, saved_digests, sha, train_step
 
+from ckpt import SaveOptions
 from ckpt.saving.checkpointer import Checkpointer
 from ckpt.state.training import optim_name
 
@@ -44,7 +45,7 @@ def _rank_job(rank: int, world: int, tmp: str) -> dict[str, Any]:
     train_step(m, opt, 0)
     ck = Checkpointer(async_save=True)
     out["want"] = digests(m, opt)
-    ck.save(f"{tmp}/repl", step=1, model=m, optimizer=opt, rng=False)
+    ck.save(f"{tmp}/repl", step=1, model=m, optimizer=opt, options=SaveOptions(rng=False))
     out["lazy"] = ck.last_staging.lazy_bytes if ck.last_staging else 0
     train_step(m, opt, 100 + rank)  # ranks diverge right away; the hook keeps each rank's saved bytes
     ck.staged()
@@ -57,7 +58,7 @@ def _rank_job(rank: int, world: int, tmp: str) -> dict[str, Any]:
     train_step(m, opt, 0)
     out["want_fsdp"] = _full_digests(m, opt)
     ck = Checkpointer(async_save=True)
-    ck.save(f"{tmp}/fsdp", step=1, model=m, optimizer=opt, rng=False)
+    ck.save(f"{tmp}/fsdp", step=1, model=m, optimizer=opt, options=SaveOptions(rng=False))
     out["lazy_fsdp"] = ck.last_staging.lazy_bytes if ck.last_staging else 0
     train_step(m, opt, 7)
     ck.staged()

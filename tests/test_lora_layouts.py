@@ -72,8 +72,9 @@ def test_round_trip_and_shard_sizes(spec, r, seed, bf16) -> None:  # noqa: ANN00
 def test_whole_lora_matrices_are_explicit_replicated_rules() -> None:
     """The LoRA matrices NxD keeps whole (no parallel attributes to read at save time) are named by the nxd-llama
     rule set; the split ones are not (the Neuron saver takes their split from NxD's attributes)."""
+    from ckpt.layouts.families.llama import RULES as NXD_LLAMA
     from ckpt.layouts.partition import nxd_partition
-    from ckpt.layouts.rules import NXD_LLAMA, Kind, rule_for
+    from ckpt.layouts.rules import Kind, rule_for
 
     for name in ("model.layers.0.self_attn.qkv_proj.lora_A.weight", "model.layers.3.mlp.gate_up_proj.lora_A.weight",
                  "model.layers.0.self_attn.q_proj.lora_A.weight", "model.layers.1.self_attn.o_proj.lora_B.weight",

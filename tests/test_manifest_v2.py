@@ -19,8 +19,8 @@ from manifest_schema import assert_valid
 
 import ckpt
 from ckpt.errors import CkptError, ManifestError
-from ckpt.format.index import blocks, blocks_overlapping, split
 from ckpt.format.manifest import MANIFEST_NAME, Box, Layout, Manifest, seal
+from ckpt.format.placement import blocks, blocks_overlapping, split
 from ckpt.format.publish import publish
 from ckpt.format.reader import CheckpointReader, read_manifest
 from ckpt.format.writer import StreamingWriter

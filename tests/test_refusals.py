@@ -18,7 +18,8 @@ from ckpt import open_checkpoint
 from ckpt.errors import LayoutError
 from ckpt.format.writer import StreamingWriter
 from ckpt.layouts import bit_equal
-from ckpt.layouts.rules import Kind, get_rule_set, rule_for
+from ckpt.layouts.families import get_rule_set
+from ckpt.layouts.rules import Kind, rule_for
 
 ROOT = Path(__file__).resolve().parent.parent / "fixtures" / "nxd" / "llama_gqa_h64"
 PP_TAG = ROOT / "nxd_from_full_tp2_pp2"  # model only, tp 2, pp 2, no marker (NxD converter output)

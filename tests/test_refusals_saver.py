@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from ckpt import SaveOptions
 from ckpt.errors import CkptError
 from tests.conftest import run_ranks
 
@@ -43,7 +44,9 @@ def ddp_job(rank: int, world: int, root: str) -> dict[str, str]:
         lambda: ck.save(f"{root}/c", step=2, model=_model(rank, True)).result()
     )
     out["later_drift_checked"] = _try(
-        lambda: ck.save(f"{root}/d", step=3, model=_model(rank, True), verify_replicas=True).result()
+        lambda: ck.save(
+            f"{root}/d", step=3, model=_model(rank, True), options=SaveOptions(verify_replicas=True)
+        ).result()
     )
     ck = Checkpointer(verify_replicas=True)
     ck.save(f"{root}/e", step=1, model=_model(rank, False)).result()

@@ -9,7 +9,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ckpt.saving.staging import ALIGN, HostStager
+from ckpt.format.datafile import BUFFER_ALIGN
+from ckpt.saving.staging import HostStager
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.int8, torch.bool]
 
@@ -69,8 +70,8 @@ def test_views_are_aligned_slices_of_one_arena() -> None:
     base = staged[0].data_ptr()
     offsets = [t.data_ptr() - base for t in staged]
     assert offsets == [0, 64, 128]  # each tensor starts on an ALIGN boundary
-    assert all(o % ALIGN == 0 for o in offsets)
-    assert stager.nbytes == 3 * ALIGN
+    assert all(o % BUFFER_ALIGN == 0 for o in offsets)
+    assert stager.nbytes == 3 * BUFFER_ALIGN
 
 
 def test_arena_is_reused_and_grows_only_with_the_state() -> None:

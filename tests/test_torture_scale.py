@@ -13,6 +13,7 @@ import torch
 from torture.scale import many_checkpoints, many_tensors
 
 import ckpt
+from ckpt import SaveOptions
 from ckpt.format.integrity import verify_checkpoint
 from ckpt.restoring.discovery import list_checkpoints
 
@@ -53,7 +54,9 @@ def test_a_single_tensor_over_2_gib_round_trips(tmp_path: Path) -> None:
     big[-(1 << 20) :] = 7
     big[1 << 20 : -(1 << 20)] = 3
     path = str(tmp_path / "big")
-    ckpt.Checkpointer(chunk_bytes=4 << 30).save(path, step=1, model={"big": big}, rng=False).result()
+    ckpt.Checkpointer(chunk_bytes=4 << 30).save(
+        path, step=1, model={"big": big}, options=SaveOptions(rng=False)
+    ).result()
     reader = ckpt.open_checkpoint(path)
     (shard,) = reader.manifest.tensors["big"].shards
     assert shard.nbytes == n

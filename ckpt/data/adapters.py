@@ -17,7 +17,7 @@ from ..errors import StateMismatchError
 from . import hf_iterable as hi
 from . import hf_split as hs
 from . import sampler as ds
-from .position import DataPosition, RankPosition
+from .position import DataPosition, EpochResume, RankPosition
 from .tracked import TrackedLoader
 
 
@@ -131,14 +131,45 @@ class DistributedSamplerAdapter:
         start, skip = position.resume_point(
             int(sampler.rank), int(sampler.num_replicas), where, "samples", "order"
         )
-        ds.reposition(sampler, ds.Resume(order, position.epoch, start, skip))
+        ds.reposition(sampler, EpochResume(order, position.epoch, start, skip))
         _restart_count(loader)
 
 
-class HfSplitAdapter:
+class _SplitAdapter:
+    """What both HF split adapters share: the loader's dataset is ckpt's split of an HF dataset, which repositions
+    itself from an :class:`EpochResume` (``unit`` of its ``sequence`` name what it counts, in refusals)."""
+
+    name: str
+    unit: str
+    sequence: str
+
+    def _dataset(self, loader: Any) -> Any:
+        return inner_of(loader).dataset
+
+    def dp(self, loader: Any) -> int:
+        return self._dataset(loader).world_size
+
+    def reposition(self, loader: Any, position: DataPosition, rank: int, world: int, where: str) -> None:
+        ds_ = self._dataset(loader)
+        order = position.order or {}
+        if order.get("kind") != self.name:
+            raise StateMismatchError(
+                f"{where}: saved data order is {order.get('kind')!r}, expected {self.name!r}"
+            )
+        start, skip = position.resume_point(ds_.rank, ds_.world_size, where, self.unit, self.sequence)
+        resume = EpochResume(order, position.epoch, start, skip, batch_size_of(loader) or 1)
+        try:
+            ds_.reposition(resume)
+        except StateMismatchError as e:  # its refusals name the checkpoint
+            raise StateMismatchError(f"{where}: {e}") from None
+        _restart_count(loader)
+
+
+class HfSplitAdapter(_SplitAdapter):
     """A StatefulDataLoader or tracked DataLoader reading a :class:`ckpt.data.hf_split.SplitDataset` in order."""
 
     name = hs.KIND
+    unit, sequence = "samples", "order"
 
     def matches(self, loader: Any) -> bool:
         inner = inner_of(loader)
@@ -147,9 +178,6 @@ class HfSplitAdapter:
             and isinstance(getattr(inner, "dataset", None), hs.SplitDataset)
             and type(sampler_of(loader)) is SequentialSampler
         )
-
-    def _dataset(self, loader: Any) -> hs.SplitDataset:
-        return inner_of(loader).dataset
 
     def position(self, loader: Any) -> RankPosition | None:
         ds_ = self._dataset(loader)
@@ -162,24 +190,8 @@ class HfSplitAdapter:
             self.name, ds_.epoch, start, consumed, size, ds_.order_spec(size), ds_.rank, ds_.world_size
         )
 
-    def dp(self, loader: Any) -> int:
-        return self._dataset(loader).world_size
 
-    def reposition(self, loader: Any, position: DataPosition, rank: int, world: int, where: str) -> None:
-        ds_ = self._dataset(loader)
-        order = position.order or {}
-        if order.get("kind") != hs.KIND:
-            raise StateMismatchError(
-                f"{where}: saved data order is {order.get('kind')!r}, expected {hs.KIND!r}"
-            )
-        start, skip = position.resume_point(ds_.rank, ds_.world_size, where, "samples", "order")
-        _reposition_split(
-            ds_, hs.Resume(order, position.epoch, start, skip, batch_size_of(loader) or 1), where
-        )
-        _restart_count(loader)
-
-
-class HfIterableAdapter:
+class HfIterableAdapter(_SplitAdapter):
     """A StatefulDataLoader or tracked DataLoader over a :class:`ckpt.data.hf_iterable.SplitIterable`.
 
     A rank that took k examples of its stride stands at global example ``start + k*W`` when every rank took k:
@@ -187,15 +199,13 @@ class HfIterableAdapter:
     """
 
     name = hi.KIND
+    unit, sequence = "examples", "stream"
 
     def matches(self, loader: Any) -> bool:
         inner = inner_of(loader)
         return (isinstance(loader, TrackedLoader) or _is_stateful_dataloader(loader)) and isinstance(
             getattr(inner, "dataset", None), hi.SplitIterable
         )
-
-    def _dataset(self, loader: Any) -> hi.SplitIterable:
-        return inner_of(loader).dataset
 
     def position(self, loader: Any) -> RankPosition | None:
         ds_ = self._dataset(loader)
@@ -209,28 +219,6 @@ class HfIterableAdapter:
         return RankPosition(
             self.name, ds_.epoch, start, consumed, size, ds_.order_spec(), ds_.rank, ds_.world_size
         )
-
-    def dp(self, loader: Any) -> int:
-        return self._dataset(loader).world_size
-
-    def reposition(self, loader: Any, position: DataPosition, rank: int, world: int, where: str) -> None:
-        ds_ = self._dataset(loader)
-        order = position.order or {}
-        if order.get("kind") != hi.KIND:
-            raise StateMismatchError(
-                f"{where}: saved data order is {order.get('kind')!r}, expected {hi.KIND!r}"
-            )
-        start, skip = position.resume_point(ds_.rank, ds_.world_size, where, "examples", "stream")
-        _reposition_split(ds_, hi.Resume(order, position.epoch, start, skip), where)
-        _restart_count(loader)
-
-
-def _reposition_split(dataset: Any, resume: Any, where: str) -> None:
-    """Move an HF split dataset of ckpt's to ``resume``; its refusals name the checkpoint."""
-    try:
-        dataset.reposition(resume)
-    except StateMismatchError as e:
-        raise StateMismatchError(f"{where}: {e}") from None
 
 
 def _restart_count(loader: Any) -> None:

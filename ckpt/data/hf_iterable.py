@@ -26,13 +26,13 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Iterator
-from dataclasses import dataclass
 from itertools import islice
 from typing import Any
 
 import torch.utils.data
 
 from ..errors import StateMismatchError
+from .position import EpochResume
 
 KIND = "hf_iterable"
 
@@ -78,16 +78,6 @@ def fingerprint(dataset: Any) -> str:
     return "sha256:" + hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()
 
 
-@dataclass(frozen=True)
-class Resume:
-    """A resumed epoch: from global example ``start`` this rank strides by the DP size; it already had ``skip``."""
-
-    order: dict[str, Any]
-    epoch: int
-    start: int
-    skip: int
-
-
 class SplitIterable(torch.utils.data.IterableDataset):
     """Rank ``rank`` of ``world_size``'s examples of a Hugging Face IterableDataset (every ``world_size``-th from
     ``rank``), keeping the full dataset for a re-split restore.  Iterate it in the main process (num_workers=0)."""
@@ -96,14 +86,14 @@ class SplitIterable(torch.utils.data.IterableDataset):
         super().__init__()
         self.dataset, self.rank, self.world_size, self.epoch = dataset, rank, world_size, 0
         self.exhausted_at: int | None = None  # examples the last complete iteration yielded
-        self._resume: Resume | None = None
+        self._resume: EpochResume | None = None
 
     def set_epoch(self, epoch: int) -> None:
         """Set the epoch; each iteration sets it on the full dataset too (it reorders shards and shifts shuffle
         seeds per epoch, so the split and datasets' own split see the same stream)."""
         self.epoch = epoch
 
-    def _current(self) -> Resume | None:
+    def _current(self) -> EpochResume | None:
         r = self._resume
         return r if r is not None and r.epoch == self.epoch else None
 
@@ -136,7 +126,7 @@ class SplitIterable(torch.utils.data.IterableDataset):
             return dict(r.order)
         return {"kind": KIND, "num_replicas": self.world_size, "stream": fingerprint(self.dataset)}
 
-    def reposition(self, resume: Resume) -> None:
+    def reposition(self, resume: EpochResume) -> None:
         saved, live = resume.order.get("stream"), fingerprint(self.dataset)
         if saved != live:
             raise StateMismatchError(

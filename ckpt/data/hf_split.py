@@ -15,11 +15,11 @@ the uninterrupted run's.  The loader must read its rank's rows in order (no shuf
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 from ..errors import StateMismatchError
 from .hf_iterable import SplitIterable, is_hf_iterable, split_iterable_by_node
+from .position import EpochResume
 
 KIND = "hf_split"
 
@@ -59,21 +59,12 @@ def rank_rows(order: dict[str, Any], start: int, rank: int, world: int, batch: i
     return [i for c in chunks for i in c if i is not None]
 
 
-@dataclass(frozen=True)
-class Resume:
-    order: dict[str, Any]
-    epoch: int
-    start: int
-    skip: int
-    batch: int
-
-
 class SplitDataset:
     """Rank ``rank``'s rows of ``dataset`` (map-style), keeping the full dataset for a re-split restore."""
 
     def __init__(self, dataset: Any, rank: int, world_size: int) -> None:
         self.dataset, self.rank, self.world_size, self.epoch = dataset, rank, world_size, 0
-        self._resume: Resume | None = None
+        self._resume: EpochResume | None = None
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
@@ -105,7 +96,7 @@ class SplitDataset:
             "batch_size": batch,
         }
 
-    def reposition(self, resume: Resume) -> None:
+    def reposition(self, resume: EpochResume) -> None:
         if resume.order.get("dataset_len") != len(self.dataset):
             raise StateMismatchError(
                 f"data_position.order.dataset_len is {resume.order.get('dataset_len')}, the live dataset has "

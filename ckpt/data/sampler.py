@@ -17,13 +17,13 @@ replacing its sampler, and a sampler's ``__iter__`` is looked up on its class.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch.utils.data import DistributedSampler
 
 from ..errors import StateMismatchError
+from .position import EpochResume
 
 KIND = "distributed_sampler"
 
@@ -82,20 +82,10 @@ def rank_share(
     return rest[rank::world]
 
 
-@dataclass(frozen=True)
-class Resume:
-    """A resumed epoch: ``order``'s list from global index ``start``, of which this rank already had ``skip``."""
-
-    order: dict[str, Any]
-    epoch: int
-    start: int
-    skip: int
-
-
 class ResumedDistributedSampler(DistributedSampler):
     """A DistributedSampler that continues a saved global position during the resumed epoch, then is itself."""
 
-    _ckpt_resume: Resume | None
+    _ckpt_resume: EpochResume | None
 
     def __iter__(self) -> Any:
         share = self._resumed_share()
@@ -112,7 +102,7 @@ class ResumedDistributedSampler(DistributedSampler):
         return rank_share(r.order, r.epoch, r.start, self.rank, self.num_replicas, self.drop_last)[r.skip :]
 
 
-def _resume_of(sampler: Any) -> Resume | None:
+def _resume_of(sampler: Any) -> EpochResume | None:
     r = getattr(sampler, "_ckpt_resume", None)
     return r if r is not None and r.epoch == sampler.epoch else None
 
@@ -147,7 +137,7 @@ def check_compatible(sampler: Any, order: dict[str, Any], where: str) -> None:
             )
 
 
-def reposition(sampler: DistributedSampler, resume: Resume) -> None:
+def reposition(sampler: DistributedSampler, resume: EpochResume) -> None:
     """Make ``sampler`` continue ``resume`` (in place) and set its epoch to the resumed one."""
     sampler.__class__ = ResumedDistributedSampler
     sampler._ckpt_resume = resume  # type: ignore[attr-defined]

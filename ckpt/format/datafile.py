@@ -21,6 +21,16 @@ from .dtypes import dtype_name
 
 WRITE_BLOCK = 1 << 30
 
+#: Where a tensor's bytes may start in a host buffer that holds several tensors (the staging arena of async saves,
+#: the upload arena of restores, the NxD converter's scratch slabs): a multiple of 64 bytes, a cache line, which is
+#: more than any dtype needs, so every view of such a buffer is aligned for its dtype and for vectorised copies.
+BUFFER_ALIGN = 64
+
+
+def aligned(n: int) -> int:
+    """``n`` rounded up to a multiple of :data:`BUFFER_ALIGN` (where the next tensor in a host buffer may start)."""
+    return (n + BUFFER_ALIGN - 1) // BUFFER_ALIGN * BUFFER_ALIGN
+
 
 @dataclass(frozen=True)
 class Chunk:

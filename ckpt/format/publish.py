@@ -1,5 +1,21 @@
-"""Turning what ranks wrote (receipts) into a manifest, and publishing it: the commit step shared by the
-training-loop saver and the streaming writer used by converters."""
+"""The commit step, shared by the training-loop saver, the streaming writer and the converters: what ranks wrote
+becomes a manifest, and :func:`publish` writes it, the one commit point of every checkpoint ckpt writes.
+
+Two ways to get there, with the same checks (every written box lies inside its tensor, none is written twice, the
+boxes hold as many elements as the tensor: a writer bug is refused before anything is committed):
+
+* from every chunk (:class:`Receipt`, :func:`build_manifest`): one process holds every shard's place (converters,
+  DCP export, ``StreamingWriter``, the saver's format 1).  :func:`publish` writes format 2's per-rank index and state
+  files itself (:func:`ckpt.format.index.encode`), then the manifest;
+* from every writer's summary (format 2 in the training-loop saver): each writer, after publishing its data file,
+  writes its own sealed index and state file (:func:`write_rank_files`) and sends rank 0 a :class:`RankSummary`
+  (its files' sizes and checksums, and the boxes it wrote before chunking: T per rank at most, independent of the
+  chunk count); rank 0 checks the boxes (:func:`manifest_from_summaries`) and :func:`publish` writes the top
+  manifest that seals every index's and state file's checksum.
+
+A writer's chunks lie inside the box it reports by construction (``ckpt.saving.planning.chunk_boxes``), and their
+byte ranges inside its file (it just wrote them); readers validate both again when they read an index.
+"""
 
 from __future__ import annotations
 
@@ -13,8 +29,20 @@ from typing import Any
 from ..errors import ManifestError
 from ..state import environment
 from ..storage import Storage
-from .index import DEFAULT_FORMAT_VERSION
-from .manifest import MANIFEST_NAME, Box, FileEntry, Layout, Manifest, Shard, TensorDesc, TensorEntry
+from .index import (
+    chunk_row,
+    encode,
+    index_name,
+    index_text,
+    sealed_entry,
+    state_holds,
+    state_name,
+    state_text,
+    top_text,
+)
+from .manifest import FORMAT_VERSION, MANIFEST_NAME, Manifest, tree_members
+from .placement import IndexEntry, describe_boxes
+from .schema import Box, FileEntry, Layout, Shard, TensorDesc, TensorEntry
 
 
 @dataclass
@@ -132,68 +160,162 @@ def build_manifest(
         check_covered(n, m.shape, sum(s.box.numel for s in shards[n]))
         tensors[n] = TensorEntry.of(m, tuple(sorted(shards[n], key=lambda s: s.box.offsets)))
     rank_trees = rank_trees or {}
-    return manifest_of(
-        step=step,
-        backend=backend,
-        layout=layout,
-        tensors=tensors,
-        files=files,
-        trees=trees,
-        rng={str(r): t["rng"] for r, t in sorted(rank_trees.items()) if "rng" in t} or trees.get("rng", {}),
-        data={str(r): t["data"] for r, t in sorted(rank_trees.items()) if "data" in t}
-        or trees.get("data", {}),
-        env=env,
+    rng = {str(r): t["rng"] for r, t in sorted(rank_trees.items()) if "rng" in t} or trees.get("rng", {})
+    data = {str(r): t["data"] for r, t in sorted(rank_trees.items()) if "data" in t} or trees.get("data", {})
+    return Manifest(
+        step, _now(), backend, layout, tensors, files, **_commit_members(step, layout, trees, rng, data, env)
     )
 
 
-def manifest_of(
+@dataclass
+class RankSummary:
+    """What a writer sends rank 0 under format v2 (independent of how many chunks it wrote)."""
+
+    rank: int
+    files: list[tuple[str, int]] = field(default_factory=list)
+    pieces: list[tuple[str, tuple[int, ...], tuple[int, ...]]] = field(default_factory=list)
+    index: IndexEntry | None = None
+    state: IndexEntry | None = None
+
+
+def write_rank_files(
+    storage: Storage,
+    receipt: Receipt,
+    attempt: str,
+    pieces: Iterable[tuple[str, Box]],
+    rng: Any = None,
+    data: Any = None,
+) -> RankSummary:
+    """Writer side (every rank, after its data file): publish this rank's index and state file create-only and
+    return what rank 0 needs of them.  Nothing is written for a rank with no chunk (index) or no tree (state)."""
+    rank = receipt.rank
+    out = RankSummary(rank, list(receipt.files), [(n, b.offsets, b.lengths) for n, b in pieces])
+    if receipt.shards:
+        rows = [
+            chunk_row(name, Box(tuple(offs), tuple(lens)), f, off, nbytes, codec, csum)
+            for name, offs, lens, f, off, nbytes, codec, csum in receipt.shards
+        ]
+        text = index_text(rank, rows)
+        storage.put_bytes(index_name(rank, attempt), text.encode(), exclusive=True)
+        out.index = sealed_entry(index_name(rank, attempt), rank, text)
+    if rng is not None or data is not None:
+        text = state_text(rank, rng, data)
+        storage.put_bytes(state_name(rank, attempt), text.encode(), exclusive=True)
+        out.state = sealed_entry(state_name(rank, attempt), rank, text, state_holds(rng, data))
+    return out
+
+
+@dataclass(frozen=True)
+class RankFiles:
+    """The per-rank files the writers already published (format 2 saver): each tensor's ``pieces`` as the top
+    manifest describes them, and the tables of index and state files with their checksums."""
+
+    pieces: dict[str, Any]
+    indexes: list[IndexEntry]
+    states: list[IndexEntry]
+
+
+def manifest_from_summaries(
     *,
     step: int,
     backend: str,
     layout: Layout,
-    tensors: dict[str, TensorEntry],
-    files: dict[str, FileEntry],
+    metas: list[TensorDesc],
+    summaries: Iterable[RankSummary],
+    trees: dict[str, Any],
+    env: dict[str, Any] | None = None,
+) -> tuple[Manifest, RankFiles]:
+    """Rank 0: the manifest (no shards: they are in the indexes) and the writers' files from every writer's
+    summary, after checking that the written boxes tile every tensor exactly once.  Publish both with
+    :func:`publish`."""
+    by_name = {m.name: m for m in metas}
+    boxes: dict[str, list[tuple[Box, int]]] = {n: [] for n in by_name}
+    seen: set[Any] = set()
+    files: dict[str, FileEntry] = {}
+    indexes: list[IndexEntry] = []
+    states: list[IndexEntry] = []
+    for s in summaries:
+        for fname, size in s.files:
+            files[fname] = FileEntry(fname, size, s.rank)
+        for name, offs, lens in s.pieces:
+            box = check_box(s.rank, name, offs, lens, by_name, seen)
+            if box.numel:
+                boxes[name].append((box, s.rank))
+        if s.index is not None:
+            indexes.append(s.index)
+        if s.state is not None:
+            states.append(s.state)
+    pieces = {}
+    for n, d in by_name.items():
+        check_covered(n, d.shape, sum(b.numel for b, _ in boxes[n]))
+        pieces[n] = describe_boxes(d.shape, boxes[n])
+    tensors = {n: TensorEntry.of(d, ()) for n, d in by_name.items()}
+    m = Manifest(
+        step, _now(), backend, layout, tensors, files, **_commit_members(step, layout, trees, {}, {}, env)
+    )
+    return m, RankFiles(pieces, indexes, states)
+
+
+def _now() -> str:
+    """A commit's time stamp (the manifest's ``created_at``)."""
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+
+
+def _commit_members(
+    step: int,
+    layout: Layout,
     trees: dict[str, Any],
     rng: dict[str, Any],
     data: dict[str, Any],
-    env: dict[str, Any] | None,
-) -> Manifest:
-    """The in-memory manifest of a commit (its time stamp and environment taken now unless ``env`` is given)."""
-    return Manifest(
-        step=step,
-        created_at=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        backend=backend,
-        layout=layout,
-        tensors=tensors,
-        files=files,
-        optimizer=trees.get("optimizer"),
-        scheduler=trees.get("scheduler"),
-        scaler=trees.get("scaler"),
-        rng=rng,
-        progress=trees.get("progress", {"step": step}),
-        data=data,
-        tokenizer=trees.get("tokenizer"),
-        environment=env if env is not None else environment.capture(layout.world_size),
-        user=trees.get("user"),
-        extra=trees.get("extra", {}),
-        data_position=trees.get("data_position"),
-        rng_base=trees.get("rng_base"),
-        adapter=trees.get("adapter"),
-    )
+    env: dict | None,
+) -> dict[str, Any]:
+    """The members of a commit's manifest besides its head: the trees as the writer captured them, the per-rank
+    trees, and the environment (taken now unless ``env`` is given)."""
+    return {
+        **tree_members(trees),
+        "rng": rng,
+        "progress": trees.get("progress", {"step": step}),
+        "data": data,
+        "environment": env if env is not None else environment.capture(layout.world_size),
+        "extra": trees.get("extra", {}),
+    }
 
 
-def publish(storage: Storage, manifest: Manifest, version: int | None = None) -> None:
-    """Write the manifest create-only: the commit point.  Format v2 writes each rank's index first (create-only,
-    named after the save attempt of the rank's data files), then the top manifest that seals their checksums."""
-    version = DEFAULT_FORMAT_VERSION if version is None else version
+def publish(
+    storage: Storage, manifest: Manifest, version: int | None = None, written: RankFiles | None = None
+) -> None:
+    """Write ``manifest`` create-only: the commit point, the one writer of ``manifest.json``.
+
+    ``version`` (default :data:`~ckpt.format.schema.FORMAT_VERSION`) 1: the whole manifest.  2: the top manifest,
+    after each rank's index and state file: the ones the writers already published (``written``, from
+    :func:`manifest_from_summaries`), else written here first, create-only, named after the save attempt of the
+    data files (:func:`ckpt.format.index.encode`)."""
+    version = FORMAT_VERSION if version is None else version
     if version == 1:
-        storage.put_bytes(MANIFEST_NAME, manifest.to_json().encode(), exclusive=True)
-        return
-    from .index import encode
+        if written is not None:
+            raise ValueError("format 1 has no per-rank files: publish its manifest alone")
+        text = manifest.to_json()
+    elif written is not None:
+        text = top_text(manifest, written.pieces, written.indexes, written.states)
+    else:
+        attempts = {p.split("-")[1].split(".")[0] for p in manifest.files if p.startswith("r") and "-" in p}
+        attempt = sorted(attempts)[0] if len(attempts) == 1 else uuid.uuid4().hex[:8]
+        text, indexes = encode(manifest, attempt)
+        for path, index in indexes.items():
+            storage.put_bytes(path, index.encode(), exclusive=True)
+    storage.put_bytes(MANIFEST_NAME, text.encode(), exclusive=True)
 
-    attempts = {p.split("-")[1].split(".")[0] for p in manifest.files if p.startswith("r") and "-" in p}
-    attempt = sorted(attempts)[0] if len(attempts) == 1 else uuid.uuid4().hex[:8]
-    top, indexes = encode(manifest, attempt)
-    for path, text in indexes.items():
-        storage.put_bytes(path, text.encode(), exclusive=True)
-    storage.put_bytes(MANIFEST_NAME, top.encode(), exclusive=True)
+
+__all__ = [
+    "RankFiles",
+    "RankSummary",
+    "Receipt",
+    "build_manifest",
+    "check_box",
+    "check_covered",
+    "data_file_name",
+    "manifest_from_summaries",
+    "publish",
+    "write_data_file",
+    "write_rank_files",
+]

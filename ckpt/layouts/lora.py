@@ -40,7 +40,7 @@ from ckpt.errors import LayoutError
 from ckpt.layouts.execute import bit_equal
 from ckpt.layouts.names import hf_to_nxd_name, nxd_to_hf_names
 from ckpt.layouts.pipeline import pp_ranks_of
-from ckpt.layouts.plan import Placement, Rank, expected_full_shape, placements
+from ckpt.layouts.plan import Placement, Rank, expected_full_shape, placements, rank_tensor_pairs
 from ckpt.layouts.spec import LayoutSpec
 
 #: HF (PEFT, prefix removed) adapter tensor name: ``<module>.lora_A.weight`` / ``<module>.lora_B.weight``
@@ -293,26 +293,22 @@ def _check_rank_sizes(
 ) -> None:
     """Every rank tensor must be exactly what the adapter lays out to (no extra rows, names or ranks)."""
     want = adapter_to_nxd(adapter, spec)
-    for rank in spec.ranks:
-        have, exp = shards.get(rank, {}), want.get(rank, {})
-        where = f"tp rank {rank[0]}, pp rank {rank[1]}"
-        for name in have:
-            if name not in exp:
-                raise LayoutError(
-                    f"{name} on {where} is not expected by this layout (check --pp / --qkv-linear)"
-                )
-        for name, t in exp.items():
-            if name not in have:
-                raise LayoutError(f"{name} is missing on {where} (check --pp / --qkv-linear / --fuse-qkv)")
-            if tuple(have[name].shape) != tuple(t.shape) or have[name].dtype != t.dtype:
-                raise LayoutError(
-                    f"{name} on {where} is {list(have[name].shape)} {have[name].dtype}, this layout expects "
-                    f"{list(t.shape)} {t.dtype} (check --tp / --kv-size-multiplier)"
-                )
-            if not bit_equal(have[name], t):
-                raise LayoutError(
-                    f"{name} on {where} holds values no HF adapter lays out to (shared lora_A copies differ?)"
-                )
+    for where, name, have, t in rank_tensor_pairs(
+        spec.ranks,
+        lambda rank: shards.get(rank, {}),
+        lambda rank: want.get(rank, {}),
+        "check --pp / --qkv-linear",
+        "check --pp / --qkv-linear / --fuse-qkv",
+    ):
+        if tuple(have.shape) != tuple(t.shape) or have.dtype != t.dtype:
+            raise LayoutError(
+                f"{name} on {where} is {list(have.shape)} {have.dtype}, this layout expects "
+                f"{list(t.shape)} {t.dtype} (check --tp / --kv-size-multiplier)"
+            )
+        if not bit_equal(have, t):
+            raise LayoutError(
+                f"{name} on {where} holds values no HF adapter lays out to (shared lora_A copies differ?)"
+            )
 
 
 def is_lora_name(name: str) -> bool:

@@ -17,9 +17,9 @@ import re
 from functools import lru_cache
 from typing import Any
 
-from ckpt.layouts.families import family_for_rule_set
+from ckpt.layouts.families import family_for_rule_set, rules_with
 from ckpt.layouts.names import EXPERT_STACKED, nxd_to_hf_names
-from ckpt.layouts.rules import DEFAULT_RULE_SET, Kind, rule_for, rules_with
+from ckpt.layouts.rules import DEFAULT_RULE_SET, Kind, rule_for
 
 Partition = dict[str, Any]
 _MHA_FUSED_QKV = re.compile(r"\.self_attn\.qkv_proj\.(weight|bias)$")

@@ -10,9 +10,9 @@ NxD layout.  Both directions are derived from it, so full->NxD->full is an exact
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, TypeVar
 
 import torch
 
@@ -25,21 +25,8 @@ from ckpt.layouts.rules import Kind, Rule, check_known, rule_for
 from ckpt.layouts.spec import LayoutSpec, ModelDims
 from ckpt.layouts.tp import runs, strided_ranges
 
-__all__ = [
-    "LayoutPlan",
-    "LayoutSpec",
-    "ModelDims",
-    "Piece",
-    "Placement",
-    "Rank",
-    "TensorMeta",
-    "TensorPlan",
-    "full_meta_from_local",
-    "placements",
-    "plan_full_to_nxd",
-    "plan_nxd_to_full",
-    "plan_tensor_nxd_to_full",
-]
+H = TypeVar("H")
+W = TypeVar("W")
 
 Rank = tuple[int, int]
 """``(tp_rank, pp_rank)``; NxD model files are ``dp_rank_00_tp_rank_TT_pp_rank_PP.pt``."""
@@ -329,27 +316,42 @@ def _check_complete(spec: LayoutSpec, full: Mapping[str, TensorMeta]) -> None:
 
 
 def _check_rank_metas(expected: LayoutPlan, rank_metas: Mapping[Rank, Mapping[str, TensorMeta]]) -> None:
-    for rank in expected.spec.ranks:
-        want = {t.name: t.meta for t in expected.for_rank(rank)}
-        have = rank_metas[rank]
+    for where, name, have, meta in rank_tensor_pairs(
+        expected.spec.ranks,
+        rank_metas.__getitem__,
+        lambda rank: {t.name: t.meta for t in expected.for_rank(rank)},
+        "check --pp / --qkv-linear / --fuse-qkv",
+        "check --pp / --virtual-pp / --qkv-linear / --fuse-qkv",
+    ):
+        if tuple(have.shape) != meta.shape:
+            raise LayoutError(
+                f"{name} on {where} has shape {list(have.shape)}, this layout expects {list(meta.shape)} "
+                "(check --tp / --kv-size-multiplier / config)"
+            )
+        if have.dtype != meta.dtype:
+            raise LayoutError(f"{name} on {where} is {have.dtype}, other ranks hold {meta.dtype}")
+
+
+def rank_tensor_pairs(
+    ranks: Iterable[Rank],
+    have_of: Callable[[Rank], Mapping[str, H]],
+    want_of: Callable[[Rank], Mapping[str, W]],
+    unexpected_hint: str,
+    missing_hint: str,
+) -> Iterator[tuple[str, str, H, W]]:
+    """``(where, name, held, expected)`` for every tensor a layout puts on each rank, rank by rank, for the caller
+    to compare; a held tensor the layout does not put on its rank, or one it puts there that is missing, is refused
+    (with the hint saying which flags to check) before any pair of that rank is compared."""
+    for rank in ranks:
+        want, have = want_of(rank), have_of(rank)
         where = f"tp rank {rank[0]}, pp rank {rank[1]}"
         for name in have:
             if name not in want:
-                raise LayoutError(
-                    f"{name} on {where} is not expected by this layout (check --pp / --qkv-linear / --fuse-qkv)"
-                )
-        for name, meta in want.items():
+                raise LayoutError(f"{name} on {where} is not expected by this layout ({unexpected_hint})")
+        for name, w in want.items():
             if name not in have:
-                raise LayoutError(
-                    f"{name} is missing on {where} (check --pp / --virtual-pp / --qkv-linear / --fuse-qkv)"
-                )
-            if tuple(have[name].shape) != meta.shape:
-                raise LayoutError(
-                    f"{name} on {where} has shape {list(have[name].shape)}, this layout expects {list(meta.shape)} "
-                    "(check --tp / --kv-size-multiplier / config)"
-                )
-            if have[name].dtype != meta.dtype:
-                raise LayoutError(f"{name} on {where} is {have[name].dtype}, other ranks hold {meta.dtype}")
+                raise LayoutError(f"{name} is missing on {where} ({missing_hint})")
+            yield where, name, have[name], w
 
 
 def metas_of(tensors: Iterable[tuple[str, torch.Tensor]]) -> dict[str, TensorMeta]:

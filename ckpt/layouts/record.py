@@ -14,7 +14,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from ckpt.errors import LayoutError, ManifestError
-from ckpt.layouts.rules import DEFAULT_RULE_SET, get_rule_set
+from ckpt.layouts.families import get_rule_set
+from ckpt.layouts.rules import DEFAULT_RULE_SET
 from ckpt.layouts.spec import LayoutSpec, ModelDims, NxdFlags
 
 _FLAG_KEYS = ("kv_size_multiplier", "hw", "fuse_qkv", "qkv_linear", "virtual_pp")

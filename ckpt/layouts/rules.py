@@ -1,8 +1,8 @@
 """Named rule sets: HF tensor name -> how NxD partitions it.
 
 NxD writes no partition metadata to disk, so the split of every tensor must be known from its name.
-The rule sets themselves are data, one per model family (``ckpt/layouts/families/``); this module says what a rule
-is, how a rule set is looked up by the name manifests record, and how unknown names are refused.  Rules are matched in order against the Hugging Face name; the first match wins.  A rule set names every tensor
+The rule sets themselves are data, one per model family (``ckpt/layouts/families/``, which also looks a rule set up
+by the name manifests record); this module says what a rule is and how unknown names are refused.  Rules are matched in order against the Hugging Face name; the first match wins.  A rule set names every tensor
 of its model family, the replicated ones too (norms, RowParallel biases, rotary buffers): a name no rule matches
 is *not* assumed replicated, because a TP-sharded tensor the rules do not know would then lose every other rank's
 rows.  Such a name is refused (:func:`check_known`) unless the user declares it replicated (``--replicated GLOB``,
@@ -19,7 +19,6 @@ import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from enum import Enum
-from functools import lru_cache
 
 from ckpt.errors import LayoutError
 from ckpt.words import count, plural
@@ -55,18 +54,6 @@ DEFAULT_RULE_SET = "nxd-llama"
 _LISTED = 5
 
 
-def get_rule_set(name: str) -> tuple[Rule, ...]:
-    """The rule set called ``name``."""
-    from ckpt.layouts.families import RULE_SETS  # the families import this module
-
-    try:
-        return RULE_SETS[name]
-    except KeyError:
-        raise LayoutError(
-            f"unknown layout rule set {name!r}; known: {', '.join(sorted(RULE_SETS))}"
-        ) from None
-
-
 def declared_rules(globs: Sequence[str]) -> tuple[Rule, ...]:
     """Replicated rules for the user's ``--replicated`` globs (``fnmatch`` syntax over the whole tensor name)."""
     out = []
@@ -75,15 +62,6 @@ def declared_rules(globs: Sequence[str]) -> tuple[Rule, ...]:
             raise LayoutError(f"--replicated {g!r}: expected a non-empty glob such as '*.expert_bias'")
         out.append(Rule("^" + fnmatch.translate(g), Kind.REPLICATED, None))
     return tuple(out)
-
-
-@lru_cache(maxsize=64)
-def rules_with(rule_set: str | None = DEFAULT_RULE_SET, replicated: tuple[str, ...] = ()) -> tuple[Rule, ...]:
-    """The rules of ``rule_set`` (None: the default) followed by the user's replicated globs.
-
-    The family's rules come first, so a glob never turns a tensor the rules shard into a replicated one.
-    """
-    return get_rule_set(rule_set or DEFAULT_RULE_SET) + declared_rules(replicated)
 
 
 def find_rule(name: str, rules: tuple[Rule, ...]) -> Rule | None:
@@ -120,10 +98,3 @@ def check_known(names: Iterable[str], rules: tuple[Rule, ...], rule_set: str | N
     missing = [n for n in dict.fromkeys(names) if find_rule(n, rules) is None]
     if missing:
         raise LayoutError(unmatched_message(missing, rule_set))
-
-
-def __getattr__(name: str) -> tuple[Rule, ...]:
-    """``NXD_LLAMA``: the ``nxd-llama`` rules, kept importable from here (they live in ``families/llama.py``)."""
-    if name == "NXD_LLAMA":
-        return get_rule_set(DEFAULT_RULE_SET)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

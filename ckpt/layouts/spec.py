@@ -12,8 +12,8 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
 from ckpt.errors import LayoutError
-from ckpt.layouts.families import FAMILIES, Family, get_family, supported
-from ckpt.layouts.rules import Rule, rules_with
+from ckpt.layouts.families import FAMILIES, Family, get_family, rules_with, supported
+from ckpt.layouts.rules import Rule
 
 Hardware = Literal["trn1", "trn2"]
 
@@ -101,9 +101,43 @@ class ModelDims:
         return get_family(self.model_type)
 
     def hf_shapes(self, *, qkv_bias: bool | None = None) -> dict[str, tuple[int, ...]]:
-        """Every tensor of the Hugging Face model with these dims, name -> shape, in ``state_dict`` order
-        (``qkv_bias``: q/k/v biases, default the family's; a tied ``lm_head`` is omitted)."""
-        return self.family.hf_shapes(self, qkv_bias=qkv_bias)
+        """Every tensor of the Hugging Face model with these dims, name -> shape, in ``save_pretrained`` key order
+        within a layer as ``state_dict`` gives it (``qkv_bias``: q/k/v biases, default the family's; a tied
+        ``lm_head`` is omitted)."""
+        family = self.family
+        bias = family.qkv_bias if qkv_bias is None else qkv_bias
+        h = self.hidden
+        out: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (self.vocab, h)}
+        for i in range(self.layers):
+            p = f"model.layers.{i}"
+            for proj, rows in (("q", self.q_rows), ("k", self.kv_rows), ("v", self.kv_rows)):
+                out[f"{p}.self_attn.{proj}_proj.weight"] = (rows, h)
+                if bias:
+                    out[f"{p}.self_attn.{proj}_proj.bias"] = (rows,)
+            out[f"{p}.self_attn.o_proj.weight"] = (h, self.q_rows)
+            if family.qk_norm:
+                out[f"{p}.self_attn.q_norm.weight"] = (self.head_dim,)
+                out[f"{p}.self_attn.k_norm.weight"] = (self.head_dim,)
+            e = family.experts
+            if e is None:
+                out |= {
+                    f"{p}.mlp.gate_proj.weight": (self.intermediate, h),
+                    f"{p}.mlp.up_proj.weight": (self.intermediate, h),
+                    f"{p}.mlp.down_proj.weight": (h, self.intermediate),
+                }
+            else:
+                out[f"{p}.{e.block}gate.weight"] = (self.experts, h)
+                for j in range(self.experts):
+                    q = f"{p}.{e.block}experts.{j}"
+                    out[f"{q}.{e.gate}.weight"] = (self.intermediate, h)
+                    out[f"{q}.{e.up}.weight"] = (self.intermediate, h)
+                    out[f"{q}.{e.down}.weight"] = (h, self.intermediate)
+            out[f"{p}.input_layernorm.weight"] = (h,)
+            out[f"{p}.post_attention_layernorm.weight"] = (h,)
+        out["model.norm.weight"] = (h,)
+        if not self.tie_word_embeddings:
+            out["lm_head.weight"] = (self.vocab, h)
+        return out
 
 
 @dataclass(frozen=True)

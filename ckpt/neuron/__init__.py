@@ -7,6 +7,7 @@ package imports (and its layout logic runs) on any machine.
 from .checkpointer import NeuronCheckpointer, NeuronCheckpointManager, NeuronRestorer, restore
 from .parallel import ParallelInfo
 from .partition import NxdLayout, attribute_partition
+from .rng import XLA_RNG
 from .stager import XlaStager
 from .transfer import to_device, to_host
 from .zero1 import capture_zero1, is_zero1_optimizer, restore_zero1
@@ -17,6 +18,7 @@ __all__ = [
     "NeuronRestorer",
     "NxdLayout",
     "ParallelInfo",
+    "XLA_RNG",
     "XlaStager",
     "attribute_partition",
     "capture_zero1",

@@ -15,6 +15,7 @@ XLA seed and NxD RNG tracker are recorded by :mod:`ckpt.state.rng` whenever torc
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from concurrent.futures import Future
 from typing import Any
@@ -30,6 +31,7 @@ from ckpt.manager import CheckpointManager
 from ckpt.restoring.loader import Restorer, RestoreResult
 from ckpt.restoring.loader import restore as core_restore
 from ckpt.saving.checkpointer import Checkpointer, SaveResult
+from ckpt.saving.options import SaveOptions
 from ckpt.state.training import NamedTensor, model_tensors, param_names_in_optimizer_order
 
 from .parallel import ParallelInfo
@@ -121,24 +123,32 @@ class NeuronCheckpointer(Checkpointer):
             self._layouts[key] = NxdLayout(model, self.parallel, self._rule_set(model), self.replicated)
         return self._layouts[key]
 
-    def save(self, path: str, *, step: int, model: Any = None, optimizer: Any = None, **kw: Any) -> Future:
-        """As :meth:`Checkpointer.save`; ``layout=`` and ``extra=`` default to the Neuron ones."""
+    def save(
+        self,
+        path: str,
+        *,
+        step: int,
+        model: Any = None,
+        optimizer: Any = None,
+        options: SaveOptions | None = None,
+        **state: Any,
+    ) -> Future:
+        """As :meth:`Checkpointer.save`; ``options.layout`` and ``options.extra`` default to the Neuron ones."""
+        opts = options if options is not None else SaveOptions()
         layout = self.layout_for(model)
         layout.zero1_rows.clear()
         self.layout_hook = layout
         zero = optimizer is not None and is_zero1_optimizer(optimizer)
         p = self.parallel
-        kw.setdefault(
-            "layout",
-            Layout(
+        if opts.layout is None:
+            opts = dataclasses.replace(opts, layout=Layout(
                 world_size=self.coll.world_size, tp=p.tp_size, pp=p.pp_size, dp=p.dp_size, ep=p.ep_size,
                 zero_stage=1 if zero else 0, kind="nxd",
-            ),
-        )  # fmt: skip
-        if "extra" not in kw:
-            kw["extra"] = {"nxd": self.nxd_extra(model)}
+            ))  # fmt: skip
+        if opts.extra is None:
+            opts = dataclasses.replace(opts, extra={"nxd": self.nxd_extra(model)})
         layout.pp_ranks = self._pp_ranks if p.pp_size > 1 else None
-        return super().save(path, step=step, model=model, optimizer=optimizer, **kw)
+        return super().save(path, step=step, model=model, optimizer=optimizer, options=opts, **state)
 
     def nxd_extra(self, model: Any) -> dict[str, Any]:
         """``extra.nxd`` of the manifest (collective when PP > 1: PP ranks of every tensor are gathered)."""

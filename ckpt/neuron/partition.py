@@ -23,10 +23,10 @@ import torch
 
 from ckpt.errors import CkptError, LayoutError
 from ckpt.format.manifest import Box
-from ckpt.layouts.families import family_for_rule_set
+from ckpt.layouts.families import family_for_rule_set, rules_with
 from ckpt.layouts.names import EXPERT_STACKED, nxd_to_hf_names
 from ckpt.layouts.partition import Partition, nxd_partition
-from ckpt.layouts.rules import check_known, rules_with
+from ckpt.layouts.rules import check_known
 from ckpt.saving.planning import Group
 from ckpt.state.training import NamedTensor
 

@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 import torch
 
-from ..saving.staging import aligned
+from ..format.datafile import aligned
 
 DEFAULT_BUFFER_BYTES = 256 * 2**20
 

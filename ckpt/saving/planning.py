@@ -38,7 +38,7 @@ DEFAULT_CHUNK_BYTES = 8 << 20
 
 
 @dataclass(frozen=True)
-class Piece:
+class HeldBox:
     """What a rank holds of one logical tensor: its description and the box it holds (no data)."""
 
     desc: TensorDesc
@@ -58,7 +58,7 @@ class Piece:
         return self.box.numel * self.itemsize
 
 
-def digest(pieces: list[Piece]) -> str:
+def digest(pieces: list[HeldBox]) -> str:
     """A stable hash of a rank's pieces, for plan caching across saves."""
     h = hashlib.blake2b(digest_size=16)
     for p in pieces:
@@ -67,7 +67,7 @@ def digest(pieces: list[Piece]) -> str:
     return h.hexdigest()
 
 
-def assign_writers(per_rank: list[list[Piece]]) -> dict[tuple[str, Box], int]:
+def assign_writers(per_rank: list[list[HeldBox]]) -> dict[tuple[str, Box], int]:
     """Pick one writer rank per distinct (tensor, box); balance bytes across ranks.
 
     Raises StateMismatchError when ranks disagree on a tensor's global shape or dtype.
@@ -156,7 +156,7 @@ def _h64(value: Any) -> int:
     return int.from_bytes(hashlib.blake2b(repr(value).encode(), digest_size=8).digest(), "little")
 
 
-def plan_local(pieces: Sequence[Piece], groups: Sequence[Group]) -> tuple[list[bool], tuple[int, int]]:
+def plan_local(pieces: Sequence[HeldBox], groups: Sequence[Group]) -> tuple[list[bool], tuple[int, int]]:
     """Which of this rank's pieces it writes, and its contribution to :func:`plan_check`.
 
     Per group (members hold the same pieces): pieces by decreasing bytes (then name, offsets), each to the

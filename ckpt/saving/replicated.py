@@ -22,7 +22,7 @@ import xxhash
 from ..distributed import Collective
 from ..errors import ReplicaMismatchError
 from ..format.manifest import Box
-from .planning import CHECK_MOD, Group, Piece, _h64
+from .planning import CHECK_MOD, Group, HeldBox, _h64
 
 #: how many disagreeing tensors one error names
 _LISTED = 3
@@ -37,7 +37,7 @@ def tensor_digest(t: torch.Tensor) -> str:
     return xxhash.xxh3_128_hexdigest(memoryview(raw))
 
 
-def replicated_keys(per_rank: list[list[Piece]]) -> set[tuple[str, Box]]:
+def replicated_keys(per_rank: list[list[HeldBox]]) -> set[tuple[str, Box]]:
     """The ``(tensor, box)`` pairs held by more than one rank."""
     seen: dict[tuple[str, Box], int] = {}
     for pieces in per_rank:
@@ -48,7 +48,7 @@ def replicated_keys(per_rank: list[list[Piece]]) -> set[tuple[str, Box]]:
 
 def check_replicas(
     coll: Collective,
-    replicated: list[list[Piece]] | set[tuple[str, Box]] | None,
+    replicated: list[list[HeldBox]] | set[tuple[str, Box]] | None,
     local: Mapping[tuple[str, Box], torch.Tensor],
 ) -> None:
     """Collective: raise ``ReplicaMismatchError`` on every rank when any replicated box differs between ranks.
@@ -80,7 +80,7 @@ def check_replicas(
 
 
 def check_replica_groups(
-    coll: Collective, held: list[tuple[Piece, Group]], local: Mapping[tuple[str, Box], torch.Tensor]
+    coll: Collective, held: list[tuple[HeldBox, Group]], local: Mapping[tuple[str, Box], torch.Tensor]
 ) -> None:
     """Collective: :func:`check_replicas` for pieces whose replica groups the local plan derived (``held``: this
     rank's pieces that have replicas, with their groups), in bytes per rank independent of the world size.

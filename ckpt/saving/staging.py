@@ -23,12 +23,7 @@ from typing import Any
 
 import torch
 
-ALIGN = 64
-
-
-def aligned(n: int) -> int:
-    """``n`` rounded up to a multiple of :data:`ALIGN` (where the next view of a host buffer may start)."""
-    return (n + ALIGN - 1) // ALIGN * ALIGN
+from ..format.datafile import aligned
 
 
 class Staged:

@@ -1,21 +1,80 @@
 """Capture and restore every random number generator a training step draws from.
 
 Stored as plain numbers/tensors through :mod:`ckpt.format.treecodec` (never pickled NumPy objects) so that a manifest
-loads with no code execution.  The XLA seed is captured only when torch_xla is already imported: importing it
-here would initialise a device just to save a checkpoint.
+loads with no code execution.  Python's, NumPy's, torch's and CUDA's generators are handled here; a framework's own
+(torch_xla's seed and NxD's tracker: :mod:`ckpt.neuron.rng`) is an :class:`RngStream` that its package registers
+(:func:`register`) when imported, so this core module names no framework package.  A process that uses such a
+framework without importing its ckpt package still gets its stream: the packages declared under the entry point group
+:data:`PLUGINS` (name: the framework's module, value: the ckpt module that registers its stream) are imported on
+capture when that framework is already imported (never importing a framework just to save), and on restore or
+re-seed when a record holds keys no registered stream owns.
 """
 
 from __future__ import annotations
 
+import functools
 import random
 import sys
-from typing import Any
+from collections.abc import Iterable
+from importlib.metadata import EntryPoint, entry_points
+from typing import Any, Protocol
 
 import numpy as np
 import torch
 
 from ..format import treecodec
 from .rng_rule import META_KEYS, base_record, derive_seed, stream_keys
+
+#: the entry point group of the modules that register RNG streams (``pyproject.toml``)
+PLUGINS = "ckpt.rng_streams"
+
+#: the keys of the generators this module restores itself
+BUILT_IN = ("python", "numpy", "torch", "cuda")
+
+
+class RngStream(Protocol):
+    """A framework's generators, kept in the per-rank RNG record under ``keys``."""
+
+    keys: tuple[str, ...]
+
+    def capture(self) -> dict[str, Any]:
+        """Their states, by key; ``{}`` when the framework is not in use in this process."""
+        ...
+
+    def restore(self, state: dict[str, Any]) -> list[str]:
+        """Set them from the decoded record ``state``; returns the generators restored."""
+        ...
+
+    def reseed(self, key: str, seed: int) -> bool:
+        """Seed generator ``key`` with ``seed`` (the rule across a DP change); False when it is not in use."""
+        ...
+
+
+_STREAMS: list[RngStream] = []
+
+
+def register(stream: RngStream) -> None:
+    """Add ``stream`` (one claiming the same keys is replaced: a module imported again registers again)."""
+    _STREAMS[:] = [s for s in _STREAMS if s.keys != stream.keys] + [stream]
+
+
+@functools.cache
+def _plugins() -> tuple[EntryPoint, ...]:
+    return tuple(entry_points(group=PLUGINS))
+
+
+def _streams(keys: Iterable[str] | None = None) -> list[RngStream]:
+    """The registered streams, after importing the plugins: those whose framework is imported (``keys`` None), or
+    every one when some of ``keys`` is neither built in nor owned by a registered stream."""
+    owned = {k for s in _STREAMS for k in s.keys}
+    if keys is None:
+        for ep in _plugins():
+            if ep.name in sys.modules:
+                ep.load()
+    elif any(k not in owned and k not in BUILT_IN for k in keys):
+        for ep in _plugins():
+            ep.load()
+    return list(_STREAMS)
 
 
 def capture() -> dict[str, Any]:
@@ -27,10 +86,8 @@ def capture() -> dict[str, Any]:
     }
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state_all()
-    if "torch_xla" in sys.modules:
-        from ..neuron.rng import capture_xla
-
-        state.update(capture_xla())
+    for stream in _streams():
+        state.update(stream.capture())
     return treecodec.encode(state, "rng")
 
 
@@ -60,10 +117,9 @@ def restore(encoded: dict[str, Any]) -> list[str]:
         for i, s in enumerate(cuda_states[: torch.cuda.device_count()]):
             torch.cuda.set_rng_state(s, i)
         done.append("cuda")
-    if any(k.startswith("xla") for k in state):
-        from ..neuron.rng import restore_xla
-
-        done.extend(restore_xla(state))
+    for stream in _streams(state):
+        if any(k in state for k in stream.keys):
+            done.extend(stream.restore(state))
     return done
 
 
@@ -88,14 +144,9 @@ def _seed_stream(stream: str, seed: int) -> bool:
         if not torch.cuda.is_available():
             return False
         torch.cuda.manual_seed_all(seed)
-    elif stream in ("xla_seed", "xla_nxd_tracker"):
-        if "torch_xla" not in sys.modules:
-            return False
-        from ..neuron.rng import reseed_xla
-
-        reseed_xla(stream, seed)
     else:
-        return False
+        owner = next((s for s in _streams([stream]) if stream in s.keys), None)
+        return owner is not None and owner.reseed(stream, seed)
     return True
 
 

@@ -42,6 +42,12 @@ class Storage(abc.ABC):
     retries: int = RETRIES  # how often a transient failure is retried (remote backends)
     local = False  # True when files are plain local files: no retries, stat is cheap, mmap works
 
+    def __init__(
+        self, url: str, storage_options: dict[str, Any] | None = None, retries: int = RETRIES
+    ) -> None:
+        self.url = str(url).rstrip("/") or "/"
+        self.retries = retries
+
     # ------------------------------------------------------------------------------------------------ naming
     @abc.abstractmethod
     def path(self, rel: str = "") -> str:

@@ -39,10 +39,8 @@ class FsspecStorage(Storage):
     ) -> None:
         import fsspec
 
-        url = str(url)
-        self.url = url.rstrip("/") or "/"
-        self.retries = retries
-        self.fs, root = fsspec.core.url_to_fs(url, **(storage_options or {}))
+        super().__init__(url, storage_options, retries)
+        self.fs, root = fsspec.core.url_to_fs(str(url), **(storage_options or {}))
         self.root = root.rstrip("/")
         protocol = self.fs.protocol
         self.protocol = protocol[0] if isinstance(protocol, tuple) else protocol

@@ -42,10 +42,8 @@ class LocalStorage(Storage):
     def __init__(
         self, url: str, storage_options: dict[str, Any] | None = None, retries: int = RETRIES
     ) -> None:
-        url = str(url)
-        self.url = url.rstrip("/") or "/"
-        self.retries = retries
-        self.root = os.path.abspath(url.removeprefix("file://"))
+        super().__init__(url, storage_options, retries)
+        self.root = os.path.abspath(str(url).removeprefix("file://"))
 
     def path(self, rel: str = "") -> str:
         return os.path.join(self.root, rel) if rel else self.root

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 from ckpt.errors import CheckpointExistsError, StorageError
 
 if TYPE_CHECKING:
-    from .s3 import S3Storage
+    from .fsspec import FsspecStorage
 
 MIN_PART = 5 << 20  # S3's smallest part (all but the last)
 MAX_PART = 5 << 30  # S3's largest part
@@ -62,7 +62,7 @@ class MultipartWriter:
 
     def __init__(
         self,
-        storage: S3Storage,
+        storage: FsspecStorage,
         rel: str,
         exclusive: bool,
         base_part: int,

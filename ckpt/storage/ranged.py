@@ -19,7 +19,7 @@ from ckpt.errors import StorageError
 from . import Read, ReadFailed
 
 
-class Piece(NamedTuple):
+class RangedGet(NamedTuple):
     """One ranged GET: ``length`` bytes of ``rel`` at ``start``; ``spans`` say where they go:
     ``(read index, offset in that read's out, offset in this piece, bytes)``."""
 
@@ -29,13 +29,13 @@ class Piece(NamedTuple):
     spans: tuple[tuple[int, int, int, int], ...]
 
 
-def plan_pieces(reads: Sequence[Read], max_piece: int) -> list[Piece]:
+def plan_pieces(reads: Sequence[Read], max_piece: int) -> list[RangedGet]:
     """Cover every byte of every read exactly once with pieces of at most ``max_piece`` bytes, each a contiguous
     range of one file; reads adjacent in a file share pieces."""
     if max_piece <= 0:
         raise ValueError(f"max_piece must be positive, got {max_piece}")
     order = sorted(range(len(reads)), key=lambda i: (reads[i].rel, reads[i].start))
-    pieces: list[Piece] = []
+    pieces: list[RangedGet] = []
     rel, start, length, spans = "", 0, 0, []  # the piece being built (length 0: none)
     for i in order:
         r = reads[i]
@@ -44,7 +44,7 @@ def plan_pieces(reads: Sequence[Read], max_piece: int) -> list[Piece]:
         while done < n:
             pos = r.start + done
             if length and (r.rel != rel or start + length != pos or length >= max_piece):
-                pieces.append(Piece(rel, start, length, tuple(spans)))
+                pieces.append(RangedGet(rel, start, length, tuple(spans)))
                 length = 0
             if not length:
                 rel, start, spans = r.rel, pos, []
@@ -53,14 +53,14 @@ def plan_pieces(reads: Sequence[Read], max_piece: int) -> list[Piece]:
             length += take
             done += take
     if length:
-        pieces.append(Piece(rel, start, length, tuple(spans)))
+        pieces.append(RangedGet(rel, start, length, tuple(spans)))
     return pieces
 
 
 def read_pieces(
     fetch: Callable[[str, int, int], bytes],
     reads: Sequence[Read],
-    pieces: Sequence[Piece],
+    pieces: Sequence[RangedGet],
     in_flight: int,
     on_block: Callable[[int, memoryview], None] | None = None,
 ) -> None:
@@ -73,7 +73,7 @@ def read_pieces(
     remaining = [len(r.out) for r in reads]
     lock = threading.Lock()
 
-    def run(p: Piece) -> None:
+    def run(p: RangedGet) -> None:
         try:
             data = fetch(p.rel, p.start, p.length)
             if len(data) != p.length:

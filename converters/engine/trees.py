@@ -11,7 +11,7 @@ from __future__ import annotations
 import copy
 import json
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import Field, field, fields, make_dataclass
 from typing import Any
 
 from ckpt.errors import LayoutError
@@ -21,58 +21,48 @@ from ckpt.format.manifest import Manifest
 XLA_RNG_KEYS = ("xla_seed", "xla_nxd_tracker")
 
 
-@dataclass
-class Trees:
-    """Everything that is not a model/optimizer tensor, in manifest (encoded) form, so that it travels losslessly."""
+#: Manifest members that are not trees: the tensors, the files and the layout (written anew by the commit), and what
+#: the commit itself stamps.  Every other member of :class:`~ckpt.format.manifest.Manifest` is a tree.
+NOT_TREES = frozenset(
+    {"step", "created_at", "backend", "layout", "tensors", "files", "adapter", "format_version", "v2"}
+)
+TREE_NAMES = tuple(f.name for f in fields(Manifest) if f.name not in NOT_TREES)
+"""The trees, in the manifest's order: the fields of :class:`Trees` besides ``step`` and ``world_size``."""
 
-    step: int = 0
-    optimizer: dict[str, Any] | None = None
-    scheduler: Any = None
-    scaler: Any = None
-    rng: dict[str, Any] = field(default_factory=dict)
-    progress: dict[str, Any] = field(default_factory=dict)
-    data: dict[str, Any] = field(default_factory=dict)
-    data_position: dict[str, Any] | None = None
-    rng_base: dict[str, Any] | None = None
-    tokenizer: dict[str, Any] | None = None
-    user: Any = None
-    extra: dict[str, Any] = field(default_factory=dict)
-    environment: dict[str, Any] = field(default_factory=dict)
-    world_size: int = 1
+
+class _TreesMethods:
+    step: int
+    world_size: int
+    progress: dict[str, Any]
+    environment: dict[str, Any]
 
     @classmethod
     def of_manifest(cls, m: Manifest) -> Trees:
-        return cls(
-            step=m.step,
-            optimizer=copy.deepcopy(m.optimizer),
-            scheduler=copy.deepcopy(m.scheduler),
-            scaler=copy.deepcopy(m.scaler),
-            rng=copy.deepcopy(m.rng),
-            progress=copy.deepcopy(m.progress) or {"step": m.step},
-            data=copy.deepcopy(m.data),
-            data_position=copy.deepcopy(m.data_position),
-            rng_base=copy.deepcopy(m.rng_base),
-            tokenizer=copy.deepcopy(m.tokenizer),
-            user=copy.deepcopy(m.user),
-            extra=copy.deepcopy(m.extra),
-            environment=copy.deepcopy(m.environment),
-            world_size=m.layout.world_size,
-        )
+        trees = {n: copy.deepcopy(getattr(m, n)) for n in TREE_NAMES}
+        trees["progress"] = trees["progress"] or {"step": m.step}
+        return cls(step=m.step, world_size=m.layout.world_size, **trees)  # type: ignore[call-arg,return-value]
 
     def as_commit_trees(self) -> dict[str, Any]:
-        return {
-            "optimizer": self.optimizer,
-            "scheduler": self.scheduler,
-            "scaler": self.scaler,
-            "rng": self.rng,
-            "progress": self.progress or {"step": self.step},
-            "data": self.data,
-            "data_position": self.data_position,
-            "rng_base": self.rng_base,
-            "tokenizer": self.tokenizer,
-            "user": self.user,
-            "extra": self.extra,
-        }
+        """The trees as :func:`ckpt.format.publish.build_manifest` takes them (the environment goes as ``env``)."""
+        out = {n: getattr(self, n) for n in TREE_NAMES if n != "environment"}
+        out["progress"] = self.progress or {"step": self.step}
+        return out
+
+
+def _field(f: Field[Any]) -> Any:
+    return field(default=f.default, default_factory=f.default_factory)
+
+
+Trees = make_dataclass(
+    "Trees",
+    [("step", int, field(default=0))]
+    + [(f.name, f.type, _field(f)) for f in fields(Manifest) if f.name in TREE_NAMES]
+    + [("world_size", int, field(default=1))],
+    bases=(_TreesMethods,),
+)
+Trees.__module__ = __name__
+Trees.__doc__ = """Everything that is not a model/optimizer tensor, in manifest (encoded) form, so that it travels losslessly:
+``step``, the manifest's trees (:data:`TREE_NAMES`, with the manifest's types and defaults) and ``world_size``."""
 
 
 def rename_optimizer(
@@ -131,4 +121,4 @@ def move_xla_rng_in(trees: Trees) -> None:
             trees.rng[rank].update(moved)
 
 
-__all__ = ["Trees", "XLA_RNG_KEYS", "move_xla_rng_in", "move_xla_rng_out", "rename_optimizer"]
+__all__ = ["TREE_NAMES", "Trees", "XLA_RNG_KEYS", "move_xla_rng_in", "move_xla_rng_out", "rename_optimizer"]

@@ -20,12 +20,13 @@ from collections.abc import Sequence
 
 import torch
 
+from ckpt.format.datafile import aligned
+
 #: tensors smaller than this stay in ordinary memory (none by default: a rank's many small tensors, e.g. the KV
 #: projections' TP slices and their ZeRO-1 shards, add up with the model's depth)
 MIN_BYTES = 0
 #: small tensors share slabs of this size (one file and mapping each); bigger ones get their own
 SLAB_BYTES = 64 << 20
-_ALIGN = 64
 
 
 class Scratch:
@@ -63,7 +64,7 @@ class Scratch:
         if nbytes >= SLAB_BYTES // 4:
             buf, offset = self._map(nbytes), 0
         else:
-            offset = -(-self._used // _ALIGN) * _ALIGN
+            offset = aligned(self._used)
             if self._slab is None or offset + nbytes > SLAB_BYTES:
                 self._slab, offset = self._map(SLAB_BYTES), 0
             buf = self._slab

@@ -30,12 +30,12 @@ from ckpt.format import treecodec
 from ckpt.format.dtypes import dtype_name
 from ckpt.format.manifest import TensorDesc
 from ckpt.layouts import LayoutSpec, Piece, bit_equal, plan_nxd_to_full
-from ckpt.layouts.families import family_for_rule_set, get_family, rule_set_for_config
+from ckpt.layouts.families import family_for_rule_set, get_family, rule_set_for_config, rules_with
 from ckpt.layouts.names import EXPERT_STACKED, nxd_to_hf_names
 from ckpt.layouts.partition import partition_entry
 from ckpt.layouts.pipeline import layer_index, layers_of_pp_rank
 from ckpt.layouts.record import NxdRecord
-from ckpt.layouts.rules import check_known, rules_with
+from ckpt.layouts.rules import check_known
 from ckpt.safe_unpickle import TensorReference, load_torch_file
 from ckpt.state.training import optim_name
 

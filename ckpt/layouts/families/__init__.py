@@ -7,12 +7,13 @@ Adding a family: write ``families/<model_type>.py`` defining ``FAMILY`` (a :clas
 from __future__ import annotations
 
 from collections.abc import Mapping
+from functools import lru_cache
 from typing import Any
 
 from ckpt.errors import LayoutError
 from ckpt.layouts.families import llama, mistral, mixtral, qwen2, qwen3, qwen3_moe
 from ckpt.layouts.families.base import Experts, Family, Rename
-from ckpt.layouts.rules import Rule
+from ckpt.layouts.rules import DEFAULT_RULE_SET, Rule, declared_rules
 
 _MODULES = (llama, mistral, qwen2, qwen3, mixtral, qwen3_moe)
 
@@ -26,6 +27,25 @@ for _f in FAMILIES.values():
         raise AssertionError(f"families naming rule set {_f.rule_set!r} disagree on its rules")
 
 DEFAULT_MODEL_TYPE = "llama"
+
+
+def get_rule_set(name: str) -> tuple[Rule, ...]:
+    """The rule set called ``name``."""
+    try:
+        return RULE_SETS[name]
+    except KeyError:
+        raise LayoutError(
+            f"unknown layout rule set {name!r}; known: {', '.join(sorted(RULE_SETS))}"
+        ) from None
+
+
+@lru_cache(maxsize=64)
+def rules_with(rule_set: str | None = DEFAULT_RULE_SET, replicated: tuple[str, ...] = ()) -> tuple[Rule, ...]:
+    """The rules of ``rule_set`` (None: the default) followed by the user's replicated globs.
+
+    The family's rules come first, so a glob never turns a tensor the rules shard into a replicated one.
+    """
+    return get_rule_set(rule_set or DEFAULT_RULE_SET) + declared_rules(replicated)
 
 
 def supported() -> tuple[str, ...]:
@@ -47,7 +67,7 @@ def rule_set_for_config(config: Mapping[str, Any] | None) -> str:
     """The rule set of ``config``'s model family; ``nxd-llama`` when there is no config or its ``model_type`` has
     no family (what every Neuron save and NxD import used before families existed)."""
     family = FAMILIES.get(str((config or {}).get("model_type")))
-    return family.rule_set if family is not None else "nxd-llama"
+    return family.rule_set if family is not None else DEFAULT_RULE_SET
 
 
 def family_for_rule_set(rule_set: str) -> Family:
@@ -56,7 +76,8 @@ def family_for_rule_set(rule_set: str) -> Family:
     for family in FAMILIES.values():
         if family.rule_set == rule_set:
             return family
-    raise LayoutError(f"unknown layout rule set {rule_set!r}; known: {', '.join(sorted(RULE_SETS))}")
+    get_rule_set(rule_set)  # refuses the unknown name, listing the known ones
+    raise AssertionError(rule_set)  # every rule set is some family's
 
 
 __all__ = [
@@ -66,7 +87,9 @@ __all__ = [
     "Family",
     "Rename",
     "family_for_rule_set",
-    "rule_set_for_config",
     "get_family",
+    "get_rule_set",
+    "rule_set_for_config",
+    "rules_with",
     "supported",
 ]

@@ -12,12 +12,9 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from ckpt.layouts.rules import Kind, Rule
-
-if TYPE_CHECKING:
-    from ckpt.layouts.spec import ModelDims
+from ckpt.layouts.rules import Kind, Rule, rule_for
 
 # ------------------------------------------------------------------------------------------ shared rule pieces
 
@@ -121,6 +118,27 @@ class Experts:
     def hf_parts(self) -> dict[str, str]:
         return {self.gate: "gate", self.up: "up", self.down: "down"}
 
+    @property
+    def rules(self) -> tuple[Rule, ...]:
+        """The MoE block's rules: the router replicated (a plain ``nn.Linear`` on every rank), every expert's gate
+        and up fused column-parallel (stride 2), its down row-parallel."""
+        block, gate, up, down = (re.escape(p) for p in (self.block, self.gate, self.up, self.down))
+        return (
+            Rule(rf"\.{block}gate\.weight$", Kind.REPLICATED, None),
+            Rule(rf"\.{block}experts\.\d+\.({gate}|{up})\.weight$", Kind.GATE_UP, 0, stride=2),
+            Rule(rf"\.{block}experts\.\d+\.{down}\.weight$", Kind.ROW, 1),
+        )
+
+    @property
+    def router_rename(self) -> Rename:
+        """HF's router ``{block}gate`` is NxD's ``mlp.router.linear_router`` (``RouterTopK``)."""
+        return Rename(
+            hf=rf"^(?P<pre>model\.layers\.\d+\.){re.escape(self.block)}gate\.weight$",
+            nxd=r"^(?P<pre>model\.layers\.\d+\.)mlp\.router\.linear_router\.weight$",
+            to_nxd="{pre}mlp.router.linear_router.weight",
+            to_hf="{pre}" + self.block + "gate.weight",
+        )
+
 
 @dataclass(frozen=True)
 class Family:
@@ -147,46 +165,7 @@ class Family:
 
     def rule_for(self, name: str) -> Rule:
         """First rule matching HF tensor ``name`` (see :func:`ckpt.layouts.rules.rule_for`)."""
-        from ckpt.layouts.rules import rule_for
-
         return rule_for(name, self.rules)
-
-    def hf_shapes(self, m: ModelDims, *, qkv_bias: bool | None = None) -> dict[str, tuple[int, ...]]:
-        """Every tensor of the HF model with dims ``m``, name -> shape, in ``save_pretrained`` key order within a
-        layer as ``state_dict`` gives it (``qkv_bias`` None: the family's default; a tied ``lm_head`` is omitted)."""
-        bias = self.qkv_bias if qkv_bias is None else qkv_bias
-        h = m.hidden
-        out: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (m.vocab, h)}
-        for i in range(m.layers):
-            p = f"model.layers.{i}"
-            for proj, rows in (("q", m.q_rows), ("k", m.kv_rows), ("v", m.kv_rows)):
-                out[f"{p}.self_attn.{proj}_proj.weight"] = (rows, h)
-                if bias:
-                    out[f"{p}.self_attn.{proj}_proj.bias"] = (rows,)
-            out[f"{p}.self_attn.o_proj.weight"] = (h, m.q_rows)
-            if self.qk_norm:
-                out[f"{p}.self_attn.q_norm.weight"] = (m.head_dim,)
-                out[f"{p}.self_attn.k_norm.weight"] = (m.head_dim,)
-            e = self.experts
-            if e is None:
-                out |= {
-                    f"{p}.mlp.gate_proj.weight": (m.intermediate, h),
-                    f"{p}.mlp.up_proj.weight": (m.intermediate, h),
-                    f"{p}.mlp.down_proj.weight": (h, m.intermediate),
-                }
-            else:
-                out[f"{p}.{e.block}gate.weight"] = (m.experts, h)
-                for j in range(m.experts):
-                    q = f"{p}.{e.block}experts.{j}"
-                    out[f"{q}.{e.gate}.weight"] = (m.intermediate, h)
-                    out[f"{q}.{e.up}.weight"] = (m.intermediate, h)
-                    out[f"{q}.{e.down}.weight"] = (h, m.intermediate)
-            out[f"{p}.input_layernorm.weight"] = (h,)
-            out[f"{p}.post_attention_layernorm.weight"] = (h,)
-        out["model.norm.weight"] = (h,)
-        if not m.tie_word_embeddings:
-            out["lm_head.weight"] = (m.vocab, h)
-        return out
 
 
 __all__ = [

@@ -7,33 +7,15 @@ HF (Hub files): ``block_sparse_moe.gate.weight`` ``[E, H]`` and per expert ``j``
 (``base.Experts``).  Attention is Llama's.
 """
 
-from ckpt.layouts.families.base import ATTENTION, EMBEDDINGS, LORA, NORMS, Experts, Family, Rename
-from ckpt.layouts.rules import Kind, Rule
+from ckpt.layouts.families.base import ATTENTION, EMBEDDINGS, LORA, NORMS, Experts, Family
 
-RULES = (
-    LORA
-    + EMBEDDINGS
-    + ATTENTION
-    + (
-        Rule(r"\.block_sparse_moe\.gate\.weight$", Kind.REPLICATED, None),
-        Rule(r"\.block_sparse_moe\.experts\.\d+\.w[13]\.weight$", Kind.GATE_UP, 0, stride=2),
-        Rule(r"\.block_sparse_moe\.experts\.\d+\.w2\.weight$", Kind.ROW, 1),
-    )
-    + NORMS
-)
+EXPERTS = Experts(block="block_sparse_moe.", gate="w1", up="w3", down="w2")
 
 FAMILY = Family(
     model_type="mixtral",
     rule_set="nxd-mixtral",
-    rules=RULES,
+    rules=LORA + EMBEDDINGS + ATTENTION + EXPERTS.rules + NORMS,
     summary="Mixtral (MoE: replicated router, expert_mlps with EP)",
-    experts=Experts(block="block_sparse_moe.", gate="w1", up="w3", down="w2"),
-    renames=(
-        Rename(
-            hf=r"^(?P<pre>model\.layers\.\d+\.)block_sparse_moe\.gate\.weight$",
-            nxd=r"^(?P<pre>model\.layers\.\d+\.)mlp\.router\.linear_router\.weight$",
-            to_nxd="{pre}mlp.router.linear_router.weight",
-            to_hf="{pre}block_sparse_moe.gate.weight",
-        ),
-    ),
+    experts=EXPERTS,
+    renames=(EXPERTS.router_rename,),
 )

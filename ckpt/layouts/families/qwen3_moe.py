@@ -10,20 +10,15 @@ HF (Hub files): ``mlp.gate.weight`` ``[E, H]`` and per expert ``j`` ``mlp.expert
 from collections.abc import Mapping
 from typing import Any
 
-from ckpt.layouts.families.base import ATTENTION, EMBEDDINGS, LORA, NORMS, QK_NORM, Experts, Family, Rename
-from ckpt.layouts.rules import Kind, Rule
+from ckpt.layouts.families.base import ATTENTION, EMBEDDINGS, LORA, NORMS, QK_NORM, Experts, Family
 
-RULES = (
-    LORA
-    + EMBEDDINGS
-    + ATTENTION
-    + QK_NORM
-    + (
-        Rule(r"\.mlp\.gate\.weight$", Kind.REPLICATED, None),
-        Rule(r"\.mlp\.experts\.\d+\.(gate|up)_proj\.weight$", Kind.GATE_UP, 0, stride=2),
-        Rule(r"\.mlp\.experts\.\d+\.down_proj\.weight$", Kind.ROW, 1),
-    )
-    + NORMS
+EXPERTS = Experts(
+    block="mlp.",
+    gate="gate_proj",
+    up="up_proj",
+    down="down_proj",
+    intermediate_key="moe_intermediate_size",
+    count_keys=("num_experts", "num_local_experts"),  # the Hub's / transformers 5's save_pretrained
 )
 
 
@@ -38,24 +33,10 @@ def _check(config: Mapping[str, Any]) -> str | None:
 FAMILY = Family(
     model_type="qwen3_moe",
     rule_set="nxd-qwen3-moe",
-    rules=RULES,
+    rules=LORA + EMBEDDINGS + ATTENTION + QK_NORM + EXPERTS.rules + NORMS,
     summary="Qwen3-MoE (q_norm/k_norm, replicated router, expert_mlps with EP)",
     qk_norm=True,
-    experts=Experts(
-        block="mlp.",
-        gate="gate_proj",
-        up="up_proj",
-        down="down_proj",
-        intermediate_key="moe_intermediate_size",
-        count_keys=("num_experts", "num_local_experts"),  # the Hub's / transformers 5's save_pretrained
-    ),
-    renames=(
-        Rename(
-            hf=r"^(?P<pre>model\.layers\.\d+\.)mlp\.gate\.weight$",
-            nxd=r"^(?P<pre>model\.layers\.\d+\.)mlp\.router\.linear_router\.weight$",
-            to_nxd="{pre}mlp.router.linear_router.weight",
-            to_hf="{pre}mlp.gate.weight",
-        ),
-    ),
+    experts=EXPERTS,
+    renames=(EXPERTS.router_rename,),
     check_config=_check,
 )
