@@ -369,7 +369,7 @@ def _run_and_report(run_convert, src: str, dst: str, opts, run, as_json: bool, r
     if len(ranks) > 1:
         for r in ranks:
             out.print(
-                f"  rank {r['rank']}: read {human_bytes(r['bytes_read'])}, wrote {human_bytes(r['bytes_written'])}, "
-                f"{r['seconds']:.1f} s",
+                f"  rank {r['rank']}: read {human_bytes(r['bytes_read'])} (+{human_bytes(r['bytes_received'])} from "
+                f"other ranks), wrote {human_bytes(r['bytes_written'])}, {r['seconds']:.1f} s",
                 markup=False,
             )

@@ -237,7 +237,8 @@ def test_cli_one_report_from_rank_0(sources: dict[str, Path], tmp_path: Path) ->
     assert all(g[1] == "" and g[2] == "" for g in got[1:]), got  # the other ranks print nothing
     doc = json.loads(got[0][1])
     assert [r["rank"] for r in doc["ranks"]] == list(range(WORLD))
-    assert set(doc["ranks"][0]) == {"rank", "bytes_read", "bytes_written", "seconds"}
+    assert set(doc["ranks"][0]) == {"rank", "bytes_read", "bytes_written", "seconds", "bytes_received"}
+    assert sum(r["bytes_received"] for r in doc["ranks"]) > 0  # column blocks of o_proj / down_proj, norms
     assert (tmp_path / "out" / "done").exists() or (tmp_path / "out").is_dir()
 
 

@@ -186,6 +186,8 @@ class RankStats:
     bytes_read: int
     bytes_written: int
     seconds: float
+    #: tensor bytes other ranks read and shipped to this one (:mod:`.exchange`), not counted in ``bytes_read``
+    bytes_received: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -193,6 +195,7 @@ class RankStats:
             "bytes_read": self.bytes_read,
             "bytes_written": self.bytes_written,
             "seconds": round(self.seconds, 3),
+            "bytes_received": self.bytes_received,
         }
 
 

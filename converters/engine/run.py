@@ -55,7 +55,8 @@ def metered(export: Export) -> Iterator[ReadMeter]:
 
 
 def _stats(rank: int, meter: ReadMeter, export: Export, units: Sequence[int], report: RunReport) -> RankStats:
-    return RankStats(rank, meter.bytes_read, sum(export.weights[u] for u in units), report.clock.seconds())
+    written = sum(export.weights[u] for u in units)
+    return RankStats(rank, meter.bytes_read, written, report.clock.seconds(), report.received)
 
 
 class ConversionFailed(CkptError):
