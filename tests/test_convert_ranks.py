@@ -11,7 +11,9 @@ run, read traffic bounded, one report.
   source exactly the tensor bytes of its shards, checked against the files); without the exchange of shared
   tensors the 4 ranks read more (tested on the plan, and the bound fails on 5 pairs when it is switched off).
 * Report: rank 0's result lists the 4 ranks; its progress adds up to the planned bytes of all ranks; through the
-  CLI, rank 0 prints one JSON document and the other ranks print nothing.
+  CLI, rank 0 prints one JSON document and the other ranks print nothing; when one rank's share reads a damaged
+  shard, that rank prints its own error, rank 0 the outcome, the others nothing (all exit non-zero).
+* S3: SRC (our format) and DST on a real moto server, 4 ranks: the local one-process bytes, reads bounded.
 
 The 4-rank group is spawned once for all pairs (tiny model: the whole file runs in about a minute on 2 cores).
 """
@@ -28,7 +30,7 @@ from ckpt.converters.convert import ConvertOptions, RunOptions, convert, load_co
 from ckpt import open_checkpoint
 from ckpt.format import treecodec
 from tests.conftest import run_ranks
-from tests.test_convert_parallel import assert_equal_tree, dcp_state, files
+from tests.test_convert_parallel import assert_equal_tree, break_last_shard, dcp_state, files
 
 ROOT = Path(__file__).resolve().parent.parent
 FIX = ROOT / "fixtures" / "nxd" / "llama_gqa_h64"
@@ -275,3 +277,34 @@ def test_four_ranks_from_s3_to_s3(sources: dict[str, Path], serial: dict, s3: An
         read = sum(r["bytes_read"] for r in report)
         assert 0 < read <= 1.1 * need, (target, read, need, report)
     assert s3.boto3_client().list_multipart_uploads(Bucket=s3.bucket).get("Uploads", []) == []
+
+
+def _cli_rank_hf(rank: int, world: int, src: str, dst: str) -> tuple[int, str, str]:
+    from ckpt.cli.main import cli
+    from click.testing import CliRunner
+
+    r = CliRunner().invoke(
+        cli, ["convert", src, dst, "--to", "cuda", "--format", "hf", "--max-shard-size", str(SHARD)]
+    )
+    return r.exit_code, r.stdout, r.stderr
+
+
+def test_cli_a_failed_rank_says_its_own_error_rank_0_says_the_outcome(
+    sources: dict[str, Path], tmp_path: Path
+) -> None:
+    """One rank's share reads a damaged shard: that rank prints its own error, rank 0 the outcome, the others
+    nothing; every rank exits non-zero and nothing is committed."""
+    import shutil
+
+    broken = tmp_path / "broken"
+    shutil.copytree(sources["hf"], broken)
+    break_last_shard(broken)
+    got = run_ranks(_cli_rank_hf, WORLD, str(broken), str(tmp_path / "out"))
+    assert all(code != 0 for code, _, _ in got), got
+    assert "conversion failed, nothing committed: rank" in got[0][2]
+    failed = [r for r in range(WORLD) if f"rank {r}:" in got[0][2]]
+    assert failed and len(failed) < WORLD, got[0][2]
+    for r in range(1, WORLD):
+        assert got[r][1] == "", got[r]
+        assert (got[r][2] != "") == (r in failed), (r, got[r])
+    assert not (tmp_path / "out").exists()
