@@ -44,8 +44,8 @@ def generate(path: Path, layers: int) -> int:
     """A CUDA-layout checkpoint (fp32 parameters) of a Llama-shaped model, written one tensor at a time."""
     import torch
 
-    from ckpt.format.writer import StreamingWriter
     from ckpt.layouts import ModelDims
+    from ckpt.saving.writer import StreamingWriter
 
     cfg = dict(CONFIG, num_hidden_layers=layers)
     shapes = ModelDims.from_hf_config(cfg).hf_shapes()
@@ -85,7 +85,7 @@ from ckpt import open_checkpoint
 from ckpt.layouts import LayoutSpec, full_state_to_nxd
 from ckpt.layouts.partition import nxd_partition
 from ckpt.layouts.pipeline import pp_ranks_of
-from ckpt.format.writer import StreamingWriter
+from ckpt.saving.writer import StreamingWriter
 import torch
 r = open_checkpoint({str(src)!r})
 state = {{n: r.read(n) for n in r.names()}}          # load everything

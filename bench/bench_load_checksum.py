@@ -33,7 +33,7 @@ def main() -> int:
     import torch
 
     import ckpt
-    import ckpt.restoring.batchread as batchread
+    import ckpt.format.batchread as batchread
 
     torch.set_num_threads(1)
     shutil.rmtree(args.dir, ignore_errors=True)

@@ -247,7 +247,7 @@ class Writer(StorageWriter):
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         from ckpt.format import treecodec
-        from ckpt.format.writer import StreamingWriter
+        from ckpt.saving.writer import StreamingWriter
 
         rank, attempt = plan.storage_data
         writer = StreamingWriter(

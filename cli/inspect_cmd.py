@@ -113,7 +113,7 @@ def inspect(checkpoint: str, as_json: bool, shards: bool) -> None:
     if m.data:
         out.print(f"data-loader state: ranks {', '.join(sorted(m.data, key=int))}", markup=False)
     if m.data_position:
-        from ckpt.data.position import describe
+        from ckpt.format.data_position import describe
 
         out.print(f"data position: {describe(m.data_position)}", markup=False)
     if m.tokenizer:

@@ -7,7 +7,7 @@ tensor's columns (a dim-1 split such as ``o_proj``), which would read every row 
 those tensors are read whole once into a small cache and sliced.
 
 Target (:class:`ManifestExport`): units are target tensors (byte-balanced over workers); every worker streams its
-share into data files named with the attempt id (:class:`ckpt.format.writer.StreamingWriter`), and the coordinator's
+share into data files named with the attempt id (:class:`ckpt.saving.writer.StreamingWriter`), and the coordinator's
 ``manifest.json`` is the commit.  Aborting removes the attempt's data files.
 """
 
@@ -26,9 +26,9 @@ from ckpt.format.dtypes import dtype_from_name
 from ckpt.format.manifest import MANIFEST_NAME, Box, Manifest
 from ckpt.format.publish import Receipt, build_manifest, publish
 from ckpt.format.reader import CheckpointReader
-from ckpt.format.writer import StreamingWriter
 from ckpt.layouts import Piece
 from ckpt.layouts.record import NxdRecord
+from ckpt.saving.writer import StreamingWriter
 from ckpt.storage import Storage, open_storage
 
 from .engine import Conversion, OutPart, Source, Staging, Trees, UnitReceipt, check_cover, write_share

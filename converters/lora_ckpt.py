@@ -21,8 +21,8 @@ from typing import Any
 import torch
 
 from ckpt.errors import CkptError, LayoutError
-from ckpt.saving.adapters import BaseIdentity
 from ckpt.saving.options import SaveOptions
+from ckpt.state.adapters import BaseIdentity
 
 from . import peft
 

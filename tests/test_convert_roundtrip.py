@@ -20,10 +20,10 @@ from hypothesis import strategies as st
 from ckpt import open_checkpoint
 from ckpt.errors import LayoutError
 from ckpt.format import treecodec
-from ckpt.format.writer import StreamingWriter
 from ckpt.layouts import LayoutSpec, bit_equal, full_state_to_nxd
 from ckpt.layouts.partition import nxd_partition
 from ckpt.layouts.pipeline import pp_ranks_of
+from ckpt.saving.writer import StreamingWriter
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 

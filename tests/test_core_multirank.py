@@ -89,7 +89,7 @@ def assert_bitwise(got: dict[str, Any], want: dict[str, Any]) -> None:
 
 def local_boxes(model: nn.Module, opt: torch.optim.Optimizer) -> set[tuple[str, tuple, tuple]]:
     """(name, offsets, lengths) of every sharded tensor this rank holds."""
-    from ckpt.saving.planning import local_box
+    from ckpt.state.training import local_box
 
     out = set()
     names = {id(p): n for n, p in model.named_parameters()}

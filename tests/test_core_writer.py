@@ -9,7 +9,7 @@ import torch
 
 import ckpt
 from ckpt.format.manifest import Box
-from ckpt.format.writer import StreamingWriter
+from ckpt.saving.writer import StreamingWriter
 
 
 @pytest.mark.parametrize("background", [True, False])

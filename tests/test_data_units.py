@@ -25,10 +25,11 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 
 import ckpt
 from ckpt.data import DataPosition, RankPosition, combine_digests, sample_digest, track
-from ckpt.data.position import EpochResume, merge
+from ckpt.data.epoch import EpochResume
 from ckpt.data.sampler import ResumedDistributedSampler, global_order, rank_share, reposition
 from ckpt.errors import ManifestError, StateMismatchError
 from ckpt.format import treecodec
+from ckpt.format.data_position import merge
 from ckpt.format.manifest import Manifest, seal
 from ckpt.resume.checks import Cause, Status
 from ckpt.resume.facts import CheckpointFacts, facts_from_mapping

@@ -160,7 +160,7 @@ def test_async_manager_validates(tmp_path: Path) -> None:
 
 
 def test_streaming_writer_validates(tmp_path: Path) -> None:
-    from ckpt.format.writer import StreamingWriter
+    from ckpt.saving.writer import StreamingWriter
 
     w = StreamingWriter(str(tmp_path / "c"), codec="zstd", flush_bytes=64, chunk_bytes=40)
     full = torch.arange(48, dtype=torch.float32).reshape(6, 8)

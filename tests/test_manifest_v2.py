@@ -23,7 +23,7 @@ from ckpt.format.manifest import MANIFEST_NAME, Box, Layout, Manifest, seal
 from ckpt.format.placement import blocks, blocks_overlapping, split
 from ckpt.format.publish import publish
 from ckpt.format.reader import CheckpointReader, read_manifest
-from ckpt.format.writer import StreamingWriter
+from ckpt.saving.writer import StreamingWriter
 from ckpt.storage import open_storage
 
 WORLD = 4

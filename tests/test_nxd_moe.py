@@ -530,16 +530,33 @@ def test_ep_zero1_tag_to_xser_tag_and_back_is_the_same_tag(tmp_path):
             )
 
 
-def test_ep_rank_with_a_different_non_expert_copy_is_refused(tmp_path):
-    """A router (replicated on every rank) that differs on EP rank 1 is a desynchronised run: refused, not dropped."""
+ROUTER = "model.layers.0.mlp.router.linear_router.weight"
+
+
+@pytest.mark.parametrize(
+    "rank, change, error, match",
+    [
+        # a router (replicated on every rank) that differs on EP rank 1 is a desynchronised run: refused, not dropped
+        (
+            (1, 0, 1),
+            lambda t: t + 1,
+            LayoutError,
+            r"linear_router\.weight of tp 1 pp 0 ep 1 differs from its copy on ep 0",
+        ),
+        # EP rank 1's file holds the router in another shape than EP rank 0's: named before anything is read
+        (
+            (0, 0, 1),
+            lambda t: t[:-1].clone(),
+            CorruptionError,
+            r"rank tp 0 pp 0 ep 1 holds \S+linear_router\.weight \[\d+, \d+\] torch\.\w+, unlike ep 0",
+        ),
+    ],
+)
+def test_ep_rank_with_a_different_non_expert_copy_is_refused(rank, change, error, match, tmp_path):
     cfg, hf, ranks = truth("mixtral_tp2_ep2")
-    ranks[(1, 0, 1)]["model.layers.0.mlp.router.linear_router.weight"] = (
-        ranks[(1, 0, 1)]["model.layers.0.mlp.router.linear_router.weight"] + 1
-    )
+    ranks[rank][ROUTER] = change(ranks[rank][ROUTER])
     write_nxd_tag(tmp_path / "t", ranks, hf, xser=False)
-    with pytest.raises(
-        LayoutError, match=r"linear_router\.weight of tp 1 pp 0 ep 1 differs from its copy on ep 0"
-    ):
+    with pytest.raises(error, match=match):
         convert(
             str(tmp_path / "t"), str(tmp_path / "out"), ConvertOptions(to="cuda", format="hf", config=cfg)
         )

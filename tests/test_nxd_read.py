@@ -198,6 +198,25 @@ def test_shape_info_disagreeing_with_model_fails_clearly(tmp_path: Path) -> None
     assert "\n" not in str(ei.value) and "dp_rank_00_tp_rank_00_pp_rank_00.pt" in str(ei.value)
 
 
+def test_tp_rank_holding_other_tensors_than_its_peer_is_refused(tmp_path: Path) -> None:
+    """A TP rank file whose tensor differs in dtype from TP rank 0's of the same stage: named before any read."""
+    from ckpt.converters.nxd.source import NxdTagSource
+
+    from ckpt.errors import CorruptionError
+
+    t = _copy(PP2, tmp_path / "tag")
+    f = t / "model" / "dp_rank_00_tp_rank_01_pp_rank_01.pt"
+    sd = torch.load(f, weights_only=True)
+    name = sorted(sd)[0]
+    sd[name] = sd[name].to(torch.float64)
+    torch.save(sd, f)
+    with pytest.raises(
+        CorruptionError,
+        match=rf"rank tp 1 pp 1 holds {re.escape(name)} \[.*\] torch\.float64, unlike tp 0 of its stage",
+    ):
+        NxdTagSource(t)
+
+
 def test_explicit_param_names_are_checked() -> None:
     r = nxd.open_tag(PLAIN)
     names = [n for n, _ in r.model_shapes((0, 0, 0))]

@@ -30,8 +30,8 @@ from ckpt.converters.nxd.writer import TagWriter
 
 from ckpt.format import treecodec
 from ckpt.format.reader import CheckpointReader
-from ckpt.format.writer import StreamingWriter
 from ckpt.layouts import LayoutSpec, ModelDims, bit_equal
+from ckpt.saving.writer import StreamingWriter
 
 ROOT = Path(__file__).resolve().parent.parent
 FIX = ROOT / "fixtures" / "nxd" / "llama_gqa_h64"

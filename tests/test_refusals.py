@@ -16,10 +16,10 @@ from click.testing import CliRunner
 
 from ckpt import open_checkpoint
 from ckpt.errors import LayoutError
-from ckpt.format.writer import StreamingWriter
 from ckpt.layouts import bit_equal
 from ckpt.layouts.families import get_rule_set
 from ckpt.layouts.rules import Kind, rule_for
+from ckpt.saving.writer import StreamingWriter
 
 ROOT = Path(__file__).resolve().parent.parent / "fixtures" / "nxd" / "llama_gqa_h64"
 PP_TAG = ROOT / "nxd_from_full_tp2_pp2"  # model only, tp 2, pp 2, no marker (NxD converter output)
@@ -261,7 +261,7 @@ def test_nxd_optimizer_class_is_what_the_tag_says(tmp_path: Path, edit, base: st
 
 
 def test_infer_optimizer_units() -> None:
-    from ckpt.converters.nxd.source import infer_optimizer
+    from ckpt.converters.nxd.optim_state import infer_optimizer
 
     assert infer_optimizer(
         {"momentum_buffer"}, [{"momentum": 0.9, "dampening": 0, "nesterov": False}]

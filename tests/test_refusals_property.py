@@ -16,8 +16,8 @@ from hypothesis import strategies as st
 
 from ckpt import open_checkpoint
 from ckpt.errors import CkptError, LayoutError
-from ckpt.format.writer import StreamingWriter
 from ckpt.layouts import LayoutSpec, bit_equal, full_state_to_nxd
+from ckpt.saving.writer import StreamingWriter
 from tests.test_convert_roundtrip import cases, full_names
 
 

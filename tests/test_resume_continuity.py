@@ -6,6 +6,7 @@ The training functions live at module level, as a user's must, so the spawned pr
 from __future__ import annotations
 
 import random
+import time
 from pathlib import Path
 
 import numpy as np
@@ -34,7 +35,9 @@ class Loader:
         self.pos = int(state["pos"])
 
 
-def _train(c: Continuation, *, restore_scheduler: bool = True, restore_rng: bool = True) -> None:
+def _train(
+    c: Continuation, *, restore_scheduler: bool = True, restore_rng: bool = True, clock_seed: bool = False
+) -> None:
     torch.set_num_threads(1)
     random.seed(0)
     np.random.seed(0)
@@ -47,6 +50,8 @@ def _train(c: Continuation, *, restore_scheduler: bool = True, restore_rng: bool
     loader = Loader()
     state = {"model": model, "optimizer": opt, "scheduler": sched, "dataloader": loader}
     restore = dict(state) if restore_scheduler else {k: v for k, v in state.items() if k != "scheduler"}
+    if clock_seed:  # the dropout RNG of a fresh run differs from run to run
+        torch.manual_seed(time.perf_counter_ns())
     start = c.restore(rng=restore_rng, **restore)
     for step in range(start, c.stop_at + 1):
         rng = digest_rng()
@@ -71,28 +76,7 @@ def train_forgets_scheduler(c: Continuation) -> None:
 
 def train_unseeded(c: Continuation) -> None:
     """Seeds the dropout RNG from the clock: not reproducible even without a resume (the restore is right)."""
-    import time
-
-    _seed_from = time.perf_counter_ns()
-    torch.set_num_threads(1)
-    x = torch.randn(64, 4, generator=torch.Generator().manual_seed(1))
-    y = x.sum(1, keepdim=True).sin()
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.Dropout(0.1), torch.nn.Linear(16, 1))
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    loader = Loader()
-    state = {"model": model, "optimizer": opt, "dataloader": loader}
-    torch.manual_seed(_seed_from)
-    start = c.restore(**state)
-    for step in range(start, c.stop_at + 1):
-        rng = digest_rng()
-        ids = loader.next()
-        loss = torch.nn.functional.mse_loss(model(x[ids]), y[ids])
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        c.ledger.step(step, loss, 1e-2, data_digest=digest_ids(ids), rng_digest=rng)
-        c.save_if_due(step, **state)
+    _train(c, clock_seed=True)
 
 
 def train_crashes(c: Continuation) -> None:

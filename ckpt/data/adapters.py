@@ -14,10 +14,11 @@ from typing import Any, Protocol, runtime_checkable
 from torch.utils.data import SequentialSampler
 
 from ..errors import StateMismatchError
+from ..format.data_position import DataPosition, RankPosition
 from . import hf_iterable as hi
 from . import hf_split as hs
 from . import sampler as ds
-from .position import DataPosition, EpochResume, RankPosition
+from .epoch import EpochResume
 from .tracked import TrackedLoader
 
 

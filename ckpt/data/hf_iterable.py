@@ -32,7 +32,7 @@ from typing import Any
 import torch.utils.data
 
 from ..errors import StateMismatchError
-from .position import EpochResume
+from .epoch import EpochResume
 
 KIND = "hf_iterable"
 

@@ -18,8 +18,8 @@ from __future__ import annotations
 from typing import Any
 
 from ..errors import StateMismatchError
+from .epoch import EpochResume
 from .hf_iterable import SplitIterable, is_hf_iterable, split_iterable_by_node
-from .position import EpochResume
 
 KIND = "hf_split"
 

@@ -8,9 +8,9 @@ from typing import Any
 
 from ..errors import StateMismatchError
 from ..format import treecodec
+from ..format.data_position import DataPosition, RankPosition, merge
 from .adapters import adapter_for, describe
 from .first_iter import keep_rng_on_next_iter
-from .position import DataPosition, RankPosition, merge
 
 
 def position_of(loader: Any) -> dict[str, Any] | None:

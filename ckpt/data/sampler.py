@@ -23,7 +23,7 @@ import torch
 from torch.utils.data import DistributedSampler
 
 from ..errors import StateMismatchError
-from .position import EpochResume
+from .epoch import EpochResume
 
 KIND = "distributed_sampler"
 

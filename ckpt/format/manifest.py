@@ -77,7 +77,7 @@ class Manifest:
     #: adapter-only checkpoint: ``{"base": {digest, rank_digests, tensors, bytes, config, source}}`` (docs/format.md)
     adapter: dict[str, JSON] | None = None
     format_version: int = 1
-    #: the global data position, independent of the DP size (ckpt.data.position.DataPosition); None: not known
+    #: the global data position, independent of the DP size (ckpt.format.data_position.DataPosition); None: not known
     data_position: dict[str, JSON] | None = None
     #: the RNG rule's inputs for a restore on another DP size (ckpt.state.rng.base_record); None: no RNG saved
     rng_base: dict[str, JSON] | None = None
@@ -262,10 +262,10 @@ def _from_doc(doc: Any, source: str) -> Manifest:
 
 
 def _data_position(value: Any, source: str) -> dict[str, JSON] | None:
-    """Validated (ckpt.data.position.DataPosition.from_json raises ManifestError naming the field), kept as JSON."""
+    """Validated (ckpt.format.data_position.DataPosition.from_json raises ManifestError naming the field), kept as JSON."""
     if value is None:
         return None
-    from ..data.position import DataPosition
+    from .data_position import DataPosition
 
     DataPosition.from_json(value, source)
     return value

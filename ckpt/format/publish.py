@@ -27,8 +27,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import ManifestError
-from ..state import environment
 from ..storage import Storage
+from . import environment
 from .index import (
     chunk_row,
     encode,

@@ -16,8 +16,8 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from ..errors import CkptError, CorruptionError, ManifestError, StorageError
-from ..restoring.batchread import DirectRead, read_direct
 from ..storage import Storage, open_storage
+from .batchread import DirectRead, read_direct
 from .codecs import checksum, decompress
 from .dtypes import dtype_from_name, itemsize
 from .manifest import MANIFEST_NAME, Box, Manifest, Shard, TensorEntry

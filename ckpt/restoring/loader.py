@@ -18,11 +18,11 @@ from ..format import treecodec
 from ..format.dtypes import dtype_from_name
 from ..format.manifest import Box, Manifest
 from ..format.reader import CheckpointReader
-from ..saving.planning import local_box
 from ..state import rng as rng_mod
 from ..state.training import (
     NamedTensor,
     load_state_into,
+    local_box,
     model_tensors,
     optim_name,
     param_names_in_optimizer_order,
@@ -253,7 +253,7 @@ def restore(
     missing: list[str] = []
     unexpected: list[str] = []
     if model is not None and m.adapter is not None:
-        from ..saving import adapters
+        from ..state import adapters
 
         if check_base:
             rank, world = _rank()

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from typing import NamedTuple
 
-from ckpt.resume.compare import Comparison, RunSide
+from ckpt.resume.compare import Comparison, ExactCheck, RunSide
 from ckpt.resume.environment import env_summary
 from ckpt.words import count
 
@@ -63,6 +63,22 @@ def verdict_line(c: Comparison) -> tuple[str, str]:
     return "DIVERGE", f": {'; '.join(c.problems)}"
 
 
+def _exact_row(
+    what: str, check: ExactCheck, unlogged: str, equal: str, *, prefix: str = "", values: str = ""
+) -> Row:
+    """The row of a series compared exactly (LR, data order): skipped, where it first differs, or equal."""
+    if check.status == "not logged":
+        return Row(what, "skip", unlogged)
+    if check.differs:
+        return Row(
+            what,
+            "different",
+            f"{prefix}first differs at step {check.first_mismatch}{values} "
+            f"({check.mismatched}/{check.compared} steps differ)",
+        )
+    return Row(what, "equal", equal)
+
+
 def comparison_rows(c: Comparison) -> list[Row]:
     """One row per aspect compared, with the numbers a person needs to trust the verdict."""
     a, b, s = c.a, c.b, c.loss
@@ -72,19 +88,15 @@ def comparison_rows(c: Comparison) -> list[Row]:
     rows.append(
         Row("steps", "", f"{len(c.steps)} common steps ({span}), {s.compared} with both losses{extra}")
     )
-    if c.lr.status == "not logged":
-        rows.append(Row("learning rate", "skip", "not logged by both runs"))
-    elif c.lr.differs:
-        rows.append(
-            Row(
-                "learning rate",
-                "different",
-                f"first differs at step {c.lr.first_mismatch}: {a.label} {c.lr.a!r} vs {b.label} {c.lr.b!r} "
-                f"({c.lr.mismatched}/{c.lr.compared} steps differ)",
-            )
+    rows.append(
+        _exact_row(
+            "learning rate",
+            c.lr,
+            "not logged by both runs",
+            f"{c.lr.compared} steps equal bit for bit",
+            values=f": {a.label} {c.lr.a!r} vs {b.label} {c.lr.b!r}",
         )
-    else:
-        rows.append(Row("learning rate", "equal", f"{c.lr.compared} steps equal bit for bit"))
+    )
     how = {
         "calibrated": f"{fmt(s.k, 'g')} x noise floor",
         "absolute": "--tolerance",
@@ -119,19 +131,15 @@ def comparison_rows(c: Comparison) -> list[Row]:
             f"({fmt(d.first, '+.4g')} over the first); threshold {fmt(d.threshold)}",
         )
     )
-    if c.data.status == "not logged":
-        rows.append(Row("data order", "skip", "data digests not logged by both runs"))
-    elif c.data.differs:
-        rows.append(
-            Row(
-                "data order",
-                "different",
-                f"{c.data.status}: first differs at step {c.data.first_mismatch} "
-                f"({c.data.mismatched}/{c.data.compared} steps differ)",
-            )
+    rows.append(
+        _exact_row(
+            "data order",
+            c.data,
+            "data digests not logged by both runs",
+            f"same batches in the same order at {c.data.compared} steps",
+            prefix=f"{c.data.status}: ",
         )
-    else:
-        rows.append(Row("data order", "equal", f"same batches in the same order at {c.data.compared} steps"))
+    )
     if c.tokenizer == "equal":
         tok_detail = f"both {a.tokenizer_id}"
     elif c.tokenizer == "different":

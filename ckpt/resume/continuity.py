@@ -43,11 +43,10 @@ from typing import Any
 
 from ckpt.errors import CkptError
 from ckpt.resume.boundaries import Boundary, segments
-from ckpt.resume.checks import ALL_CHECKS, Cause, CheckContext, Status, VerifyOptions, check_lost_work
-from ckpt.resume.checks.weights import digests_of
+from ckpt.resume.checks import ALL_CHECKS, Cause, Status, VerifyOptions, check_lost_work
 from ckpt.resume.facts import FactsProvider
 from ckpt.resume.model import Restore, Run, Save, StepRecord
-from ckpt.resume.verify import BoundaryVerdict, Verification, _attribute, _deterministic
+from ckpt.resume.verify import BoundaryVerdict, Verification, judge_boundary
 
 REFERENCE_CHECKS = tuple(c for c in ALL_CHECKS if c is not check_lost_work)
 """Lost work needs a crash and the saves before it; a reference comparison has neither."""
@@ -107,17 +106,10 @@ def compare_to_reference(
         newest_save=None,
         saved_steps=frozenset(s.step for s in saves),
     )
-    det = _deterministic(boundary, options)
-    f = facts(restore.step, restore.path) if facts else None
-    ctx = CheckContext(
-        run=resumed, boundary=boundary, options=options, deterministic=det, lr_reference=lr_reference, facts=f,
-        weights=digests_of(facts),
+    verdict = judge_boundary(
+        resumed, boundary, REFERENCE_CHECKS, options=options, facts=facts, lr_reference=lr_reference
     )
-    results = [check(ctx) for check in REFERENCE_CHECKS]
-    _attribute(results)
-    return Verification(
-        run=resumed, verdicts=[BoundaryVerdict(boundary=boundary, checks=results, deterministic=det)]
-    )
+    return Verification(run=resumed, verdicts=[verdict])
 
 
 def step_rows(verdict: BoundaryVerdict) -> list[dict[str, Any]]:

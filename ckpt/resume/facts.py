@@ -54,6 +54,23 @@ def facts_from_mapping(facts: Mapping[int, CheckpointFacts]) -> FactsProvider:
     return provider
 
 
+class CachedFacts:
+    """Base of the providers that read a checkpoint's facts from storage: each (step, path) is read once by
+    ``_load`` and kept, since the checks of a boundary (and a replay) ask for the same checkpoint again."""
+
+    def __init__(self) -> None:
+        self._cache: dict[tuple[int, str | None], CheckpointFacts | None] = {}
+
+    def __call__(self, step: int, path: str | None) -> CheckpointFacts | None:
+        key = (step, path)
+        if key not in self._cache:
+            self._cache[key] = self._load(step, path)
+        return self._cache[key]
+
+    def _load(self, step: int, path: str | None) -> CheckpointFacts | None:
+        raise NotImplementedError
+
+
 def folder_digest(
     candidates: Iterable[str | os.PathLike[str]],
     cache: dict[Path, Any],

@@ -22,7 +22,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from ckpt.resume.facts import CheckpointFacts, folder_digest
+from ckpt.resume.facts import CachedFacts, CheckpointFacts, folder_digest
 from ckpt.resume.manifest_facts import _as_int, scheduler_position
 
 MISSING_WHY = {
@@ -88,13 +88,13 @@ def trainer_digest(folder: str) -> Any:
     return adapter_digest(folder) if peft.detect(folder) else source_digest(folder)
 
 
-class TrainerCheckpointFacts:
+class TrainerCheckpointFacts(CachedFacts):
     """A :data:`ckpt.resume.facts.FactsProvider` over the ``checkpoint-N`` folders of a Trainer output dir."""
 
     def __init__(self, output_dir: str | os.PathLike[str]) -> None:
         self.root = Path(output_dir)
         self.notes: list[str] = []
-        self._cache: dict[tuple[int, str | None], CheckpointFacts | None] = {}
+        super().__init__()
         self._digests: dict[Path, Any] = {}
 
     def checkpoints(self) -> list[tuple[int, str]]:
@@ -117,12 +117,6 @@ class TrainerCheckpointFacts:
         """The same digest: a Trainer checkpoint is hashed in the conversion engine's full HF-named view already (a
         PEFT model's adapter-only checkpoint in the live ``PeftModel``'s names, :func:`trainer_digest`)."""
         return self.digest(step, path)
-
-    def __call__(self, step: int, path: str | None) -> CheckpointFacts | None:
-        key = (step, path)
-        if key not in self._cache:
-            self._cache[key] = self._load(step, path)
-        return self._cache[key]
 
     def _load(self, step: int, path: str | None) -> CheckpointFacts | None:
         from ckpt.errors import CkptError

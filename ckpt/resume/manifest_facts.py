@@ -16,7 +16,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from ckpt.resume.facts import CheckpointFacts
+from ckpt.resume.facts import CachedFacts, CheckpointFacts
 
 
 def _as_int(value: Any) -> int | None:
@@ -103,7 +103,7 @@ def facts_from_manifest(manifest: Any) -> CheckpointFacts:
     )
 
 
-class ManifestFacts:
+class ManifestFacts(CachedFacts):
     """A :data:`ckpt.resume.facts.FactsProvider` over the checkpoints under ``root`` (local path or URL).
 
     ``notes`` collects why a checkpoint gave no facts (deleted by retention, unreadable), for the report.
@@ -113,7 +113,7 @@ class ManifestFacts:
         self.root = str(root).rstrip("/")
         self.storage_options = storage_options
         self.notes: list[str] = []
-        self._cache: dict[tuple[int, str | None], CheckpointFacts | None] = {}
+        super().__init__()
         self._digests: dict[str, Any] = {}
         self._views: dict[str, Any] = {}
 
@@ -176,12 +176,6 @@ class ManifestFacts:
             out.append(f"{self.root}/{os.path.basename(str(path).rstrip('/'))}")
         out.append(f"{self.root}/{step_dir(step)}")
         return list(dict.fromkeys(out))
-
-    def __call__(self, step: int, path: str | None) -> CheckpointFacts | None:
-        key = (step, path)
-        if key not in self._cache:
-            self._cache[key] = self._load(step, path)
-        return self._cache[key]
 
     def _load(self, step: int, path: str | None) -> CheckpointFacts | None:
         from ckpt.errors import CkptError

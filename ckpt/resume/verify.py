@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from ckpt.resume.boundaries import Boundary, find_boundaries, suspected_boundaries
@@ -106,6 +107,28 @@ def _attribute(results: list[CheckResult]) -> None:
     loss.explained_by = [c for c in dict.fromkeys(others) if c not in _LOSS_CAUSES] or others
 
 
+def judge_boundary(
+    run: Run,
+    b: Boundary,
+    checks: Sequence[Callable[[CheckContext], CheckResult]],
+    *,
+    options: VerifyOptions,
+    facts: FactsProvider | None,
+    lr_reference: dict[int, float] | None,
+) -> BoundaryVerdict:
+    """Run ``checks`` at boundary ``b``, with the facts of the checkpoint it restored, and attribute the loss.
+
+    One place for both callers: :func:`verify_run` (a crash in the run's own log) and
+    :func:`ckpt.resume.continuity.compare_to_reference` (a resume compared with another run's log).
+    """
+    det = _deterministic(b, options)
+    f = facts(b.restored_step, b.restore.path if b.restore else None) if facts else None
+    ctx = CheckContext(run, b, options, det, lr_reference=lr_reference, facts=f, weights=digests_of(facts))
+    results = [check(ctx) for check in checks]
+    _attribute(results)
+    return BoundaryVerdict(boundary=b, checks=results, deterministic=det)
+
+
 def verify_run(
     run: Run,
     *,
@@ -120,23 +143,9 @@ def verify_run(
     log has no LR for a resumed step.
     """
     options = options or VerifyOptions()
-    verdicts = []
 
     def judge(b: Boundary) -> BoundaryVerdict:
-        det = _deterministic(b, options)
-        f = facts(b.restored_step, b.restore.path if b.restore else None) if facts else None
-        ctx = CheckContext(
-            run=run,
-            boundary=b,
-            options=options,
-            deterministic=det,
-            lr_reference=lr_reference,
-            facts=f,
-            weights=digests_of(facts),
-        )
-        results = [check(ctx) for check in ALL_CHECKS]
-        _attribute(results)
-        return BoundaryVerdict(boundary=b, checks=results, deterministic=det)
+        return judge_boundary(run, b, ALL_CHECKS, options=options, facts=facts, lr_reference=lr_reference)
 
     boundaries = find_boundaries(run)
     verdicts = [judge(b) for b in boundaries]

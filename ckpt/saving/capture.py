@@ -15,10 +15,10 @@ from .. import data as data_mod
 from ..errors import CkptError, StateMismatchError
 from ..format import treecodec
 from ..format.manifest import Layout
+from ..state import adapters
 from ..state import rng as rng_mod
 from ..state import tokenizer as tokenizer_mod
 from ..state.training import NamedTensor, model_tensors, state_dict_of
-from . import adapters
 from .options import SaveOptions
 
 #: ``capture_optimizer(optimizer, model)``: the optimizer's named tensors and JSON tree (an extension point of the

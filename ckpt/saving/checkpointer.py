@@ -38,9 +38,9 @@ import torch
 from ..distributed import Collective
 from ..errors import AsyncSaveError, CheckpointExistsError, CkptError
 from ..format.manifest import MANIFEST_NAME
+from ..state import adapters
 from ..state.training import NamedTensor, optimizer_capture
 from ..storage import open_storage
-from . import adapters
 from .capture import capture, check_step, default_layout, detect_backend
 from .commit import SaveJob, SaveResult, run
 from .lazy import Guards, lazy_flags
@@ -142,7 +142,7 @@ class Checkpointer:
         does; ``CheckpointManager.save`` and ``ckpt.save`` take them as plain keywords).
         ``dataloader``: each rank's ``state_dict`` plus, for loaders a data adapter knows (ckpt.data), the global
         data position that a restore on another DP size continues.
-        ``adapter_only`` saves are described in :mod:`ckpt.saving.adapters`; save the base itself once with a plain
+        ``adapter_only`` saves are described in :mod:`ckpt.state.adapters`; save the base itself once with a plain
         save when it is not on storage already.  ``last_staging`` says what an async save copied how, and why
         anything was copied eagerly.
         """

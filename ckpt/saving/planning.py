@@ -26,8 +26,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
 from ..errors import StateMismatchError
 from ..format.dtypes import itemsize
 from ..format.manifest import Box, TensorDesc
@@ -109,28 +107,6 @@ def chunk_boxes(box: Box, itemsize: int, chunk_bytes: int) -> list[Box]:
         n = min(rows, box.lengths[0] - start)
         out.append(Box((box.offsets[0] + start, *box.offsets[1:]), (n, *box.lengths[1:])))
     return out
-
-
-def local_box(t: torch.Tensor) -> tuple[tuple[int, ...], Box, torch.Tensor]:
-    """(global shape, box held locally, local tensor) for a plain tensor or a DTensor."""
-    from torch.distributed.tensor import DTensor
-
-    if isinstance(t, DTensor):
-        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-        from torch.distributed.tensor.placement_types import Replicate, Shard
-
-        for pl in t.placements:
-            if not isinstance(pl, (Replicate, Shard)) or type(pl) not in (Replicate, Shard):
-                raise StateMismatchError(
-                    f"DTensor placement {pl} is not supported (only Shard and Replicate); call full_tensor() "
-                    "or redistribute before saving"
-                )
-        shape = tuple(t.shape)
-        local_shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
-        local = t.to_local()
-        return shape, Box(tuple(offset), tuple(local_shape)), local
-    shape = tuple(t.shape)
-    return shape, Box.full(shape), t
 
 
 # ------------------------------------------------------------------------------------------------ local planning

@@ -16,7 +16,7 @@ from ..distributed import Collective
 from ..errors import CkptError
 from ..format.dtypes import dtype_name
 from ..format.manifest import Box, TensorDesc
-from ..state.training import NamedTensor
+from ..state.training import NamedTensor, local_box
 from .planning import (
     Group,
     HeldBox,
@@ -24,7 +24,6 @@ from .planning import (
     chunk_boxes,
     digest,
     dtensor_group,
-    local_box,
     plan_check,
     plan_local,
     world_group,

@@ -16,6 +16,7 @@ import torch
 
 from ..errors import StateMismatchError
 from ..format import treecodec
+from ..format.schema import Box
 
 OPTIM_PREFIX = "optim/"
 
@@ -132,3 +133,25 @@ def load_state_into(obj: Any, state: Any, what: str) -> None:
         obj.update(state)
     else:
         raise StateMismatchError(f"{what} of type {type(obj).__name__} has no load_state_dict()")
+
+
+def local_box(t: torch.Tensor) -> tuple[tuple[int, ...], Box, torch.Tensor]:
+    """(global shape, box held locally, local tensor) for a plain tensor or a DTensor."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(t, DTensor):
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+        from torch.distributed.tensor.placement_types import Replicate, Shard
+
+        for pl in t.placements:
+            if not isinstance(pl, (Replicate, Shard)) or type(pl) not in (Replicate, Shard):
+                raise StateMismatchError(
+                    f"DTensor placement {pl} is not supported (only Shard and Replicate); call full_tensor() "
+                    "or redistribute before saving"
+                )
+        shape = tuple(t.shape)
+        local_shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+        local = t.to_local()
+        return shape, Box(tuple(offset), tuple(local_shape)), local
+    shape = tuple(t.shape)
+    return shape, Box.full(shape), t

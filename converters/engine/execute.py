@@ -13,8 +13,8 @@ from collections.abc import Callable, Iterable
 import torch
 
 from ckpt.errors import LayoutError
-from ckpt.format.writer import StreamingWriter
 from ckpt.layouts import Piece, TensorPlan, bit_equal
+from ckpt.saving.writer import StreamingWriter
 
 from .plan import Conversion, OutPart
 

@@ -26,8 +26,8 @@ from ckpt.layouts.nxd_order import nxd_param_order
 from ..engine import Conversion, OutPart, Rank, Staging, UnitReceipt, check_cover, produce
 from ..engine.export import Progress
 from .naming import rank_file_name
+from .optim_state import MASTER_KEY
 from .scratch import MIN_BYTES, Scratch
-from .source import MASTER_KEY
 from .writer import TagWriter
 
 

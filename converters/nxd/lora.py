@@ -35,8 +35,9 @@ from ckpt.layouts.spec import LayoutSpec, NxdFlags
 
 from ..peft import Adapter, check_config
 from .files import scan_tag
+from .flags import kv_multiplier
 from .naming import rank_file_name
-from .source import _kv_multiplier, check_usable
+from .source import check_usable
 from .xser import can_mmap, load_checked, load_nxd_file, save_nxd_file
 
 CONFIG_NAME = "adapter_config.json"
@@ -101,7 +102,7 @@ def _flags(names: list[str], shapes: dict[str, tuple[int, ...]], config: Mapping
     base_names = [n.replace(".lora_B.", ".") for n in names]
     base_shapes = {n.replace(".lora_B.", "."): s for n, s in shapes.items()}
     mult = source_flags.get("kv_size_multiplier") or (
-        _kv_multiplier(base_names, base_shapes, config, tp) if qkv_linear else 1
+        kv_multiplier(base_names, base_shapes, config, tp) if qkv_linear else 1
     )
     return NxdFlags(
         tp=tp, pp=pp, virtual_pp=source_flags.get("virtual_pp", 1), kv_size_multiplier=mult,

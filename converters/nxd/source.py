@@ -7,11 +7,12 @@ tensor at a time (:class:`~.zero1.Deferred`), never a whole rank's optimizer.  T
 described as our manifest would describe it (docs/format.md, "Neuron (NxD) layout"): logical tensors with the
 ``partition`` of the rule set, PP ranks from the files, and ``extra.nxd`` recording what the files do not say.
 
-Parallel flags the files cannot record come from the caller or are detected: ``qkv_linear`` / ``fuse_qkv`` from the
-tensor names; ``kv_size_multiplier`` from the K/V shapes and ``virtual_pp`` from the layer placement, both only with
-the model config; ``hw`` only from the caller.  Before anything is planned, every rank file is checked to hold the
-same tensors as its TP peers, and the tag's status: an incomplete tag is refused, and a training tag whose save
-never wrote ``done`` (a crashed async save) only with ``allow_unmarked``.
+Parallel flags the files cannot record come from the caller or are detected (:mod:`.flags`): ``qkv_linear`` /
+``fuse_qkv`` from the tensor names; ``kv_size_multiplier`` from the K/V shapes and ``virtual_pp`` from the layer
+placement, both only with the model config; ``hw`` only from the caller.  Before anything is planned, every rank file
+is checked to hold the same tensors as its TP and EP peers (:mod:`.peers`), and the tag's status: an incomplete tag is
+refused, and a training tag whose save never wrote ``done`` (a crashed async save) only with ``allow_unmarked``.  The
+optimizer files are described by :mod:`.optim_state`.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import warnings
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -33,27 +34,20 @@ from ckpt.layouts import LayoutSpec, Piece, bit_equal, plan_nxd_to_full
 from ckpt.layouts.families import family_for_rule_set, get_family, rule_set_for_config, rules_with
 from ckpt.layouts.names import EXPERT_STACKED, nxd_to_hf_names
 from ckpt.layouts.partition import partition_entry
-from ckpt.layouts.pipeline import layer_index, layers_of_pp_rank
 from ckpt.layouts.record import NxdRecord
 from ckpt.layouts.rules import check_known
-from ckpt.safe_unpickle import TensorReference, load_torch_file
-from ckpt.state.training import optim_name
 
 from ..engine import Source, Trees, slice_of
 from ..engine.experts import with_expert_views
 from .discovery import TagStatus, tag_status
+from .flags import SOURCE_FLAGS, detect_flags, detect_virtual_pp
 from .naming import RankKey
+from .optim_state import MASTER_KEY, describe_optimizer
+from .peers import check_ep_ranks, check_tp_peers
 from .reader import open_tag
-from .xser import tensor_file
 from .zero1 import Deferred
 
 NAME = "nxd"
-MASTER_KEY = "master_weight"
-ZERO1_TYPE = "neuronx_distributed.optimizer.zero_redundancy_optimizer.NeuronZero1Optimizer"
-#: the optimizer class of a tag whose state does not say it
-UNKNOWN = "unknown"
-#: flags a caller may give for a tag (the files record none of them)
-SOURCE_FLAGS = ("hw", "kv_size_multiplier", "virtual_pp", "qkv_linear", "fuse_qkv")
 
 
 def detect(path: str, storage_options: Mapping[str, Any] | None = None) -> bool:
@@ -86,60 +80,6 @@ def check_usable(tag_dir: str | Path, allow_unmarked: bool) -> TagStatus:
             stacklevel=3,
         )
     return info.status
-
-
-def _kv_multiplier(
-    names: Sequence[str], shapes: Mapping[str, tuple[int, ...]], config: Mapping[str, Any], tp: int
-) -> int:
-    """KV copies per head, from the stored K (or fused QKV) rows: ``kv rows * tp / head_dim / kv_heads``."""
-    heads = int(config["num_attention_heads"])
-    kv_heads = int(config.get("num_key_value_heads") or heads)
-    hd = int(config.get("head_dim") or int(config["hidden_size"]) // heads)
-    k = next((n for n in names if n.endswith("qkv_proj.weight_k")), None)
-    qkv = next((n for n in names if n.endswith("qkv_proj.weight_qkv")), None)
-    if k is not None:
-        kv_local = shapes[k][0]
-    elif qkv is not None:
-        kv_local = (shapes[qkv][0] - heads // tp * hd) // 2
-    else:
-        return 1
-    return max(1, kv_local * tp // hd // kv_heads)
-
-
-def _merge_groups(into: list[dict[str, Any]], groups: Sequence[Mapping[str, Any]], *, where: str) -> None:
-    """Union of the ranks' param groups: same hyper-parameters, parameter names in first-seen order."""
-    if into and len(into) != len(groups):
-        raise CorruptionError(f"{where}: ranks disagree on the number of optimizer param_groups")
-    for gi, g in enumerate(groups):
-        if len(into) <= gi:
-            enc = {k: treecodec.encode(v, f"param_groups[{gi}].{k}") for k, v in g.items() if k != "params"}
-            enc["params"] = []
-            into.append(enc)
-        seen = set(into[gi]["params"])
-        into[gi]["params"].extend(n for n in g["params"] if n not in seen)
-
-
-def infer_optimizer(keys: set[Any], groups: Sequence[Mapping[str, Any]]) -> str:
-    """The optimizer class an NxD tag's state says, as ``torch.optim`` writes it; ``"unknown"`` where it does not say.
-
-    NxD files record no class.  Adam-style moments (``exp_avg``/``exp_avg_sq``) with ``decoupled_weight_decay`` in
-    every param group tell Adam from AdamW (torch >= 2.6 writes it); ``momentum_buffer`` or SGD's own hyper-parameters
-    tell SGD.  Anything else is recorded as unknown rather than guessed."""
-
-    def flag(g: Mapping[str, Any]) -> Any:
-        return treecodec.decode(g["decoupled_weight_decay"]) if "decoupled_weight_decay" in g else None
-
-    if {"exp_avg", "exp_avg_sq"} <= keys:
-        decoupled = {flag(g) for g in groups}
-        if decoupled == {True}:
-            return "torch.optim.adamw.AdamW"
-        if decoupled == {False}:
-            return "torch.optim.adam.Adam"
-        return UNKNOWN
-    sgd_keys = {"momentum", "dampening", "nesterov"}
-    if keys <= {"momentum_buffer"} and groups and all(sgd_keys <= set(g) for g in groups):
-        return "torch.optim.sgd.SGD"
-    return UNKNOWN
 
 
 class NxdTagSource(Source):
@@ -177,16 +117,7 @@ class NxdTagSource(Source):
         tp, pp, ep = meta.tp_size, meta.pp_size, meta.ep_size
         self._ep = ep
         per_rank = {(t, p): self.r.model_metas((t, p, 0)) for t in range(tp) for p in range(pp)}
-        for (t, p), metas in per_rank.items():
-            if metas != per_rank[(0, p)]:
-                odd = next(
-                    (m for m, n in zip(metas, per_rank[(0, p)], strict=False) if m != n),
-                    (metas or per_rank[(0, p)])[-1],
-                )
-                raise CorruptionError(
-                    f"{self.path}: rank tp {t} pp {p} holds {odd[0]} {list(odd[1])} {odd[2]}, unlike tp 0 of its "
-                    f"stage ({len(metas)} vs {len(per_rank[(0, p)])} tensors)"
-                )
+        check_tp_peers(per_rank, self.path)
         self._pp_of: dict[str, list[int]] = {}
         local: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
         for p in range(pp):
@@ -195,16 +126,7 @@ class NxdTagSource(Source):
                 local.setdefault(name, (shape, dt))
         names = list(local)
         shapes = {n: s for n, (s, _) in local.items()}
-        detected = {
-            "qkv_linear": any(".qkv_proj.weight_" in n or ".qkv_proj.bias_" in n for n in names),
-            "fuse_qkv": any(
-                n.endswith(("weight_qkv", "bias_qkv")) or n.endswith("qkv_proj.weight") for n in names
-            ),
-            "kv_size_multiplier": _kv_multiplier(names, shapes, self.config, tp) if self.config else 1,
-            "hw": "trn1",
-            "virtual_pp": 1,
-        }
-        detected.update(given)
+        detected = detect_flags(names, shapes, self.config, tp, given)
         replicated = tuple(replicated)
         family = family_for_rule_set(rule_set)
         self._stacked = (
@@ -222,7 +144,7 @@ class NxdTagSource(Source):
                 f"(rule set {rule_set}); expert parallelism needs an MoE model: pass its --config"
             )
         if ep > 1:
-            self._check_ep_ranks(per_rank, tp, pp, ep)
+            check_ep_ranks(self.r, per_rank, ep, self._stacked, self.path)
         check_known(
             (
                 h
@@ -237,7 +159,9 @@ class NxdTagSource(Source):
         if self.config:  # the model the tag holds must be one the rule set covers (model type, dims, flags)
             self._with_ep(record.spec(tp=tp, pp=pp, dp=meta.dp_size, where=self.path))
         if self.config and pp > 1 and "virtual_pp" not in given:
-            record = self._detect_virtual_pp(record, tp, pp, meta.dp_size)
+            record = detect_virtual_pp(
+                record, self._pp_of, self.config, tp=tp, pp=pp, dp=meta.dp_size, where=self.path
+            )
         self.zero1 = meta.zero1
         self.tensors = {}
         for name, (shape, dt) in local.items():
@@ -253,7 +177,9 @@ class NxdTagSource(Source):
         self._models: OrderedDict[RankKey, dict[str, torch.Tensor]] = OrderedDict()
         self._optims: OrderedDict[RankKey, dict[str, Any] | None] = OrderedDict()
         self._loaded: OrderedDict[tuple[RankKey, str], torch.Tensor] = OrderedDict()
-        optimizer, opt_extra = self._describe_optimizer(pp)
+        optimizer, opt_extra = describe_optimizer(
+            (self._optim((0, p, 0)) for p in range(pp)), self.tensors, zero1=meta.zero1, where=self.path
+        )
         record_kw: dict[str, Any] = {
             "pp_ranks": dict(self._pp_of) if pp > 1 else None,
             "source": {
@@ -292,135 +218,12 @@ class NxdTagSource(Source):
             spec = self.spec()
             plan_nxd_to_full(spec, with_expert_views(self, spec).rank_metas())
 
-    def _check_ep_ranks(
-        self,
-        ep0: Mapping[tuple[int, int], list[tuple[str, tuple[int, ...], torch.dtype]]],
-        tp: int,
-        pp: int,
-        ep: int,
-    ) -> None:
-        """Every EP rank holds the tensors of EP rank 0 (same names, order, shapes, dtypes): the expert tensors are
-        its own block of experts, everything else a copy (compared bit for bit when read).  With xser, an EP rank's
-        expert tensors must be in its own folder: NxD keeps only non-expert tensors once, under ``ep_rank_00``, so
-        falling back there for an expert tensor would silently read another rank's experts."""
-        for (t, p), metas in ep0.items():
-            for k in range(1, ep):
-                other = self.r.model_metas((t, p, k))
-                if [(n, s, d) for n, s, d in other] != metas:
-                    odd = next(
-                        (m for m, n in zip(other, metas, strict=False) if m != n), (other or metas)[-1]
-                    )
-                    raise CorruptionError(
-                        f"{self.path}: rank tp {t} pp {p} ep {k} holds {odd[0]} {list(odd[1])} {odd[2]}, unlike ep 0 "
-                        f"({len(other)} vs {len(metas)} tensors)"
-                    )
-                if self.r.meta.xser:
-                    self._check_own_expert_files((t, p, k))
-                if self.r.files.optim:  # a plain optimizer per EP rank: same parameters, groups and scalars
-                    mine, first = (
-                        self.r.optimizer((t, p, k), lazy=True),
-                        self.r.optimizer((t, p, 0), lazy=True),
-                    )
-                    if (mine is None) != (first is None) or (
-                        mine is not None
-                        and first is not None
-                        and mine["param_groups"] != first["param_groups"]
-                    ):
-                        raise CorruptionError(
-                            f"{self.path}: optimizer of tp {t} pp {p} ep {k} has other param_groups than ep 0"
-                        )
-
-    def _check_own_expert_files(self, rank: RankKey) -> None:
-        path = self.r.files.model[rank]
-        refs = load_torch_file(path)
-        for name, ref in refs.items() if isinstance(refs, dict) else ():
-            if (
-                name in self._stacked
-                and isinstance(ref, TensorReference)
-                and not tensor_file(path, ref.tid).is_file()
-            ):
-                raise CorruptionError(
-                    f"{tensor_file(path, ref.tid)}: expert tensor {name} of tp {rank[0]} pp {rank[1]} ep {rank[2]} is "
-                    "missing (an EP rank's experts are never shared with ep_rank_00)"
-                )
-
     def _with_ep(self, spec: LayoutSpec) -> LayoutSpec:
         return dataclasses.replace(spec, ep=self._ep) if self._ep > 1 else spec
 
     def spec(self, config: Mapping[str, Any] | None = None) -> LayoutSpec:
         """The tag's layout with its EP degree (the record knows no EP; the file names do)."""
         return self._with_ep(super().spec(config))
-
-    def _detect_virtual_pp(self, record: NxdRecord, tp: int, pp: int, dp: int) -> NxdRecord:
-        """The virtual PP degree whose layer placement matches the files (NxD does not record it)."""
-        assert self.config is not None
-        on = {
-            p: sorted({li for n, ps in self._pp_of.items() if p in ps and (li := layer_index(n)) is not None})
-            for p in range(pp)
-        }
-        for v in range(1, max(1, int(self.config["num_hidden_layers"]) // pp) + 1):
-            candidate = dataclasses.replace(record, virtual_pp=v)
-            try:
-                spec = candidate.spec(tp=tp, pp=pp, dp=dp, where=self.path)
-            except LayoutError:
-                continue
-            if all(list(layers_of_pp_rank(spec, p)) == on[p] for p in range(pp)):
-                return candidate
-        raise LayoutError(
-            f"{self.path}: layer placement over pp ranks matches no virtual PP degree; pass --source-virtual-pp"
-        )
-
-    def _describe_optimizer(self, pp: int) -> tuple[dict[str, Any] | None, Any]:
-        """Optimizer-state tensors (added to ``tensors``), the encoded optimizer tree and NxD's extra keys."""
-        meta = self.r.meta
-        groups: list[dict[str, Any]] = []
-        scalars: dict[str, dict[str, Any]] = {}
-        seen = False
-        extra: Any = None
-        for p in range(pp):
-            opt = self._optim((0, p, 0))
-            if opt is None:
-                continue
-            seen = True
-            _merge_groups(groups, opt["param_groups"], where=self.path)
-            tensors = {
-                (n, key): v
-                for n, per in opt["state"].items()
-                for key, v in per.items()
-                if isinstance(v, (torch.Tensor, Deferred)) and v.dim() > 0 and key != "step"
-            }
-            for n, w in (opt.get("master_weights") or {}).items():
-                tensors[(n, MASTER_KEY)] = w
-            for (n, key), v in tensors.items():
-                if n not in self.tensors:
-                    raise CorruptionError(
-                        f"{self.path}: optimizer state for {n!r}, which is not a model tensor"
-                    )
-                param = self.tensors[n]
-                oname = optim_name(n, key)
-                self.tensors.setdefault(
-                    oname,
-                    TensorDesc(
-                        oname, "optimizer_state", param.shape, dtype_name(v.dtype), n, key, param.partition
-                    ),
-                )
-            for n, per in opt["state"].items():
-                for key, v in per.items():
-                    if (n, key) not in tensors:
-                        scalars.setdefault(n, {}).setdefault(
-                            key, treecodec.encode(v, f"optimizer state {n}.{key}")
-                        )
-            if opt.get("extra") and extra is None:
-                extra = treecodec.encode(opt["extra"], "optimizer extra")
-        if not seen:
-            return None, None
-        keys = {d.key for d in self.tensors.values() if d.role == "optimizer_state" and d.key != MASTER_KEY}
-        for per in scalars.values():
-            keys.update(per)
-        inner = infer_optimizer(keys, groups)
-        if meta.zero1:
-            return {"type": ZERO1_TYPE, "base": inner, "param_groups": groups, "state": scalars}, extra
-        return {"type": inner, "param_groups": groups, "state": scalars}, extra
 
     def pp_ranks(self, name: str) -> tuple[int, ...]:
         return tuple(self._pp_of[name])
@@ -523,22 +326,22 @@ class NxdTagSource(Source):
         self._loaded.clear()
 
 
-def open_source(
-    path: str,
-    *,
-    config: Mapping[str, Any] | None = None,
-    source_flags: Mapping[str, Any] | None = None,
-    step: int | None = None,
-    allow_unmarked: bool = False,
-    verify: bool = True,
-    param_names: Mapping[RankKey, Sequence[str]] | None = None,
-    replicated: Sequence[str] = (),
-    **_: Any,
-) -> NxdTagSource:
-    return NxdTagSource(
-        path, config=config, flags=source_flags, step=step, allow_unmarked=allow_unmarked, verify=verify,
-        param_names=param_names, replicated=replicated,
-    )  # fmt: skip
+#: the conversion engine's options an NxD tag source takes as they are (``source_flags`` it takes as ``flags``)
+TAG_OPTIONS = ("config", "step", "allow_unmarked", "verify", "param_names", "replicated")
+
+S = TypeVar("S", bound=NxdTagSource)
 
 
-__all__ = ["NxdTagSource", "check_usable", "detect", "open_source"]
+def tag_source(cls: type[S], path: str, options: Mapping[str, Any], *extra: str) -> S:
+    """``cls(path, ...)``, a source over an NxD tag (:class:`NxdTagSource` or a format's subclass of it), from the
+    conversion engine's ``open_source`` options: ``source_flags`` become the tag's ``flags``, ``extra`` names the
+    further options ``cls`` takes, and the others (``storage_options``, another format's) are not the tag's."""
+    kw = {k: options[k] for k in (*TAG_OPTIONS, *extra) if k in options}
+    return cls(path, flags=options.get("source_flags"), **kw)
+
+
+def open_source(path: str, **options: Any) -> NxdTagSource:
+    return tag_source(NxdTagSource, path, options)
+
+
+__all__ = ["NxdTagSource", "check_usable", "detect", "open_source", "tag_source"]

@@ -60,8 +60,8 @@ def generate_cuda(path: Path, cfg: dict[str, Any], *, optimizer: bool = True, se
     import torch
 
     from ckpt.format import treecodec
-    from ckpt.format.writer import StreamingWriter
     from ckpt.layouts import ModelDims
+    from ckpt.saving.writer import StreamingWriter
 
     g = torch.Generator().manual_seed(seed)
     shapes = ModelDims.from_hf_config(cfg).hf_shapes()

@@ -13,6 +13,10 @@ reports which streams the restore carried and which it re-derived (ckpt's rule; 
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+from typing import Any
+
 from ckpt.data.digest import combine_digests, is_global
 from ckpt.resume.checks.base import Basis, Cause, CheckResult, Confidence, Status
 from ckpt.resume.checks.context import CheckContext
@@ -32,6 +36,39 @@ def dp_change(ctx: CheckContext) -> tuple[int, int] | None:
     return None
 
 
+Nums = dict[str, int | str | None]
+Check = Callable[[CheckContext], CheckResult]
+
+
+def _unless_dp_changed(
+    across: Callable[[CheckContext, tuple[int, int]], CheckResult],
+) -> Callable[[Check], Check]:
+    """The check, with ``across(ctx, (saved, resumed))`` in its place at a boundary that changed the number of
+    ranks: a rank's digests are then of another part of the global batch and do not compare step by step."""
+
+    def wrap(check: Check) -> Check:
+        @functools.wraps(check)
+        def run(ctx: CheckContext) -> CheckResult:
+            change = dp_change(ctx)
+            return check(ctx) if change is None else across(ctx, change)
+
+        return run
+
+    return wrap
+
+
+def _lost(message: str, nums: Nums, basis: Basis | None = None) -> CheckResult:
+    """A data FAIL: the resumed run does not stand where the crashed one stood in the data.  Judged exact on
+    ``basis`` where the verdict compares the same samples before and after the crash."""
+    result = CheckResult("data", Status.FAIL, message, Cause.DATA_POSITION_LOST, nums)
+    return result if basis is None else result.judged(basis, Confidence.EXACT)
+
+
+def _same(message: str, nums: Nums) -> CheckResult:
+    """A data PASS from the same samples compared before and after the crash: exact."""
+    return CheckResult("data", Status.PASS, message, None, nums).judged(Basis.OVERLAP, Confidence.EXACT)
+
+
 def _windows(steps: list[StepRecord], start_samples: int | None) -> dict[int, str]:
     """Cumulative samples after each step -> digest of all samples since the restored step (global digests)."""
     out: dict[int, str] = {}
@@ -48,7 +85,7 @@ def _check_data_across(ctx: CheckContext, change: tuple[int, int]) -> CheckResul
     b = ctx.boundary
     n = b.restored_step
     moved = f"DP {change[0]} -> {change[1]}"
-    nums: dict[str, int | str | None] = {"dp": f"{change[0]} -> {change[1]}"}
+    nums: Nums = {"dp": f"{change[0]} -> {change[1]}"}
     post = [r for r in b.post.steps if r.data_digest]
     pre = [b.pre[s] for s in sorted(b.pre) if s > n and b.pre[s].data_digest]
     if not post:
@@ -73,14 +110,12 @@ def _check_data_across(ctx: CheckContext, change: tuple[int, int]) -> CheckResul
             resumed_at = p0.samples - (p1.samples - p0.samples)
             nums.update(restored_samples=start, resumed_at=resumed_at)
             if resumed_at != start:
-                return CheckResult(
-                    "data",
-                    Status.FAIL,
+                return _lost(
                     f"{moved}: the resumed run started at sample {resumed_at}, the checkpoint of step {n} "
                     f"stood at {start}",
-                    Cause.DATA_POSITION_LOST,
                     nums,
-                ).judged(Basis.CHECKPOINT if at_n is None else Basis.OVERLAP, Confidence.EXACT)
+                    Basis.CHECKPOINT if at_n is None else Basis.OVERLAP,
+                )
     if not pre:
         return CheckResult(
             "data",
@@ -106,41 +141,30 @@ def _check_data_across(ctx: CheckContext, change: tuple[int, int]) -> CheckResul
         if bad:
             s, a, c = bad[0]
             nums.update(first_mismatch=s, mismatched=len(bad))
-            return CheckResult(
-                "data",
-                Status.FAIL,
+            return _lost(
                 f"{moved}: step {s}: global batch digest {c} differs from the pre-crash {a} "
                 f"({len(bad)}/{len(common_steps)} steps)",
-                Cause.DATA_POSITION_LOST,
                 nums,
-            ).judged(Basis.OVERLAP, Confidence.EXACT)
-        return CheckResult(
-            "data",
-            Status.PASS,
-            f"{moved}: {count(len(common_steps), 'global batch digest')} equal to the pre-crash run",
-            None,
-            nums,
-        ).judged(Basis.OVERLAP, Confidence.EXACT)
+                Basis.OVERLAP,
+            )
+        return _same(
+            f"{moved}: {count(len(common_steps), 'global batch digest')} equal to the pre-crash run", nums
+        )
     nums["windows_compared"] = len(common)
     for seen in common:
         if post_w[seen] != pre_w[seen]:
             nums.update(first_mismatch_samples=seen)
-            return CheckResult(
-                "data",
-                Status.FAIL,
+            return _lost(
                 f"{moved}: the first {seen} samples after step {n} differ from the pre-crash run's "
                 f"(global digest {post_w[seen]} vs {pre_w[seen]})",
-                Cause.DATA_POSITION_LOST,
                 nums,
-            ).judged(Basis.OVERLAP, Confidence.EXACT)
-    return CheckResult(
-        "data",
-        Status.PASS,
+                Basis.OVERLAP,
+            )
+    return _same(
         f"{moved}: the samples after step {n} equal the pre-crash run's ({len(common)} windows of global digests, "
         f"up to {common[-1]} samples)",
-        None,
         nums,
-    ).judged(Basis.OVERLAP, Confidence.EXACT)
+    )
 
 
 def _earlier(ctx: CheckContext, attr: str, digest: str, before: int) -> int | None:
@@ -158,21 +182,27 @@ def _earlier(ctx: CheckContext, attr: str, digest: str, before: int) -> int | No
     return hit if hit is not None and hit < before else None
 
 
+def _compared(
+    triples: list[tuple[int, Any, Any]], noun: str, nums: Nums, key: str, checked: list[str]
+) -> list[tuple[int, Any, Any]]:
+    """The (step, pre-crash, resumed) ``triples`` whose values differ; how many were compared goes to ``nums[key]``
+    and, counted as ``noun``, to the ``checked`` list of the PASS summary."""
+    nums[key] = len(triples)
+    checked.append(count(len(triples), noun))
+    return [(s, a, c) for s, a, c in triples if a != c]
+
+
+@_unless_dp_changed(_check_data_across)
 def check_data(ctx: CheckContext) -> CheckResult:
-    change = dp_change(ctx)
-    if change is not None:
-        return _check_data_across(ctx, change)
     b = ctx.boundary
     pre = b.pre
-    nums: dict[str, int | str | None] = {}
+    nums: Nums = {}
     pairs = [(r, pre[r.step]) for r in b.post.steps if r.step in pre]
     dd = [(r.step, p.data_digest, r.data_digest) for r, p in pairs if r.data_digest and p.data_digest]
     sm = [(r.step, p.samples, r.samples) for r, p in pairs if r.samples is not None and p.samples is not None]
     checked = []
     if dd:
-        nums["digests_compared"] = len(dd)
-        checked.append(count(len(dd), "batch digest"))
-        bad = [(s, a, c) for s, a, c in dd if a != c]
+        bad = _compared(dd, "batch digest", nums, "digests_compared", checked)
         if bad:
             s, a, c = bad[0]
             nums.update(first_mismatch=s, mismatched=len(bad))
@@ -180,28 +210,17 @@ def check_data(ctx: CheckContext) -> CheckResult:
             extra = f"; its batch equals step {j}'s (samples repeated)" if j is not None else ""
             if j is not None:
                 nums["repeats_step"] = j
-            return CheckResult(
-                "data",
-                Status.FAIL,
+            return _lost(
                 f"step {s}: batch digest {c} differs from the pre-crash {a} "
                 f"({len(bad)}/{len(dd)} steps){extra}",
-                Cause.DATA_POSITION_LOST,
                 nums,
             )
     if sm:
-        nums["samples_compared"] = len(sm)
-        checked.append(count(len(sm), "sample count"))
-        bad_s = [(s, a, c) for s, a, c in sm if a != c]
+        bad_s = _compared(sm, "sample count", nums, "samples_compared", checked)
         if bad_s:
             s, a, c = bad_s[0]
             nums.update(first_mismatch=s, pre_samples=a, post_samples=c)
-            return CheckResult(
-                "data",
-                Status.FAIL,
-                f"step {s}: {c} samples consumed, {a} before the crash",
-                Cause.DATA_POSITION_LOST,
-                nums,
-            )
+            return _lost(f"step {s}: {c} samples consumed, {a} before the crash", nums)
     if not checked:
         # No overlap: the post batches must at least not repeat earlier ones, and the sample count must
         # continue from N by the usual per-step increment.
@@ -211,13 +230,7 @@ def check_data(ctx: CheckContext) -> CheckResult:
             j = _earlier(ctx, "data_digest", first.data_digest, first.step)
             if j is not None:
                 nums["repeats_step"] = j
-                return CheckResult(
-                    "data",
-                    Status.FAIL,
-                    f"step {first.step} consumed the batch of step {j} (samples repeated)",
-                    Cause.DATA_POSITION_LOST,
-                    nums,
-                )
+                return _lost(f"step {first.step} consumed the batch of step {j} (samples repeated)", nums)
         at_n, before_n = pre.get(n), pre.get(n - 1)
         if (
             first.samples is not None
@@ -229,11 +242,8 @@ def check_data(ctx: CheckContext) -> CheckResult:
             expected = at_n.samples + (at_n.samples - before_n.samples)
             nums.update(expected_samples=expected, post_samples=first.samples)
             if first.samples != expected:
-                return CheckResult(
-                    "data",
-                    Status.FAIL,
+                return _lost(
                     f"step {first.step}: {first.samples} samples consumed, expected {expected}",
-                    Cause.DATA_POSITION_LOST,
                     nums,
                 )
             return CheckResult(
@@ -245,7 +255,7 @@ def check_data(ctx: CheckContext) -> CheckResult:
 
 def _rng_across(ctx: CheckContext, change: tuple[int, int]) -> CheckResult:
     """After a change of DP size per-rank streams are re-derived by design: say which, do not compare digests."""
-    nums: dict[str, int | str | None] = {"dp": f"{change[0]} -> {change[1]}"}
+    nums: Nums = {"dp": f"{change[0]} -> {change[1]}"}
     f = ctx.facts
     if f is None or f.rng_streams is None:
         why = "no checkpoint facts: which streams were carried is unknown"
@@ -263,17 +273,15 @@ def _rng_across(ctx: CheckContext, change: tuple[int, int]) -> CheckResult:
     )
 
 
+@_unless_dp_changed(_rng_across)
 def check_rng(ctx: CheckContext) -> CheckResult:
-    change = dp_change(ctx)
-    if change is not None:
-        return _rng_across(ctx, change)
     b = ctx.boundary
     pre = b.pre
     pairs = [(r.step, pre[r.step].rng_digest, r.rng_digest) for r in b.post.steps if r.step in pre]
     pairs = [(s, a, c) for s, a, c in pairs if a and c]
     if not pairs:
         return _rng_without_overlap(ctx)
-    nums: dict[str, int | str | None] = {"compared": len(pairs)}
+    nums: Nums = {"compared": len(pairs)}
     bad = [(s, a, c) for s, a, c in pairs if a != c]
     if not bad:
         return CheckResult(

@@ -18,11 +18,11 @@ from typing import Any
 import torch
 
 from ..errors import CheckpointExistsError, CkptError
-from ..saving.planning import DEFAULT_CHUNK_BYTES, chunk_boxes
+from ..format.dtypes import dtype_name
+from ..format.manifest import MANIFEST_NAME, Box, Layout, Manifest, TensorDesc
+from ..format.publish import Receipt, build_manifest, data_file_name, publish, write_data_file
 from ..storage import Storage, open_storage
-from .dtypes import dtype_name
-from .manifest import MANIFEST_NAME, Box, Layout, Manifest, TensorDesc
-from .publish import Receipt, build_manifest, data_file_name, publish, write_data_file
+from .planning import DEFAULT_CHUNK_BYTES, chunk_boxes
 
 DEFAULT_FLUSH_BYTES = 512 << 20
 

@@ -19,19 +19,6 @@ JSON = Any
 
 
 @dataclass(frozen=True)
-class EpochResume:
-    """A resumed epoch, as an adapter hands it to the sampler or split dataset it moves: from global index ``start``
-    of ``order``'s sequence this rank continues its share, of which it already had ``skip``; ``batch`` is the
-    loader's batch size (a map-style split deals whole batches to ranks)."""
-
-    order: dict[str, JSON]
-    epoch: int
-    start: int
-    skip: int
-    batch: int = 1
-
-
-@dataclass(frozen=True)
 class RankPosition:
     """One rank's place in the current epoch, as its adapter saw it at the save.
 

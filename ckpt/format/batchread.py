@@ -17,9 +17,9 @@ from collections.abc import Sequence
 from typing import NamedTuple
 
 from ..errors import CorruptionError
-from ..format.codecs import StreamingChecksum
-from ..format.manifest import Shard, TensorEntry
 from ..storage import Read, ReadFailed, Storage
+from .codecs import StreamingChecksum
+from .manifest import Shard, TensorEntry
 
 INLINE_HASH_BYTES = 256 << 10  # reads smaller than this are hashed by the thread that read them (no hand-off)
 
