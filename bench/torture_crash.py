@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/torture_crash.py --trials 100 --storage local
     .venv/bin/python bench/torture_crash.py --trials 20 --storage s3      # moto server on 127.0.0.1
+    .venv/bin/python bench/torture_crash.py --trials 30 --local-tier --persist-every 3   # ckpt.tiers
 
 Each trial starts ``tests/torture/trainer.py`` (tiny MLP + Adam, async ``CheckpointManager`` save every step,
 ``keep_last=2``), kills it with SIGKILL after a seeded random delay, fully verifies every committed checkpoint and
@@ -32,9 +33,15 @@ def main() -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-delay", type=float, default=1.5, help="upper bound of the random kill delay (s)")
     p.add_argument("--every", type=int, default=1, help="save every N steps")
+    p.add_argument(
+        "--local-tier", action="store_true", help="save every step to a node-local tier (ckpt.tiers)"
+    )
+    p.add_argument("--persist-every", type=int, help="with --local-tier: also to the root every N steps")
     args = p.parse_args()
     with tempfile.TemporaryDirectory(prefix="ckpt-torture-") as work:
         common = dict(seed=args.seed, max_delay=args.max_delay, every=args.every, progress=True)
+        if args.local_tier:
+            common.update(local_dir=os.path.join(work, "local"), persist_every=args.persist_every)
         if args.storage == "local":
             report = run_trials(os.path.join(work, "run"), work, args.trials, **common)
         else:
@@ -44,7 +51,8 @@ def main() -> int:
     summary["args"] = vars(args)
     print(json.dumps(summary, indent=2))
     os.makedirs(os.path.join(HERE, "results"), exist_ok=True)
-    with open(os.path.join(HERE, "results", f"torture_crash_{args.storage}.json"), "w") as f:
+    name = f"torture_crash_{args.storage}{'_tiers' if args.local_tier else ''}.json"
+    with open(os.path.join(HERE, "results", name), "w") as f:
         json.dump(summary, f, indent=2)
     return 1 if report.corrupt_restores or report.divergent_losses else 0
 

@@ -28,8 +28,10 @@ from .format.reader import CheckpointReader
 from .restoring.discovery import CheckpointInfo, list_checkpoints, missing_files, parse_step, step_dir
 from .restoring.loader import RestoreResult, restore
 from .saving.checkpointer import Checkpointer, SaveResult, check_step
-from .saving.options import split_keywords
+from .saving.options import SaveOptions, split_keywords
 from .storage import open_storage
+from .tiers.policy import TierPolicy
+from .tiers.tiered import Tiers
 
 # a checkpoint that is damaged or incomplete: restore_latest falls back to an older one
 _DAMAGE = (CorruptionError, ManifestError, StorageError)
@@ -40,6 +42,13 @@ class CheckpointManager:
 
     ``keep_last=k`` keeps the k newest checkpoints; ``keep_every=n`` also keeps every step divisible by n.
     Construct on every rank.
+
+    Tiers (:mod:`ckpt.tiers`): with ``local_dir`` (a node-local folder: NVMe, ``/dev/shm``), steps divisible by
+    ``local_every`` are saved there, each rank's files copied to ``replicas`` peer nodes (node identity from
+    torchrun's ``GROUP_RANK``, or ``node_rank=``), and steps divisible by ``persist_every`` also go to ``root``;
+    ``save`` is a no-op for other steps.  ``keep_local`` local steps are kept per node.  ``restore_latest`` restores
+    the newest step complete in any tier; ``last_restore.tier`` says from where.  Without ``local_dir``,
+    ``persist_every`` alone thins the saves to ``root``.
     """
 
     def __init__(
@@ -55,6 +64,12 @@ class CheckpointManager:
         layout_hook: Any = None,
         on_event: Callable[[str, dict[str, Any]], None] | None = None,
         digest_restores: bool = True,
+        local_dir: str | None = None,
+        local_every: int | None = None,
+        persist_every: int | None = None,
+        replicas: int = 0,
+        keep_local: int | None = 2,
+        node_rank: int | None = None,
         **checkpointer_options: Any,
     ) -> None:
         if keep_last is not None and keep_last < 1:
@@ -80,13 +95,22 @@ class CheckpointManager:
         self.last_result: SaveResult | None = None
         #: the RestoreResult of the last restore / restore_latest on this rank (data position, RNG streams, ...)
         self.last_restore: RestoreResult | None = None
+        self.policy = TierPolicy(local_dir is not None, local_every, persist_every)
+        self.tiers: Tiers | None = None
+        if local_dir is not None:
+            if process_group is not None:
+                raise CkptError(
+                    "local_dir= with process_group=: the tiers' group spans every rank of the job"
+                )
+            self.tiers = Tiers(self, local_dir, self.policy, replicas, keep_local, node_rank)
 
     def path_for(self, step: int) -> str:
         return f"{self.root}/{step_dir(step)}"
 
     # ------------------------------------------------------------------------------------------------ saving
     def save(self, step: int, **state: Any) -> Future:
-        """Save ``state`` as step ``step``: the training objects (model=, optimizer=, scheduler=, ...) and the
+        """Save ``state`` as step ``step`` to the tiers the policy names (a no-op for the others: the future's
+        result is None): the training objects (model=, optimizer=, scheduler=, ...) and the
         :class:`~ckpt.SaveOptions` fields as plain keywords (progress=, lazy=, adapter_only=, ...); see
         Checkpointer.save.  ``on_commit`` is the manager's own (retention, ``on_event``)."""
         check_step(step)
@@ -94,6 +118,16 @@ class CheckpointManager:
         if options.on_commit is not None:
             raise TypeError("CheckpointManager.save() got on_commit=: the manager commits with its own (retention); "
                             "use CheckpointManager(on_event=...) to hear of saves")  # fmt: skip
+        if self.tiers is not None:
+            return self.tiers.save(step, objects, options)
+        if not self.policy.tiers(step):
+            fut: Future = Future()
+            fut.set_result(None)
+            return fut
+        return self.save_persistent(step, objects, options)
+
+    def save_persistent(self, step: int, objects: dict[str, Any], options: SaveOptions) -> Future:
+        """Save step ``step`` to ``root`` only."""
         options = dataclasses.replace(options, on_commit=self._after_commit)
         fut = self.checkpointer.save(self.path_for(step), step=step, options=options, **objects)
         if fut.done() and fut.exception() is None:
@@ -105,6 +139,11 @@ class CheckpointManager:
         if self.checkpointer.async_save:
             self._emit_save(result)
         self.apply_retention(result.step)
+
+    def note_save(self, result: SaveResult) -> None:
+        """A save committed by the tiers (every rank): recorded and reported like one of ``root``."""
+        self.last_result = result
+        self._emit_save(result)
 
     def _emit_save(self, result: SaveResult) -> None:
         if self.on_event is not None and self.coll.rank == 0:
@@ -120,6 +159,8 @@ class CheckpointManager:
             )
 
     def wait(self) -> SaveResult | None:
+        if self.tiers is not None:
+            return self.tiers.wait()
         return self.checkpointer.wait()
 
     def staged(self) -> None:
@@ -127,7 +168,11 @@ class CheckpointManager:
         self.checkpointer.staged()
 
     def close(self) -> None:
-        self.checkpointer.close()
+        try:
+            if self.tiers is not None:
+                self.tiers.wait()
+        finally:
+            self.checkpointer.close()
 
     def __enter__(self) -> CheckpointManager:
         return self
@@ -153,11 +198,19 @@ class CheckpointManager:
         self._emit_restore(result, time.perf_counter() - t0, state.get("model"))
         return result
 
-    def _emit_restore(self, result: RestoreResult, seconds: float, model: Any = None) -> None:
+    def _emit_restore(
+        self,
+        result: RestoreResult,
+        seconds: float,
+        model: Any = None,
+        tier: str = "persistent",
+        job_tier: str = "",
+    ) -> None:
         # seconds: wall time of the restore including manifest reads, so recovery-cost reports can use it
-        self.last_restore = result
+        self.last_restore = result = dataclasses.replace(result, tier=tier)
         if self.on_event is not None and self.coll.rank == 0:
             info: dict[str, Any] = {"step": result.step, "path": result.path, "seconds": seconds}
+            info["tier"] = job_tier or tier
             if model is not None and self.digest_restores:
                 digest = self._restored_digest(result, model)
                 info.update(model_digest=digest.tensors, model_views=digest.views)
@@ -187,6 +240,8 @@ class CheckpointManager:
         optimizer the checkpoint does not hold) raises :class:`StateMismatchError` on every rank at once: an older
         step would not fit either, and returning None would silently restart training from scratch.
         """
+        if self.tiers is not None:
+            return self.tiers.restore_latest(state)
         self.checkpointer.staged()
         t0 = time.perf_counter()
         candidates = None
@@ -216,34 +271,49 @@ class CheckpointManager:
                 candidates.append(info.step)
         candidates = self.coll.broadcast(candidates)
         for step in candidates:
-            error: tuple[Any, ...] | None = None  # (is_mismatch, message[, is_base_mismatch])
-            try:
-                reader = CheckpointReader(self.path_for(step), self.storage_options)
-                result = restore(reader, layout_hook=self.layout_hook, **state)
-            except _DAMAGE as e:
-                error = (False, str(e))
-            except CkptError as e:
-                # the caller's objects do not fit (StateMismatchError, BaseMismatchError, LayoutError, ...): not the
-                # checkpoint's fault, and older steps would not fit either
-                error = (True, str(e), isinstance(e, BaseMismatchError))
-            errors = [e for e in self.coll.all_gather(error) if e is not None]
-            mismatches = [(msg, base) for is_mismatch, msg, *base in errors if is_mismatch]
-            if mismatches:
-                msg, base = mismatches[0]
-                cls = BaseMismatchError if base and base[0] else StateMismatchError
-                raise cls(
-                    f"{msg} (checkpoint step {step} does not fit the objects passed to restore_latest; "
-                    "older steps were not tried, so training does not silently restart)"
-                )
-            if errors:
-                warnings.warn(
-                    f"checkpoint step {step} could not be restored, falling back: {errors[0][1]}",
-                    stacklevel=2,
-                )
-                continue
-            self._emit_restore(result, time.perf_counter() - t0, state.get("model"))
-            return step
+            if self.restore_agreed(self.path_for(step), step, state, t0) is not None:
+                return step
         return None
+
+    def restore_agreed(
+        self,
+        path: str,
+        step: int,
+        state: dict[str, Any],
+        t0: float,
+        tier: str = "persistent",
+        job_tier: str = "",
+    ) -> RestoreResult | None:
+        """Restore step ``step`` from ``path`` on every rank; None (with a warning) when any rank found damage, so
+        that all fall back together.  A checkpoint that does not fit the caller's objects raises on every rank."""
+        error: tuple[Any, ...] | None = None  # (is_mismatch, message[, is_base_mismatch])
+        options = self.storage_options if tier == "persistent" else None
+        try:
+            reader = CheckpointReader(path, options)
+            result = restore(reader, layout_hook=self.layout_hook, **state)
+        except _DAMAGE as e:
+            error = (False, str(e))
+        except CkptError as e:
+            # the caller's objects do not fit (StateMismatchError, BaseMismatchError, LayoutError, ...): not the
+            # checkpoint's fault, and older steps would not fit either
+            error = (True, str(e), isinstance(e, BaseMismatchError))
+        errors = [e for e in self.coll.all_gather(error) if e is not None]
+        mismatches = [(msg, base) for is_mismatch, msg, *base in errors if is_mismatch]
+        if mismatches:
+            msg, base = mismatches[0]
+            cls = BaseMismatchError if base and base[0] else StateMismatchError
+            raise cls(
+                f"{msg} (checkpoint step {step} does not fit the objects passed to restore_latest; "
+                "older steps were not tried, so training does not silently restart)"
+            )
+        if errors:
+            warnings.warn(
+                f"checkpoint step {step} could not be restored, falling back: {errors[0][1]}",
+                stacklevel=3,
+            )
+            return None
+        self._emit_restore(result, time.perf_counter() - t0, state.get("model"), tier, job_tier)
+        return self.last_restore
 
     # ------------------------------------------------------------------------------------------------ retention
     def apply_retention(self, newest: int) -> list[int]:

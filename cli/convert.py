@@ -10,8 +10,10 @@ from collections.abc import Callable
 from typing import Any
 
 import click
+from ckpt.converters import formats
 
 from ckpt.errors import CkptError
+from ckpt.layouts import families
 from ckpt.words import count
 
 from .common import err, human_bytes, out
@@ -29,7 +31,8 @@ LAYOUT_FLAGS: dict[str, tuple[Any, str]] = {
     "qkv_linear": (bool, "GQAQKVColumnParallelLinear names (qkv_proj.weight_q|k|v)"),
     "ep": (int, "expert-parallel size (MoE models: EP rank k holds the k-th contiguous block of experts)"),
 }
-#: what an NxD tag's files cannot say about it
+#: what an NxD tag's files cannot say about it (the library's ``converters.options.SOURCE_FLAGS``): given without a
+#: side, these describe whichever side is Neuron; ``--source-*`` / ``--target-*`` name the side where both are
 SOURCE_FLAGS = ("hw", "kv_size_multiplier", "virtual_pp")
 
 EPILOG = """\b
@@ -49,28 +52,50 @@ Examples:
   ckpt convert base_hf/ out/merged --to cuda --format hf --merge-lora out/peft
 
 \b
-Layout flags describe the Neuron target; unset ones keep SRC's own Neuron layout. --source-* flags describe an NxD
-tag SRC where its files cannot. Exit codes: 0 converted, 1 SRC damaged, 2 bad input or impossible request.
+Layout flags describe the Neuron side: the target (unset ones keep SRC's own Neuron layout), or, with --to cuda,
+an NxD tag SRC where its files cannot (--hw, --kv-size-multiplier, --virtual-pp). With both sides Neuron,
+--source-*/--target-* say which side a flag describes where that is not clear. Exit codes: 0 converted, 1 SRC
+damaged, 2 bad input or impossible request.
 """
 
 
 def layout_options(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """The ``--tp`` ... ``--qkv-linear`` target options and the ``--source-*`` ones, from :data:`LAYOUT_FLAGS`."""
-    for name in reversed(SOURCE_FLAGS):
-        kind, text = LAYOUT_FLAGS[name]
-        fn = click.option(
-            f"--source-{name.replace('_', '-')}", f"source_{name}", type=kind, default=None,
-            help=f"NxD tag SRC: its {text} (its files do not record it).",
-        )(fn)  # fmt: skip
+    """The ``--tp`` ... ``--qkv-linear`` Neuron options and the sided ``--source-*`` / ``--target-*`` ones, from
+    :data:`LAYOUT_FLAGS`."""
+    for side, what in (("target", "Neuron target (where SRC is Neuron too)"), ("source", "NxD tag SRC")):
+        for name in reversed(SOURCE_FLAGS):
+            kind, text = LAYOUT_FLAGS[name]
+            fn = click.option(f"--{side}-{name.replace('_', '-')}", f"{side}_{name}", type=kind, default=None,
+                              help=f"{what}: its {text}.")(fn)  # fmt: skip
     for name, (kind, text) in reversed(LAYOUT_FLAGS.items()):
         flag = f"--{name.replace('_', '-')}"
+        where = "Neuron side (the target; an NxD tag SRC with --to cuda)" if name in SOURCE_FLAGS else "Neuron target"
         if kind is bool:
             fn = click.option(
-                f"{flag}/--no-{name.replace('_', '-')}", name, default=None, help=f"Neuron target: {text}."
+                f"{flag}/--no-{name.replace('_', '-')}", name, default=None, help=f"{where}: {text}."
             )(fn)
         else:
-            fn = click.option(flag, name, type=kind, default=None, help=f"Neuron target: {text}.")(fn)
+            fn = click.option(flag, name, type=kind, default=None, help=f"{where}: {text}.")(fn)
     return fn
+
+
+def sided_flags(flags: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """The layout options given, by side: ``layout`` (the target's), ``source_flags`` and ``neuron_flags`` (given
+    without a side: the library puts them on the side that is Neuron)."""
+    given = {k: v for k, v in flags.items() if v is not None}
+    out: dict[str, dict[str, Any]] = {"layout": {}, "source_flags": {}, "neuron_flags": {}}
+    for k, v in given.items():
+        if k.startswith("source_"):
+            out["source_flags"][k[len("source_") :]] = v
+        elif k.startswith("target_"):
+            out["layout"][k[len("target_") :]] = v
+        else:
+            out["neuron_flags" if k in SOURCE_FLAGS else "layout"][k] = v
+    return out
+
+
+def _format_help() -> str:
+    return "Format of DST (" + "; ".join(f"{n}: {formats.get(n).help}" for n in formats.names()) + ")."
 
 
 @click.command("convert", epilog=EPILOG, context_settings={"help_option_names": ["-h", "--help"]})
@@ -87,10 +112,10 @@ def layout_options(fn: Callable[..., Any]) -> Callable[..., Any]:
 @click.option(
     "--format",
     "fmt",
-    type=click.Choice(["ckpt", "dcp", "hf", "hf-trainer", "nxd", "nxdt", "optimum-neuron", "peft"]),
+    type=click.Choice(formats.names()),
     default="ckpt",
     show_default=True,
-    help="Format of DST.",
+    help=_format_help(),
 )
 @layout_options
 @click.option(
@@ -109,8 +134,7 @@ def layout_options(fn: Callable[..., Any]) -> Callable[..., Any]:
     "model_type",
     type=str,
     default=None,
-    help="HF model_type of a model whose config.json lacks one (llama, mistral, qwen2, qwen3, mixtral, qwen3_moe); "
-    "never guessed.",
+    help=f"HF model_type of a model whose config.json lacks one ({', '.join(families.FAMILIES)}); never guessed.",
 )
 @click.option(
     "--step",
@@ -134,16 +158,16 @@ def layout_options(fn: Callable[..., Any]) -> Callable[..., Any]:
     help="LoRA adapter (PEFT folder or NxD LoRA tag) to merge into SRC, the base HF model (--to cuda --format hf).",
 )
 @click.option(
-    "--xser/--no-xser",
-    default=None,
-    help="--format nxd/nxdt/optimum-neuron: write torch_xla's xser form (default: SRC's; optimum-neuron: on).",
+    "--xser/--no-xser", default=None,
+    help=f"--format {'/'.join(formats.owners('xser'))}: write torch_xla's xser form (default: SRC's; optimum-neuron: "
+    "on).",
 )
 @click.option(
     "--codec",
     type=click.Choice(["raw", "zstd"]),
     default="raw",
     show_default=True,
-    help="--format ckpt: data codec.",
+    help=f"--format {'/'.join(formats.owners('codec'))}: data codec.",
 )
 @click.option("--allow-unmarked", is_flag=True, help="Use an NxD training tag whose save never wrote 'done'.")
 @click.option(
@@ -159,7 +183,7 @@ def layout_options(fn: Callable[..., Any]) -> Callable[..., Any]:
     type=str,
     default="5GiB",
     show_default=True,
-    help="--format hf: largest shard file (bytes, or with KB/MB/GB/KiB/MiB/GiB); shards are what --workers share.",
+    help=f"--format {'/'.join(formats.owners('max_shard_size'))}: largest shard file (bytes, or with KB/MB/GB/KiB/MiB/GiB); shards are what --workers share.",
 )
 @click.option(
     "--dry-run", is_flag=True, help="Print the plan (tensors, bytes, peak memory) and write nothing."
@@ -188,23 +212,18 @@ def convert(
 ) -> None:
     """Convert checkpoint SRC into DST (SRC is never written; DST is committed atomically)."""
     from ckpt.converters.convert import convert as run_convert
-    from ckpt.converters.convert import describe, open_source, plan_conversion
+    from ckpt.converters.convert import converts_whole, describe, open_source, plan_conversion, prepare
     from ckpt.converters.options import ConvertOptions, RunOptions, load_config
 
-    refuse_idle_flags(fmt, xser=xser)
+    refuse_idle_flags(fmt)
     from ckpt.converters.engine.allocator import pin_malloc
 
     pin_malloc()  # freed buffers back to the OS: peak memory that does not creep up with the model
-    layout = {k: v for k, v in flags.items() if not k.startswith("source_") and v is not None}
-    source_flags = {
-        k[len("source_") :]: v for k, v in flags.items() if k.startswith("source_") and v is not None
-    }
     opts = ConvertOptions(
         to=to,  # type: ignore[arg-type]
         format=fmt,
         from_=from_,  # type: ignore[arg-type]
-        layout=layout,
-        source_flags=source_flags,
+        **sided_flags(flags),
         config=load_config(config_path),
         step=step,
         consumed_samples=consumed_samples,
@@ -216,71 +235,69 @@ def convert(
         merge_lora=merge_lora,
     )
     run = RunOptions(workers=workers, allow_unmarked=allow_unmarked)
-    from ckpt.converters.lora import is_adapter
-
-    if dry_run and (merge_lora is not None or fmt == "peft" or is_adapter(src)):
+    if not dry_run:
+        _run(run_convert, src, dst, opts, run, as_json)
+        return
+    found = formats.detect_adapter(src)
+    if converts_whole(found, opts):
         what = f"merge {merge_lora} into" if merge_lora else "adapter"
         out.print(
             f"plan: {what} {src} -> {fmt} ({to}) {dst}; adapters are checked whole when converted",
             markup=False,
         )
         return
-    if dry_run:
-        from ckpt.converters.convert import check_paths
+    from ckpt.converters.convert import check_paths
 
-        check_paths(src, dst)  # the plan of a conversion that would be refused is that refusal
-        source = open_source(src, opts, run)
-        try:
-            d = describe(plan_conversion(source, opts), opts, run)
-        finally:
-            source.close()
-        if as_json:
-            import json
+    check_paths(src, dst)  # the plan of a conversion that would be refused is that refusal
+    found, opts = prepare(src, opts, run, adapters=found)
+    source = open_source(found, opts, run)
+    try:
+        d = describe(plan_conversion(source, opts), opts, run)
+    finally:
+        source.close()
+    if as_json:
+        import json
 
-            click.echo(json.dumps({"dry_run": True, "dst": dst, **d}, indent=2))
-            return
-        out.print(
-            f"plan: {d['source']['format']} ({d['source']['layout']}) {src} -> {fmt} ({to}) {dst}",
-            markup=False,
-        )
-        if d["target"]["spec"]:
-            out.print(f"  layout: {d['target']['spec']}")
-        out.print(
-            f"  tensors: {d['tensors']} ({', '.join(f'{k} {v}' for k, v in sorted(d['by_role'].items()))})"
-        )
-        out.print(f"  bytes: {human_bytes(d['bytes'])} ({d['bytes']})")
-        if d["not_written"]:
-            out.print(f"  not written: {', '.join(d['not_written'])}", markup=False)
-        out.print(f"  largest tensor: {human_bytes(d['largest_tensor'])}")
-        pm = d["peak_memory"]
-        out.print(
-            f"  peak memory estimate: {human_bytes(d['peak_memory_estimate'])} per worker, on top of the interpreter "
-            f"(largest part {human_bytes(pm['part'])}, source cache {human_bytes(pm['source_cache'])}, "
-            f"{fmt} target {human_bytes(pm['target'])})"
-        )
-        step_text = "unknown (SRC records none; pass --step N)" if d["step"] is None else d["step"]
-        out.print(f"  step: {step_text}, workers: {workers}", markup=False)
+        click.echo(json.dumps({"dry_run": True, "dst": dst, **d}, indent=2))
         return
-    _run(run_convert, src, dst, opts, run, as_json)
+    out.print(
+        f"plan: {d['source']['format']} ({d['source']['layout']}) {src} -> {fmt} ({to}) {dst}",
+        markup=False,
+    )
+    if d["target"]["spec"]:
+        out.print(f"  layout: {d['target']['spec']}")
+    out.print(
+        f"  tensors: {d['tensors']} ({', '.join(f'{k} {v}' for k, v in sorted(d['by_role'].items()))})"
+    )
+    out.print(f"  bytes: {human_bytes(d['bytes'])} ({d['bytes']})")
+    if d["not_written"]:
+        out.print(f"  not written: {', '.join(d['not_written'])}", markup=False)
+    out.print(f"  largest tensor: {human_bytes(d['largest_tensor'])}")
+    pm = d["peak_memory"]
+    out.print(
+        f"  peak memory estimate: {human_bytes(d['peak_memory_estimate'])} per worker, on top of the interpreter "
+        f"(largest part {human_bytes(pm['part'])}, source cache {human_bytes(pm['source_cache'])}, "
+        f"{fmt} target {human_bytes(pm['target'])})"
+    )
+    step_text = "unknown (SRC records none; pass --step N)" if d["step"] is None else d["step"]
+    out.print(f"  step: {step_text}, workers: {workers}", markup=False)
+    return
 
 
-#: options that mean something for one output format only: (option name, flag, the format)
-_FORMAT_ONLY = (("codec", "--codec", "ckpt"), ("max_shard_size", "--max-shard-size", "hf"))
-
-
-def refuse_idle_flags(fmt: str, *, xser: bool | None) -> None:
-    """Refuse an option given on the command line that does nothing for ``--format fmt`` (never ignore it)."""
+def refuse_idle_flags(fmt: str) -> None:
+    """Refuse an option given on the command line that does nothing for ``--format fmt`` (never ignore it): the
+    format-only options are the format table's."""
     ctx = click.get_current_context()
-    given = [
-        (flag, only)
-        for name, flag, only in _FORMAT_ONLY
-        if ctx.get_parameter_source(name) is click.core.ParameterSource.COMMANDLINE and fmt != only
-    ]
-    if xser is not None and fmt not in ("nxd", "nxdt", "optimum-neuron"):
-        given.insert(0, ("--xser/--no-xser", "nxd"))
-    if given:
-        flag, only = given[0]
-        raise CkptError(f"{flag} is for --format {only} and does nothing with --format {fmt}; drop it")
+    params = {p.name: p for p in ctx.command.params}
+    for name in formats.format_options():
+        if ctx.get_parameter_source(name) is not click.core.ParameterSource.COMMANDLINE:
+            continue
+        if name not in formats.get(fmt).options:
+            flag = "/".join(params[name].opts + params[name].secondary_opts)
+            raise CkptError(
+                f"{flag} is for --format {'|'.join(formats.owners(name))} and does nothing with --format {fmt}; "
+                "drop it"
+            )
 
 
 _UNITS = {

@@ -16,8 +16,12 @@ from ckpt.words import count
 from .common import human_bytes, out
 from .table import Col, print_table
 
-FOREIGN = ("hf", "dcp")
-FORMAT_WORDS = {"hf": "Hugging Face", "dcp": "DCP"}
+
+def _title(name: str) -> str:
+    """The format's name in prose, from the format table."""
+    from ckpt.converters import formats
+
+    return str(formats.get(name))
 
 
 def open_foreign(path: str) -> Any:
@@ -46,7 +50,7 @@ def inspect_foreign(path: str, as_json: bool) -> None:
             click.echo(json.dumps(doc, indent=2))
             return
         out.print(
-            f"{path}  {FORMAT_WORDS.get(source.format, source.format)} folder  {source.layout} layout  {count(len(tensors), 'tensor')}  {human_bytes(total)}",
+            f"{path}  {_title(source.format)} folder  {source.layout} layout  {count(len(tensors), 'tensor')}  {human_bytes(total)}",
             markup=False,
         )
         rows = [
@@ -95,7 +99,7 @@ def verify_foreign(path: str, as_json: bool) -> list[str]:
                                "problems": problems, "checksums": False}, indent=2))  # fmt: skip
     elif not problems:
         out.print(
-            f"ok {path}: {FORMAT_WORDS.get(source.format, source.format)} folder, {count(n, 'tensor')} readable at their header's shape and dtype "
+            f"ok {path}: {_title(source.format)} folder, {count(n, 'tensor')} readable at their header's shape and dtype "
             "(the format has no checksums)",
             markup=False,
         )

@@ -137,11 +137,28 @@ def render_cost(run: Run, cost: RunCost, console: Console | None = None) -> None
             _seconds(f.downtime_seconds),
             _seconds(f.restore_seconds),
             f"{_seconds(f.compile_seconds)} ({f.compile_events})",
+            f.tier or "-",
         ]
         for f in cost.failures
     ]
     heads = ("#", "crash step", "restored", "recomputed", "recompute time", "downtime", "restore", "compile")
-    print_table(console, [Col(h, "right") for h in heads], rows, title="Recovery cost per failure")
+    cols = [*(Col(h, "right") for h in heads), Col("tier")]
+    print_table(console, cols, rows, title="Recovery cost per failure")
+    if any(t.tier != "unknown" for t in cost.tiers):
+        rows = [
+            [
+                t.tier,
+                str(t.failures),
+                _seconds(t.restore_seconds),
+                _seconds(t.downtime_seconds),
+                f"{t.steps_recomputed:g}",
+            ]
+            for t in cost.tiers
+        ]
+        heads = ("restores", "mean restore", "mean downtime", "mean recomputed")
+        print_table(
+            console, [Col("tier"), *(Col(h, "right") for h in heads)], rows, title="Recovery cost per tier"
+        )
     console.print(
         f"{_saves_line(run, cost)}; compiles: {cost.compile_events} "
         f"({_seconds(cost.compile_seconds)}); median step {_seconds(cost.median_step_seconds)}"

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from ckpt.errors import CheckpointExistsError, LayoutError
+from ckpt.errors import CheckpointExistsError, CkptError, LayoutError
 from ckpt.format.dtypes import dtype_from_name
 from ckpt.format.manifest import MANIFEST_NAME, Box, Manifest
 from ckpt.format.publish import Receipt, build_manifest, publish
@@ -55,6 +55,19 @@ def detect(path: str, storage_options: Mapping[str, Any] | None = None) -> bool:
     return open_storage(path, dict(storage_options) if storage_options else None).exists(MANIFEST_NAME)
 
 
+def is_adapter(path: str, storage_options: Mapping[str, Any] | None = None) -> Manifest | None:
+    """The format table's adapter probe: the top manifest of a checkpoint of ours at ``path`` (its ``adapter`` says
+    whether it is adapter-only), read once and handed down; None for anything else, or an unreadable one (the
+    reader then says why)."""
+    try:
+        storage = open_storage(path, dict(storage_options) if storage_options else None)
+        if not storage.exists(MANIFEST_NAME):
+            return None
+        return Manifest.from_json(storage.read_bytes(MANIFEST_NAME), storage.display(MANIFEST_NAME))
+    except CkptError:
+        return None
+
+
 class ManifestSource(Source):
     """A committed checkpoint in our format (Neuron layout iff ``layout.kind == "nxd"``)."""
 
@@ -68,8 +81,9 @@ class ManifestSource(Source):
         storage_options: dict[str, Any] | None = None,
         verify: bool = True,
         cache_tensors: int = 2,
+        manifest: Manifest | None = None,
     ) -> None:
-        self.reader = CheckpointReader(path, storage_options, verify)
+        self.reader = CheckpointReader(path, storage_options, verify, manifest=manifest)
         m = self.reader.manifest
         self.path = self.reader.path
         self.trees = Trees.of_manifest(m)
@@ -211,8 +225,8 @@ class ManifestSource(Source):
 
 
 def open_source(path: str, *, config: Mapping[str, Any] | None, storage_options: dict[str, Any] | None,
-                verify: bool = True, **_: Any) -> ManifestSource:  # fmt: skip
-    return ManifestSource(path, config=config, storage_options=storage_options, verify=verify)
+                verify: bool = True, manifest: Manifest | None = None, **_: Any) -> ManifestSource:  # fmt: skip
+    return ManifestSource(path, config=config, storage_options=storage_options, verify=verify, manifest=manifest)
 
 
 class ManifestExport:

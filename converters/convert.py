@@ -41,32 +41,23 @@ from .options import ConvertOptions, RunOptions, load_config
 _LAYOUT_NAMES = {"cuda": "CUDA", "neuron": "Neuron"}
 
 
-def open_source(src: str, opts: ConvertOptions, run: RunOptions | None = None) -> Source:
-    """Open ``src`` in whatever format it is in, and check it has the layout ``--from`` says."""
+def open_source(src: str | formats.Detected, opts: ConvertOptions, run: RunOptions | None = None) -> Source:
+    """Open ``src`` (a path, or what :func:`formats.detect_source` found there) in whatever format it is in, and
+    check it has the layout ``--from`` says."""
     run = run or RunOptions()
-    fmt = formats.detect(src, run.storage_options)
-    if opts.param_names is not None and fmt.name not in NXD_TAG_FORMATS:
+    found = src if isinstance(src, formats.Detected) else formats.detect_source(src, run.storage_options)
+    src, fmt = found.path, found.format
+    if opts.param_names is not None and not fmt.nxd_tag:
         raise LayoutError(
             f"param_names: {src} is a {fmt.name} checkpoint; optimizer pid names are for NxD tags only"
         )
-    if opts.source_flags and fmt.name not in NXD_TAG_FORMATS:
+    if opts.source_flags and not fmt.nxd_tag:
         flag = next(iter(opts.source_flags))
         raise LayoutError(
             f"--source-{flag.replace('_', '-')}: {src} is a {fmt.name} checkpoint, which records its own layout; "
             "source flags are for NxD tags only"
         )
-    source: Source = fmt.load().open_source(
-        src,
-        config=opts.config,
-        source_flags=opts.source_flags,
-        step=opts.step,
-        storage_options=run.storage_options,
-        verify=run.verify,
-        allow_unmarked=run.allow_unmarked,
-        param_names=opts.param_names,
-        replicated=tuple(opts.replicated),
-        target_format=opts.format,
-    )
+    source: Source = fmt.load().open_source(src, **_source_options(found, opts, run))
     if opts.model_type is not None and source.config is not None:
         have = source.config.get("model_type")
         if have is not None and have != opts.model_type:
@@ -91,8 +82,16 @@ def open_source(src: str, opts: ConvertOptions, run: RunOptions | None = None) -
     return source
 
 
-#: formats whose SRC is an NxD tag, alone or in an optimum-neuron folder (the ``--source-*`` flags and ``param_names`` apply)
-NXD_TAG_FORMATS = ("nxd", "nxdt", "optimum-neuron")
+def _source_options(found: formats.Detected, opts: ConvertOptions, run: RunOptions) -> dict[str, Any]:
+    """The keywords every format's ``open_source`` verb is given (each takes what it uses)."""
+    options = {"replicated": tuple(opts.replicated), "target_format": opts.format}
+    for name in ("config", "source_flags", "step", "param_names"):
+        options[name] = getattr(opts, name)
+    for name in ("storage_options", "verify", "allow_unmarked"):
+        options[name] = getattr(run, name)
+    if found.manifest is not None:
+        options["manifest"] = found.manifest
+    return options
 
 
 def _record_consumed_samples(source: Source, samples: int) -> None:
@@ -111,14 +110,6 @@ def _record_consumed_samples(source: Source, samples: int) -> None:
         source.trees.progress["samples"] = samples
 
 
-#: how each output format records the step, when SRC records none (None: the format has no step to record)
-_STEP_IN_OUTPUT = {
-    "ckpt": "the output records step 0",
-    "hf-trainer": "its trainer_state.json records global_step 0",
-    "nxd": "the NxD tag records none either",
-}
-
-
 def step_unknown(conv: Conversion, opts: ConvertOptions) -> bool:
     """SRC's files record no training step and ``--step`` was not given."""
     return opts.step is None and not conv.source.step_recorded
@@ -127,7 +118,7 @@ def step_unknown(conv: Conversion, opts: ConvertOptions) -> bool:
 def warn_unrecorded_step(conv: Conversion, opts: ConvertOptions) -> None:
     """Say which step the output gets when SRC records none and ``--step`` was not given, for output formats that
     record one (after planning, so a refused request is one error line and nothing else)."""
-    result = _STEP_IN_OUTPUT.get(opts.format)
+    result = formats.get(opts.format).step_note
     if not step_unknown(conv, opts) or result is None:
         return
     warnings.warn(
@@ -190,7 +181,7 @@ def plan_conversion(source: Source, opts: ConvertOptions) -> Conversion:
         raise LayoutError(
             f"--format {fmt.name} holds the {' or '.join(_LAYOUT_NAMES[h] for h in fmt.holds)} layout; "
             f"use --to {fmt.holds[0]} "
-            f"or --format {'ckpt|nxd' if opts.to == 'neuron' else 'ckpt|hf|dcp'}"
+            f"or --format {'|'.join(f.name for f in formats.FORMATS if f.suggested and opts.to in f.holds)}"
         )
     if opts.to == "cuda":
         if opts.layout:
@@ -213,21 +204,11 @@ def plan_conversion(source: Source, opts: ConvertOptions) -> Conversion:
 
 
 def make_export(conv: Conversion, opts: ConvertOptions, run: RunOptions) -> Export:
-    """The :class:`~.engine.Export` of ``opts.format`` over plan ``conv``."""
-    return (
-        formats.get(opts.format)
-        .load()
-        .export(
-            conv,
-            flush_bytes=run.flush_bytes,
-            codec=opts.codec,
-            max_shard_bytes=opts.max_shard_bytes,
-            xser=opts.xser,
-            zero1=opts.zero1,
-            storage_options=run.storage_options,
-            verify=run.verify,
-        )
-    )
+    """The :class:`~.engine.Export` of ``opts.format`` over plan ``conv`` (each format takes the keywords it uses)."""
+    options = {"flush_bytes": run.flush_bytes, "storage_options": run.storage_options, "verify": run.verify}
+    for name in ("codec", "max_shard_bytes", "xser", "zero1"):
+        options[name] = getattr(opts, name)
+    return formats.get(opts.format).load().export(conv, **options)
 
 
 def describe(conv: Conversion, opts: ConvertOptions, run: RunOptions | None = None) -> dict[str, Any]:
@@ -388,12 +369,28 @@ def _no_trace(dst: str) -> Iterator[None]:
         raise
 
 
-def _rebuild(src: str, opts: ConvertOptions, run: RunOptions) -> Export:
+def _rebuild(found: formats.Detected, opts: ConvertOptions, run: RunOptions) -> Export:
     """In a worker process: re-open and re-plan (deterministic) and return the same export."""
-    source = open_source(src, opts, run)
+    source = open_source(found, opts, run)
     export = make_export(plan_conversion(source, opts), opts, run)
     export.close = source.close  # type: ignore[attr-defined]  # released by the worker driver
     return export
+
+
+def prepare(
+    src: str, opts: ConvertOptions, run: RunOptions, *, adapters: formats.Detected | None = None
+) -> tuple[formats.Detected, ConvertOptions]:
+    """Detect SRC, once for the whole conversion, and put the Neuron flags given without a side on the side that
+    is Neuron (:meth:`ConvertOptions.sided`).  ``adapters``: the adapter pass, when already run."""
+    found = adapters if adapters is not None else formats.detect_adapter(src, run.storage_options)
+    if not converts_whole(found, opts):
+        found = formats.detect_source(src, run.storage_options, adapters=found)
+    return found, opts.sided(found.format.nxd_tag)
+
+
+def converts_whole(found: formats.Detected, opts: ConvertOptions) -> bool:
+    """A conversion the table's adapter entry runs whole (a LoRA adapter read, written or merged), not the engine."""
+    return found.adapter or opts.merge_lora is not None or formats.get(opts.format).whole
 
 
 def convert(
@@ -413,19 +410,18 @@ def convert(
     """
     run = run or RunOptions()
     check_paths(src, dst, run.storage_options)
-    from .lora import is_adapter, run_lora
-
-    if opts.merge_lora is not None or opts.format == "peft" or is_adapter(src, run.storage_options):
+    found, opts = prepare(src, opts, run)
+    if converts_whole(found, opts):
         if run.workers > 1 or _dist_env()[1] > 1:
             raise CkptError("LoRA adapters convert in one process; drop --workers / torchrun")
         if opts.consumed_samples is not None:
             raise CkptError("--consumed-samples: a LoRA adapter conversion records no data position; drop it")
         with _no_trace(dst):
-            r = run_lora(src, dst, opts, run)
+            r = formats.ADAPTER.load().convert(found, dst, opts, run)
         return ConvertResult(r.dst, r.tensors, r.bytes, r.format, notes=r.notes)
     rank, world = _dist_env()
     report = RunReport()
-    source = open_source(src, opts, run)
+    source = open_source(found, opts, run)
     try:
         conv = plan_conversion(source, opts)
         export = make_export(conv, opts, run)
@@ -448,7 +444,7 @@ def convert(
             if world > 1:
                 run_torchrun(export, dst, rank, world, progress, report)
             elif run.workers > 1:
-                run_workers(export, dst, run.workers, functools.partial(_rebuild, src, opts, run), progress)
+                run_workers(export, dst, run.workers, functools.partial(_rebuild, found, opts, run), progress)
             else:
                 run_serial(export, dst, progress, report)
     finally:
@@ -464,6 +460,7 @@ __all__ = [
     "ConvertResult",
     "RunOptions",
     "check_paths",
+    "converts_whole",
     "refuse_used_dst",
     "convert",
     "describe",
@@ -471,5 +468,6 @@ __all__ = [
     "make_export",
     "open_source",
     "plan_conversion",
+    "prepare",
     "target_flags",
 ]

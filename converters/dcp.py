@@ -33,7 +33,7 @@ import pathlib
 import pickle
 import uuid
 from collections import OrderedDict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -46,7 +46,6 @@ from ckpt.format.manifest import TensorDesc
 from ckpt.layouts import Piece
 from ckpt.safe_unpickle import load_pickle, load_torch_buffer, load_torch_file
 from ckpt.storage import open_storage
-from ckpt.storage.folder import FolderTxn, begin_folder
 
 from .engine import (
     MODEL_ROLES,
@@ -60,6 +59,7 @@ from .engine import (
     produce,
 )
 from .engine.export import Progress
+from .folder_export import FolderExport, write_all
 
 NAME = "dcp"
 
@@ -377,10 +377,7 @@ class _Counting:
         self.n = 0
 
     def write(self, data: Any) -> int:
-        view = memoryview(data).cast("B")
-        done = 0
-        while done < len(view):
-            done += self.f.write(view[done:])
+        done = write_all(self.f, data)
         self.n += done
         return done
 
@@ -388,7 +385,7 @@ class _Counting:
         pass
 
 
-class DcpExport:
+class DcpExport(FolderExport):
     """A DCP folder as an :class:`~converters.engine.Export`: one unit = one DCP write item (a tensor or a bytes
     blob), written by worker ``w`` into its own ``__<w>_0.distcp``; ``.metadata`` is the commit.
 
@@ -416,21 +413,12 @@ class DcpExport:
         self.items = list(self.planner.finish_plan(global_plans[0]).items)
         self.paths: dict[str, tuple[Any, ...]] = dict(self.metadata.planner_data or {})
         self.outs = {t.desc.name: t for t in conv.tensors}
-        self.weights = []
-        for item in self.items:
-            if item.type == WriteItemType.BYTE_IO:
-                self.weights.append(0)
-            else:
-                td = item.tensor_data
-                n = 1
-                for size in td.chunk.sizes:
-                    n *= int(size)
-                self.weights.append(n * td.properties.dtype.itemsize)
-        self._txn: FolderTxn | None = None
-
-    def begin(self, dst: str) -> Staging:
-        self._txn = begin_folder(dst, self.storage_options)
-        return Staging(self._txn.url, "")
+        self.weights = [
+            0
+            if item.type == WriteItemType.BYTE_IO
+            else math.prod(int(n) for n in item.tensor_data.chunk.sizes) * item.tensor_data.properties.dtype.itemsize
+            for item in self.items
+        ]
 
     def write(
         self, staging: Staging, units: Sequence[int], progress: Progress = None, *, worker: int = 0
@@ -483,18 +471,12 @@ class DcpExport:
         name = self.fetch.get(tuple(self.paths.get(fqn, (fqn,))))
         return self.outs[name].parts if name is not None else ()
 
-    def held_bytes(self, retained: Callable[[OutPart], int]) -> int:
-        """Nothing: ``torch.save`` streams each item's bytes into the file as it is made (a strided view is
-        copied first, which its part's ``retained`` counts)."""
-        return 0
-
     def commit(self, staging: Staging, dst: str, receipts: list[UnitReceipt]) -> str:
         """Merge the workers' storage entries into the planner's metadata; ``.metadata`` is written last."""
         from torch.distributed.checkpoint.metadata import StorageMeta
 
         receipts = check_cover(receipts, len(self.items), dst)
-        if self._txn is None or self._txn.url != staging.url:
-            raise CkptError(f"{dst}: commit by an export that did not begin this folder")
+        txn = self.begun(staging, dst)
         entries: dict[Any, Any] = {}
         for r in receipts:
             entries.update(r.data)
@@ -503,7 +485,7 @@ class DcpExport:
             raise CorruptionError(
                 f"{dst}: no storage entry for {len(missing)} DCP items (e.g. {missing[:1]})"
             )
-        storage = self._txn.storage
+        storage = txn.storage
         for info in entries.values():
             size = storage.size(info.relative_path)
             if size is None or size < info.offset + info.length:
@@ -515,12 +497,8 @@ class DcpExport:
             metadata.version = CURRENT_DCP_VERSION
         metadata.storage_data = {item.index: entries[item.index] for item in self.items}
         metadata.storage_meta = StorageMeta(checkpoint_id=str(dst), save_id=uuid.uuid4().hex)
-        self._txn.commit({METADATA_NAME: pickle.dumps(metadata)})
+        txn.commit({METADATA_NAME: pickle.dumps(metadata)})
         return dst
-
-    def abort(self, staging: Staging) -> None:
-        if self._txn is not None:
-            self._txn.abort()
 
 
 def export(

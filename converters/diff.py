@@ -90,11 +90,13 @@ class AdapterView(View):
     def __init__(self, path: str, config: Mapping[str, Any] | None, run: Any) -> None:
         import torch
 
-        from .lora import _source_step, read_any
+        from .formats import detect_adapter
+        from .lora import read_any, source_step
         from .options import ConvertOptions
 
-        adapter, _ = read_any(path, ConvertOptions(to="cuda", config=dict(config) if config else None), run)
-        self.path, self.format = path, "peft" if _is_peft(path) else "nxd-lora"
+        found = detect_adapter(path, run.storage_options)
+        adapter, _ = read_any(found, ConvertOptions(to="cuda", config=dict(config) if config else None), run)
+        self.path, self.format = path, "peft" if found.format.name == "peft" else "nxd-lora"
         self._tensors: dict[str, torch.Tensor] = dict(adapter.tensors)
         for pname, st in ((adapter.optimizer or {}).get("state") or {}).items():
             for key, v in st.items():
@@ -109,7 +111,7 @@ class AdapterView(View):
             )
             for n, t in self._tensors.items()
         }
-        self.step = _source_step(path, run)
+        self.step = source_step(found, run)
 
     def tensor(self, name: str) -> torch.Tensor:
         return self._tensors[name]

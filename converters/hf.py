@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import os
 import struct
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +29,6 @@ from ckpt.format.dtypes import dtype_from_name
 from ckpt.format.manifest import TensorDesc
 from ckpt.layouts import Piece
 from ckpt.storage import open_storage
-from ckpt.storage.folder import FolderTxn, begin_folder
 from ckpt.words import count
 
 from .engine import (
@@ -45,6 +44,7 @@ from .engine import (
     slice_of,
 )
 from .engine.export import Progress
+from .folder_export import FolderExport, write_all
 
 NAME = "hf"
 INDEX_NAME = "model.safetensors.index.json"
@@ -245,7 +245,7 @@ def shard_file_name(k: int, n: int) -> str:
     return f"model-{k + 1:05d}-of-{n:05d}.safetensors"
 
 
-class HFExport:
+class HFExport(FolderExport):
     """An HF folder as an :class:`~converters.engine.Export`: one unit = one whole shard file."""
 
     def __init__(
@@ -267,11 +267,6 @@ class HFExport:
         self.shards = shard_plan([t.desc for t in self.outs.values()], max_shard_bytes)
         self.names = [shard_file_name(k, len(self.shards)) for k in range(len(self.shards))]
         self.weights = [sum(d.nbytes for d in shard) for shard in self.shards]
-        self._txn: FolderTxn | None = None
-
-    def begin(self, dst: str) -> Staging:
-        self._txn = begin_folder(dst, self.storage_options)
-        return Staging(self._txn.url, "")
 
     def write(
         self, staging: Staging, units: Sequence[int], progress: Progress = None, *, worker: int = 0
@@ -288,11 +283,7 @@ class HFExport:
                     data = produce(self.conv, part, verify=self.verify).contiguous()
                     if data.dtype != dtype_from_name(d.dtype) or tuple(data.shape) != d.shape:
                         raise CorruptionError(f"{d.name}: produced {list(data.shape)} {data.dtype}")
-                    view = tensor_bytes(data)
-                    done = 0
-                    while done < len(view):
-                        done += f.write(view[done:])
-                    size += done
+                    size += write_all(f, tensor_bytes(data))
                     if progress is not None:
                         progress(d.nbytes)
             sizes[fname] = size
@@ -302,17 +293,12 @@ class HFExport:
         """The parts shard ``unit`` is made of (what torchrun ranks plan their reads by)."""
         return [self.outs[d.name].parts[0] for d in self.shards[unit]]
 
-    def held_bytes(self, retained: Callable[[OutPart], int]) -> int:
-        """Nothing: each tensor is written as soon as it is made (its working set is the part's)."""
-        return 0
-
     def commit(self, staging: Staging, dst: str, receipts: list[UnitReceipt]) -> str:
         """Check every shard is there at its planned size, then publish with the index and ``config.json``."""
         check_cover(receipts, len(self.shards), dst)
-        if self._txn is None or self._txn.url != staging.url:
-            raise CkptError(f"{dst}: commit by an export that did not begin this folder")
+        txn = self.begun(staging, dst)
         sizes = {name: size for r in receipts for name, size in r.data.items()}
-        storage = self._txn.storage
+        storage = txn.storage
         for k, shard in enumerate(self.shards):
             fname = self.names[k]
             want = len(_header(shard)) + self.weights[k]
@@ -322,12 +308,8 @@ class HFExport:
         index = {"metadata": {"total_size": sum(self.weights)}, "weight_map": weight_map}
         config = dict(self.conv.config or {})
         storage.put_bytes("config.json", (json.dumps(config, indent=2, sort_keys=True) + "\n").encode())
-        self._txn.commit({INDEX_NAME: (json.dumps(index, indent=2, sort_keys=True) + "\n").encode()})
+        txn.commit({INDEX_NAME: (json.dumps(index, indent=2, sort_keys=True) + "\n").encode()})
         return dst
-
-    def abort(self, staging: Staging) -> None:
-        if self._txn is not None:
-            self._txn.abort()
 
 
 def export(conv: Conversion, *, max_shard_bytes: int = DEFAULT_SHARD_BYTES, storage_options: dict[str, Any] | None = None,

@@ -18,6 +18,7 @@ import dataclasses
 import json
 import re
 import warnings
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,6 +30,7 @@ from ckpt.layouts.lora import parse_hf
 from ckpt.layouts.spec import LayoutSpec, ModelDims, NxdFlags
 
 from . import peft
+from .formats import Detected, detect_adapter
 from .nxd import lora as nxd_lora
 from .options import ConvertOptions, RunOptions
 
@@ -43,42 +45,43 @@ class LoraResult:
     notes: tuple[str, ...] = ()
 
 
-def _adapter_manifest(src: str, storage_options: dict[str, Any] | None) -> Any:
-    """The manifest of an adapter-only checkpoint of ours at ``src`` (None for anything else)."""
-    from ckpt.format.manifest import MANIFEST_NAME, Manifest
-    from ckpt.storage import open_storage
-
-    try:
-        storage = open_storage(src, storage_options)
-        if not storage.exists(MANIFEST_NAME):
-            return None
-        m = Manifest.from_json(storage.read_bytes(MANIFEST_NAME), storage.display(MANIFEST_NAME))
-    except CkptError:
-        return None
-    return m if m.adapter is not None else None
+def detect(path: str, storage_options: Mapping[str, Any] | None = None) -> bool:
+    """The format table's verb for the ``peft`` entry: a PEFT adapter folder."""
+    return peft.detect(path, storage_options)
 
 
-def is_adapter(src: str, storage_options: dict[str, Any] | None = None) -> bool:
-    """True for a PEFT adapter folder, an NxD LoRA tag, or an adapter-only checkpoint of ours."""
-    from .optimum_neuron import is_lora_checkpoint
+def is_adapter(path: str, storage_options: Mapping[str, Any] | None = None) -> bool:
+    """The format table's adapter probe: every PEFT folder is an adapter."""
+    return peft.detect(path, storage_options)
 
-    return (
-        peft.detect(src)
-        or nxd_lora.is_lora_tag(src)
-        or is_lora_checkpoint(src)
-        or _adapter_manifest(src, storage_options) is not None
+
+def open_source(path: str, **_: Any) -> Any:
+    """The engine's verb: a PEFT folder is an adapter, converted whole by :func:`convert`, not a model source."""
+    raise LayoutError(
+        f"{path}: a PEFT LoRA adapter is not a model; convert it with --format peft|nxd or merge it into its base "
+        "with --merge-lora"
     )
+
+
+def export(conv: Any, **_: Any) -> Any:
+    """The engine's verb: only adapters are written as PEFT folders."""
+    raise LayoutError("--format peft holds a LoRA adapter; SRC must be a PEFT folder or an NxD LoRA tag")
+
+
+def _found(src: str | Detected, run: RunOptions) -> Detected:
+    return src if isinstance(src, Detected) else detect_adapter(src, run.storage_options)
 
 
 _PEFT_NAME = re.compile(r"^(?P<mod>.+)\.lora_(?P<ab>[AB])\.(?P<adapter>[^.]+)\.weight$")
 
 
-def read_ckpt_adapter(src: str, run: RunOptions) -> peft.Adapter:
+def read_ckpt_adapter(src: str, run: RunOptions, manifest: Any = None) -> peft.Adapter:
     """The LoRA adapter of an adapter-only checkpoint saved from a PEFT model (``save(adapter_only=True)``): its
-    trainable tensors (PEFT's ``...lora_A.<adapter>.weight`` names, one adapter) and the recorded PEFT config."""
+    trainable tensors (PEFT's ``...lora_A.<adapter>.weight`` names, one adapter) and the recorded PEFT config.
+    ``manifest``: its top manifest, when detection read it."""
     from ckpt.format.reader import CheckpointReader
 
-    reader = CheckpointReader(src, run.storage_options, run.verify)
+    reader = CheckpointReader(src, run.storage_options, run.verify, manifest=manifest)
     m = reader.manifest
     if m.layout.kind == "nxd":
         raise LayoutError(
@@ -114,15 +117,7 @@ def read_ckpt_adapter(src: str, run: RunOptions) -> peft.Adapter:
         )
     for n in tensors:
         parse_hf(n)
-    return peft.Adapter(
-        optimizer=_ckpt_optimizer(reader, hf_of, src),
-        tensors=tensors,
-        r=int(cfg["r"]),
-        lora_alpha=cfg["lora_alpha"],
-        use_rslora=bool(cfg.get("use_rslora", False)),
-        lora_dropout=float(cfg.get("lora_dropout") or 0.0),
-        peft_config=cfg,
-    )
+    return peft.Adapter.of_config(tensors, cfg, optimizer=_ckpt_optimizer(reader, hf_of, src))
 
 
 def _need_config(opts: ConvertOptions, why: str) -> dict[str, Any]:
@@ -131,36 +126,40 @@ def _need_config(opts: ConvertOptions, why: str) -> dict[str, Any]:
     return opts.config
 
 
-def read_any(src: str, opts: ConvertOptions, run: RunOptions) -> tuple[peft.Adapter, NxdFlags | None]:
-    """The adapter at ``src`` (PEFT folder or NxD LoRA tag) and, for a tag, the NxD layout it was stored in."""
-    if peft.detect(src):
+def read_any(src: str | Detected, opts: ConvertOptions, run: RunOptions) -> tuple[peft.Adapter, NxdFlags | None]:
+    """The adapter at ``src`` (PEFT folder, NxD LoRA tag, optimum-neuron LoRA checkpoint or adapter checkpoint of
+    ours; a path or what the format table detected) and, for a tag, the NxD layout it was stored in."""
+    found = _found(src, run)
+    path = found.path
+    kind = found.format.name if found.adapter else None
+    if kind == "peft":
         if opts.source_flags:
-            raise LayoutError(f"--source-*: {src} is a PEFT folder; source flags are for NxD tags only")
-        return peft.read_adapter(src), None
-    if _adapter_manifest(src, run.storage_options) is not None:
+            raise LayoutError(f"--source-*: {path} is a PEFT folder; source flags are for NxD tags only")
+        return peft.read_adapter(path), None
+    if kind == "ckpt":
         if opts.source_flags:
-            raise LayoutError(f"--source-*: {src} is a ckpt checkpoint, which records its own layout")
-        return read_ckpt_adapter(src, run), None
-    from . import optimum_neuron
+            raise LayoutError(f"--source-*: {path} is a ckpt checkpoint, which records its own layout")
+        return read_ckpt_adapter(path, run, found.manifest), None
+    if kind == "optimum-neuron":
+        from . import optimum_neuron
 
-    if optimum_neuron.is_lora_checkpoint(src):
-        cfg = _need_config(opts, f"reading optimum-neuron LoRA checkpoint {src}")
+        cfg = _need_config(opts, f"reading optimum-neuron LoRA checkpoint {path}")
         if opts.source_flags:
-            raise LayoutError(f"--source-*: {src}'s adapter shards record their own layout")
+            raise LayoutError(f"--source-*: {path}'s adapter shards record their own layout")
         return optimum_neuron.read_lora_checkpoint(
-            src, config=cfg, verify=run.verify, allow_unmarked=run.allow_unmarked
+            path, config=cfg, verify=run.verify, allow_unmarked=run.allow_unmarked
         ), None
-    if nxd_lora.is_lora_tag(src):
-        cfg = _need_config(opts, f"reading NxD LoRA tag {src}")
+    if kind == "nxd":
+        cfg = _need_config(opts, f"reading NxD LoRA tag {path}")
         adapter, spec = nxd_lora.read_lora_tag(
-            src,
+            path,
             config=cfg,
             source_flags=opts.source_flags,
             allow_unmarked=run.allow_unmarked,
             verify=run.verify,
         )
         return adapter, spec.flags()
-    raise LayoutError(f"{src}: not a LoRA adapter (expected a PEFT folder with {peft.CONFIG_NAME} + "
+    raise LayoutError(f"{path}: not a LoRA adapter (expected a PEFT folder with {peft.CONFIG_NAME} + "
                       f"{peft.WEIGHTS_NAME}, an NxD tag of LoRA tensors or an adapter-only ckpt checkpoint)")  # fmt: skip
 
 
@@ -190,22 +189,26 @@ def _ckpt_optimizer(reader: Any, hf_of: dict[str, str], src: str) -> dict[str, A
     return {"state": state, "param_groups": groups}
 
 
-def _source_step(src: str, run: RunOptions) -> int | None:
+def source_step(src: str | Detected, run: RunOptions) -> int | None:
     """The step the adapter source records: an NxD tag's (``tag_step``), an adapter checkpoint of ours (its
     manifest's), else None (a PEFT folder records none)."""
-    if nxd_lora.is_lora_tag(src):
+    found = _found(src, run)
+    if found.adapter and found.format.name == "nxd":
         from .nxd.files import scan_tag
         from .nxd.step import tag_step
 
-        return tag_step(scan_tag(Path(src)), verify=run.verify)
-    manifest = _adapter_manifest(src, run.storage_options)
-    return int(manifest.step) if manifest is not None else None
+        return tag_step(scan_tag(Path(found.path)), verify=run.verify)
+    return int(found.manifest.step) if found.adapter and found.manifest is not None else None
 
 
-def convert_adapter(src: str, dst: str, opts: ConvertOptions, run: RunOptions | None = None) -> LoraResult:
-    """Convert the adapter at ``src`` to ``opts.format`` (``peft`` or ``ckpt`` for ``--to cuda``, ``nxd`` for
-    ``--to neuron``)."""
+def convert_adapter(
+    found: str | Detected, dst: str, opts: ConvertOptions, run: RunOptions | None = None
+) -> LoraResult:
+    """Convert the adapter at ``found`` (a path, or what the format table detected) to ``opts.format`` (``peft`` or
+    ``ckpt`` for ``--to cuda``, ``nxd`` for ``--to neuron``)."""
     run = run or RunOptions()
+    found = _found(found, run)
+    src = found.path
     if opts.format not in ("peft", "nxd", "ckpt"):
         raise LayoutError(
             f"--format {opts.format}: {src} is a LoRA adapter; it converts to --format peft or ckpt (--to cuda) or "
@@ -221,12 +224,12 @@ def convert_adapter(src: str, dst: str, opts: ConvertOptions, run: RunOptions | 
             f"--{next(iter(opts.layout)).replace('_', '-')} describes a Neuron target; --format {opts.format} has no "
             "layout"
         )
-    if opts.format == "ckpt" and _adapter_manifest(src, run.storage_options) is not None:
+    if opts.format == "ckpt" and found.adapter and found.format.name == "ckpt":
         raise LayoutError(
             f"--format ckpt: {src} is already an adapter checkpoint of ours (restore it directly; a copy would "
             "lose its base identity)"
         )
-    adapter, src_flags = read_any(src, opts, run)
+    adapter, src_flags = read_any(found, opts, run)
     notes = adapter.notes
     if opts.format == "peft":
         nbytes = peft.write_adapter(adapter, dst, run.storage_options)
@@ -234,7 +237,7 @@ def convert_adapter(src: str, dst: str, opts: ConvertOptions, run: RunOptions | 
         from .lora_ckpt import ckpt_step, write_ckpt_adapter
 
         nbytes = write_ckpt_adapter(
-            adapter, dst, step=ckpt_step(src, opts.step, _source_step(src, run)), source=src,
+            adapter, dst, step=ckpt_step(src, opts.step, source_step(found, run)), source=src,
             config=opts.config, storage_options=run.storage_options, codec=opts.codec,
         )  # fmt: skip
     else:
@@ -245,7 +248,7 @@ def convert_adapter(src: str, dst: str, opts: ConvertOptions, run: RunOptions | 
         except TypeError as e:
             raise LayoutError(f"layout flags: {e}") from None
         spec = LayoutSpec.of(ModelDims.from_hf_config(cfg), flags)
-        step = opts.step if opts.step is not None else _source_step(src, run)
+        step = opts.step if opts.step is not None else source_step(found, run)
         nbytes, notes = nxd_lora.write_lora_tag(adapter, spec, dst, run.storage_options, step=step)
         if step is None:  # said once the tag is written, so that a refusal stays one error line
             warnings.warn(
@@ -352,20 +355,25 @@ def merge_lora(base_src: str, dst: str, opts: ConvertOptions, run: RunOptions | 
     return LoraResult(dst, len(adapter.modules), nbytes, "hf")
 
 
-def run_lora(src: str, dst: str, opts: ConvertOptions, run: RunOptions | None = None) -> LoraResult:
-    """The LoRA side of ``ckpt convert``: merge when ``opts.merge_lora``, else convert the adapter ``src``."""
+def convert(found: Detected, dst: str, opts: ConvertOptions, run: RunOptions | None = None) -> LoraResult:
+    """The adapter entry's verb, run whole by ``ckpt convert``: merge into the base SRC when ``opts.merge_lora``,
+    else convert the adapter SRC."""
     if opts.merge_lora is not None:
-        return merge_lora(src, dst, opts, run)
-    return convert_adapter(src, dst, opts, run)
+        return merge_lora(found.path, dst, opts, run)
+    return convert_adapter(found, dst, opts, run)
 
 
 __all__ = [
     "LoraResult",
+    "convert",
     "convert_adapter",
+    "detect",
+    "export",
     "is_adapter",
     "merge_lora",
     "merge_weights",
+    "open_source",
     "peft_delta",
     "read_any",
-    "run_lora",
+    "source_step",
 ]

@@ -85,7 +85,12 @@ def _adapters(p: Path) -> list[Path]:
 def is_lora_checkpoint(path: str) -> bool:
     """A NeuronTrainer LoRA ``checkpoint-N``: ``adapter_*/adapter_shards/`` tags and no ``shards/``."""
     p = Path(path)
-    return detect(path) and not (p / SHARDS / "model").is_dir()
+    return _trainer_folder(path) and not (p / SHARDS / "model").is_dir() and bool(_adapters(p))
+
+
+def is_adapter(path: str, storage_options: Mapping[str, Any] | None = None) -> bool:
+    """The format table's adapter probe (:func:`is_lora_checkpoint`)."""
+    return is_lora_checkpoint(path)
 
 
 #: what ``get_peft_model_state_dict`` puts before a module's name
@@ -145,22 +150,19 @@ def read_lora_checkpoint(
             f"{cfg_file}: no PEFT adapter config (optimum-neuron writes it next to {ADAPTER_SHARDS}/)"
         )
     check_config(peft_cfg, str(cfg_file))
-    return Adapter(
-        tensors=tensors, r=int(peft_cfg["r"]), lora_alpha=peft_cfg["lora_alpha"],
-        use_rslora=bool(peft_cfg.get("use_rslora", False)), lora_dropout=float(peft_cfg.get("lora_dropout") or 0.0),
-        peft_config=peft_cfg,
-    )  # fmt: skip
+    return Adapter.of_config(tensors, peft_cfg)
 
 
 def detect(path: str, storage_options: Mapping[str, Any] | None = None) -> bool:
     """A local folder with an NxD tag ``shards/`` (or LoRA ``adapter_*/adapter_shards/``) and the Trainer's
     ``trainer_state.json`` or ``trn_config.json`` next to it."""
     p = Path(path)
-    if "://" in path or not p.is_dir():
-        return False
-    if not ((p / STATE_NAME).is_file() or (p / TRN_CONFIG).is_file()):
-        return False
-    return (p / SHARDS / "model").is_dir() or bool(_adapters(p))
+    return _trainer_folder(path) and ((p / SHARDS / "model").is_dir() or bool(_adapters(p)))
+
+
+def _trainer_folder(path: str) -> bool:
+    p = Path(path)
+    return "://" not in path and p.is_dir() and ((p / STATE_NAME).is_file() or (p / TRN_CONFIG).is_file())
 
 
 def _json(path: Path, what: str) -> Any:
@@ -224,17 +226,11 @@ class OptimumNeuronSource(NxdTagSource):
 
     format = NAME
 
-    def __init__(
-        self,
-        path: str | Path,
-        *,
-        config: Mapping[str, Any] | None = None,
-        flags: Mapping[str, Any] | None = None,
-        step: int | None = None,
-        target_format: str | None = None,
-        **kw: Any,
-    ) -> None:
+    def __init__(self, path: str | Path, *, target_format: str | None = None, **kw: Any) -> None:
+        """``kw``: :class:`NxdTagSource`'s (``config``, ``flags``, ``step``...); ``target_format``: see
+        :func:`open_source`."""
         root = Path(path)
+        config, step = kw.pop("config", None), kw.pop("step", None)
         adapters = _adapters(root)
         if adapters and not (root / SHARDS / "model").is_dir():
             raise LayoutError(
@@ -261,7 +257,7 @@ class OptimumNeuronSource(NxdTagSource):
             raise LayoutError(
                 f"{root}: neither trainer_state.json nor {SCHEDULER_NAME} records the step; pass --step N"
             )
-        super().__init__(tag, config=config, flags=flags, step=step if step is not None else recorded, **kw)
+        super().__init__(tag, config=config, step=step if step is not None else recorded, **kw)
         self.path = str(root)
         trees = self.trees
         if scheduler is not None:
@@ -279,25 +275,17 @@ class OptimumNeuronSource(NxdTagSource):
             )
 
 
+#: the ``open_source`` keywords an optimum-neuron folder hands to its NxD tag (:class:`NxdTagSource`)
+_TAG_OPTIONS = ("config", "step", "allow_unmarked", "verify", "param_names", "replicated")
+
+
 def open_source(
-    path: str,
-    *,
-    config: Mapping[str, Any] | None = None,
-    source_flags: Mapping[str, Any] | None = None,
-    step: int | None = None,
-    allow_unmarked: bool = False,
-    verify: bool = True,
-    param_names: Any = None,
-    replicated: Sequence[str] = (),
-    target_format: str | None = None,
-    **_: Any,
+    path: str, *, source_flags: Mapping[str, Any] | None = None, target_format: str | None = None, **kw: Any
 ) -> OptimumNeuronSource:
     """``target_format``: the format being written; one that holds no optimizer state (``hf``) converts a folder
     whose ZeRO-1 optimizer files are incomplete (with a warning), any other refuses it."""
-    return OptimumNeuronSource(
-        path, config=config, flags=source_flags, step=step, allow_unmarked=allow_unmarked, verify=verify,
-        param_names=param_names, replicated=replicated, target_format=target_format,
-    )  # fmt: skip
+    tag = {k: kw[k] for k in _TAG_OPTIONS if k in kw}
+    return OptimumNeuronSource(path, flags=source_flags, target_format=target_format, **tag)
 
 
 def _bytes_of(obj: Any) -> bytes:
@@ -410,6 +398,7 @@ __all__ = [
     "OptimumNeuronSource",
     "check_zero1_files",
     "detect",
+    "is_adapter",
     "is_lora_checkpoint",
     "read_lora_checkpoint",
     "export",

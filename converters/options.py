@@ -7,7 +7,7 @@ NxD tag that its files cannot record.  Every unknown flag name is refused when t
 
 from __future__ import annotations
 
-import json
+import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,9 +16,16 @@ from typing import Any, Literal
 from ckpt.errors import CkptError, LayoutError
 from ckpt.layouts.spec import NxdFlags
 
+from .formats import BY_NAME
+from .jsonfile import read_json_object
+
 DEFAULT_FLUSH_BYTES = 64 << 20
 DEFAULT_SHARD_BYTES = 5 << 30
-FORMATS = ("ckpt", "hf", "hf-trainer", "dcp", "nxd", "nxdt", "optimum-neuron", "peft")
+#: the Neuron flags that may describe an NxD tag SRC where its files cannot (``--source-hw`` ...)
+SOURCE_FLAGS = ("hw", "kv_size_multiplier", "virtual_pp")
+#: of those, what an NxD tag's files never tell (the others are found from its shapes and placement): with both
+#: sides Neuron, such a flag given without a side could mean either
+UNREADABLE_FLAGS = ("hw",)
 
 
 @dataclass(frozen=True)
@@ -60,6 +67,9 @@ class ConvertOptions:
     #: samples the whole job consumed (``--consumed-samples``): the data position to record where SRC has none
     #: (NxD Training names its tags by it); contradicting SRC's own is refused
     consumed_samples: int | None = None
+    #: Neuron flags given without a side (the CLI's ``--hw``...): they describe whichever side is Neuron
+    #: (:meth:`sided`); ``layout`` and ``source_flags`` are the target's and the source's, named
+    neuron_flags: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.model_type is not None and self.config is not None:
@@ -80,11 +90,32 @@ class ConvertOptions:
             raise CkptError(f"--step {self.step!r}: expected a non-negative integer")
         if self.to not in ("cuda", "neuron"):
             raise CkptError(f"--to {self.to!r} must be cuda or neuron")
-        if self.format not in FORMATS:
-            raise CkptError(f"--format {self.format!r} must be one of {', '.join(FORMATS)}")
-        unknown = sorted(set(self.layout) - set(NxdFlags.names()))
+        if self.format not in BY_NAME:
+            raise CkptError(f"--format {self.format!r} must be one of {', '.join(BY_NAME)}")
+        unknown = sorted((set(self.layout) | set(self.neuron_flags)) - set(NxdFlags.names()))
         if unknown:
             raise CkptError(f"unknown layout flag {unknown[0]!r}; known: {', '.join(NxdFlags.names())}")
+
+    def sided(self, nxd_tag_src: bool) -> ConvertOptions:
+        """These options with :attr:`neuron_flags` put on the side that is Neuron: SRC's when it is an NxD tag and
+        DST is CUDA, else the target's.  Both sides Neuron (an NxD tag SRC) and a flag its files never tell: which
+        side it means is not guessed, one line names the two prefixed flags."""
+        if not self.neuron_flags:
+            return self
+        layout, source = dict(self.layout), dict(self.source_flags)
+        for name, value in self.neuron_flags.items():
+            flag = name.replace("_", "-")
+            if self.to == "neuron" and nxd_tag_src and name in UNREADABLE_FLAGS:
+                raise CkptError(
+                    f"--{flag}: SRC and DST are both Neuron layouts; say which with --source-{flag} (SRC's) or "
+                    f"--target-{flag} (DST's)"
+                )
+            to_source = self.to == "cuda" and nxd_tag_src and name in SOURCE_FLAGS
+            side = source if to_source else layout
+            if name in side:
+                raise CkptError(f"--{flag} and --{'source' if to_source else 'target'}-{flag} both given; drop one")
+            side[name] = value
+        return dataclasses.replace(self, layout=layout, source_flags=source, neuron_flags={})
 
     @classmethod
     def neuron(cls, **kw: Any) -> ConvertOptions:
@@ -121,17 +152,7 @@ def load_config(path: str | None) -> dict[str, Any] | None:
             raise CkptError(
                 f"--config {path}: a directory without config.json; pass the model's config.json (or its folder)"
             )
-    try:
-        value = json.loads(p.read_text())
-    except FileNotFoundError:
-        raise CkptError(f"--config {path}: no such file") from None
-    except OSError as e:
-        raise CkptError(f"--config {path}: cannot read ({e.strerror})") from None
-    except (ValueError, UnicodeDecodeError) as e:
-        raise CkptError(f"--config {path}: not valid JSON ({e})") from None
-    if not isinstance(value, dict):
-        raise CkptError(f"--config {path}: expected a JSON object, got {type(value).__name__}")
-    return value
+    return read_json_object(p, f"--config {path}")
 
 
-__all__ = ["ConvertOptions", "DEFAULT_FLUSH_BYTES", "FORMATS", "RunOptions", "load_config"]
+__all__ = ["ConvertOptions", "DEFAULT_FLUSH_BYTES", "RunOptions", "SOURCE_FLAGS", "load_config"]

@@ -20,8 +20,10 @@ from typing import Any
 
 import torch
 
-from ckpt.errors import CkptError, CorruptionError, LayoutError
+from ckpt.errors import CorruptionError, LayoutError
 from ckpt.layouts.lora import parse_hf
+
+from .jsonfile import read_json_object
 
 NAME = "peft"
 CONFIG_NAME = "adapter_config.json"
@@ -50,6 +52,21 @@ class Adapter:
     optimizer: dict[str, Any] | None = None
     #: one-line remarks for the summary (e.g. how a widened NxD adapter came back)
     notes: tuple[str, ...] = ()
+
+    @classmethod
+    def of_config(
+        cls, tensors: dict[str, torch.Tensor], cfg: dict[str, Any], optimizer: dict[str, Any] | None = None
+    ) -> Adapter:
+        """An adapter of ``tensors`` with the hyper-parameters of PEFT config ``cfg`` (kept whole)."""
+        return cls(
+            tensors=tensors,
+            r=int(cfg["r"]),
+            lora_alpha=cfg["lora_alpha"],
+            use_rslora=bool(cfg.get("use_rslora", False)),
+            lora_dropout=float(cfg.get("lora_dropout") or 0.0),
+            peft_config=cfg,
+            optimizer=optimizer,
+        )
 
     @property
     def scaling(self) -> float:
@@ -142,14 +159,9 @@ def read_adapter(path: str) -> Adapter:
 
     p = Path(path)
     cfg_path = p / CONFIG_NAME
-    try:
-        cfg = json.loads(cfg_path.read_text())
-    except FileNotFoundError:
-        raise CkptError(f"{cfg_path}: no such file (a PEFT adapter folder has adapter_config.json)") from None
-    except ValueError as e:
-        raise CorruptionError(f"{cfg_path}: not valid JSON ({e})") from None
-    if not isinstance(cfg, dict):
-        raise CorruptionError(f"{cfg_path}: expected a JSON object")
+    cfg = read_json_object(
+        cfg_path, str(cfg_path), missing=" (a PEFT adapter folder has adapter_config.json)", damaged=CorruptionError
+    )
     check_config(cfg, str(cfg_path))
     try:
         raw = load_file(str(p / WEIGHTS_NAME))
@@ -172,14 +184,7 @@ def read_adapter(path: str) -> Adapter:
             )
     if not tensors:
         raise LayoutError(f"{p / WEIGHTS_NAME}: holds no LoRA tensors")
-    return Adapter(
-        tensors=tensors,
-        r=int(cfg["r"]),
-        lora_alpha=cfg["lora_alpha"],
-        use_rslora=bool(cfg.get("use_rslora", False)),
-        lora_dropout=float(cfg.get("lora_dropout") or 0.0),
-        peft_config=cfg,
-    )
+    return Adapter.of_config(tensors, cfg)
 
 
 def write_adapter(adapter: Adapter, dst: str, storage_options: dict[str, Any] | None = None) -> int:
@@ -210,16 +215,3 @@ __all__ = [
     "read_adapter",
     "write_adapter",
 ]
-
-
-def open_source(path: str, **_: Any) -> Any:
-    """The engine's verb: a PEFT folder is an adapter, converted by :mod:`converters.lora`, not a model source."""
-    raise LayoutError(
-        f"{path}: a PEFT LoRA adapter is not a model; convert it with --format peft|nxd or merge it into its base "
-        "with --merge-lora"
-    )
-
-
-def export(conv: Any, **_: Any) -> Any:
-    """The engine's verb: only adapters are written as PEFT folders."""
-    raise LayoutError("--format peft holds a LoRA adapter; SRC must be a PEFT folder or an NxD LoRA tag")

@@ -33,6 +33,16 @@ def test_sigkill_during_async_saves_local(tmp_path: Path) -> None:
     check(report, 8)
 
 
+def test_sigkill_during_async_saves_with_the_local_tier(tmp_path: Path) -> None:
+    # every step to the local tier (its background half: commit into a hidden folder, rename, retention), every
+    # third also copied to the persistent root: kills land in either
+    report = run_trials(
+        str(tmp_path / "run"), str(tmp_path), 6, seed=7, max_delay=1.0,
+        local_dir=str(tmp_path / "local"), persist_every=3,
+    )  # fmt: skip
+    check(report, 6)
+
+
 @pytest.mark.s3
 @pytest.mark.skipif(bool(REAL_S3_URL), reason="trainer processes are pointed at the loopback moto server")
 def test_sigkill_during_async_saves_s3(s3: Any, tmp_path: Path) -> None:

@@ -26,11 +26,14 @@ if TYPE_CHECKING:
     import torch
 
 
-def read_manifest(storage: Storage, full: bool = True) -> Manifest:
+def read_manifest(storage: Storage, full: bool = True, top: Manifest | None = None) -> Manifest:
     """Parse and validate ``manifest.json`` under ``storage``; ManifestError if absent or invalid.
 
     A format v2 manifest is returned with every rank's index read into it (the same object v1 gives), unless
-    ``full=False``: then its tensors have no shards and ``manifest.v2`` locates them (restores, ``ckpt ls``)."""
+    ``full=False``: then its tensors have no shards and ``manifest.v2`` locates them (restores, ``ckpt ls``).
+    ``top``: the ``manifest.json`` a caller already parsed (``ckpt convert``'s detection), not read again."""
+    if top is not None:
+        return _complete(storage, top, full)
     try:
         raw = storage.read_bytes(MANIFEST_NAME)
     except FileNotFoundError:
@@ -45,7 +48,10 @@ def read_manifest(storage: Storage, full: bool = True) -> Manifest:
         raise ManifestError(
             f"{storage.display(MANIFEST_NAME)}: cannot read: {e.strerror or type(e).__name__}"
         ) from None
-    m = Manifest.from_json(raw, storage.display(MANIFEST_NAME))
+    return _complete(storage, Manifest.from_json(raw, storage.display(MANIFEST_NAME)), full)
+
+
+def _complete(storage: Storage, m: Manifest, full: bool) -> Manifest:
     if m.v2 is not None and full:
         from .index import materialize
 
@@ -73,11 +79,13 @@ class CheckpointReader:
         storage_options: dict[str, Any] | None = None,
         verify: bool = True,
         lazy: bool = False,
+        manifest: Manifest | None = None,
     ):
         """``lazy``: for a format v2 checkpoint, read only the top manifest now and a rank's index when a box
-        needs its chunks (what a restoring rank does); ``manifest.tensors[...].shards`` then stay empty."""
+        needs its chunks (what a restoring rank does); ``manifest.tensors[...].shards`` then stay empty.
+        ``manifest``: its top manifest, already parsed by the caller (not read again)."""
         self.storage = path if isinstance(path, Storage) else open_storage(path, storage_options)
-        self.manifest = read_manifest(self.storage, full=not lazy)
+        self.manifest = read_manifest(self.storage, full=not lazy, top=manifest)
         self.verify = verify
         self._queue: list[DirectRead] | None = None  # reads deferred inside deferred()
         self.locator: Any = None

@@ -4,29 +4,37 @@ Pure torch, no framework imports.  Plans (``plan.py``) say which slices of which
 tensor; ``execute.py`` runs them.  Rules and verified NxD facts: ``docs/layouts.md``.
 """
 
-from ckpt.layouts.execute import (
-    bit_equal,
-    execute,
-    full_reader,
-    full_state_to_nxd,
-    full_to_rank_shards,
-    nxd_to_full_state,
-    rank_shards_to_full,
-    shards_reader,
-)
-from ckpt.layouts.names import fusion_group, hf_to_nxd_name, nxd_to_hf_names
-from ckpt.layouts.plan import (
-    LayoutPlan,
-    Piece,
-    Placement,
-    Rank,
-    TensorMeta,
-    TensorPlan,
-    placements,
-    plan_full_to_nxd,
-    plan_nxd_to_full,
-)
-from ckpt.layouts.spec import LayoutSpec, ModelDims
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+# Public name -> defining module, imported on first use (PEP 562): the family registry
+# (``ckpt.layouts.families``), which ``ckpt convert --help`` lists, must not pay for torch.
+_EXPORTS = {
+    **dict.fromkeys(
+        ("bit_equal", "execute", "full_reader", "full_state_to_nxd", "full_to_rank_shards", "nxd_to_full_state",
+         "rank_shards_to_full", "shards_reader"),
+        "execute",
+    ),
+    **dict.fromkeys(("fusion_group", "hf_to_nxd_name", "nxd_to_hf_names"), "names"),
+    **dict.fromkeys(
+        ("LayoutPlan", "Piece", "Placement", "Rank", "TensorMeta", "TensorPlan", "placements", "plan_full_to_nxd",
+         "plan_nxd_to_full"),
+        "plan",
+    ),
+    **dict.fromkeys(("LayoutSpec", "ModelDims"), "spec"),
+}  # fmt: skip
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'ckpt.layouts' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value
+    return value
+
 
 __all__ = [
     "LayoutPlan",

@@ -48,6 +48,9 @@ class RestoreResult:
     rng_derived: list[str] = field(default_factory=list)
     #: how the data loader was placed (ckpt.data.DataRestore), None when no dataloader= was given
     data: Any = None
+    #: where CheckpointManager found this rank's state: "local", "peer" (a replica on another node) or
+    #: "persistent" (ckpt.tiers); None for a plain ckpt.restore
+    tier: str | None = None
 
 
 def _names_list(names: list[str], limit: int = 8) -> str:

@@ -27,6 +27,42 @@ class FailureCost:
     compile_events: int
     recompute_seconds: float | None
     """Steps recomputed times the median step time: the training time the failure threw away."""
+    tier: str | None = None
+    """Where the restore read the state: ``local``, ``peer``, ``persistent`` (ckpt.tiers); None: not logged."""
+
+
+@dataclass(frozen=True, slots=True)
+class TierCost:
+    """Recovery priced per tier: failures restored from it, and their mean restore time, downtime, steps lost."""
+
+    tier: str
+    failures: int
+    restore_seconds: float | None
+    downtime_seconds: float | None
+    steps_recomputed: float
+
+
+def _mean(values: list[float | None]) -> float | None:
+    known = [v for v in values if v is not None]
+    return sum(known) / len(known) if known else None
+
+
+def tier_costs(failures: list[FailureCost]) -> list[TierCost]:
+    """One :class:`TierCost` per tier that served a restore (``unknown`` for restores that logged none)."""
+    by: dict[str, list[FailureCost]] = {}
+    for f in failures:
+        by.setdefault(f.tier or "unknown", []).append(f)
+    order = {"local": 0, "peer": 1, "persistent": 2}
+    return [
+        TierCost(
+            tier,
+            len(fs),
+            _mean([f.restore_seconds for f in fs]),
+            _mean([f.downtime_seconds for f in fs]),
+            sum(f.steps_recomputed for f in fs) / len(fs),
+        )
+        for tier, fs in sorted(by.items(), key=lambda kv: (order.get(kv[0], 3), kv[0]))
+    ]
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,6 +75,7 @@ class RunCost:
     compile_events: int
     compile_seconds: float
     median_step_seconds: float | None
+    tiers: list[TierCost]
 
     def to_json(self) -> dict[str, object]:
         return asdict(self)
@@ -81,6 +118,7 @@ def recovery_cost(run: Run) -> RunCost:
                 compile_seconds=sum(c.seconds for c in compiles),
                 compile_events=len(compiles),
                 recompute_seconds=lost * step_s if step_s is not None else None,
+                tier=b.restore.tier if b.restore else None,
             )
         )
     saves = [e for seg in segments(run) for e in seg.saves]
@@ -96,4 +134,5 @@ def recovery_cost(run: Run) -> RunCost:
         compile_events=len(compiles),
         compile_seconds=sum(c.seconds for c in compiles),
         median_step_seconds=step_s,
+        tiers=tier_costs(failures),
     )

@@ -249,8 +249,12 @@ class LedgerWriter:
         model_views: Mapping[str, str] | None = None,
         unloaded: Iterable[str] = (),
         unfilled: Iterable[str] = (),
+        tier: str | None = None,
     ) -> None:
         """Record that state of step ``step`` was loaded from ``path`` in ``seconds``; log it before training.
+
+        ``tier``: where it came from (``local``, ``peer``, ``persistent``: :mod:`ckpt.tiers`), so that ``ckpt report``
+        prices recovery per tier.
 
         ``model_digest`` and ``model_views`` (optional, ``ckpt.converters.digest.live_digest`` of the model right
         after the restore: each tensor's digest and the view it was taken in) let the verifier name weights that
@@ -270,6 +274,8 @@ class LedgerWriter:
             fields["optimizer_step"] = int(optimizer_step)
         if model_views is not None:
             fields["model_views"] = dict(model_views)
+        if tier is not None:
+            fields["tier"] = str(tier)
         for key, names in (("unloaded", list(unloaded)), ("unfilled", list(unfilled))):
             if names:
                 fields[key] = [str(n) for n in names]
@@ -299,7 +305,7 @@ class LedgerWriter:
 
         Why here and not in the manager: the manager stays free of ledger code and emits plain dicts
         (``save``: step, path, blocking_s, total_s, bytes; ``restore``: step, path, seconds, model_digest, model_views,
-        unloaded, unfilled); this maps them
+        unloaded, unfilled, tier); this maps them
         to ledger events.  Saves arrive on the async writer thread once committed, which is exactly when the
         ledger wants them.  Unknown kinds are ignored so a newer manager cannot break an older ledger.
         """
@@ -320,6 +326,7 @@ class LedgerWriter:
                 model_views=info.get("model_views"),
                 unloaded=info.get("unloaded") or (),
                 unfilled=info.get("unfilled") or (),
+                tier=info.get("tier"),
             )
 
     def compile(self, seconds: float, what: str | None = None) -> None:

@@ -61,6 +61,7 @@ class Restore:
     model_views: dict[str, str] | None = None
     unloaded: tuple[str, ...] = ()
     unfilled: tuple[str, ...] = ()
+    tier: str | None = None  # local / peer / persistent (ckpt.tiers); None: not logged
 
 
 @dataclass(frozen=True, slots=True)

@@ -62,22 +62,14 @@ def step_sources(
     be read is skipped here: whoever reads it for real reports the damage.
     """
     found: list[tuple[str, int]] = []
-    if user_content is None and files.user_content is not None:
-        try:
-            user_content = load_checked(files.user_content, verify=verify)
-        except CkptError:
-            user_content = None
+    user_content = _loaded(user_content, files.user_content, verify)
     if isinstance(user_content, dict):
         for key in USER_STEP_KEYS:
             v = _int(user_content.get(key))
             if v is not None:
                 found.append((f"user_content.pt {key}={v}", v))
                 break
-    if scheduler is None and files.scheduler is not None:
-        try:
-            scheduler = load_checked(files.scheduler, verify=verify)
-        except CkptError:
-            scheduler = None
+    scheduler = _loaded(scheduler, files.scheduler, verify)
     if isinstance(scheduler, dict):
         v = _int(scheduler.get("last_epoch"))
         if v is not None:
@@ -86,6 +78,16 @@ def step_sources(
     if named is not None:
         found.append(named)
     return found
+
+
+def _loaded(obj: Any, path: Any, verify: bool) -> Any:
+    """``obj`` when already loaded, else the file at ``path`` (None: absent, or damaged, which its reader reports)."""
+    if obj is not None or path is None:
+        return obj
+    try:
+        return load_checked(path, verify=verify)
+    except CkptError:
+        return None
 
 
 def tag_step(files: TagFiles, *, verify: bool = True, warn: bool = True, **loaded: Any) -> int | None:

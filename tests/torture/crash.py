@@ -122,21 +122,38 @@ def run_trials(
     keep_last: int = 2,
     ready_timeout: float = 180.0,
     progress: bool = False,
+    local_dir: str | None = None,
+    persist_every: int | None = None,
 ) -> CrashReport:
-    """Run ``trials`` kill/restart cycles on ``root`` and one final restart; return the figures."""
+    """Run ``trials`` kill/restart cycles on ``root`` and one final restart; return the figures.
+
+    ``local_dir``: the trainer saves every step to that node-local tier too (ckpt.tiers), and to ``root`` every
+    ``persist_every`` steps; the step a restart must restore is then the newest verified one in either."""
     rng = random.Random(seed)
     options = {"client_kwargs": {"endpoint_url": endpoint}} if endpoint else None
     report = CrashReport("s3" if root.startswith("s3://") else "local")
     log = os.path.join(workdir, "events.jsonl")
     env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
     started = time.monotonic()
-    expected = newest_verified(root, options, report)
+
+    def newest() -> int | None:
+        steps = [newest_verified(root, options, report)]
+        if local_dir is not None:
+            steps.append(newest_verified(local_dir, None, report))
+        known = [s for s in steps if s is not None]
+        return max(known) if known else None
+
+    expected = newest()
     last_trained: int | None = None
     losses: dict[int, str] = {}
     for trial in range(trials + 1):
         final = trial == trials
         cmd = [sys.executable, TRAINER, "--root", root, "--log", log, "--every", str(every)]
         cmd += ["--keep-last", str(keep_last)] + (["--endpoint", endpoint] if endpoint else [])
+        if local_dir is not None:
+            cmd += ["--local-dir", local_dir] + (
+                ["--persist-every", str(persist_every)] if persist_every else []
+            )
         proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         ready = _wait_ready(log, proc.pid, proc, ready_timeout)
         report.restores += 1
@@ -179,7 +196,7 @@ def run_trials(
             losses[e["step"]] = e["loss"]
         last_trained = steps[-1]["step"] if steps else (restored or 0)
         report.final_step = max(report.final_step, last_trained)
-        expected = newest_verified(root, options, report)
+        expected = newest()
         if progress:
             print(
                 f"trial {trial + 1}/{trials}: restored {restored}, trained to {last_trained}, "

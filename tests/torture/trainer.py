@@ -1,6 +1,7 @@
 """A training process built to be killed: tiny MLP, Adam, async CheckpointManager saves, an event log.
 
     python tests/torture/trainer.py --root ROOT --log LOG [--endpoint URL] [--every 1] [--keep-last 2]
+        [--local-dir DIR --persist-every N]
 
 On start it calls ``restore_latest`` and logs ``{"ev": "ready", "restored": step|null, "digest": ...}``; then it
 trains forever (until SIGKILL or ``--max-steps``), logging per step ``{"ev": "step", "step": N, "loss": hex}``,
@@ -83,6 +84,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--keep-last", type=int, default=2)
     p.add_argument("--max-steps", type=int, default=10**9)
     p.add_argument("--eager", dest="lazy", action="store_false", help="copy all state before save() returns")
+    p.add_argument("--local-dir", help="the node-local tier (ckpt.tiers): every save goes there")
+    p.add_argument("--persist-every", type=int, help="with --local-dir: steps also copied to ROOT")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     log = EventLog(args.log)
@@ -93,8 +96,20 @@ def main(argv: list[str] | None = None) -> int:
         if kind == "save":
             log("committed", step=info["step"])
 
+    tiers: dict[str, Any] = {}
+    if args.local_dir:
+        tiers = {
+            "local_dir": args.local_dir,
+            "persist_every": args.persist_every,
+            "keep_local": args.keep_last,
+        }
     mgr = ckpt.CheckpointManager(
-        args.root, keep_last=args.keep_last, async_save=True, storage_options=options, on_event=on_event
+        args.root,
+        keep_last=args.keep_last,
+        async_save=True,
+        storage_options=options,
+        on_event=on_event,
+        **tiers,
     )
     restored = mgr.restore_latest(model=model, optimizer=opt)
     log("ready", restored=restored, digest=state_digest(model, opt) if restored is not None else None)

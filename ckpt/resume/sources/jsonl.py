@@ -124,6 +124,7 @@ def _add(session: Session, kind: object, rec: dict) -> None:
                 model_views=views,
                 unloaded=tuple(names["unloaded"]),
                 unfilled=tuple(names["unfilled"]),
+                tier=rec["tier"] if isinstance(rec.get("tier"), str) else None,
             )
         )
     elif kind == "save":

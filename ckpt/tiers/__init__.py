@@ -1,0 +1,19 @@
+"""Checkpoint tiers: a node-local tier (local disk or ``/dev/shm``) with replicas on peer nodes, in front of the
+persistent root (an object store or a shared filesystem).
+
+``CheckpointManager(root, local_dir=..., local_every=..., persist_every=..., replicas=..., keep_local=...)`` uses
+:class:`~ckpt.tiers.tiered.Tiers`; each module has one job:
+
+* :mod:`.policy`: which tiers a step goes to;
+* :mod:`.node`: which node each rank is on, and which ranks hold its replicas;
+* :mod:`.files`: a local step's files and their verification against its manifest;
+* :mod:`.transfer`: moving files between ranks over the tier's gloo group;
+* :mod:`.replicate`: the background half of a local save (replicas, commit, persistent copy);
+* :mod:`.agree`: which step every rank restores, and from where;
+* :mod:`.retention`: what the local tier keeps.
+"""
+
+from .node import NodeMap
+from .policy import TierPolicy
+
+__all__ = ["NodeMap", "TierPolicy"]
