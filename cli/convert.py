@@ -324,6 +324,22 @@ def parse_size(text: str, flag: str) -> int:
 
 
 def _run(run_convert, src: str, dst: str, opts, run, as_json: bool) -> None:  # noqa: ANN001 - internal
+    """Convert with a progress bar; under torchrun only rank 0 shows it and the report (every rank's progress and
+    numbers), another rank prints only an error of its own."""
+    import os
+
+    from ckpt.converters.engine.run import ConversionFailed
+
+    rank = int(os.environ.get("RANK", "0") or 0)
+    try:
+        _run_and_report(run_convert, src, dst, opts, run, as_json, rank)
+    except ConversionFailed as e:
+        if rank != 0 and not e.own:
+            raise click.exceptions.Exit(e.exit_code) from None  # rank 0 says it
+        raise
+
+
+def _run_and_report(run_convert, src: str, dst: str, opts, run, as_json: bool, rank: int) -> None:  # noqa: ANN001
     from rich.progress import (
         BarColumn,
         DownloadColumn,
@@ -341,7 +357,8 @@ def _run(run_convert, src: str, dst: str, opts, run, as_json: bool) -> None:  # 
         TimeRemainingColumn(),
         console=err,
         transient=True,
-        disable=not err.is_terminal,  # a bar only on a terminal: logs get the result line and nothing else
+        disable=not err.is_terminal
+        or rank != 0,  # a bar only on a terminal (and rank 0): logs get the result
     ) as bar:
         task = bar.add_task("convert", total=None)
 
@@ -349,11 +366,15 @@ def _run(run_convert, src: str, dst: str, opts, run, as_json: bool) -> None:  # 
             bar.update(task, total=nbytes)
 
         result = run_convert(src, dst, opts, run, progress=lambda n: bar.advance(task, n), on_plan=on_plan)
+    if rank != 0:
+        return
     if as_json:
         import dataclasses
         import json
 
-        click.echo(json.dumps(dataclasses.asdict(result), indent=2))
+        doc = dataclasses.asdict(result)
+        doc.pop("rank", None)
+        click.echo(json.dumps(doc, indent=2))
         return
     out.print(
         f"converted {count(result.tensors, 'tensor')} ({human_bytes(result.bytes)}) -> {result.dst} [{result.format}]",
@@ -361,3 +382,11 @@ def _run(run_convert, src: str, dst: str, opts, run, as_json: bool) -> None:  # 
     )
     for note in getattr(result, "notes", ()):
         out.print(note, markup=False)
+    ranks = getattr(result, "ranks", ())
+    if len(ranks) > 1:
+        for r in ranks:
+            out.print(
+                f"  rank {r['rank']}: read {human_bytes(r['bytes_read'])} (+{human_bytes(r['bytes_received'])} from "
+                f"other ranks), wrote {human_bytes(r['bytes_written'])}, {r['seconds']:.1f} s",
+                markup=False,
+            )

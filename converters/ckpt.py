@@ -35,6 +35,9 @@ from .engine import Conversion, OutPart, Source, Staging, Trees, UnitReceipt, ch
 from .engine.export import Progress
 
 NAME = "ckpt"
+#: chunks cut by a row slice kept for the next slices (the next TP rank's rows; a fused target tensor such as
+#: ``gate_up_proj`` or ``qkv_proj`` alternates between the chunks of 2 or 3 source tensors)
+CUT_CHUNKS = 3
 CUDA_KINDS = ("replicated", "dtensor", "fsdp", "ddp", "cuda", "full")
 
 
@@ -87,6 +90,7 @@ class ManifestSource(Source):
         self.tensors = {n: e.desc for n, e in m.tensors.items()}
         self._cache: OrderedDict[str, torch.Tensor] = OrderedDict()
         self._cache_size = cache_tensors
+        self._chunks: OrderedDict[tuple[str, str, int], torch.Tensor] = OrderedDict()
         nxd = m.extra.get("nxd")
         kind = manifest_layout(m)
         if kind == "neuron":
@@ -136,18 +140,53 @@ class ManifestSource(Source):
     def locate(self, piece: Piece) -> Hashable:
         return (piece.name, self._box(piece))
 
+    @property
+    def storage(self) -> Storage:
+        """Where the data files are read from (what a rank's read count is taken at: engine/meter.py)."""
+        return self.reader.storage
+
+    def extents(self, piece: Piece) -> list[tuple[Hashable, int, int]]:
+        """The stored chunks reading ``piece`` fetches, each whole: ``(file, offset, end)``."""
+        e = self.reader.entry(piece.name)
+        return [
+            (s.file, s.offset, s.offset + s.nbytes) for s, _ in self.reader.overlapping(e, self._box(piece))
+        ]
+
     def read(self, piece: Piece) -> torch.Tensor:
         desc = self.tensors[piece.name]
         box = self._box(piece)
-        if box == Box.full(desc.shape):
-            return self._whole(piece.name) if piece.name in self._cache else self.reader.read(piece.name)
-        if any(o or n != s for o, n, s in zip(box.offsets[1:], box.lengths[1:], desc.shape[1:], strict=True)):
-            # a slice across columns: reading it as a box would read every row of the tensor once per slice
-            whole = self._whole(piece.name)
-            return whole[box.relative_to(Box.full(desc.shape))]
+        full = Box.full(desc.shape)
+        if piece.name in self._cache:
+            return self._whole(piece.name)[box.relative_to(full)]
+        if box == full:
+            return self.reader.read(piece.name)
+        e = self.reader.entry(piece.name)
+        cover = self.reader.overlapping(e, box)
+        if self._column_slice(piece) and len(cover) == len(e.shards):
+            # a slice across the columns of row chunks: every chunk holds some of it, and the next TP rank's
+            # slice needs them all again; read the tensor once and keep it
+            return self._whole(piece.name)[box.relative_to(full)]
         out = torch.empty(box.lengths, dtype=dtype_from_name(desc.dtype))
-        self.reader.read_box_into(piece.name, box, out)
+        with self.reader.deferred():  # the chunks inside the box: read straight into it, several at once
+            for shard, inter in cover:
+                where = inter.relative_to(box)
+                if inter == shard.box:
+                    self.reader.read_box_into(piece.name, inter, out[where], defer=True)
+                else:  # a chunk the box cuts: the next slice (another TP rank's) reads its other part
+                    out[where] = self._chunk(e, shard)[inter.relative_to(shard.box)]
         return out
+
+    def _chunk(self, e: Any, shard: Any) -> torch.Tensor:
+        """A stored chunk, kept while the next slices of it are read (each chunk fetched once per pass)."""
+        key = (e.name, shard.file, shard.offset)
+        t = self._chunks.get(key)
+        if t is None:
+            t = self._chunks[key] = self.reader.read_shard(e, shard)
+            while len(self._chunks) > CUT_CHUNKS:
+                self._chunks.popitem(last=False)
+        else:
+            self._chunks.move_to_end(key)
+        return t
 
     def _whole(self, name: str) -> torch.Tensor:
         t = self._cache.get(name)
@@ -171,11 +210,18 @@ class ManifestSource(Source):
         return self.stored_bytes(piece) if self._column_slice(piece) else self.piece_bytes(piece)
 
     def cache_bytes(self, pieces: Iterable[Piece]) -> int:
-        sliced = [self.stored_bytes(p) for p in pieces if self._column_slice(p)]
-        return self._cache_size * max(sliced, default=0)
+        """The whole tensors kept for column slices, and the chunks kept for row slices that cut them."""
+        sliced, cut = [], []
+        for p in pieces:
+            if self._column_slice(p):
+                sliced.append(self.stored_bytes(p))
+            elif self._box(p) != Box.full(self.tensors[p.name].shape):
+                cut.extend(s.nbytes for s in self.reader.entry(p.name).shards)
+        return self._cache_size * max(sliced, default=0) + CUT_CHUNKS * max(cut, default=0)
 
     def close(self) -> None:
         self._cache.clear()
+        self._chunks.clear()
 
 
 def open_source(path: str, *, config: Mapping[str, Any] | None, storage_options: dict[str, Any] | None,
@@ -227,6 +273,10 @@ class ManifestExport:
             raise
         finally:
             writer.close()
+
+    def unit_parts(self, unit: int) -> Sequence[OutPart]:
+        """The parts unit ``unit`` (one target tensor) is made of (what torchrun ranks plan their reads by)."""
+        return self.conv.tensors[unit].parts
 
     def held_bytes(self, retained: Callable[[OutPart], int]) -> int:
         """The streaming writer's batches: one being filled and one being written, ``flush_bytes`` each (plus the

@@ -35,6 +35,7 @@ from .engine import (
     run_workers,
 )
 from .engine.memory import estimate
+from .engine.run import RunReport
 from .options import ConvertOptions, RunOptions, load_config
 
 _LAYOUT_NAMES = {"cuda": "CUDA", "neuron": "Neuron"}
@@ -255,6 +256,11 @@ class ConvertResult:
     why: str | None = None
     #: summary lines the CLI prints after the result line (e.g. how a LoRA adapter was widened for NxD)
     notes: tuple[str, ...] = ()
+    #: per rank (torchrun: every rank's, on rank 0; one process: its own): ``{rank, bytes_read, bytes_written,
+    #: seconds}`` (engine/meter.py says what is counted)
+    ranks: tuple[dict[str, Any], ...] = ()
+    #: the rank this process ran as (0 outside torchrun): only rank 0 reports
+    rank: int = 0
 
 
 def written_tensors(conv: Conversion, export: Export) -> list[Any]:
@@ -414,6 +420,7 @@ def convert(
             r = formats.ADAPTER.load().convert(found, dst, opts, run)
         return ConvertResult(r.dst, r.tensors, r.bytes, r.format, notes=r.notes)
     rank, world = _dist_env()
+    report = RunReport()
     source = open_source(found, opts, run)
     try:
         conv = plan_conversion(source, opts)
@@ -435,16 +442,17 @@ def convert(
             on_plan(sum(t.desc.nbytes for t in written))
         with _no_trace(dst) if rank == 0 else nullcontext():
             if world > 1:
-                run_torchrun(export, dst, rank, world, progress)
+                run_torchrun(export, dst, rank, world, progress, report)
             elif run.workers > 1:
                 run_workers(export, dst, run.workers, functools.partial(_rebuild, found, opts, run), progress)
             else:
-                run_serial(export, dst, progress)
+                run_serial(export, dst, progress, report)
     finally:
         source.close()
     return ConvertResult(
-        dst, len(written), sum(t.desc.nbytes for t in written), opts.format, left, why if left else None
-    )
+        dst, len(written), sum(t.desc.nbytes for t in written), opts.format, left, why if left else None,
+        ranks=tuple(s.as_dict() for s in report.ranks), rank=rank,
+    )  # fmt: skip
 
 
 __all__ = [

@@ -47,7 +47,17 @@ from ckpt.layouts import Piece
 from ckpt.safe_unpickle import load_pickle, load_torch_buffer, load_torch_file
 from ckpt.storage import open_storage
 
-from .engine import MODEL_ROLES, Conversion, Source, Staging, Trees, UnitReceipt, check_cover, produce
+from .engine import (
+    MODEL_ROLES,
+    Conversion,
+    OutPart,
+    Source,
+    Staging,
+    Trees,
+    UnitReceipt,
+    check_cover,
+    produce,
+)
 from .engine.export import Progress
 from .folder_export import FolderExport, write_all
 
@@ -454,6 +464,12 @@ class DcpExport(FolderExport):
                 entries[item.index] = _StorageInfo(fname, offset, buf.n)
                 offset += buf.n
         return UnitReceipt(worker, tuple(units), entries)
+
+    def unit_parts(self, unit: int) -> Sequence[OutPart]:
+        """The parts write item ``unit`` is cut from (none for a bytes item or a small state the planner holds)."""
+        fqn = self.items[unit].index.fqn
+        name = self.fetch.get(tuple(self.paths.get(fqn, (fqn,))))
+        return self.outs[name].parts if name is not None else ()
 
     def commit(self, staging: Staging, dst: str, receipts: list[UnitReceipt]) -> str:
         """Merge the workers' storage entries into the planner's metadata; ``.metadata`` is written last."""

@@ -34,6 +34,7 @@ from ckpt.words import count
 from .engine import (
     MODEL_ROLES,
     Conversion,
+    OutPart,
     Source,
     Staging,
     Trees,
@@ -287,6 +288,10 @@ class HFExport(FolderExport):
                         progress(d.nbytes)
             sizes[fname] = size
         return UnitReceipt(worker, tuple(units), sizes)
+
+    def unit_parts(self, unit: int) -> list[OutPart]:
+        """The parts shard ``unit`` is made of (what torchrun ranks plan their reads by)."""
+        return [self.outs[d.name].parts[0] for d in self.shards[unit]]
 
     def commit(self, staging: Staging, dst: str, receipts: list[UnitReceipt]) -> str:
         """Check every shard is there at its planned size, then publish with the index and ``config.json``."""

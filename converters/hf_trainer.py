@@ -43,7 +43,7 @@ from ckpt.layouts import Piece
 from ckpt.safe_unpickle import load_torch_file
 from ckpt.storage import open_storage
 
-from .engine import Conversion, Staging, UnitReceipt, check_cover, produce
+from .engine import Conversion, OutPart, Staging, UnitReceipt, check_cover, produce
 from .engine.export import Progress
 from .hf import DEFAULT_SHARD_BYTES, HFExport, HFSource, not_written
 from .hf import detect as detect_hf
@@ -284,6 +284,12 @@ class TrainerExport(HFExport):
             open_storage(staging.url, self.storage_options).put_bytes(OPTIMIZER_NAME, data)
             sizes[OPTIMIZER_NAME] = len(data)
         return UnitReceipt(worker, tuple(units), sizes)
+
+    def unit_parts(self, unit: int) -> list[OutPart]:
+        """A shard's parts, or (the last unit) the moments ``optimizer.pt`` holds."""
+        if unit == len(self.shards):
+            return [t.parts[0] for t in self.moments.values()]
+        return super().unit_parts(unit)
 
     def _optimizer_state(self, progress: Progress) -> dict[str, Any]:
         assert self.groups is not None and self.optimizer is not None

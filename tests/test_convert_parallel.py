@@ -187,11 +187,17 @@ def broken_src(src: Path) -> Path:
     whose share reads it fail (at read time, in safetensors; opening and planning check the header against the
     file's size, which still agree, so the parent plans without noticing).  A truncated shard, by contrast, is
     refused when SRC is opened (tests/test_cli_first_hour.py)."""
+    hf = src.parent / "broken_hf"
+    convert(str(src), str(hf), opts("hf"))
+    break_last_shard(hf)
+    return hf
+
+
+def break_last_shard(hf: Path) -> None:
+    """Halve the rows of a tensor in the header of ``hf``'s last shard (see :func:`broken_src`)."""
     import json
     import struct
 
-    hf = src.parent / "broken_hf"
-    convert(str(src), str(hf), opts("hf"))
     last = sorted(hf.glob("model-*.safetensors"))[-1]
     data = last.read_bytes()
     (n,) = struct.unpack("<Q", data[:8])
@@ -201,7 +207,6 @@ def broken_src(src: Path) -> Path:
     text = json.dumps(header, separators=(",", ":")).encode()
     assert len(text) <= n
     last.write_bytes(data[:8] + text.ljust(n, b" ") + data[8 + n :])
-    return hf
 
 
 def _snapshot(p: Path) -> dict[str, str]:

@@ -12,25 +12,77 @@ the same export): planning is deterministic, so they agree on the units without 
 from __future__ import annotations
 
 import signal
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ProcessPoolExecutor, as_completed
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from typing import Any
 
 from ckpt.errors import CkptError
 
+from .exchange import BlockStore, ServedSource, exchange, plan_exchange, unit_pieces
 from .export import Export, Progress, Staging, UnitReceipt, balance
+from .meter import Clock, MeteredSource, RankStats, ReadMeter
 
 
-def run_serial(export: Export, dst: str, progress: Progress = None) -> str:
+@dataclass
+class RunReport:
+    """What a driver fills in: one :class:`~.meter.RankStats` per rank (torchrun: on rank 0, every rank's; the
+    serial run: its own), and on which rank this process ran.  ``clock`` started when the caller began (opening
+    and planning SRC count in a rank's seconds)."""
+
+    clock: Clock = field(default_factory=Clock)
+    rank: int = 0
+    ranks: list[RankStats] = field(default_factory=list)
+    #: bytes of tensor data shipped to this rank by the rank that read them (:mod:`.exchange`)
+    received: int = 0
+
+
+@contextmanager
+def metered(export: Export) -> Iterator[ReadMeter]:
+    """The export's conversion reads its source through a :class:`~.meter.ReadMeter` meanwhile."""
+    meter = ReadMeter()
+    conv = getattr(export, "conv", None)
+    if conv is None:
+        yield meter
+        return
+    source = conv.source
+    conv.source = MeteredSource(source, meter)
+    try:
+        yield meter
+    finally:
+        conv.source = source
+
+
+def _stats(rank: int, meter: ReadMeter, export: Export, units: Sequence[int], report: RunReport) -> RankStats:
+    written = sum(export.weights[u] for u in units)
+    return RankStats(rank, meter.bytes_read, written, report.clock.seconds(), report.received)
+
+
+class ConversionFailed(CkptError):
+    """A torchrun conversion failed on some rank and nothing was committed (the same message on every rank).
+    ``own``: this rank's own write failed (else it learned another rank's failure: under torchrun only rank 0 and
+    the failing ranks need to say it)."""
+
+    def __init__(self, message: str, *, own: bool) -> None:
+        super().__init__(message)
+        self.own = own
+
+
+def run_serial(export: Export, dst: str, progress: Progress = None, report: RunReport | None = None) -> str:
     """Write every unit in this process, then commit."""
     staging = export.begin(dst)
+    units = range(len(export.weights))
     try:
-        receipt = export.write(staging, range(len(export.weights)), progress, worker=0)
-        return export.commit(staging, dst, [receipt])
+        with metered(export) as meter:
+            receipt = export.write(staging, units, progress, worker=0)
+        out = export.commit(staging, dst, [receipt])
     except BaseException:
         export.abort(staging)
         raise
+    if report is not None:
+        report.ranks = [_stats(0, meter, export, units, report)]
+    return out
 
 
 def _worker(rebuild: Callable[[], Export], staging: Staging, units: list[int], index: int) -> UnitReceipt:
@@ -118,9 +170,21 @@ def run_workers(
         raise
 
 
-def run_torchrun(export: Export, dst: str, rank: int, world: int, progress: Progress = None) -> str:
+def run_torchrun(
+    export: Export,
+    dst: str,
+    rank: int,
+    world: int,
+    progress: Progress = None,
+    report: RunReport | None = None,
+) -> str:
     """torchrun: rank 0 begins and broadcasts the staging location, every rank writes its share, rank 0 gathers the
     receipts and commits (or aborts), and every rank learns the outcome.
+
+    Before writing, the ranks exchange the stored tensors more than one of them would read (:mod:`.exchange`): each
+    such tensor is read by one rank and its blocks shipped over the process group.  ``progress`` is called on rank
+    0 with every rank's progress (the others add theirs to the process group's store); ``report`` gets, on rank 0,
+    every rank's :class:`~.meter.RankStats`.
 
     Ranks on several machines need the destination on storage they all reach (a shared filesystem or an object
     store).
@@ -129,7 +193,8 @@ def run_torchrun(export: Export, dst: str, rank: int, world: int, progress: Prog
 
     own = False
     if not dist.is_initialized():
-        dist.init_process_group("gloo")
+        with _quiet_stdout():  # gloo says "[Gloo] Rank r is connected to ..." on every rank: one report only
+            dist.init_process_group("gloo")
         own = True
     staging: Staging | None = None
     try:
@@ -146,21 +211,34 @@ def run_torchrun(export: Export, dst: str, rank: int, world: int, progress: Prog
         if begin_error is not None:
             raise begin_error  # rank 0: the original one-line error (e.g. DST exists)
         if begun[0][0] == "error":
-            raise CkptError(f"conversion failed, nothing committed: rank 0: {begun[0][1]}")
+            raise ConversionFailed(f"conversion failed, nothing committed: rank 0: {begun[0][1]}", own=False)
         shared: Staging = begun[0][1]
-        share = balance(export.weights, world)[rank]
-        failure = _write_gather_commit(
-            rank,
-            world,
-            lambda: export.write(shared, share, progress, worker=rank),
-            lambda receipts: export.commit(shared, dst, receipts),
-        )
+        shares = balance(export.weights, world)
+        share = shares[rank]
+        report = report if report is not None else RunReport()
+        report.rank = rank
+
+        def write(tell: Progress) -> tuple[Any, RankStats]:
+            with metered(export) as meter:
+                receipt = _exchange_and_write(
+                    export, shares, rank, report, lambda: export.write(shared, share, tell, worker=rank)
+                )
+            return receipt, _stats(rank, meter, export, share, report)
+
+        def commit(results: list[tuple[Any, RankStats]]) -> None:
+            export.commit(shared, dst, [r for r, _ in results])
+            report.ranks = [s for _, s in results]
+
+        with _all_progress(rank, shared.url, progress) as tell:
+            failure = _write_gather_commit(rank, world, lambda: write(tell), commit)
         if rank == 0:
             if failure:
                 export.abort(shared)
             staging = None
         if failure:
-            raise CkptError(f"conversion failed, nothing committed: {failure}")
+            raise ConversionFailed(
+                f"conversion failed, nothing committed: {failure}", own=f"rank {rank}:" in failure
+            )
         return dst
     finally:
         if staging is not None:  # rank 0 left early (a collective failed): nothing is published
@@ -199,4 +277,93 @@ def _write_gather_commit(
     return outcome[0]
 
 
-__all__ = ["run_serial", "run_torchrun", "run_workers", "submit", "worker_pool"]
+def _exchange_and_write(
+    export: Export, shares: list[list[int]], rank: int, report: RunReport, write: Callable[[], Any]
+) -> Any:
+    """Exchange the shared stored tensors (:mod:`.exchange`), then ``write`` with them served from memory."""
+    conv = getattr(export, "conv", None)
+    needs = [unit_pieces(export, s) for s in shares]
+    if conv is None or any(n is None for n in needs):
+        return write()  # the export cannot say what its units read: each rank reads what it needs
+    plan = plan_exchange(conv.source, needs)  # type: ignore[arg-type]
+    store = BlockStore()
+    source = conv.source
+    try:
+        errors = exchange(plan, source, rank, store)
+        if errors:
+            raise CkptError(f"cannot read {errors[0]}")
+        report.received = store.received
+        conv.source = ServedSource(source, store)
+        return write()
+    finally:
+        conv.source = source
+        store.close()
+
+
+@contextmanager
+def _quiet_stdout() -> Iterator[None]:
+    """File descriptor 1 points to /dev/null meanwhile (what C++ code prints there included)."""
+    import os
+    import sys
+
+    sys.stdout.flush()
+    saved = os.dup(1)
+    null = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(null, 1)
+        yield
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)
+        os.close(null)
+
+
+@contextmanager
+def _all_progress(rank: int, key: str, progress: Progress) -> Iterator[Progress]:
+    """The progress callback this rank's units report to: rank 0's own ``progress``, fed meanwhile with what the
+    other ranks add to a counter in the process group's store (polled on a thread); theirs adds to that counter."""
+    import threading
+
+    import torch.distributed as dist
+
+    store = dist.distributed_c10d._get_default_store()
+    counter = f"ckpt-convert-progress/{key}"
+    if rank != 0:
+        yield lambda n: store.add(counter, int(n))
+        return
+    if progress is None:
+        yield None
+        return
+    seen = [0]
+    stop = threading.Event()
+
+    def poll() -> None:
+        total = store.add(counter, 0)
+        if total > seen[0]:
+            progress(total - seen[0])
+            seen[0] = total
+
+    def loop() -> None:
+        while not stop.wait(0.2):
+            poll()
+
+    thread = threading.Thread(target=loop, name="ckpt-progress", daemon=True)
+    thread.start()
+    try:
+        yield progress
+    finally:
+        stop.set()
+        thread.join()
+        poll()  # what the last ranks added before the gather that ended this block
+
+
+__all__ = [
+    "ConversionFailed",
+    "RunReport",
+    "metered",
+    "run_serial",
+    "run_torchrun",
+    "run_workers",
+    "submit",
+    "worker_pool",
+]

@@ -307,6 +307,10 @@ class NxdExport:
         ]
         self._writer: TagWriter | None = None
 
+    def unit_parts(self, unit: int) -> list[OutPart]:
+        """The parts target rank ``unit`` holds (what torchrun ranks plan their reads by)."""
+        return [self.conv.tensors[i].parts[j] for i, j in self.parts[unit]]
+
     def held_bytes(self, retained: Callable[[OutPart], int]) -> int:
         """A target rank is built whole before its files are written (NxD's file unit), but its tensors and ZeRO-1
         shards live in file-backed :class:`~.scratch.Scratch` memory: what stays in process memory is the tensors
