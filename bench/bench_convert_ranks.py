@@ -69,8 +69,8 @@ def generate(root: Path, layers: int) -> Path:
     """The model as our CUDA-layout checkpoint (random bf16), then as an HF folder."""
     import torch
 
-    from ckpt.format.writer import StreamingWriter
     from ckpt.layouts import ModelDims
+    from ckpt.saving.writer import StreamingWriter
 
     cfg = dict(CONFIG, num_hidden_layers=layers)
     (root / "config.json").write_text(json.dumps(cfg))
