@@ -13,12 +13,13 @@ from typing import Any
 
 import torch.distributed as dist
 
-_GROUPS: dict[int, Any] = {}
+_GROUPS: dict[tuple[str, int], Any] = {}
 
 
-def _default_group(timeout_s: float) -> Any:
-    """The checkpoint group for the current default group, created once (collectively) and then reused."""
-    key = id(dist.group.WORLD)
+def gloo_group(purpose: str, timeout_s: float) -> Any:
+    """The gloo group for ``purpose`` ("checkpoint", "tiers") over the current default group, created once
+    (collectively, on every rank) and then reused."""
+    key = (purpose, id(dist.group.WORLD))
     if key not in _GROUPS:
         _GROUPS[key] = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
     return _GROUPS[key]
@@ -34,7 +35,7 @@ class Collective:
             return
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
-        self.group = group if group is not None else _default_group(timeout_s)
+        self.group = group if group is not None else gloo_group("checkpoint", timeout_s)
 
     def all_gather(self, obj: Any) -> list[Any]:
         if not self.active:

@@ -3,7 +3,6 @@ and restores from the newest step complete anywhere (package docstring)."""
 
 from __future__ import annotations
 
-import datetime
 import threading
 import time
 import uuid
@@ -12,7 +11,7 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Any, Protocol
 
-from ..distributed import Collective
+from ..distributed import Collective, gloo_group
 from ..errors import CkptError
 from ..restoring.discovery import step_dir
 from ..saving.checkpointer import SaveResult
@@ -25,20 +24,14 @@ from .retention import PENDING, sweep
 _RANK = {LOCAL: 0, PEER: 1, PERSISTENT: 2}
 
 
-_GROUPS: dict[int, Any] = {}
-
-
 def _tier_group(timeout_s: float = 1800.0) -> Any:
     """A gloo group of its own for the tiers' collectives and transfers, next to the checkpoint group (created
-    collectively by the first manager with tiers, then reused, as ckpt.distributed does; None in one process)."""
+    collectively by the first manager with tiers, then reused; None in one process)."""
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()):
         return None
-    key = id(dist.group.WORLD)
-    if key not in _GROUPS:
-        _GROUPS[key] = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
-    return _GROUPS[key]
+    return gloo_group("tiers", timeout_s)
 
 
 class Host(Protocol):
