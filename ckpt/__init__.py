@@ -17,6 +17,8 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from . import lazy
+
 __version__ = "0.1.0"
 
 # Public name -> the module that defines it.  Imported on first use (PEP 562), so that ``import ckpt`` and the
@@ -77,15 +79,13 @@ _SUBMODULES = ("data", "dcp", "integrations", "resume")
 """Framework adapters, imported on first use (``ckpt.dcp.Reader`` imports torch.distributed.checkpoint)."""
 
 
+_exported = lazy.exports(__name__, _EXPORTS, cache=globals())
+
+
 def __getattr__(name: str) -> Any:
     if name in _SUBMODULES:
         return importlib.import_module(f".{name}", __name__)
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'ckpt' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f".{module}", __name__), name)
-    globals()[name] = value  # later look-ups skip this function
-    return value
+    return _exported(name)
 
 
 def __dir__() -> list[str]:

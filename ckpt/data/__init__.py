@@ -10,8 +10,7 @@ ranks".
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from ckpt import lazy
 
 # Public name -> defining module; imported on first use so that ``ckpt.data.digest`` (used by verify-resume)
 # does not import torch.
@@ -38,11 +37,7 @@ _EXPORTS = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'ckpt.data' has no attribute {name!r}")
-    return getattr(importlib.import_module(f".{module}", __name__), name)
+__getattr__ = lazy.exports(__name__, _EXPORTS)
 
 
 __all__ = sorted(_EXPORTS)

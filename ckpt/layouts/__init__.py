@@ -6,8 +6,7 @@ tensor; ``execute.py`` runs them.  Rules and verified NxD facts: ``docs/layouts.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from ckpt import lazy
 
 # Public name -> defining module, imported on first use (PEP 562): the family registry
 # (``ckpt.layouts.families``), which ``ckpt convert --help`` lists, must not pay for torch.
@@ -27,13 +26,7 @@ _EXPORTS = {
 }  # fmt: skip
 
 
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'ckpt.layouts' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f".{module}", __name__), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy.exports(__name__, _EXPORTS, cache=globals())
 
 
 __all__ = [
