@@ -8,8 +8,9 @@ A stack of ``Linear`` layers holding fp32 parameters + Adam moments (``--sizes``
 (``torch.set_num_threads(1)``; the other core plays the host's spare CPU).  Savers (``--savers``):
 
 * ``none``: no checkpoints (the baseline of every ratio);
-* ``ckpt``: ``Checkpointer(async_save=True)``, lazy staging, the in-process writer thread;
-* ``ckpt process``: the same with ``stager=ProcessStager()``: shared-memory arena, persistent writer process;
+* ``ckpt``: ``Checkpointer(async_save=True)`` as it comes: lazy staging, the shared-memory arena, the persistent
+  writer process (``ProcessStager``, the default);
+* ``ckpt thread``: the same with ``stager=HostStager()``: the data files written by a thread of the trainer;
 * ``dcp``: ``torch.distributed.checkpoint.async_save`` (staging inside the call, writer thread);
 * ``dcp stager``: ``async_save`` with one reused ``DefaultStager`` (background staging, waited on before
   ``optimizer.step()``; pinned memory on CUDA);
@@ -17,8 +18,11 @@ A stack of ``Linear`` layers holding fp32 parameters + Adam moments (``--sizes``
   writes it to one file with ``os.write`` and fsyncs it: no format, no checksum.
 
 Each saver saves every ``E`` steps (``--every``) over ``saves x E`` steps (the save at step 1, 1+E, ...; each save
-has E steps after it), then waits for its last save: that wait is part of the run's time.  Runs are interleaved
-(each round runs every saver once, in a rotated order) so that the load of a shared machine hits all of them.
+has E steps after it), then waits for its last save: that wait is part of the run's time.  Runs are short and
+interleaved (each round runs every saver once, in a rotated order; at E > 1 a run is one save and its E steps by
+default) so that drifts of the machine hit all savers alike; rows are medians over rounds, with the quartiles of
+the overhead.  Old checkpoints are deleted between runs, off the clock (retention is not the saver's cost: the
+manager deletes in the background).
 Per run: **overhead per save** = (run time - the same round's ``none`` run time) / saves; **overhead %** = run time
 / ``none`` run time - 1; **background CPU s/GiB** = CPU of every thread but the training one, plus the writer
 process's, less the same round's ``none`` run's, per GiB saved; **train CPU** = CPU time of the training thread / the ``none`` run's - 1 (memory bandwidth and
@@ -41,6 +45,7 @@ import tempfile
 import threading
 import time
 import warnings
+from itertools import count
 from typing import Any
 
 import torch
@@ -55,10 +60,12 @@ from bench_stall import DcpSaver, build, finish, state_bytes  # noqa: E402
 from ckpt.saving.checkpointer import Checkpointer  # noqa: E402
 from ckpt.saving.options import SaveOptions  # noqa: E402
 from ckpt.saving.process_writer import ProcessStager  # noqa: E402
+from ckpt.saving.staging import HostStager  # noqa: E402
 
 NO_RNG = SaveOptions(rng=False)
 
 GIB = 2**30
+_SEQ = count()
 TICK = os.sysconf("SC_CLK_TCK")
 
 
@@ -89,11 +96,16 @@ class Run:
         self.dirs: list[str] = []
 
     def path(self, step: int) -> str:
-        p = os.path.join(self.root, f"{self.name.replace(' ', '_')}-{step:08d}-{len(self.dirs)}")
+        p = os.path.join(self.root, f"{self.name.replace(' ', '_')}-{step:08d}-{next(_SEQ)}")
         self.dirs.append(p)
-        while len(self.dirs) > 2:
-            shutil.rmtree(self.dirs.pop(0), ignore_errors=True)
         return p
+
+    def cleanup(self) -> None:
+        """Delete this run's checkpoints (between runs, not timed)."""
+        self.drain()
+        for d in self.dirs:
+            shutil.rmtree(d, ignore_errors=True)
+        self.dirs.clear()
 
     def save(self, step: int) -> None:
         pass
@@ -108,16 +120,14 @@ class Run:
         return None
 
     def close(self) -> None:
-        self.drain()
-        for d in self.dirs:
-            shutil.rmtree(d, ignore_errors=True)
+        self.cleanup()
 
 
 class CkptRun(Run):
     def __init__(self, root: str, model: Any, opt: Any, process: bool) -> None:
         super().__init__(root, model, opt)
-        self.name = "ckpt process" if process else "ckpt"
-        self.ck = Checkpointer(async_save=True, stager=ProcessStager() if process else None)
+        self.name = "ckpt" if process else "ckpt thread"
+        self.ck = Checkpointer(async_save=True, stager=ProcessStager() if process else HostStager())
 
     def save(self, step: int) -> None:
         self.ck.save(self.path(step), step=step, model=self.model, optimizer=self.opt, options=NO_RNG)
@@ -141,6 +151,9 @@ class DcpRun(Run):
 
     def save(self, step: int) -> None:
         self.inner.save(step)
+        # ours to delete between runs: DcpSaver's drain would delete on the clock
+        self.dirs.extend(self.inner.dirs)
+        self.inner.dirs.clear()
 
     def before_step(self) -> None:
         self.inner.before_step()
@@ -150,8 +163,7 @@ class DcpRun(Run):
 
     def close(self) -> None:
         self.inner.close()
-        shutil.rmtree(self.root, ignore_errors=True)
-        os.makedirs(self.root, exist_ok=True)
+        self.cleanup()
 
 
 class CopyWriteRun(Run):
@@ -263,6 +275,7 @@ def summarize(
         rows[n] = {
             "runs": per[n],
             "overhead_per_save_s": statistics.median(ovh) if ovh else 0.0,
+            "overhead_per_save_q1_q3": quartiles(ovh),
             "overhead_pct": statistics.median(pct) if pct else 0.0,
             "train_cpu_overhead_pct": statistics.median(tc) if tc else 0.0,
             "bg_cpu_s_per_gib": statistics.median(bg) if bg else 0.0,
@@ -277,12 +290,20 @@ def summarize(
     return rows, step_s
 
 
+def quartiles(xs: list[float]) -> list[float] | None:
+    """The first and third quartiles of ``xs`` (the spread over rounds), None below 3 values."""
+    if len(xs) < 3:
+        return None
+    q = statistics.quantiles(xs, n=4, method="inclusive")
+    return [q[0], q[2]]
+
+
 def make(name: str, root: str, model: Any, opt: Any, cuda: bool) -> Run:
     os.makedirs(root, exist_ok=True)
     if name == "none":
         return Run(root, model, opt)
-    if name in ("ckpt", "ckpt process"):
-        return CkptRun(root, model, opt, process=name == "ckpt process")
+    if name in ("ckpt", "ckpt thread"):
+        return CkptRun(root, model, opt, process=name == "ckpt")
     if name in ("dcp", "dcp stager"):
         return DcpRun(root, model, opt, stager=name == "dcp stager", cuda=cuda)
     if name == "copy+write":
@@ -310,6 +331,7 @@ def measure(args: argparse.Namespace, gib: float, work: str, cuda: bool) -> dict
     }
     for r in runs.values():  # warm: arena first touch, writer process start, DCP's first-save planning
         train(model, opt, x, r, 1, 1, sync)
+        r.cleanup()
     out: dict[str, Any] = {"state_bytes": nbytes, "by_every": {}}
     for every in args.every:
         saves = args.saves_every_step if every == 1 else args.saves
@@ -319,6 +341,7 @@ def measure(args: argparse.Namespace, gib: float, work: str, cuda: bool) -> dict
             order = names[rnd % len(names) :] + names[: rnd % len(names)]
             for n in order:
                 res = train(model, opt, x, runs[n], steps, every, sync)
+                runs[n].cleanup()
                 per[n].append(res)
                 print(
                     f"  {gib} GiB every {every}: {n:13} {res['wall']:7.2f} s  bg CPU {res['bg_cpu']:.2f} s",
@@ -332,6 +355,10 @@ def measure(args: argparse.Namespace, gib: float, work: str, cuda: bool) -> dict
     return out
 
 
+def spread(q: list[float] | None) -> str:
+    return "-" if not q else f"({q[0]:.3f}, {q[1]:.3f})"
+
+
 def print_tables(results: dict[str, Any]) -> None:
     for size, res in results["sizes"].items():
         for every, e in res["by_every"].items():
@@ -340,7 +367,8 @@ def print_tables(results: dict[str, Any]) -> None:
                 f"{e['saves']} saves over {e['steps']} steps; step without checkpoints {e['step_s']:.3f} s"
             )
             print(
-                f"{'saver':14} {'ovh/save s':>10} {'ovh %':>7} {'vs dcp':>7} {'vs stager':>9} {'bg CPU s/GiB':>12} {'vs copy+write':>13}"
+                f"{'saver':14} {'ovh/save s':>10} {'(q1, q3)':>15} {'ovh %':>7} {'vs dcp':>7} {'vs stager':>9} "
+                f"{'bg CPU s/GiB':>12} {'vs copy+write':>13} {'train CPU':>9}"
             )
             for n, r in e["savers"].items():
                 if n == "none":
@@ -350,7 +378,8 @@ def print_tables(results: dict[str, Any]) -> None:
                     return "-" if v is None else format(v, fmt)
 
                 print(
-                    f"{n:14} {r['overhead_per_save_s']:10.3f} {r['overhead_pct'] * 100:6.1f}% "
+                    f"{n:14} {r['overhead_per_save_s']:10.3f} {spread(r.get('overhead_per_save_q1_q3')):>15} "
+                    f"{r['overhead_pct'] * 100:6.1f}% "
                     f"{f(r['vs_dcp'], '7.2f'):>7} {f(r['vs_dcp_stager'], '9.2f'):>9} "
                     f"{r['bg_cpu_s_per_gib']:12.3f} {f(r['bg_cpu_vs_copy_write'], '13.2f'):>13} "
                     f"{r['train_cpu_overhead_pct'] * 100:8.1f}%"
@@ -363,11 +392,11 @@ def main() -> int:
         "--sizes", default="0.25", help="GiB of params + Adam state, comma-separated (issue: 0.25,0.75,2)"
     )
     p.add_argument("--every", default="1,10", help="save every N steps, comma-separated")
-    p.add_argument("--saves", type=int, default=2, help="saves per run at every > 1")
+    p.add_argument("--saves", type=int, default=1, help="saves per run at every > 1")
     p.add_argument("--saves-every-step", type=int, default=4, help="saves per run at every = 1")
-    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=6)
     p.add_argument("--batch", type=int, default=8, help="rows per step (sets the forward/backward time)")
-    p.add_argument("--savers", default="none,ckpt,ckpt process,dcp,dcp stager,copy+write")
+    p.add_argument("--savers", default="none,ckpt,ckpt thread,dcp,dcp stager,copy+write")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dir", default=None, help="where checkpoints go (default: a temporary directory)")
     p.add_argument(

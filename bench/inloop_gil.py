@@ -48,6 +48,7 @@ def run(mode: str) -> None:
     from ckpt.saving.checkpointer import Checkpointer
     from ckpt.saving.options import SaveOptions
     from ckpt.saving.process_writer import ProcessStager
+    from ckpt.saving.staging import HostStager
 
     no_rng = SaveOptions(rng=False)
 
@@ -66,7 +67,7 @@ def run(mode: str) -> None:
             saver.save(i)
             saver._drain()
     else:
-        ck = Checkpointer(async_save=True, stager=ProcessStager() if mode == "ckpt-process" else None)
+        ck = Checkpointer(async_save=True, stager=ProcessStager() if mode == "ckpt-process" else HostStager())
 
         def save(i: int) -> None:
             ck.save(os.path.join(work, str(i)), step=i, model=model, optimizer=opt, options=no_rng)

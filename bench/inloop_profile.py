@@ -32,6 +32,7 @@ from ckpt.format.streamwrite import HASH_WRITE_BLOCK
 from ckpt.saving.checkpointer import Checkpointer
 from ckpt.saving.options import SaveOptions
 from ckpt.saving.process_writer import ProcessStager
+from ckpt.saving.staging import HostStager
 
 NO_RNG = SaveOptions(rng=False)
 
@@ -119,7 +120,7 @@ def saves(gib: float, work: str) -> dict[str, Any]:
     with Probe() as idle:
         time.sleep(2.0)
     out["probe_idle_late_ms_per_s"] = idle.late / idle.wall * 1e3
-    for name, stager in (("ckpt", None), ("ckpt process", ProcessStager())):
+    for name, stager in (("ckpt thread", HostStager()), ("ckpt", ProcessStager())):
         ck = Checkpointer(async_save=True, stager=stager)
         ck.save(os.path.join(work, name, "warm"), step=0, model=model, optimizer=opt, options=NO_RNG).result()
         rows = []
@@ -169,7 +170,7 @@ def xla(args: argparse.Namespace, work: str) -> dict[str, Any]:
     for _ in range(3):  # traced and compiled once
         step()
     res: dict[str, Any] = {"state_mib": sum(p.numel() * 12 for p in model.parameters()) / 2**20}
-    for name, stager in (("ckpt", None), ("ckpt process", ProcessStager())):
+    for name, stager in (("ckpt thread", HostStager()), ("ckpt", ProcessStager())):
         ck = Checkpointer(async_save=True, stager=stager)
         ck.save(
             os.path.join(work, "xla", name, "warm"), step=0, model=model, optimizer=opt, options=NO_RNG

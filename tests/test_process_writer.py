@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -26,6 +27,7 @@ from ckpt.format.streamwrite import HASH_WRITE_BLOCK
 from ckpt.saving.checkpointer import Checkpointer
 from ckpt.saving.options import SaveOptions
 from ckpt.saving.process_writer import ProcessStager
+from ckpt.saving.staging import HostStager
 
 NO_RNG = SaveOptions(rng=False)
 
@@ -54,7 +56,7 @@ def data_files(path: Path) -> dict[str, bytes]:
 def test_same_bytes_as_the_in_process_writer_and_isolated_from_the_next_step(tmp_path: Path) -> None:
     model, opt = make()
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    plain = Checkpointer(async_save=True)
+    plain = Checkpointer(async_save=True, stager=HostStager())
     plain.save(str(tmp_path / "thread"), step=1, model=model, optimizer=opt, options=NO_RNG).result()
     proc = Checkpointer(async_save=True, stager=ProcessStager())
     fut = proc.save(str(tmp_path / "process"), step=1, model=model, optimizer=opt, options=NO_RNG)
@@ -157,3 +159,38 @@ def test_a_chunk_hashed_block_by_block_has_the_checksum_of_its_bytes(tmp_path: P
     raw = (tmp_path / "f").read_bytes()
     assert size == len(raw) and raw[w.offset :] == t.numpy().tobytes()
     assert w.checksum == f"xxh3_64:{xxhash.xxh3_64_hexdigest(t.numpy().tobytes())}"
+
+
+def test_async_saves_write_through_a_writer_process_by_default_and_sync_saves_never_do(tmp_path: Path) -> None:
+    model, opt = make()
+    mgr = ckpt.CheckpointManager(str(tmp_path / "run"))  # async by default
+    stager = mgr.checkpointer.stager
+    assert isinstance(stager, ProcessStager) and stager.writer_pid is None  # nothing started before a write
+    mgr.save(1, model=model, optimizer=opt)
+    mgr.wait()
+    pid = stager.writer_pid
+    assert pid is not None and pid != os.getpid()
+    step(model, opt)
+    mgr.save(2, model=model, optimizer=opt)
+    mgr.wait()
+    assert stager.writer_pid == pid  # one persistent writer, not one per save
+    restored, ropt = make()
+    assert mgr.restore_latest(model=restored, optimizer=ropt) == 2
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, restored.state_dict()[k]), k
+    mgr.close()
+    assert exited(pid, 10)
+    sync = Checkpointer()
+    assert type(sync.stager) is HostStager
+
+
+def test_a_save_to_object_storage_starts_no_writer_process(s3: Any) -> None:
+    model, opt = make()
+    ck = Checkpointer(async_save=True, storage_options=s3.storage_options)
+    ck.save(f"{s3.url}/step_1", step=1, model=model, optimizer=opt, options=NO_RNG).result()
+    assert isinstance(ck.stager, ProcessStager) and ck.stager.writer_pid is None
+    out, oopt = make()
+    ckpt.restore(f"{s3.url}/step_1", model=out, optimizer=oopt, storage_options=s3.storage_options)
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, out.state_dict()[k]), k
+    ck.close()

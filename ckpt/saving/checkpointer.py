@@ -46,7 +46,8 @@ from .commit import SaveJob, SaveResult, run
 from .lazy import Guards, lazy_flags
 from .options import SaveOptions
 from .planning import DEFAULT_CHUNK_BYTES
-from .staging import HostStager, Staged
+from .process_writer import default_stager
+from .staging import Staged
 from .writers import LayoutHook, WriterPlanner, chunks_of
 
 
@@ -67,7 +68,10 @@ class Checkpointer:
     default): a helper thread (CPU) or a side CUDA stream copies it while the next forward and backward run, and a
     step pre-hook installed on the optimizer holds its next ``step()`` until the copy is done.  Code that edits
     saved tensors outside ``optimizer.step()`` calls :meth:`staged` first (or saves with ``lazy=False``, which
-    copies everything before returning).  One save is in flight at a time; ``close()`` waits for it.
+    copies everything before returning).  One save is in flight at a time; ``close()`` waits for it.  The data
+    files of an async save to a local folder are hashed and written by a persistent writer process reading the
+    staging arena in shared memory (:mod:`ckpt.saving.process_writer`), so none of that work takes the training
+    process's GIL; ``stager=HostStager()`` writes them from a thread of this process instead.
 
     Replicated state (a box of a tensor that several ranks hold: DDP replicas, TP-replicated norms) is written by one
     rank only, so its copies are compared first (:mod:`ckpt.saving.replicated`: an all-reduce of hashes of xxh3 digests within
@@ -103,7 +107,7 @@ class Checkpointer:
         self.codec = codec
         self.storage_options = storage_options
         self.layout_hook = layout_hook
-        self.stager = stager or HostStager()
+        self.stager = stager or default_stager(async_save)
         self.format_version = format_version  # None: ckpt.FORMAT_VERSION
         self._writers = WriterPlanner(self.coll)
         self._inflight: Future | None = None

@@ -8,8 +8,9 @@ JSON line to the child; the child hashes and writes the bytes straight from the 
 page cache is the only other copy) in its own process, so neither its CPU-bound Python nor its GIL ever competes
 with the training thread's.  The commit (index, state file, manifest, collectives) stays in the trainer.
 
-Use it with ``Checkpointer(async_save=True, stager=ProcessStager())``; the checkpointer hands
-:meth:`ProcessStager.write_from_arena` to :func:`ckpt.format.publish.write_data_file`.  Saves it cannot serve from the arena fall
+It is the default stager of an asynchronous save where the platform has ``memfd_create`` (Linux;
+:func:`default_stager`); ``stager=HostStager()`` keeps the write in a thread of the training process.  The
+checkpointer hands :meth:`ProcessStager.write_from_arena` to :func:`ckpt.format.publish.write_data_file`.  Saves it cannot serve from the arena fall
 back to the in-process writer: non-local storage, compressed chunks.  For CUDA state the shared arena is
 page-locked in place (``cudaHostRegister``), so device-to-host copies still run as DMA; where CUDA refuses that,
 a plain pinned arena and the in-process writer serve.
@@ -146,8 +147,7 @@ class ProcessStager(HostStager):
             return super()._arena_for(nbytes, pinned)
         self._pinned = pinned
         self._arena = arena
-        self._start_writer()  # now: it starts (~0.4 s of imports) while the copy runs
-        return arena
+        return arena  # the writer starts at the first file it writes (~50 ms: it imports no torch)
 
     def _start_writer(self) -> _Writer:
         with self._lock:
@@ -229,6 +229,14 @@ class ProcessStager(HostStager):
         if not reply["ok"]:
             raise StorageError(f"writer process, {storage.display(fname)}: {reply['error']}")
         return [(int(o), int(n), str(d)) for o, n, d in reply["placed"]], int(reply["size"])
+
+
+def default_stager(async_save: bool) -> HostStager:
+    """The stager a checkpointer uses when given none: for asynchronous saves a :class:`ProcessStager` where the
+    platform can share an anonymous arena (``os.memfd_create``: Linux), else the in-process :class:`HostStager`."""
+    if async_save and hasattr(os, "memfd_create"):
+        return ProcessStager()
+    return HostStager()
 
 
 def _pin(arena: torch.Tensor) -> bool:
