@@ -40,7 +40,7 @@ def main() -> int:
     p.add_argument(
         "--process-writer",
         action="store_true",
-        help="the trainer writes through ProcessStager's writer process",
+        help="the trainer writes through ProcessStager's writer process (the default); without it, HostStager's thread",
     )
     args = p.parse_args()
     with tempfile.TemporaryDirectory(prefix="ckpt-torture-") as work:

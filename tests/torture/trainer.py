@@ -84,7 +84,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--keep-last", type=int, default=2)
     p.add_argument("--max-steps", type=int, default=10**9)
     p.add_argument("--eager", dest="lazy", action="store_false", help="copy all state before save() returns")
-    p.add_argument("--process-writer", action="store_true", help="write data files from a writer process")
+    p.add_argument(
+        "--process-writer",
+        action="store_true",
+        help="write data files from the writer process (the default); without it, from a thread of the trainer",
+    )
     p.add_argument("--local-dir", help="the node-local tier (ckpt.tiers): every save goes there")
     p.add_argument("--persist-every", type=int, help="with --local-dir: steps also copied to ROOT")
     args = p.parse_args(argv)
@@ -112,10 +116,11 @@ def main(argv: list[str] | None = None) -> int:
         on_event=on_event,
         **tiers,
     )
-    if args.process_writer:
-        from ckpt.saving.process_writer import ProcessStager
+    # the writer process is the default; without the flag the torture runs keep the in-process writer thread covered
+    from ckpt.saving.process_writer import ProcessStager
+    from ckpt.saving.staging import HostStager
 
-        mgr.checkpointer.stager = ProcessStager()
+    mgr.checkpointer.stager = ProcessStager() if args.process_writer else HostStager()
     restored = mgr.restore_latest(model=model, optimizer=opt)
     log("ready", restored=restored, digest=state_digest(model, opt) if restored is not None else None)
     step = restored or 0
