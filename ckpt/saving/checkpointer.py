@@ -68,8 +68,8 @@ class Checkpointer:
     default): a helper thread (CPU) or a side CUDA stream copies it while the next forward and backward run, and a
     step pre-hook installed on the optimizer holds its next ``step()`` until the copy is done.  Code that edits
     saved tensors outside ``optimizer.step()`` calls :meth:`staged` first (or saves with ``lazy=False``, which
-    copies everything before returning).  One save is in flight at a time; ``close()`` waits for it.  The data
-    files of an async save to a local folder are hashed and written by a persistent writer process reading the
+    copies everything before returning).  One save is in flight at a time; ``close()`` waits for it.  On Linux the
+    data files of an async save to a local folder are hashed and written by a persistent writer process reading the
     staging arena in shared memory (:mod:`ckpt.saving.process_writer`), so none of that work takes the training
     process's GIL; ``stager=HostStager()`` writes them from a thread of this process instead.
 
