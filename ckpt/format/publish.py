@@ -72,6 +72,34 @@ WriteElsewhere = Callable[
 ]
 
 
+def data_file_metadata(step: int, rank: int) -> dict[str, str]:
+    """The header metadata of a training-loop save's data file (besides ``format``)."""
+    return {"step": str(step), "rank": str(rank)}
+
+
+def chunk_keys(chunks: Sequence[tuple[str, Box, Any]]) -> list[str]:
+    """The data-file keys of ``(tensor name, box, tensor)`` chunks: ``<name>@<offsets>``."""
+    return [f"{name}@{','.join(map(str, box.offsets))}" for name, box, _ in chunks]
+
+
+def payload_offsets(
+    chunks: Sequence[tuple[str, Box, Any]], metadata: dict[str, str] | None = None
+) -> list[int]:
+    """Where each chunk's bytes will start in the uncompressed data file :func:`write_data_file` writes of
+    ``chunks`` (shapes and dtypes are all it reads: the tensors may still be on their device).  A stager lays its
+    arena out by them, so that the file can be written from it with direct I/O."""
+    from .datafile import Chunk, raw_entry
+    from .streamwrite import safetensors_header
+
+    entries = [raw_entry(Chunk(k, t)) for k, (_, _, t) in zip(chunk_keys(chunks), chunks, strict=True)]
+    pos = len(safetensors_header(entries, {"format": "ckpt", **(metadata or {})}))
+    out = []
+    for e in entries:
+        out.append(pos)
+        pos += e[3]
+    return out
+
+
 def write_data_file(
     storage: Storage,
     receipt: Receipt,
@@ -86,7 +114,7 @@ def write_data_file(
     writer to try first (uncompressed files only)."""
     from .datafile import Chunk, write_shard_file
 
-    keys = [f"{name}@{','.join(map(str, box.offsets))}" for name, box, _ in chunks]
+    keys = chunk_keys(chunks)
     meta = {"format": "ckpt", **(metadata or {})}
     served = (
         elsewhere(storage, fname, keys, chunks, meta) if elsewhere is not None and codec == "raw" else None

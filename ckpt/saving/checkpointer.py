@@ -37,6 +37,7 @@ import torch
 
 from ..distributed import Collective
 from ..errors import AsyncSaveError, CheckpointExistsError, CkptError
+from ..format import publish
 from ..format.manifest import MANIFEST_NAME
 from ..state import adapters
 from ..state.training import NamedTensor, optimizer_capture
@@ -202,7 +203,13 @@ class Checkpointer:
         staged: Staged | None = None
         if self.async_save or backend != "cpu":
             want = self.async_save and (self.lazy if opts.lazy is None else opts.lazy)
-            staged = self._stage([t for _, _, t in chunks], backend, want, optimizer, model)
+            # where each chunk will lie in the data file, for a stager that writes it from its arena
+            offsets = (
+                publish.payload_offsets(chunks, publish.data_file_metadata(step, self.coll.rank))
+                if self.codec == "raw" and hasattr(self.stager, "write_from_arena")
+                else None
+            )
+            staged = self._stage([t for _, _, t in chunks], backend, want, optimizer, model, offsets)
             host = staged.hosts
         else:
             host = [t.detach().contiguous() for _, _, t in chunks]
@@ -289,7 +296,13 @@ class Checkpointer:
 
     # ------------------------------------------------------------------------------------------------ internals
     def _stage(
-        self, tensors: list[torch.Tensor], backend: str, lazy: bool, optimizer: Any, model: Any
+        self,
+        tensors: list[torch.Tensor],
+        backend: str,
+        lazy: bool,
+        optimizer: Any,
+        model: Any,
+        file_offsets: list[int] | None = None,
     ) -> Staged:
         """Start the host copy of ``tensors``: in the background for those the optimizer owns when ``lazy`` and a
         step hook can guard them, before returning for the rest (the reason lands in ``last_staging``)."""
@@ -299,7 +312,9 @@ class Checkpointer:
         if begin is None:
             staged = Staged(self.stager.stage(tensors))
         else:
-            staged = begin(tensors, flags)
+            staged = (
+                begin(tensors, flags, file_offsets) if file_offsets is not None else begin(tensors, flags)
+            )
         lazy_bytes = sum(s for s, f in zip(sizes, flags, strict=True) if f)
         self.last_staging = StagingInfo(lazy_bytes, sum(sizes) - lazy_bytes, reason)
         if any(flags):

@@ -80,7 +80,7 @@ def run(coll: Collective, job: SaveJob, format_version: int | None) -> SaveResul
                 publish.data_file_name(rank, job.attempt),
                 job.chunks,
                 job.codec,
-                {"step": str(job.step), "rank": str(rank)},
+                publish.data_file_metadata(job.step, rank),
                 job.write_elsewhere,
             )
         if own_files:  # this rank's own index and state file; rank 0 gets their checksums and its boxes

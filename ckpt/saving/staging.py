@@ -109,26 +109,47 @@ class HostStager:
             self._arena = a
         return a
 
-    def _views(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        sizes = [aligned(t.numel() * t.element_size()) for t in tensors]
+    def _places(self, tensors: Sequence[torch.Tensor], file_offsets: Sequence[int] | None) -> list[int]:
+        """Where each tensor starts in the arena: back to back, each on a :data:`BUFFER_ALIGN` boundary."""
+        places, pos = [], 0
+        for t in tensors:
+            places.append(pos)
+            pos += aligned(t.numel() * t.element_size())
+        return places
+
+    def _views(
+        self, tensors: Sequence[torch.Tensor], file_offsets: Sequence[int] | None = None
+    ) -> list[torch.Tensor]:
+        places = self._places(tensors, file_offsets)
+        end = max(
+            (p + aligned(t.numel() * t.element_size()) for p, t in zip(places, tensors, strict=True)),
+            default=0,
+        )
         cuda = any(t.is_cuda for t in tensors)
-        arena = self._arena_for(sum(sizes), pinned=cuda and torch.cuda.is_available())
+        arena = self._arena_for(end, pinned=cuda and torch.cuda.is_available())
         views = []
-        pos = 0
-        for t, size in zip(tensors, sizes, strict=True):
+        for t, pos in zip(tensors, places, strict=True):
             nbytes = t.numel() * t.element_size()
             views.append(
                 arena[pos : pos + nbytes].view(t.dtype).view(t.shape)
                 if nbytes
                 else torch.empty(t.shape, dtype=t.dtype)
             )
-            pos += size
         return views
 
-    def begin(self, tensors: Sequence[torch.Tensor], lazy: Sequence[bool] | None = None) -> Staged:
-        """Lay ``tensors`` out in the arena and start copying; ``lazy[i]`` copies tensor i in the background."""
+    def begin(
+        self,
+        tensors: Sequence[torch.Tensor],
+        lazy: Sequence[bool] | None = None,
+        file_offsets: Sequence[int] | None = None,
+    ) -> Staged:
+        """Lay ``tensors`` out in the arena and start copying; ``lazy[i]`` copies tensor i in the background.
+
+        ``file_offsets[i]``: where tensor i's bytes will start in the data file written from the arena.  A stager
+        that writes with direct I/O (:class:`~ckpt.saving.process_writer.ProcessStager`) places each tensor at an
+        arena address congruent to it; this one ignores it."""
         flags = list(lazy) if lazy is not None else [False] * len(tensors)
-        views = self._views(tensors)
+        views = self._views(tensors, file_offsets)
         staged = Staged(views)
         cpu_lazy: list[tuple[torch.Tensor, torch.Tensor]] = []
         cuda_pairs: list[tuple[torch.Tensor, torch.Tensor, bool]] = []

@@ -4,8 +4,9 @@ Started by :class:`ckpt.saving.process_writer.ProcessStager` as ``python -m ckpt
 LIFELINE_FD``; it imports no torch.  Requests arrive one JSON line at a time on stdin (which file, where each
 chunk's bytes lie in the arena, the header entries), replies leave on stdout: where each chunk landed and its
 checksum, or the error.  The file is written through :class:`~ckpt.storage.local.LocalStorage` (temp file, fsync,
-create-only link), each block hashed right before it is written, so it is byte for byte what the in-process
-writer produces and a half-written file is never published.
+create-only link) with direct I/O straight from the arena where the file system allows it
+(:mod:`ckpt.format.directwrite`: no copy into the page cache), each block hashed right before it is written, so it
+is byte for byte what the in-process writer produces and a half-written file is never published.
 
 It dies with its job: a thread blocks on the lifeline pipe, whose write end only the trainer holds; when the
 trainer exits for any reason (``kill -9`` included) the read returns and this process exits at once, mid-write
@@ -21,6 +22,13 @@ import sys
 import threading
 from typing import Any
 
+from ckpt.format.directwrite import (
+    DirectIOUnsupported,
+    disable_direct,
+    enable_direct,
+    new_bounce,
+    write_direct,
+)
 from ckpt.format.streamwrite import safetensors_header, write_payloads
 from ckpt.storage.local import LocalStorage
 
@@ -37,13 +45,32 @@ def _watch(lifeline: int) -> None:
     os._exit(3)
 
 
-def serve(arena: memoryview, req: dict[str, Any]) -> dict[str, Any]:
-    """Write one data file (``req``: root, fname, entries, spans, metadata); return where each payload landed."""
+_BOUNCE: list[mmap.mmap] = []  # the direct writer's bounce buffer, made at the first file
+
+
+def serve(arena: memoryview, req: dict[str, Any], direct: bool = True) -> dict[str, Any]:
+    """Write one data file (``req``: root, fname, entries, spans, metadata); return where each payload landed and
+    how many bytes went to the disk straight from the arena (direct I/O), through the bounce buffer, or buffered
+    (a file system that refuses direct I/O, or ``direct=False``)."""
     head = safetensors_header([tuple(e) for e in req["entries"]], req["metadata"])
-    payloads = [arena[o : o + n] for o, n in req["spans"]]
+    spans = [(int(o), int(n)) for o, n in req["spans"]]
+    io = {"direct": 0, "bounced": 0, "buffered": 0}
     with LocalStorage(req["root"]).create(req["fname"], borrow=True) as f:
-        placed, size = write_payloads(f, head, payloads)
-    return {"placed": placed, "size": size}
+        placed = None
+        if direct and enable_direct(f.fileno()):
+            if not _BOUNCE:
+                _BOUNCE.append(new_bounce())
+            try:
+                placed, size, stats = write_direct(f.fileno(), head, arena, spans, _BOUNCE[0])
+                io.update(direct=stats.direct, bounced=stats.bounced)
+            except DirectIOUnsupported:  # e.g. a block larger than ALIGN: start over, buffered
+                disable_direct(f.fileno())
+                os.ftruncate(f.fileno(), 0)
+                f.seek(0)
+        if placed is None:
+            placed, size = write_payloads(f, head, [arena[o : o + n] for o, n in spans])
+            io["buffered"] = size
+    return {"placed": placed, "size": size, "io": io}
 
 
 def main(argv: list[str]) -> int:
@@ -58,7 +85,8 @@ def main(argv: list[str]) -> int:
         if not line:
             return 0
         try:
-            reply: dict[str, Any] = {"ok": True, **serve(arena, json.loads(line))}
+            req = json.loads(line)
+            reply: dict[str, Any] = {"ok": True, **serve(arena, req, req.get("direct", True))}
         except Exception as e:  # noqa: BLE001 - reported to the trainer, which does not commit
             reply = {"ok": False, "error": f"{type(e).__name__}: {e}"}
         stdout.write(json.dumps(reply).encode() + b"\n")
