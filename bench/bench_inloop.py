@@ -10,6 +10,9 @@ A stack of ``Linear`` layers holding fp32 parameters + Adam moments (``--sizes``
 * ``none``: no checkpoints (the baseline of every ratio);
 * ``ckpt``: ``Checkpointer(async_save=True)`` as it comes: lazy staging, the shared-memory arena, the persistent
   writer process (``ProcessStager``, the default);
+  The writer sends the data file to the disk with direct I/O straight from the arena (no page-cache copy);
+* ``ckpt buffered``: the same writer process writing through the page cache (``ProcessStager(direct_io=False)``),
+  as before direct I/O;
 * ``ckpt thread``: the same with ``stager=HostStager()``: the data files written by a thread of the trainer;
 * ``dcp``: ``torch.distributed.checkpoint.async_save`` (staging inside the call, writer thread);
 * ``dcp stager``: ``async_save`` with one reused ``DefaultStager`` (background staging, waited on before
@@ -124,10 +127,15 @@ class Run:
 
 
 class CkptRun(Run):
-    def __init__(self, root: str, model: Any, opt: Any, process: bool) -> None:
+    def __init__(self, root: str, model: Any, opt: Any, name: str) -> None:
         super().__init__(root, model, opt)
-        self.name = "ckpt" if process else "ckpt thread"
-        self.ck = Checkpointer(async_save=True, stager=ProcessStager() if process else HostStager())
+        self.name = name
+        stager = {
+            "ckpt": ProcessStager,
+            "ckpt buffered": lambda: ProcessStager(direct_io=False),
+            "ckpt thread": HostStager,
+        }[name]()
+        self.ck = Checkpointer(async_save=True, stager=stager)
 
     def save(self, step: int) -> None:
         self.ck.save(self.path(step), step=step, model=self.model, optimizer=self.opt, options=NO_RNG)
@@ -302,8 +310,8 @@ def make(name: str, root: str, model: Any, opt: Any, cuda: bool) -> Run:
     os.makedirs(root, exist_ok=True)
     if name == "none":
         return Run(root, model, opt)
-    if name in ("ckpt", "ckpt thread"):
-        return CkptRun(root, model, opt, process=name == "ckpt")
+    if name in ("ckpt", "ckpt buffered", "ckpt thread"):
+        return CkptRun(root, model, opt, name)
     if name in ("dcp", "dcp stager"):
         return DcpRun(root, model, opt, stager=name == "dcp stager", cuda=cuda)
     if name == "copy+write":
@@ -396,7 +404,7 @@ def main() -> int:
     p.add_argument("--saves-every-step", type=int, default=4, help="saves per run at every = 1")
     p.add_argument("--rounds", type=int, default=6)
     p.add_argument("--batch", type=int, default=8, help="rows per step (sets the forward/backward time)")
-    p.add_argument("--savers", default="none,ckpt,ckpt thread,dcp,dcp stager,copy+write")
+    p.add_argument("--savers", default="none,ckpt,ckpt buffered,ckpt thread,dcp,dcp stager,copy+write")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dir", default=None, help="where checkpoints go (default: a temporary directory)")
     p.add_argument(

@@ -9,8 +9,9 @@
 #    (staging in the call) and DCP async_save with DefaultStager (pinned memory, background staging), plus the D2H
 #    bandwidth of one plain pinned copy of the same bytes;
 # 3. bench/bench_inloop.py on CUDA state (issue 28): the training step's overhead per save in the loop, ckpt (writer
-#    thread and writer process) vs DCP async_save with and without its pinned DefaultStager vs no checkpoints, at
-#    2 GiB, a save every step and every 10 steps, and background CPU s/GiB vs a bare copy + write.
+#    process with direct I/O, the same through the page cache, writer thread) vs DCP async_save with and without
+#    its pinned DefaultStager vs no checkpoints, at 2 GiB, a save every step and every 10 steps, and background
+#    CPU s/GiB vs a bare copy + write.
 #
 # Without a GPU (CUDA=0, or torch sees none) it runs the CPU fallback: no CUDA tests, the stall and in-loop benches
 # on CPU tensors at a small size, so the script itself is checked anywhere.
@@ -41,7 +42,7 @@ timeout 300 "$PY" bench/bench_stall.py --device "$DEV" $STALL_ARGS \
 bench_rc=$?
 tail -12 "$OUT/stall_cuda.log" >&2
 # shellcheck disable=SC2086
-timeout 300 "$PY" bench/bench_inloop.py --device "$DEV" $INLOOP_ARGS --every 1,10 \
+timeout 360 "$PY" bench/bench_inloop.py --device "$DEV" $INLOOP_ARGS --every 1,10 \
   --out "$OUT/inloop_cuda.json" >"$OUT/inloop_cuda.log" 2>&1
 inloop_rc=$?
 grep -v -i -e warn -e gloo "$OUT/inloop_cuda.log" | tail -20 >&2

@@ -2,8 +2,9 @@
 
 ``--profile``: where a save's background time goes, per GiB, on one thread each: a torch copy into a warm buffer
 (the staging copy), xxh3-64 of a buffer cold from memory and of blocks still in the CPU cache (the hash in the same
-pass as the write), a write into the page cache, fsync; then whole saves of the model (ckpt's writer thread, the
-writer process) with the training thread idle and a GIL probe thread: it sleeps 0.2 ms in a loop and adds up how
+pass as the write), a write into the page cache, a direct (``O_DIRECT``) write from a page-aligned buffer, fsync;
+then whole saves of the model (ckpt's writer thread, the
+writer process through the page cache and with direct I/O) with the training thread idle and a GIL probe thread: it sleeps 0.2 ms in a loop and adds up how
 late it wakes (waiting for the GIL, or for a core), against the same probe with no save in flight.
 
 ``--xla``: a small model on the XLA device (PJRT CPU), one traced step = forward, backward, ``optimizer.step()``,
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import mmap
 import os
 import shutil
 import statistics
@@ -35,6 +37,12 @@ from ckpt.saving.process_writer import ProcessStager
 from ckpt.saving.staging import HostStager
 
 NO_RNG = SaveOptions(rng=False)
+# the default (writer process, direct I/O), the writer process through the page cache, the in-process writer
+STAGERS: dict[str, Any] = {
+    "ckpt thread": HostStager,
+    "ckpt buffered": lambda: ProcessStager(direct_io=False),
+    "ckpt": ProcessStager,
+}
 
 
 class Probe:
@@ -97,15 +105,30 @@ def micro(nbytes: int, work: str) -> dict[str, float]:
             os.write(fd, b)
         os.close(fd)
 
+    aligned = mmap.mmap(-1, nbytes)  # page-aligned, as the writer process's arena is
+    aligned[:] = view
+
+    def write_direct(sync: bool) -> None:  # O_DIRECT: the disk reads the buffer by DMA, no page-cache copy
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o644)
+        for i in range(0, nbytes, 8 << 20):
+            os.write(fd, memoryview(aligned)[i : i + (8 << 20)])
+        if sync:
+            os.fsync(fd)
+        os.close(fd)
+
     res = {
         "copy_s_per_gib": per_gib(lambda: dst.copy_(src), nbytes),
         "xxh3_cold_s_per_gib": per_gib(lambda: xxhash.xxh3_64(view), nbytes),
         "write_page_cache_s_per_gib": per_gib(lambda: write(False), nbytes),
         "hash_in_write_pass_s_per_gib": per_gib(hash_then_write, nbytes),
     }
+    res["write_direct_s_per_gib"] = per_gib(lambda: write_direct(False), nbytes)
     t0 = time.perf_counter()
     write(True)
     res["write_fsync_wall_s_per_gib"] = (time.perf_counter() - t0) / (nbytes / GIB)
+    t0 = time.perf_counter()
+    write_direct(True)
+    res["write_direct_fsync_wall_s_per_gib"] = (time.perf_counter() - t0) / (nbytes / GIB)
     res["copy_gib_per_s"] = 1 / res["copy_s_per_gib"]
     os.unlink(path)
     return res
@@ -120,8 +143,8 @@ def saves(gib: float, work: str) -> dict[str, Any]:
     with Probe() as idle:
         time.sleep(2.0)
     out["probe_idle_late_ms_per_s"] = idle.late / idle.wall * 1e3
-    for name, stager in (("ckpt thread", HostStager()), ("ckpt", ProcessStager())):
-        ck = Checkpointer(async_save=True, stager=stager)
+    for name, stager in STAGERS.items():
+        ck = Checkpointer(async_save=True, stager=stager())
         ck.save(os.path.join(work, name, "warm"), step=0, model=model, optimizer=opt, options=NO_RNG).result()
         rows = []
         for i in range(3):
@@ -170,8 +193,8 @@ def xla(args: argparse.Namespace, work: str) -> dict[str, Any]:
     for _ in range(3):  # traced and compiled once
         step()
     res: dict[str, Any] = {"state_mib": sum(p.numel() * 12 for p in model.parameters()) / 2**20}
-    for name, stager in (("ckpt thread", HostStager()), ("ckpt", ProcessStager())):
-        ck = Checkpointer(async_save=True, stager=stager)
+    for name, stager in STAGERS.items():
+        ck = Checkpointer(async_save=True, stager=stager())
         ck.save(
             os.path.join(work, "xla", name, "warm"), step=0, model=model, optimizer=opt, options=NO_RNG
         ).result()
