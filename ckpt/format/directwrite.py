@@ -3,8 +3,8 @@ DMA, so they are never copied into the page cache.
 
 On this project's VM a buffered ``write`` + ``fsync`` of 1 GiB cost the writing process 0.45-4.2 CPU s (the page
 cache's allocation, copy and writeback; it moved 3x within an hour), a direct write of the same bytes 0.07-0.08 s
-and less wall time (bench/bench_direct.py).  That per-byte kernel cost is most of what a save's background work
-costs a training step.
+and less wall time (``bench/bench_direct_write.py``; docs/performance.md).  That per-byte kernel cost was most
+of what a save's background work cost a training step.
 
 Direct I/O wants each write's memory address, file offset and length to be multiples of the device's block.  A
 data file is a safetensors header then the payloads back to back; the stager lays each payload out in the arena at
