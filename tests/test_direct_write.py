@@ -102,8 +102,9 @@ def _serve(
         "entries": entries,
         "spans": spans,
         "metadata": {"format": "ckpt"},
+        "direct": direct,
     }
-    reply = writer_child.serve(arena, req, direct)
+    reply = writer_child.serve(arena, req)
     return reply, (tmp_path / req["fname"]).read_bytes()
 
 

@@ -107,9 +107,13 @@ def write_direct(
     stats = DirectStats()
     buf = memoryview(bounce)
 
+    def congruent(k: int) -> bool:  # segment k lies in the arena at addresses congruent to its file offsets
+        start, _, _, src = segs[k]
+        return src >= 0 and (src - start) % ALIGN == 0
+
     def direct_at(k: int, at: int) -> bool:  # can a whole block at file offset ``at`` of segment k go direct?
-        start, n, _, src = segs[k]
-        return src >= 0 and at % ALIGN == 0 and (src - start) % ALIGN == 0 and start + n - at >= ALIGN
+        start, n, _, _ = segs[k]
+        return at % ALIGN == 0 and start + n - at >= ALIGN and congruent(k)
 
     f, i = 0, 0
     while f < size:
@@ -136,7 +140,7 @@ def write_direct(
                 break
             rel = g - start
             take = min(start + n - g, BOUNCE - fill)
-            if src >= 0 and (src - start) % ALIGN == 0 and g % ALIGN:
+            if g % ALIGN and congruent(j):
                 take = min(take, ALIGN - g % ALIGN)  # stop at the block where this payload can go direct
             piece = view[rel : rel + take]
             if j:

@@ -48,16 +48,16 @@ def _watch(lifeline: int) -> None:
 _BOUNCE: list[mmap.mmap] = []  # the direct writer's bounce buffer, made at the first file
 
 
-def serve(arena: memoryview, req: dict[str, Any], direct: bool = True) -> dict[str, Any]:
-    """Write one data file (``req``: root, fname, entries, spans, metadata); return where each payload landed and
-    how many bytes went to the disk straight from the arena (direct I/O), through the bounce buffer, or buffered
-    (a file system that refuses direct I/O, or ``direct=False``)."""
+def serve(arena: memoryview, req: dict[str, Any]) -> dict[str, Any]:
+    """Write one data file (``req``: root, fname, entries, spans, metadata, direct); return where each payload
+    landed and how many bytes went to the disk straight from the arena (direct I/O), through the bounce buffer, or
+    buffered (a file system that refuses direct I/O, or ``direct`` false)."""
     head = safetensors_header([tuple(e) for e in req["entries"]], req["metadata"])
     spans = [(int(o), int(n)) for o, n in req["spans"]]
     io = {"direct": 0, "bounced": 0, "buffered": 0}
     with LocalStorage(req["root"]).create(req["fname"], borrow=True) as f:
         placed = None
-        if direct and enable_direct(f.fileno()):
+        if req.get("direct", True) and enable_direct(f.fileno()):
             if not _BOUNCE:
                 _BOUNCE.append(new_bounce())
             try:
@@ -85,8 +85,7 @@ def main(argv: list[str]) -> int:
         if not line:
             return 0
         try:
-            req = json.loads(line)
-            reply: dict[str, Any] = {"ok": True, **serve(arena, req, req.get("direct", True))}
+            reply: dict[str, Any] = {"ok": True, **serve(arena, json.loads(line))}
         except Exception as e:  # noqa: BLE001 - reported to the trainer, which does not commit
             reply = {"ok": False, "error": f"{type(e).__name__}: {e}"}
         stdout.write(json.dumps(reply).encode() + b"\n")
