@@ -15,8 +15,6 @@ stores).  Optimizer state has no place in this format and is not written.
 from __future__ import annotations
 
 import json
-import os
-import struct
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -45,75 +43,15 @@ from .engine import (
 )
 from .engine.export import Progress
 from .folder_export import FolderExport, write_all
+from .hf_index import INDEX_NAME, SINGLE_NAME, hf_tensors, read_header, read_json
 
 NAME = "hf"
-INDEX_NAME = "model.safetensors.index.json"
-SINGLE_NAME = "model.safetensors"
 DEFAULT_SHARD_BYTES = 5 << 30
 
 
 def detect(path: str, storage_options: Mapping[str, Any] | None = None) -> bool:
     p = Path(path)
     return (p / "config.json").is_file() and ((p / INDEX_NAME).is_file() or (p / SINGLE_NAME).is_file())
-
-
-def read_header(path: Path) -> dict[str, Any]:
-    """The JSON header of a safetensors file (no tensor data read), checked against the file's size.
-
-    A truncated file (an interrupted download or copy) is refused here, before any planning: its header is intact
-    but the data it describes ends past the end of the file.
-    """
-    try:
-        f = open(path, "rb")  # noqa: SIM115 - closed below
-    except FileNotFoundError:
-        raise CorruptionError(f"{path}: shard file missing") from None
-    except OSError as e:
-        raise CorruptionError(f"{path}: cannot read ({e.strerror})") from None
-    with f:
-        size = os.fstat(f.fileno()).st_size
-        raw = f.read(8)
-        if len(raw) != 8:
-            raise CorruptionError(f"{path}: not a safetensors file (too short)")
-        (n,) = struct.unpack("<Q", raw)
-        if n > 100 << 20 or 8 + n > size:
-            raise CorruptionError(
-                f"{path}: safetensors header of {n} bytes does not fit the {size}-byte file"
-            )
-        try:
-            header = json.loads(f.read(n))
-        except ValueError as e:
-            raise CorruptionError(f"{path}: unreadable safetensors header ({e})") from None
-    if not isinstance(header, dict):
-        raise CorruptionError(f"{path}: safetensors header is not a JSON object")
-    end = 0
-    for name, entry in header.items():
-        if name == "__metadata__":
-            continue
-        try:
-            begin, stop = (int(x) for x in entry["data_offsets"])
-            tuple(int(d) for d in entry["shape"])
-            str(entry["dtype"])
-        except (KeyError, TypeError, ValueError):
-            raise CorruptionError(f"{path}: tensor {name!r}: malformed safetensors header entry") from None
-        if not 0 <= begin <= stop:
-            raise CorruptionError(f"{path}: tensor {name!r}: bad data offsets [{begin}, {stop}]")
-        end = max(end, stop)
-    if 8 + n + end > size:
-        raise CorruptionError(
-            f"{path}: truncated: the header describes {8 + n + end} bytes, the file has {size} "
-            "(an interrupted download or copy? fetch the file again)"
-        )
-    return header
-
-
-def _read_json(path: Path, what: str) -> Any:
-    """A JSON file of the HF folder, or one line naming it."""
-    try:
-        return json.loads(path.read_text())
-    except (ValueError, UnicodeDecodeError) as e:
-        raise CorruptionError(f"{path}: {what} is not valid JSON ({e}); fix or replace the file") from None
-    except OSError as e:
-        raise CorruptionError(f"{path}: cannot read {what} ({e.strerror})") from None
 
 
 class HFSource(Source):
@@ -128,31 +66,16 @@ class HFSource(Source):
         if not detect(str(root)):
             raise CkptError(f"{root}: not a Hugging Face model folder (config.json + model*.safetensors)")
         if config is None:
-            config = _read_json(root / "config.json", "config.json")
+            config = read_json(root / "config.json", "config.json")
             if not isinstance(config, dict):
                 raise CorruptionError(f"{root / 'config.json'}: expected a JSON object")
         self.config = dict(config)
-        if (root / INDEX_NAME).is_file():
-            index = _read_json(root / INDEX_NAME, INDEX_NAME)
-            weight_map = index.get("weight_map") if isinstance(index, dict) else None
-            if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
-                raise CorruptionError(
-                    f"{root / INDEX_NAME}: expected a 'weight_map' of tensor name -> file name"
-                )
-            files = list(dict.fromkeys(weight_map.values()))
-        else:
-            files = [SINGLE_NAME]
-        self._file_of: dict[str, Path] = {}
-        self.tensors = {}
-        for fname in files:
-            if Path(fname).is_absolute() or ".." in Path(fname).parts:
-                raise CorruptionError(f"{root / INDEX_NAME}: unsafe shard name {fname!r}")
-            fpath = root / fname
-            for name, entry in read_header(fpath).items():
-                if name == "__metadata__":
-                    continue
-                self._file_of[name] = fpath
-                self.tensors[name] = TensorDesc(name, "parameter", tuple(entry["shape"]), entry["dtype"])
+        # the index held against the shard headers (one line and exit 1 when they disagree)
+        found = hf_tensors(root)
+        self._file_of: dict[str, Path] = {name: t.file for name, t in found.items()}
+        self.tensors = {
+            name: TensorDesc(name, "parameter", tuple(t.entry["shape"]), t.entry["dtype"]) for name, t in found.items()
+        }
         self.trees = Trees(step=step, progress={"step": step}, extra={"config": self.config})
         self.step_recorded = False  # an HF model folder has no step (a Trainer checkpoint sets it below)
         self._handles: dict[Path, Any] = {}

@@ -304,6 +304,7 @@ def merge_lora(base_src: str, dst: str, opts: ConvertOptions, run: RunOptions | 
     from ckpt.storage.folder import begin_folder
 
     from . import hf
+    from .hf_index import hf_tensors
 
     run = run or RunOptions()
     assert opts.merge_lora is not None
@@ -317,24 +318,21 @@ def merge_lora(base_src: str, dst: str, opts: ConvertOptions, run: RunOptions | 
     cfg = json.loads((base / "config.json").read_text())
     opts = dataclasses.replace(opts, config=opts.config or cfg)
     adapter, _ = read_any(opts.merge_lora, opts, run)
-    index = base / hf.INDEX_NAME
-    if index.is_file():
-        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-    else:
-        shards = [hf.SINGLE_NAME]
+    located = hf_tensors(base)  # the index held against the shard headers: no tensor lost or read twice
+    shards = [p.name for p in dict.fromkeys(t.file for t in located.values())]
     # check every module is present with the right shape before writing anything
     seen: set[str] = set()
-    for shard in shards:
-        for name, meta in hf.read_header(base / shard).items():
-            if name.endswith(".weight") and name[: -len(".weight")] in adapter.modules:
-                mod = name[: -len(".weight")]
-                a, b = adapter.tensors[f"{mod}.lora_A.weight"], adapter.tensors[f"{mod}.lora_B.weight"]
-                if tuple(meta["shape"]) != (b.shape[0], a.shape[1]):
-                    raise LayoutError(
-                        f"{base / shard}: {name} is {meta['shape']} but the adapter's B @ A is "
-                        f"{[b.shape[0], a.shape[1]]}; the adapter was trained on another base"
-                    )
-                seen.add(mod)
+    for name, t in located.items():
+        meta = t.entry
+        if name.endswith(".weight") and name[: -len(".weight")] in adapter.modules:
+            mod = name[: -len(".weight")]
+            a, b = adapter.tensors[f"{mod}.lora_A.weight"], adapter.tensors[f"{mod}.lora_B.weight"]
+            if tuple(meta["shape"]) != (b.shape[0], a.shape[1]):
+                raise LayoutError(
+                    f"{t.file}: {name} is {meta['shape']} but the adapter's B @ A is "
+                    f"{[b.shape[0], a.shape[1]]}; the adapter was trained on another base"
+                )
+            seen.add(mod)
     missing = [m for m in adapter.modules if m not in seen]
     if missing:
         raise LayoutError(
