@@ -7,11 +7,19 @@ input) or 1 (a problem found in a checkpoint); anything else is a bug and keeps 
 
 from __future__ import annotations
 
+#: The exit codes of every ``ckpt`` command, one meaning each (the table in ``ckpt --help``, the README and
+#: docs/guide.md): sound or equal; damage or a difference found; cannot run (bad usage, unreadable or unsupported
+#: input, the environment refused: disk full, permission); interrupted (128 + SIGINT, what a shell reports).
+EXIT_OK = 0
+EXIT_FOUND = 1
+EXIT_CANNOT_RUN = 2
+EXIT_INTERRUPTED = 130
+
 
 class CkptError(Exception):
     """Base class: a problem the user can act on. ``exit_code`` is what the CLI exits with."""
 
-    exit_code = 2
+    exit_code = EXIT_CANNOT_RUN
 
 
 class ManifestError(CkptError):
@@ -25,7 +33,7 @@ class StorageError(CkptError):
 class CorruptionError(CkptError):
     """Data on storage does not match the manifest: wrong size, wrong checksum, missing file."""
 
-    exit_code = 1
+    exit_code = EXIT_FOUND
 
 
 class StateMismatchError(CkptError):

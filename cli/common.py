@@ -9,6 +9,20 @@ import sys
 
 from rich.console import Console
 
+from ckpt.errors import EXIT_CANNOT_RUN, EXIT_FOUND, EXIT_INTERRUPTED, EXIT_OK
+
+__all__ = ["EXIT_CANNOT_RUN", "EXIT_FOUND", "EXIT_INTERRUPTED", "EXIT_OK", "EXIT_TABLE", "err", "out"]
+
+#: the exit codes of every command (:mod:`ckpt.errors`), as ``ckpt --help`` shows them; the README and
+#: docs/guide.md hold the same table (a test compares them)
+EXIT_TABLE = f"""\b
+Exit codes, the same in every command:
+  {EXIT_OK}    sound, or equal: nothing wrong found (ls: listed; convert: written)
+  {EXIT_FOUND}    damage or a difference found, each damaged file or differing tensor named
+  {EXIT_CANNOT_RUN}    cannot run: bad usage, unreadable or unsupported input, or the environment refused (disk full)
+  {EXIT_INTERRUPTED}  interrupted (Ctrl-C)
+"""
+
 
 class _Console(Console):
     """rich's Console, but a closed pipe (``ckpt inspect X | head``) reaches the command group like any other

@@ -17,13 +17,13 @@ from typing import Any
 
 import click
 
-from ckpt.errors import CkptError
+from ckpt.errors import EXIT_CANNOT_RUN, EXIT_INTERRUPTED, CkptError
 
 #: every user error is exactly one stderr line with this prefix, so that scripts can match one spelling
 ERROR_PREFIX = "ckpt: error: "
 WARNING_PREFIX = "ckpt: warning: "
 INTERRUPTED = "ckpt: interrupted"
-INTERRUPTED_EXIT = 130
+INTERRUPTED_EXIT = EXIT_INTERRUPTED
 
 
 def error_line(exc: BaseException) -> str:
@@ -47,7 +47,7 @@ def reported() -> Iterator[None]:
         # click's own "Usage: ... Error: ..." block, in our one-line spelling (unknown command, option, value)
         where = exc.ctx.command_path if exc.ctx is not None else "ckpt"
         click.echo(f"{ERROR_PREFIX}{exc.format_message().rstrip('.')}; see: {where} --help", err=True)
-        raise click.exceptions.Exit(2) from None
+        raise click.exceptions.Exit(EXIT_CANNOT_RUN) from None
     except BrokenPipeError:
         # ``ckpt ls | head``: the reader left; say nothing more (and let nothing flush into the closed pipe)
         import os
@@ -58,7 +58,7 @@ def reported() -> Iterator[None]:
         # the environment refused (disk full, permission, a path that is a file): not a bug, one line
         where = f"{exc.filename}: " if exc.filename else ""
         click.echo(f"{ERROR_PREFIX}{where}{exc.strerror or exc}", err=True)
-        raise click.exceptions.Exit(2) from None
+        raise click.exceptions.Exit(EXIT_CANNOT_RUN) from None
     except KeyboardInterrupt:
         if sys.stderr.isatty():
             click.echo(err=True)  # past the "^C" the terminal echoed

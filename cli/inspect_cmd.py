@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import json
+import sys
+from typing import TYPE_CHECKING
 
 import click
 
 from ckpt.words import count
 
-from .common import human_bytes, layout_text, out
+from .common import EXIT_FOUND, err, human_bytes, layout_text, out
 from .table import Col, print_table
+
+if TYPE_CHECKING:
+    from ckpt.format.reader import CheckpointReader
 
 
 @click.command(epilog="Example: ckpt inspect run/checkpoints/step_00001000 --json")
@@ -39,6 +44,29 @@ def inspect(checkpoint: str, as_json: bool, shards: bool) -> None:
         return
     # the table needs no chunk: format v2 is shown from its top manifest, a rank's index read only for the RNG rule
     reader = CheckpointReader(checkpoint, lazy=not (as_json or shards))
+    from ckpt.errors import CkptError
+    from ckpt.format.integrity import file_problems
+
+    # what ``ls`` says of a damaged checkpoint, ``inspect`` says too: files absent or not at their manifest's size
+    # (a stat each, no reads); shown after what the manifest holds, or instead of it when a damaged file stops that
+    bad = file_problems(reader.storage, reader.manifest)
+    try:
+        _show(reader, checkpoint, as_json, shards)
+    except CkptError:
+        if not bad:
+            raise
+    _exit_if_damaged(bad, checkpoint)
+
+
+def _exit_if_damaged(bad: dict[str, str], checkpoint: str) -> None:
+    """One stderr line per damaged file and exit 1 (:data:`.common.EXIT_FOUND`); nothing when there is none."""
+    for path, why in bad.items():
+        err.print(f"damaged {checkpoint}: {path}: {why}", markup=False)
+    if bad:
+        sys.exit(EXIT_FOUND)
+
+
+def _show(reader: CheckpointReader, checkpoint: str, as_json: bool, shards: bool) -> None:
     m = reader.manifest
     if reader.locator is not None:
         import dataclasses
@@ -150,3 +178,5 @@ def _inspect_nxd(doc: dict, as_json: bool) -> None:
         out.print(f"problem: {p}", markup=False)
     rows = [[rank, name, str(shape)] for rank, tensors in doc["ranks"].items() for name, shape in tensors]
     print_table(out, [Col("rank"), Col("tensor", name=True), Col("shape")], rows)
+    if doc["status"] == "damaged":  # marked done, files missing or torn: as ``ls`` says it
+        sys.exit(EXIT_FOUND)

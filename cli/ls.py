@@ -29,15 +29,16 @@ Examples:
 
 \b
 Lists ours at any folder name up to 3 levels down, NxD tags, HF Trainer checkpoint-N, HF and DCP folders.
-One of ours is "committed" when its manifest is valid and every data file it lists is in its folder (with
---check-files: also at its size); an NxD tag marked done whose files are missing or torn is "damaged".
+One of ours is "committed" when its manifest is valid and every file it lists is in its folder at its size
+(one stat per file, no reads; on an object store sizes are asked only with --check-files), else "damaged";
+an NxD tag marked done whose files are missing or torn is "damaged".
 A step no file records shows as "unknown". Exit codes: 0 listed, 1 a checkpoint is damaged, 2 bad input.
 """
 
 
 @click.command(epilog=EPILOG)
 @click.argument("root")
-@click.option("--check-files", is_flag=True, help="Also check that every data file has its size.")
+@click.option("--check-files", is_flag=True, help="On an object store, also ask each file's size (local folders: always).")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
 def ls(root: str, check_files: bool, as_json: bool) -> None:
     """List the checkpoints under ROOT (ours, NxD tags, Trainer/HF/DCP folders): step, size, layout, status."""
@@ -50,6 +51,9 @@ def ls(root: str, check_files: bool, as_json: bool) -> None:
     storage = open_storage(root)
     if not storage.is_dir():
         raise CkptError(f"{root}: no such directory")
+    # a local folder's files are stat'ed (sizes against the manifest, no reads); an object store's only listed,
+    # unless --check-files asks for one request per file
+    check_files = check_files or storage.local
     found = find_checkpoints(storage)
     if len(found) == 1 and found[0].rel == "" and found[0].kind != "nxd":
         raise CkptError(

@@ -1,7 +1,7 @@
 """The ``ckpt`` command: a click group; each command lives in its own module and stays thin.
 
-Exit codes: 0 success, 1 a problem found in a checkpoint (damage, discontinuity), 2 bad input (bad path, not a
-checkpoint, impossible request), 130 interrupted (Ctrl-C).  Errors are one line on stderr, never a traceback
+Exit codes (:data:`.common.EXIT_TABLE`, shown by ``ckpt --help``): 0 sound or equal, 1 damage or a difference
+found, 2 cannot run (bad usage, unreadable or unsupported input), 130 interrupted (Ctrl-C).  Errors are one line on stderr, never a traceback
 (:mod:`.group`).  The command modules import only click at the top; what a command needs (torch above all) is
 imported when it runs, so ``ckpt --help`` and the commands that touch no tensor start fast.
 """
@@ -11,6 +11,7 @@ from __future__ import annotations
 import click
 
 from . import demo, inspect_cmd, ls, verify
+from .common import EXIT_TABLE
 from .compare import compare
 from .convert import convert
 from .diff import diff
@@ -20,7 +21,9 @@ from .verify_resume import verify_resume
 
 
 @click.group(
-    cls=CkptGroup, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110}
+    cls=CkptGroup,
+    context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110},
+    epilog=EXIT_TABLE,
 )
 @click.version_option(package_name="ckpt", prog_name="ckpt")
 def cli() -> None:

@@ -9,7 +9,7 @@ import click
 
 from ckpt.words import count
 
-from .common import err, out
+from .common import EXIT_FOUND, err, out
 
 EPILOG = """\b
 Examples:
@@ -18,7 +18,8 @@ Examples:
   ckpt verify hf_model/            # Hugging Face / DCP folder: every tensor readable (no checksums there)
 
 \b
-Exit codes: 0 intact, 1 damaged (each bad file and tensor named), 2 not a checkpoint.
+One line per damaged file, naming what is wrong and the tensors it holds.
+Exit codes: 0 intact, 1 damaged, 2 cannot run (not a checkpoint, unreadable or unsupported input).
 """
 
 
@@ -76,14 +77,14 @@ def verify(checkpoint: str, as_json: bool) -> None:
 
 
 def _report_problems(checkpoint: str, problems: list[str], as_json: bool) -> None:
-    """Each problem on stderr (unless --json carries them) and exit 1; nothing when there is none."""
+    """Each problem on stderr, one line per damaged file (unless --json carries them), and exit 1; nothing when
+    there is none."""
     if not problems:
         return
     if not as_json:
         for p in problems:
             err.print(f"damaged {checkpoint}: {p}", markup=False)
-        err.print(f"{count(len(problems), 'problem')} in {checkpoint}", markup=False)
-    sys.exit(1)
+    sys.exit(EXIT_FOUND)
 
 
 def _verify_nxd(tag: str, as_json: bool) -> None:

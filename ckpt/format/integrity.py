@@ -13,6 +13,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from ..errors import CkptError
+from ..storage import Storage
+from ..words import count
 from .manifest import Manifest
 from .reader import CheckpointReader
 
@@ -54,32 +56,59 @@ def coverage_problems(m: Manifest, max_pairwise: int = 512) -> list[Problem]:
     return out
 
 
+def file_problems(storage: Storage, m: Manifest) -> dict[str, str]:
+    """Files the manifest lists (data files, and format v2's rank indexes) that are absent or not at their size,
+    each with what is wrong with it.  One stat per file, no reads: what ``ls`` and ``inspect`` check, and the
+    first thing ``verify`` checks."""
+    listed = [(path, f.size) for path, f in m.files.items()]
+    listed += [(e.path, e.size) for e in (m.v2.sealed_files() if m.v2 is not None else ())]
+    bad: dict[str, str] = {}
+    for path, want in listed:
+        size = storage.size(path)
+        if size is None:
+            bad[path] = "missing"
+        elif size != want:
+            bad[path] = f"{size} bytes, manifest says {want} (truncated or replaced)"
+    return bad
+
+
+def _tensors(names: list[str], shown: int = 3) -> str:
+    """``tensors 'a', 'b', 'c' and 27 more``: the tensors a damaged file holds, the first few by name."""
+    listed = ", ".join(repr(n) for n in names[:shown])
+    more = f" and {len(names) - shown} more" if len(names) > shown else ""
+    return f"{count(len(names), 'tensor')} {listed}{more}" if len(names) > 1 else f"tensor {listed}"
+
+
 def verify_checkpoint(
     reader: CheckpointReader, progress: Callable[[int], None] | None = None
 ) -> list[Problem]:
-    """All problems found (empty when the checkpoint is intact). ``progress`` is called with bytes checked."""
+    """All problems found (empty when the checkpoint is intact): one per damaged file, naming what is wrong and
+    the tensors it holds (a truncated file is one problem, not one per tensor in it), plus one per tensor whose
+    shards do not tile it.  ``progress`` is called with bytes checked."""
     m = reader.manifest
     problems = coverage_problems(m)
-    bad_files: set[str] = set()
-    for path, f in m.files.items():
-        size = reader.storage.size(path)
-        if size is None:
-            problems.append(Problem(path, None, "missing"))
-            bad_files.add(path)
-        elif size != f.size:
-            problems.append(
-                Problem(path, None, f"{size} bytes, manifest says {f.size} (truncated or replaced)")
-            )
-            bad_files.add(path)
+    bad_files = file_problems(reader.storage, m)
+    held: dict[str, list[str]] = {}  # damaged file -> the tensors stored in it
+    failed: dict[str, list[tuple[str, str]]] = {}  # file -> (tensor, what reading it found)
     for name, e in m.tensors.items():
         for shard in e.shards:
             if shard.file in bad_files:
-                problems.append(Problem(shard.file, name, "stored in a missing or damaged file"))
+                names = held.setdefault(shard.file, [])
+                if name not in names:
+                    names.append(name)
                 continue
             try:
                 reader.read_shard(e, shard)
             except CkptError as exc:
-                problems.append(Problem(shard.file, name, str(exc).split(": ", 1)[-1]))
+                failed.setdefault(shard.file, []).append((name, str(exc).split(": ", 1)[-1]))
             if progress is not None:
                 progress(shard.nbytes)
+    for path, why in bad_files.items():
+        names = held.get(path, [])
+        problems.append(Problem(path, None, why + (f"; holds {_tensors(names)}" if names else "")))
+    for path, found in failed.items():
+        names = list(dict.fromkeys(n for n, _ in found))
+        first, what = found[0]
+        more = f" (also {_tensors(names[1:])})" if len(names) > 1 else ""
+        problems.append(Problem(path, first, what + more))
     return problems

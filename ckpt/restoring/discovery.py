@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import CkptError
+from ..format.integrity import file_problems
 from ..format.manifest import MANIFEST_NAME, Manifest
 from ..format.reader import read_manifest
 from ..storage import Storage, open_storage
@@ -38,21 +39,8 @@ class CheckpointInfo:
 
 
 def missing_files(storage: Storage, manifest: Manifest) -> list[str]:
-    """Files the manifest lists that are absent or of the wrong size (cheap: one stat per file)."""
-    bad = []
-    for path, f in manifest.files.items():
-        size = storage.size(path)
-        if size is None:
-            bad.append(f"{path} (missing)")
-        elif size != f.size:
-            bad.append(f"{path} ({size} bytes, manifest says {f.size})")
-    for e in manifest.v2.sealed_files() if manifest.v2 is not None else ():
-        size = storage.size(e.path)
-        if size is None:
-            bad.append(f"{e.path} (missing)")
-        elif size != e.size:
-            bad.append(f"{e.path} ({size} bytes, manifest says {e.size})")
-    return bad
+    """Files the manifest lists that are absent or of the wrong size (cheap: one stat per file, no reads)."""
+    return [f"{path} ({why.split(' (', 1)[0]})" for path, why in file_problems(storage, manifest).items()]
 
 
 def absent_files(storage: Storage, manifest: Manifest) -> list[str]:
