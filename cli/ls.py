@@ -16,7 +16,7 @@ import click
 
 from ckpt.words import count
 
-from .common import human_bytes, layout_text, out
+from .common import EXIT_CANNOT_RUN, EXIT_FOUND, EXIT_OK, human_bytes, layout_text, out
 
 if TYPE_CHECKING:
     from ckpt.restoring.discovery import CheckpointInfo, Found
@@ -44,17 +44,25 @@ def ls(root: str, check_files: bool, as_json: bool) -> None:
     """List the checkpoints under ROOT (ours, NxD tags, Trainer/HF/DCP folders): step, size, layout, status."""
     from ckpt.errors import CkptError
     from ckpt.restoring.discovery import find_checkpoints, list_checkpoints
+    from ckpt.restoring.other_tools import KINDS, file_tool, not_supported
     from ckpt.storage import open_storage
 
     from .where import explain_empty_root
 
     storage = open_storage(root)
+    if storage.local and file_tool(root) is not None:
+        raise CkptError(not_supported(root, file_tool(root) or ""))
     if not storage.is_dir():
         raise CkptError(f"{root}: no such directory")
     # a local folder's files are stat'ed (sizes against the manifest, no reads); an object store's only listed,
     # unless --check-files asks for one request per file
     check_files = check_files or storage.local
     found = find_checkpoints(storage)
+    if len(found) == 1 and found[0].rel == "" and found[0].kind in KINDS:
+        raise CkptError(not_supported(root, found[0].kind))
+    unsupported = [{"format": f.kind, "step": None, "name": f.rel, "status": "unsupported", "problems": []}
+                   for f in found if f.kind in KINDS]  # fmt: skip
+    found = [f for f in found if f.kind not in KINDS]
     if len(found) == 1 and found[0].rel == "" and found[0].kind != "nxd":
         raise CkptError(
             explain_empty_root(root, storage) or f"{root} is a checkpoint; run: ckpt inspect {root}"
@@ -68,7 +76,7 @@ def ls(root: str, check_files: bool, as_json: bool) -> None:
     infos.sort(key=lambda i: (i.step is None, i.step or 0, i.name))
     others = [f for f in found if f.kind != "ckpt"]
     nxd_rows = _nxd_rows(storage, [f for f in others if f.kind == "nxd"])
-    foreign = _foreign_rows(storage, [f for f in others if f.kind != "nxd"])
+    foreign = _foreign_rows(storage, [f for f in others if f.kind != "nxd"]) + unsupported
     if as_json:
         rows = [_ours_json(i) for i in infos] + nxd_rows + foreign
         click.echo(json.dumps(rows, indent=2))
@@ -157,8 +165,12 @@ def _ours_table(infos: list[CheckpointInfo], root: str) -> None:
 
 def _exit(infos: list[CheckpointInfo], nxd_rows: list[dict], foreign: list[dict], root: str) -> None:
     """Exit 1 when a checkpoint is damaged, saying so on stderr too (scripts that read only stderr and the exit
-    code see why), 0 otherwise.  An NxD tag without ``done`` that misses files is a save that did not finish, not
-    damage."""
+    code see why); else 2 when one is of a tool not supported yet (it cannot be read: named, never passed over as
+    nothing); else 0.  An NxD tag without ``done`` that misses files is a save that did not finish, not damage."""
+    from ckpt.restoring.other_tools import WHAT
+
+    from .group import ERROR_PREFIX
+
     bad = [i.name for i in infos if i.status == "damaged"]
     bad += [r["tag"] for r in nxd_rows if r["status"] == "damaged"]
     bad += [r["name"] for r in foreign if r["status"] == "damaged"]
@@ -168,8 +180,18 @@ def _exit(infos: list[CheckpointInfo], nxd_rows: list[dict], foreign: list[dict]
             f"ckpt: {len(bad)} of {count(total, 'checkpoint')} under {root} damaged: {', '.join(bad[:4])}",
             err=True,
         )
-        sys.exit(1)
-    sys.exit(0)
+        sys.exit(EXIT_FOUND)
+    other = [r for r in foreign if r["status"] == "unsupported"]
+    if other:
+        named = ", ".join(f"{r['name']} ({WHAT[r['format']]})" for r in other[:4])
+        more = f" and {len(other) - 4} more" if len(other) > 4 else ""
+        click.echo(
+            f"{ERROR_PREFIX}{count(len(other), 'checkpoint')} under {root} of tools ckpt does not read yet: "
+            f"{named}{more}",
+            err=True,
+        )
+        sys.exit(EXIT_CANNOT_RUN)
+    sys.exit(EXIT_OK)
 
 
 def _nxd_rows(storage: Storage, tags: list[Found]) -> list[dict]:
@@ -226,7 +248,8 @@ def _nxd_table(rows: list[dict], root: str) -> None:
     print_table(out, cols, table, title=f"{root} (NxD)")
 
 
-_FORMAT_WORDS = {"hf-trainer": "HF Trainer", "hf": "Hugging Face", "dcp": "DCP"}
+_FORMAT_WORDS = {"hf-trainer": "HF Trainer", "hf": "Hugging Face", "dcp": "DCP", "accelerate": "accelerate",
+                 "lightning": "Lightning"}  # fmt: skip
 
 
 def _foreign_rows(storage: Storage, folders: list[Found]) -> list[dict]:
@@ -265,7 +288,8 @@ def _foreign_table(rows: list[dict], root: str) -> None:
 
     table = []
     for r in rows:
-        status = Text(r["status"], style="green" if r["status"] == "ok" else "red")
+        shown = "not supported yet" if r["status"] == "unsupported" else r["status"]
+        status = Text(shown, style="green" if r["status"] == "ok" else "red")
         if r["problems"]:
             status.append(f" {r['problems'][0]}")
         table.append(

@@ -123,10 +123,14 @@ def resolve_checkpoint(path: str, command: str) -> tuple[str, str]:
     this cannot list, whose reader then says what is wrong), ``"nxd"``, ``"hf"`` or ``"dcp"``.  A folder of
     checkpoints or a run directory is refused with what to run instead."""
     from ckpt.errors import CkptError
+    from ckpt.restoring.other_tools import not_supported, tool_at
     from ckpt.storage import open_storage
 
     path = strip_manifest(path)
     storage = open_storage(path)
+    other = tool_at(path) if storage.local else None
+    if other is not None:
+        raise CkptError(not_supported(path, other))
     if storage.local and os.path.isfile(path):
         raise CkptError(_a_file(path, command))
     try:

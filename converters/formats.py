@@ -169,6 +169,11 @@ def _detect_model(src: str, storage_options: Mapping[str, Any] | None) -> Format
             return fmt
     if remote:
         raise CkptError(f"{src}: no manifest.json; only our format is read from object stores")
+    from ckpt.restoring.other_tools import not_supported, tool_at
+
+    other = tool_at(src)
+    if other is not None:  # another tool's checkpoint: named, not "unknown layout"
+        raise CkptError(not_supported(src, other))
     _refuse_a_root(src)
     from .nxd.naming import part_of_tag
 

@@ -16,6 +16,7 @@ from ..format.integrity import file_problems
 from ..format.manifest import MANIFEST_NAME, Manifest
 from ..format.reader import read_manifest
 from ..storage import Storage, open_storage
+from .other_tools import LIGHTNING, file_tool, folder_tool
 
 STEP_RE = re.compile(r"^step_(\d+)$")
 
@@ -99,7 +100,8 @@ _TRAINER_STATE = "trainer_state.json"
 class Found:
     """A checkpoint folder found under a root: ``rel`` its path below the root (``""``: the root itself), ``kind``
     ``"ckpt"`` (ours), ``"nxd"`` (an NxD tag), ``"hf-trainer"`` (a Trainer ``checkpoint-N``), ``"hf"`` (a Hugging
-    Face model folder) or ``"dcp"``."""
+    Face model folder) or ``"dcp"``; or a checkpoint of a tool not supported yet (:data:`.other_tools.KINDS`:
+    an accelerate folder, a Lightning ``.ckpt`` file)."""
 
     rel: str
     kind: str
@@ -124,7 +126,7 @@ def folder_kind(names: set[str], is_dir: Any) -> str | None:
         return "hf-trainer" if _TRAINER_STATE in names else "hf"
     if _TRAINER_STATE in names and weights:
         return "hf-trainer"
-    return None
+    return folder_tool(names)  # a tool's folder ckpt does not read yet: found, so that it is named
 
 
 def find_checkpoints(root: str | Storage, max_depth: int = FIND_DEPTH) -> list[Found]:
@@ -156,6 +158,10 @@ def find_checkpoints(root: str | Storage, max_depth: int = FIND_DEPTH) -> list[F
         if kind is not None:
             found.append(Found(rel, kind))
             return
+        for name in sorted(n for n in names if n.endswith(".ckpt")):
+            rel_file = f"{rel}/{name}" if rel else name
+            if file_tool(os.path.join(path, name)) is not None:
+                found.append(Found(rel_file, LIGHTNING))
         if depth >= max_depth:
             return
         for name in sorted(names):

@@ -1,0 +1,76 @@
+"""Checkpoints of training tools ``ckpt`` does not read yet, recognised so that no command mistakes them for nothing.
+
+An accelerate ``Accelerator.save_state`` folder (``model.safetensors``, ``optimizer.bin``, ``random_states_0.pkl``)
+and a PyTorch Lightning ``.ckpt`` file used to get "no checkpoints" (exit 0) from ``ls`` and "manifest.json
+missing" from ``inspect``: a user could conclude the run saved nothing.  Every command now names what they are and
+that they are not supported yet (exit 2, :data:`ckpt.errors.EXIT_CANNOT_RUN`), until they are.
+
+Recognised from names and, for a ``.ckpt`` file, from the raw bytes of its pickle (the key
+``pytorch-lightning_version`` that Lightning writes first): nothing is unpickled, and no torch is imported.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import zipfile
+
+ACCELERATE = "accelerate"
+LIGHTNING = "lightning"
+#: every kind this module recognises (the ``kind`` of a :class:`~ckpt.restoring.discovery.Found`)
+KINDS = (ACCELERATE, LIGHTNING)
+
+#: what each is, in the words the messages use
+WHAT = {
+    ACCELERATE: "an accelerate save_state folder",
+    LIGHTNING: "a PyTorch Lightning .ckpt file",
+}
+#: the short name ``ls`` shows in its format column
+SHORT = {ACCELERATE: "accelerate", LIGHTNING: "Lightning"}
+
+#: files only ``Accelerator.save_state`` writes: its RNG states and its optimizer/scheduler/sampler ``.bin`` files
+_ACCELERATE_FILE = re.compile(r"random_states_\d+\.pkl|(optimizer|scheduler|sampler)(_\d+)?\.bin")
+#: what Lightning's ``dump_checkpoint`` puts in every checkpoint's pickle
+_LIGHTNING_KEY = b"pytorch-lightning_version"
+
+
+def folder_tool(names: set[str] | list[str]) -> str | None:
+    """:data:`ACCELERATE` when a folder's listing is an accelerate ``save_state`` folder, else None."""
+    return ACCELERATE if any(_ACCELERATE_FILE.fullmatch(n) for n in names) else None
+
+
+def file_tool(path: str) -> str | None:
+    """:data:`LIGHTNING` when the local file ``path`` is a Lightning checkpoint, else None (a few KiB read)."""
+    if not path.endswith(".ckpt") or not os.path.isfile(path):
+        return None
+    try:
+        with zipfile.ZipFile(path) as z:
+            pickles = [n for n in z.namelist() if n.endswith("/data.pkl") or n == "data.pkl"]
+            if not pickles:
+                return None
+            with z.open(pickles[0]) as f:
+                head = f.read(1 << 16)
+    except (OSError, zipfile.BadZipFile):
+        return None
+    return LIGHTNING if _LIGHTNING_KEY in head else None
+
+
+def tool_at(path: str) -> str | None:
+    """Which unsupported tool wrote the local file or folder ``path`` (None: none this module knows)."""
+    if os.path.isdir(path):
+        try:
+            return folder_tool(os.listdir(path))
+        except OSError:
+            return None
+    return file_tool(path)
+
+
+def not_supported(path: str, kind: str) -> str:
+    """The one line every command says for ``path``, a checkpoint of ``kind`` (:data:`KINDS`)."""
+    return (
+        f"{path} is {WHAT[kind]}; ckpt does not read {SHORT[kind]} checkpoints yet (it reads its own, NxD tags, "
+        "Hugging Face, Trainer and PEFT folders, DCP)"
+    )
+
+
+__all__ = ["ACCELERATE", "KINDS", "LIGHTNING", "SHORT", "WHAT", "file_tool", "folder_tool", "not_supported", "tool_at"]
