@@ -144,6 +144,30 @@ def test_a_folder_as_save_pretrained_wrote_it_reads_and_converts_whole(tmp_path:
     assert same.exit_code == 0, same.output
 
 
+def test_merge_lora_reads_a_sharded_base_through_the_same_check(tmp_path: Path) -> None:
+    """``--merge-lora`` reads the base's shards itself: a sharded base merges whole, one whose index lies is
+    refused before anything is written."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from tests._lora_models import build, save
+
+    single, adapter = save(build("llama"), tmp_path)
+    base = tmp_path / "sharded"
+    AutoModelForCausalLM.from_pretrained(single).save_pretrained(base, max_shard_size=40000)
+    want = set(load_file(str(single / "model.safetensors")))
+    ok = cli("convert", base, tmp_path / "merged", "--to", "cuda", "--format", "hf", "--merge-lora", adapter)
+    assert ok.exit_code == 0, ok.output
+    got: set[str] = set()
+    for f in (tmp_path / "merged").glob("model-*.safetensors"):
+        got |= set(load_file(str(f)))
+    assert got == want
+    needles = _break(base, "moved")
+    dst = tmp_path / "merged_bad"
+    one_error(cli("convert", base, dst, "--to", "cuda", "--format", "hf", "--merge-lora", adapter), *needles, code=1)
+    assert not dst.exists()
+
+
 # ------------------------------------------------------------------------------ 6: damage said once
 
 
