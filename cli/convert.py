@@ -55,7 +55,7 @@ Examples:
 Layout flags describe the Neuron side: the target (unset ones keep SRC's own Neuron layout), or, with --to cuda,
 an NxD tag SRC where its files cannot (--hw, --kv-size-multiplier, --virtual-pp). With both sides Neuron,
 --source-*/--target-* say which side a flag describes where that is not clear. Exit codes: 0 converted, 1 SRC
-damaged, 2 bad input or impossible request.
+damaged, 2 cannot run (bad input, unsupported SRC, impossible request).
 """
 
 

@@ -22,7 +22,8 @@ Examples:
 \b
 Formats: ours, HF folders, HF Trainer checkpoint-N folders, DCP, NxD tags (--config), PEFT adapters, NxD LoRA tags.
 Tensors are compared in the full (unsharded, HF-named) view, one pair at a time. Element x of A matches y of B when
-|x - y| <= atol + rtol * |y| (default: bit equality). Exit codes: 0 equal, 1 different, 2 bad input.
+|x - y| <= atol + rtol * |y| (default: bit equality). Exit codes: 0 equal, 1 different (or damaged),
+2 cannot run (bad input, unsupported format).
 """
 
 #: rows printed for each list before "... and N more" (``--json`` has them all)

@@ -17,7 +17,10 @@ if TYPE_CHECKING:
     from ckpt.format.reader import CheckpointReader
 
 
-@click.command(epilog="Example: ckpt inspect run/checkpoints/step_00001000 --json")
+@click.command(
+    epilog="Example: ckpt inspect run/checkpoints/step_00001000 --json\n\nA file absent or not at its manifest's size "
+    "is one stderr line. Exit codes: 0 shown, 1 damaged, 2 cannot run (not a checkpoint, unsupported input)."
+)
 @click.argument("checkpoint")
 @click.option("--json", "as_json", is_flag=True, help="Print the tensors and state as JSON.")
 @click.option("--shards", is_flag=True, help="List every shard (file, offset, box, codec).")

@@ -32,7 +32,8 @@ Lists ours at any folder name up to 3 levels down, NxD tags, HF Trainer checkpoi
 One of ours is "committed" when its manifest is valid and every file it lists is in its folder at its size
 (one stat per file, no reads; on an object store sizes are asked only with --check-files), else "damaged";
 an NxD tag marked done whose files are missing or torn is "damaged".
-A step no file records shows as "unknown". Exit codes: 0 listed, 1 a checkpoint is damaged, 2 bad input.
+A step no file records shows as "unknown". Exit codes: 0 listed, 1 a checkpoint is damaged, 2 cannot run (bad input, or a checkpoint
+of a tool ckpt does not read yet: an accelerate save_state folder, a Lightning .ckpt).
 """
 
 
