@@ -123,16 +123,14 @@ def resolve_checkpoint(path: str, command: str) -> tuple[str, str]:
     this cannot list, whose reader then says what is wrong), ``"nxd"``, ``"hf"`` or ``"dcp"``.  A folder of
     checkpoints or a run directory is refused with what to run instead."""
     from ckpt.errors import CkptError
-    from ckpt.restoring.other_tools import not_supported, tool_at
+    from ckpt.restoring.other_tools import file_tool, not_supported, tool_at
     from ckpt.storage import open_storage
 
     path = strip_manifest(path)
     storage = open_storage(path)
-    other = tool_at(path) if storage.local else None
-    if other is not None:
-        raise CkptError(not_supported(path, other))
     if storage.local and os.path.isfile(path):
-        raise CkptError(_a_file(path, command))
+        other = file_tool(path)
+        raise CkptError(not_supported(path, other) if other is not None else _a_file(path, command))
     try:
         if not storage.is_dir():
             return path, "checkpoint"
@@ -141,6 +139,9 @@ def resolve_checkpoint(path: str, command: str) -> tuple[str, str]:
     kind = _kind(storage)
     if kind is not None:
         return path, kind
+    other = tool_at(path) if storage.local else None  # after ours and HF's: a Trainer folder may hold optimizer.bin
+    if other is not None:
+        raise CkptError(not_supported(path, other))
     why = explain_not_a_checkpoint(path, storage, command)
     if why is not None:
         raise CkptError(why)
