@@ -317,7 +317,8 @@ def test_counts_and_plurals(tmp_path: Path, cuda_ckpt: Path) -> None:
     raw[-10] ^= 0xFF
     data.write_bytes(bytes(raw))
     v = ckpt_cli("verify", damaged)
-    assert v.returncode == 1 and "1 problem in" in v.stderr and "(s)" not in v.stderr, v.stderr
+    # one damaged file, one line (issue 37: no per-tensor repeats, no count line)
+    assert v.returncode == 1 and len(v.stderr.splitlines()) == 1 and "(s)" not in v.stderr, v.stderr
     one = ckpt_cli("convert", TAG.parent, tmp_path / "x", "--to", "cuda")
     line = assert_one_error(one, "one NxD tag, step_3")
     assert "1 NxD tag" not in line and "not one" not in line, line
