@@ -62,6 +62,11 @@ def _edited(src: Path, dst: Path, edit) -> Path:  # noqa: ANN001 - a function of
     tensors = load_file(str(shard))
     edit(tensors)
     save_file(tensors, str(shard), metadata={"format": "pt"})
+    index = dst / "model.safetensors.index.json"
+    if index.is_file():  # as a tool that edits a model writes it: the index agrees with the shard (issue 37)
+        doc = json.loads(index.read_text())
+        doc["weight_map"] = {n: shard.name for n in tensors}
+        index.write_text(json.dumps(doc))
     return dst
 
 
