@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ckpt.errors import CkptError
+from ckpt.storage import refusal
 
 from .exchange import BlockStore, ServedSource, exchange, plan_exchange, unit_pieces
 from .export import Export, Progress, Staging, UnitReceipt, balance
@@ -219,7 +220,7 @@ def run_torchrun(
         report.rank = rank
 
         def write(tell: Progress) -> tuple[Any, RankStats]:
-            with metered(export) as meter:
+            with metered(export) as meter, refusal.reported(dst, f"rank {rank}'s share of the output"):
                 receipt = _exchange_and_write(
                     export, shares, rank, report, lambda: export.write(shared, share, tell, worker=rank)
                 )
