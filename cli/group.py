@@ -82,16 +82,24 @@ def _stop(signum: int, frame: Any) -> None:
     raise KeyboardInterrupt
 
 
-def _handle_stops() -> None:
+@contextmanager
+def _handle_stops() -> Iterator[None]:
+    """:func:`_stop` handles SIGINT and SIGTERM meanwhile (in the main thread; the handlers before are restored)."""
     import signal
     import threading
 
     if threading.current_thread() is not threading.main_thread():
+        yield
         return
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        if signal.getsignal(sig) is signal.SIG_IGN:  # started with it ignored (``nohup``, ``cmd &``): keep that
-            continue
-        signal.signal(sig, _stop)
+    before = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    for sig, handler in before.items():
+        if handler is not signal.SIG_IGN:  # started with it ignored (``nohup``, ``cmd &``): keep that
+            signal.signal(sig, _stop)
+    try:
+        yield
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
 
 
 def _not_xla_default(record: Any) -> bool:
@@ -113,7 +121,7 @@ class CkptGroup(click.Group):
 
         logging.getLogger().addFilter(_not_xla_default)
 
-        _handle_stops()  # SIGTERM (``kill``, a scheduler) ends a command as Ctrl-C does, not mid-write
-        with reported(), warnings.catch_warnings():  # the command's own option parsing, imports and work
+        # SIGTERM (``kill``, a scheduler) ends a command as Ctrl-C does, not mid-write
+        with reported(), _handle_stops(), warnings.catch_warnings():  # the command's parsing, imports and work
             warnings.showwarning = _show_warning
             return super().invoke(ctx)
