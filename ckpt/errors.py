@@ -66,3 +66,8 @@ class UnsafePickleError(CkptError):
 
 class AsyncSaveError(CkptError):
     """A background save failed; raised at the next save/wait/close. The checkpoint was not committed."""
+
+
+class SaveRefusedError(AsyncSaveError, StorageError):
+    """A save failed because storage refused a write (full disk, over quota, read-only, no permission, no such
+    bucket); the message names the step's folder, the file and the reason. The checkpoint was not committed."""

@@ -333,10 +333,29 @@ def _run(run_convert, src: str, dst: str, opts, run, as_json: bool) -> None:  # 
     rank = int(os.environ.get("RANK", "0") or 0)
     try:
         _run_and_report(run_convert, src, dst, opts, run, as_json, rank)
+    except KeyboardInterrupt:
+        if rank == 0 and _committed(dst, opts.format):  # it landed after the commit: nothing to undo, say so
+            from .group import Interrupted
+
+            raise Interrupted(f"DST {dst} was already committed and is complete") from None
+        raise
     except ConversionFailed as e:
         if rank != 0 and not e.own:
             raise click.exceptions.Exit(e.exit_code) from None  # rank 0 says it
         raise
+
+
+def _committed(dst: str, fmt: str) -> bool:
+    """Whether a local ``dst`` holds a committed output once an interrupted conversion has removed what it had not
+    committed: DST was new or empty, folder formats publish it whole, ours commits with its manifest."""
+    from pathlib import Path
+
+    if "://" in dst and not dst.startswith("file://"):
+        return False
+    path = Path(dst.removeprefix("file://"))
+    if fmt == "ckpt":
+        return (path / "manifest.json").is_file()
+    return path.is_dir() and any(path.iterdir())
 
 
 def _run_and_report(run_convert, src: str, dst: str, opts, run, as_json: bool, rank: int) -> None:  # noqa: ANN001

@@ -2,7 +2,8 @@
 
 A :class:`~ckpt.errors.CkptError` becomes one stderr line ``ckpt: error: <message>`` and the error's exit code
 (2 bad input, 1 a problem found in a checkpoint); Ctrl-C becomes one line ``ckpt: interrupted`` and exit code 130
-(128 + SIGINT, what a shell reports for it); an ``OSError`` the environment raised (disk full, permission denied)
+(128 + SIGINT, what a shell reports for it), SIGTERM too, with "; <what> is complete" when it landed after the
+command's output was committed; an ``OSError`` the environment raised (disk full, permission denied)
 one line and exit 2; anything else is a bug and keeps its traceback.  Commands just raise.
 A library warning becomes one stderr line ``ckpt: warning: <message>`` (not Python's two lines naming our source).
 ``main()`` and click's test runner both go through the group, so they behave the same.
@@ -59,11 +60,46 @@ def reported() -> Iterator[None]:
         where = f"{exc.filename}: " if exc.filename else ""
         click.echo(f"{ERROR_PREFIX}{where}{exc.strerror or exc}", err=True)
         raise click.exceptions.Exit(EXIT_CANNOT_RUN) from None
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as exc:
         if sys.stderr.isatty():
             click.echo(err=True)  # past the "^C" the terminal echoed
-        click.echo(INTERRUPTED, err=True)
+        # a command that had committed its output says so ("ckpt: interrupted; DST ... is complete")
+        click.echo(INTERRUPTED + (f"; {exc}" if isinstance(exc, Interrupted) and str(exc) else ""), err=True)
         raise click.exceptions.Exit(INTERRUPTED_EXIT) from None
+
+
+class Interrupted(KeyboardInterrupt):
+    """A Ctrl-C / SIGTERM that landed after the command's output was committed: its text says what is complete."""
+
+
+def _stop(signum: int, frame: Any) -> None:
+    """SIGINT and SIGTERM: the first raises KeyboardInterrupt in the main thread (the command removes what it had
+    not committed); later ones are ignored, so that nothing interrupts that clean-up half-way."""
+    import signal
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
+    raise KeyboardInterrupt
+
+
+@contextmanager
+def _handle_stops() -> Iterator[None]:
+    """:func:`_stop` handles SIGINT and SIGTERM meanwhile (in the main thread; the handlers before are restored)."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    before = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    for sig, handler in before.items():
+        if handler is not signal.SIG_IGN:  # started with it ignored (``nohup``, ``cmd &``): keep that
+            signal.signal(sig, _stop)
+    try:
+        yield
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
 
 
 def _not_xla_default(record: Any) -> bool:
@@ -85,6 +121,7 @@ class CkptGroup(click.Group):
 
         logging.getLogger().addFilter(_not_xla_default)
 
-        with reported(), warnings.catch_warnings():  # the command's own option parsing, imports and work
+        # SIGTERM (``kill``, a scheduler) ends a command as Ctrl-C does, not mid-write
+        with reported(), _handle_stops(), warnings.catch_warnings():  # the command's parsing, imports and work
             warnings.showwarning = _show_warning
             return super().invoke(ctx)

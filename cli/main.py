@@ -15,7 +15,7 @@ from .common import EXIT_TABLE
 from .compare import compare
 from .convert import convert
 from .diff import diff
-from .group import CkptGroup
+from .group import INTERRUPTED_EXIT, CkptGroup
 from .report import report
 from .verify_resume import verify_resume
 
@@ -42,5 +42,25 @@ cli.add_command(compare)
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Run ``ckpt`` with ``argv`` (default: the process's arguments); exits the process."""
-    cli.main(args=argv, prog_name="ckpt")
+    """Run ``ckpt`` with ``argv`` (default: the process's arguments); exits the process.
+
+    An interrupted command has removed what it had not committed and said so by the time it gets here: the
+    process then ends at once, not after joining whatever threads a library left running (a pool's manager thread
+    whose worker was killed can wait forever)."""
+    try:
+        cli.main(args=argv, prog_name="ckpt")
+    except SystemExit as e:
+        if e.code != INTERRUPTED_EXIT:
+            raise
+        import os
+        import sys
+
+        mp_util = sys.modules.get("multiprocessing.util")
+        if mp_util is not None:  # its semaphores unregistered, its (dead) workers reaped: no tracker warning
+            mp_util._exit_function()
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):
+                pass
+        os._exit(INTERRUPTED_EXIT)

@@ -22,6 +22,7 @@ from typing import Any
 
 from ckpt.errors import CheckpointExistsError, CkptError, LayoutError
 from ckpt.layouts.spec import NxdFlags
+from ckpt.storage import refusal
 
 from . import formats
 from .engine import (
@@ -339,7 +340,8 @@ def check_writable_dst(dst: str, path: Path) -> None:
     if not parent.is_dir():
         raise CkptError(f"DST {dst}: {parent} is a file, not a folder; choose a DST under a folder")
     if not os.access(parent, os.W_OK | os.X_OK):
-        raise CkptError(f"DST {dst}: {parent} is not writable by this user; choose a writable location")
+        why = "is on a read-only file system" if os.statvfs(parent).f_flag & os.ST_RDONLY else "is not writable by this user"
+        raise CkptError(f"DST {dst}: {parent} {why}; choose a writable location")
 
 
 def _new_dirs(dst: str) -> list[Path]:
@@ -416,7 +418,7 @@ def convert(
             raise CkptError("LoRA adapters convert in one process; drop --workers / torchrun")
         if opts.consumed_samples is not None:
             raise CkptError("--consumed-samples: a LoRA adapter conversion records no data position; drop it")
-        with _no_trace(dst):
+        with _no_trace(dst), refusal.reported(dst, f"the --format {opts.format} output"):
             r = formats.ADAPTER.load().convert(found, dst, opts, run)
         return ConvertResult(r.dst, r.tensors, r.bytes, r.format, notes=r.notes)
     rank, world = _dist_env()
@@ -440,7 +442,8 @@ def convert(
             )
         if on_plan is not None:
             on_plan(sum(t.desc.nbytes for t in written))
-        with _no_trace(dst) if rank == 0 else nullcontext():
+        what = f"the --format {opts.format} output"
+        with _no_trace(dst) if rank == 0 else nullcontext(), refusal.reported(dst, what):
             if world > 1:
                 run_torchrun(export, dst, rank, world, progress, report)
             elif run.workers > 1:

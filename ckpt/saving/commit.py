@@ -19,11 +19,11 @@ import torch
 
 from .. import data as data_mod
 from ..distributed import Collective
-from ..errors import AsyncSaveError, CkptError, StateMismatchError
+from ..errors import AsyncSaveError, CkptError, SaveRefusedError, StateMismatchError
 from ..format import publish
 from ..format.manifest import FORMAT_VERSION, Box, Layout, Manifest, TensorDesc
 from ..state import rng_rule
-from ..storage import Storage
+from ..storage import Storage, refusal
 from .staging import Staged
 
 
@@ -100,14 +100,15 @@ def run(coll: Collective, job: SaveJob, format_version: int | None) -> SaveResul
         else:
             report.update(trees=job.rank_trees, receipt=receipt)
     except Exception as e:  # noqa: BLE001 - reported to rank 0 so that it does not commit
-        report = {"ok": False, "rank": rank, "error": f"rank {rank}: {type(e).__name__}: {e}"}
+        report = {"ok": False, "rank": rank, "error": f"rank {rank}: {_why(e, job)}", "refused": _refused(e, job)}
     reports = coll.gather(report)
     outcome: dict[str, Any] = {"ok": True}
     if rank == 0:
         assert reports is not None
         failed = [r["error"] for r in reports if not r["ok"]]
         if failed:
-            outcome = {"ok": False, "error": "; ".join(failed)}
+            refused = all(r.get("refused") for r in reports if not r["ok"])
+            outcome = {"ok": False, "error": "; ".join(failed), "refused": refused}
         else:
             try:
                 manifest, written = (
@@ -116,10 +117,10 @@ def run(coll: Collective, job: SaveJob, format_version: int | None) -> SaveResul
                 publish.publish(job.storage, manifest, version, written)
                 outcome = {"ok": True, "bytes": manifest.total_bytes}
             except Exception as e:  # noqa: BLE001
-                outcome = {"ok": False, "error": f"rank 0 commit: {type(e).__name__}: {e}"}
+                outcome = {"ok": False, "error": f"rank 0 commit: {_why(e, job)}", "refused": _refused(e, job)}
     outcome = coll.broadcast(outcome)
     if not outcome["ok"]:
-        raise AsyncSaveError(
+        raise (SaveRefusedError if outcome.get("refused") else AsyncSaveError)(
             f"save of step {job.step} to {job.storage.display()} failed, not committed: {outcome['error']}"
         )
     result = SaveResult(
@@ -135,6 +136,16 @@ def run(coll: Collective, job: SaveJob, format_version: int | None) -> SaveResul
         except Exception as e:  # noqa: BLE001 - the checkpoint is committed; housekeeping must not undo that
             warnings.warn(f"after committing step {job.step}: {type(e).__name__}: {e}", stacklevel=1)
     return result
+
+
+def _why(exc: Exception, job: SaveJob) -> str:
+    """A rank's failure as the error line says it: storage refusing a write (full disk, read-only, no permission)
+    as its reason and file, anything else with its type."""
+    return refusal.reason(exc, job.storage.display()) or f"{type(exc).__name__}: {exc}"
+
+
+def _refused(exc: Exception, job: SaveJob) -> bool:
+    return refusal.reason(exc, job.storage.display()) is not None
 
 
 def _metas(reports: list[dict[str, Any]]) -> list[TensorDesc]:

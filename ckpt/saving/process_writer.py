@@ -249,6 +249,8 @@ class ProcessStager(HostStager):
         writer = self._start_writer()  # a writer that died since the last save is replaced
         with self._lock:
             reply = writer.request(req)
+        if not reply["ok"] and reply.get("errno"):
+            raise OSError(reply["errno"], os.strerror(reply["errno"]), reply.get("filename") or storage.path(fname))
         if not reply["ok"]:
             raise StorageError(f"writer process, {storage.display(fname)}: {reply['error']}")
         for k, v in reply["io"].items():

@@ -31,6 +31,7 @@ from ckpt.format.directwrite import (
 )
 from ckpt.format.streamwrite import safetensors_header, write_payloads
 from ckpt.storage.local import LocalStorage
+from ckpt.storage.refusal import refusal_in
 
 
 def _watch(lifeline: int) -> None:
@@ -88,6 +89,9 @@ def main(argv: list[str]) -> int:
             reply: dict[str, Any] = {"ok": True, **serve(arena, json.loads(line))}
         except Exception as e:  # noqa: BLE001 - reported to the trainer, which does not commit
             reply = {"ok": False, "error": f"{type(e).__name__}: {e}"}
+            refused = refusal_in(e)  # a full disk: the trainer raises it as the OSError it is
+            if refused is not None:
+                reply.update(errno=refused.errno, filename=refused.filename)
         stdout.write(json.dumps(reply).encode() + b"\n")
         stdout.flush()
 

@@ -19,6 +19,7 @@ from typing import Any, BinaryIO
 from ckpt.errors import CheckpointExistsError, StorageError
 
 from . import Storage
+from .refusal import naming
 from .retry import RETRIES
 
 READ_BLOCK = 4 << 20  # read_into's block: small enough to hash while still in the CPU cache
@@ -58,23 +59,25 @@ class LocalStorage(Storage):
     @contextlib.contextmanager
     def create(self, rel: str, exclusive: bool = True, borrow: bool = False) -> Iterator[BinaryIO]:
         final = self.path(rel)
-        directory = os.path.dirname(final)
-        os.makedirs(directory, exist_ok=True)
-        tmp = os.path.join(directory, f".{os.path.basename(final)}.tmp-{uuid.uuid4().hex[:12]}")
-        f = open(tmp, "xb", buffering=0)  # noqa: SIM115 - closed below on every path
+        with naming(final):  # a full disk, a read-only folder: an OSError naming this file, torch's included
+            directory = os.path.dirname(final)
+            os.makedirs(directory, exist_ok=True)
+            tmp = os.path.join(directory, f".{os.path.basename(final)}.tmp-{uuid.uuid4().hex[:12]}")
+            f = open(tmp, "xb", buffering=0)  # noqa: SIM115 - closed below on every path
         try:
-            yield f
-            os.fsync(f.fileno())
-            f.close()
-            if exclusive:
-                try:
-                    os.link(tmp, final)
-                except FileExistsError:
-                    raise CheckpointExistsError(f"{final} already exists") from None
-                os.unlink(tmp)
-            else:
-                os.replace(tmp, final)
-            fsync_dir(directory)
+            with naming(final):
+                yield f
+                os.fsync(f.fileno())
+                f.close()
+                if exclusive:
+                    try:
+                        os.link(tmp, final)
+                    except FileExistsError:
+                        raise CheckpointExistsError(f"{final} already exists") from None
+                    os.unlink(tmp)
+                else:
+                    os.replace(tmp, final)
+                fsync_dir(directory)
         except BaseException:
             f.close()
             with contextlib.suppress(FileNotFoundError):

@@ -19,7 +19,7 @@ from typing import Any
 from ..errors import CheckpointExistsError, CkptError
 from ..format.manifest import MANIFEST_NAME, Manifest
 from ..restoring.discovery import step_dir
-from ..storage import Storage, open_storage
+from ..storage import Storage, open_storage, refusal
 from .files import file_size, rank_files
 from .node import NodeMap
 from .retention import drop
@@ -80,14 +80,14 @@ def persist(coll: Any, root: Storage, step: int, folder: Path, raw: bytes, m: Ma
         for n in rank_files(m, coll.rank):
             dst.put_bytes(n, (folder / n).read_bytes(), exclusive=True)
     except Exception as e:  # noqa: BLE001 - every rank must learn it before rank 0 would commit
-        error = f"rank {coll.rank}: {type(e).__name__}: {e}"
+        error = f"rank {coll.rank}: {refusal.reason(e, dst.display()) or f'{type(e).__name__}: {e}'}"
     errors = [e for e in coll.all_gather(error) if e is not None]
     outcome = None
     if coll.rank == 0 and not errors:
         try:
             dst.put_bytes(MANIFEST_NAME, raw, exclusive=True)
         except Exception as e:  # noqa: BLE001
-            outcome = f"rank 0 commit: {type(e).__name__}: {e}"
+            outcome = f"rank 0 commit: {refusal.reason(e, dst.display()) or f'{type(e).__name__}: {e}'}"
     outcome = coll.broadcast(outcome if not errors else "; ".join(errors))
     if outcome is not None:
         raise CkptError(f"copy of step {step} to {dst.display()} failed, not committed: {outcome}")

@@ -15,6 +15,7 @@ from ..distributed import Collective, gloo_group
 from ..errors import CkptError
 from ..restoring.discovery import step_dir
 from ..saving.checkpointer import SaveResult
+from ..storage import refusal
 from . import agree, replicate
 from .node import NodeMap
 from .policy import LOCAL, PEER, PERSISTENT, TierPolicy
@@ -131,7 +132,7 @@ class Tiers:
         try:
             problems = replicate.send_replicas(self.coll, self.nodes, self.replicas, pending, m)
         except (CkptError, OSError) as e:
-            problems = [f"rank {self.coll.rank}: {e}"]
+            problems = [f"rank {self.coll.rank}: {refusal.reason(e, str(self.root)) or e}"]
         problems = [p for ps in self.coll.all_gather(problems) for p in ps]
         final = self.root / step_dir(step)
         if not problems:

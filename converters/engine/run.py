@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ckpt.errors import CkptError
+from ckpt.storage import refusal
 
 from .exchange import BlockStore, ServedSource, exchange, plan_exchange, unit_pieces
 from .export import Export, Progress, Staging, UnitReceipt, balance
@@ -71,7 +72,8 @@ class ConversionFailed(CkptError):
 
 def run_serial(export: Export, dst: str, progress: Progress = None, report: RunReport | None = None) -> str:
     """Write every unit in this process, then commit."""
-    staging = export.begin(dst)
+    with _deferred_stops():  # a Ctrl-C inside begin would leave its staging folder to no one
+        staging = export.begin(dst)
     units = range(len(export.weights))
     try:
         with metered(export) as meter:
@@ -98,14 +100,19 @@ def _worker(rebuild: Callable[[], Export], staging: Staging, units: list[int], i
             close()
 
 
+#: what stops a conversion (Ctrl-C, ``kill``): the parent's business, never a worker's
+_STOP = {signal.SIGINT, signal.SIGTERM}
+
+
 def _leave_sigint_to_parent() -> None:
     """Worker initializer: ignore SIGINT (then take it off the blocked set :func:`submit` started us with), and
     warnings: a worker re-plans what the parent planned, and the parent has already said each of them once."""
     import warnings
 
     warnings.simplefilter("ignore")
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+    for sig in _STOP:
+        signal.signal(sig, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOP)
     from .allocator import pin_malloc
 
     pin_malloc()  # as the CLI process that started it (converters/engine/allocator.py)
@@ -122,28 +129,95 @@ def worker_pool(n: int) -> Iterator[ProcessPoolExecutor]:
     """
     import multiprocessing as mp
 
+    _quiet_resource_tracker()
     pool = ProcessPoolExecutor(
         max_workers=n, mp_context=mp.get_context("spawn"), initializer=_leave_sigint_to_parent
     )
     try:
         yield pool
     except BaseException:
-        for proc in list(pool._processes.values()):  # no public handle on the workers; stable since 3.2
-            proc.terminate()
-        pool.shutdown(wait=True, cancel_futures=True)
+        _stop_workers(pool)
         raise
     pool.shutdown(wait=True)
 
 
+def _quiet_resource_tracker() -> None:
+    """Start multiprocessing's resource tracker (the pool's queues register their semaphores with it) with its
+    stderr on /dev/null: after an interruption killed the workers it outlives this process and would print
+    "leaked semaphore objects" warnings about them (it removes them all the same) under our one line."""
+    import os
+    import sys
+    from multiprocessing import resource_tracker
+
+    sys.stderr.flush()
+    saved = os.dup(2)
+    null = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(null, 2)
+        resource_tracker.ensure_running()
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(null)
+
+
+def _stop_workers(pool: ProcessPoolExecutor) -> None:
+    """Terminate the workers and leave without waiting on the pool: a worker killed while it held the pool's
+    call queue leaves ``shutdown(wait=True)`` waiting forever (the 120 s hang of a Ctrl-C in CI)."""
+    import multiprocessing as mp
+
+    # no public handle on the workers (``_processes``: stable since 3.2); a worker still starting is only a child
+    procs = {id(p): p for p in [*(pool._processes or {}).values(), *mp.active_children()]}.values()
+    for proc in procs:
+        proc.terminate()  # a worker past its initializer ignores it: SIGKILL below
+    for proc in procs:
+        proc.join(1)
+        if proc.is_alive():
+            proc.kill()
+            proc.join(5)
+    pool.shutdown(wait=False, cancel_futures=True)
+
+
 def submit(pool: ProcessPoolExecutor, fn: Callable[..., Any], *args: Any) -> Future:
-    """``pool.submit`` with SIGINT blocked meanwhile: a worker the call starts inherits the blocked signal, so it
+    """``pool.submit`` with SIGINT and SIGTERM blocked meanwhile: a worker the call starts inherits the blocked signal, so it
     cannot be interrupted before its initializer ignores SIGINT; one that arrives meanwhile reaches this process
     when the call returns."""
-    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    with _deferred_stops():
+        old = signal.pthread_sigmask(signal.SIG_BLOCK, _STOP)
+        try:
+            return pool.submit(fn, *args)
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
+@contextmanager
+def _deferred_stops() -> Iterator[None]:
+    """SIGINT / SIGTERM meanwhile are acted on when the block ends, not inside it.
+
+    Blocking them (above) is not enough once the pool has threads: the kernel hands the signal to a thread that
+    does not block it and Python runs the handler in the main thread anyway, so a KeyboardInterrupt could land
+    between a worker's spawn and the write of its start-up data (the worker then died with a traceback).
+    """
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    caught: list[int] = []
+    handlers = {sig: signal.getsignal(sig) for sig in _STOP}
+    for sig in _STOP:
+        signal.signal(sig, lambda signum, frame: caught.append(signum))
     try:
-        return pool.submit(fn, *args)
+        yield
     finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+    if caught:
+        handler = handlers[caught[0]]
+        if callable(handler):
+            handler(caught[0], None)
+        elif handler == signal.SIG_DFL:
+            raise KeyboardInterrupt
 
 
 def run_workers(
@@ -152,7 +226,8 @@ def run_workers(
     """``workers`` spawned processes write the units; this process commits.  On any failure it waits for the
     other workers (leaving the pool), then aborts: nothing is ever published."""
     shares = balance(export.weights, workers)
-    staging = export.begin(dst)
+    with _deferred_stops():  # a Ctrl-C inside begin would leave its staging folder to no one
+        staging = export.begin(dst)
     try:
         receipts: list[UnitReceipt] = []
         busy = [
@@ -219,7 +294,7 @@ def run_torchrun(
         report.rank = rank
 
         def write(tell: Progress) -> tuple[Any, RankStats]:
-            with metered(export) as meter:
+            with metered(export) as meter, refusal.reported(dst, f"rank {rank}'s share of the output"):
                 receipt = _exchange_and_write(
                     export, shares, rank, report, lambda: export.write(shared, share, tell, worker=rank)
                 )

@@ -28,6 +28,7 @@ import torch
 from ckpt.errors import CorruptionError
 from ckpt.safe_unpickle import XSER_TENSOR_REFERENCE, TensorReference, load_torch_file
 from ckpt.storage import Storage
+from ckpt.storage.refusal import naming
 
 from .integrity import verify_torch_zip
 
@@ -258,12 +259,14 @@ def _save(obj: Any, storage: Storage, rel: str, **kw: Any) -> None:
     """
     path = storage.local_path(rel)
     if path is not None:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        torch.save(obj, path, **kw)
+        with naming(path):  # torch's "unexpected pos" on a full disk: an OSError naming the file
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            torch.save(obj, path, **kw)
         return
     with tempfile.TemporaryDirectory(prefix="ckpt-nxd-") as d:
         local = os.path.join(d, os.path.basename(rel))
-        torch.save(obj, local, **kw)
+        with naming(local):  # the local temp folder is full
+            torch.save(obj, local, **kw)
         with open(local, "rb") as src, storage.create(rel) as dst:
             shutil.copyfileobj(src, dst, 16 << 20)
 
