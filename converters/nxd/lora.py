@@ -178,7 +178,16 @@ def read_lora_tag(
                 f, files.xser, verify=verify, context=f"optimizer tp {key[0]}"
             )
         optimizer = from_nxd(optims, shards, spec, tensors, str(tag))
+    training = None
+    if files.scheduler is not None:  # a tag written from a Trainer folder (or by NxD with scheduler=)
+        from ..peft import Training
+        from .step import tag_step
+
+        step = tag_step(files, verify=verify, warn=False)
+        if step is not None:
+            training = Training(step, load_checked(files.scheduler, verify=verify))
     adapter = Adapter(
+        training=training,
         optimizer=optimizer,
         tensors=tensors,
         r=int(nxd_cfg.get("lora_rank", nxd_cfg.get("r", 0))),
@@ -260,11 +269,13 @@ def write_lora_tag(
     storage_options: dict[str, Any] | None = None,
     *,
     step: int | None = None,
+    scheduler: Any = None,
 ) -> tuple[int, tuple[str, ...]]:
     """Write ``adapter`` as an NxD LoRA tag in layout ``spec`` at ``dst`` (checked fully before any byte is
     written; published whole with ``done`` last), widened where NxD's fused layers need it.  ``step`` (None: not
     known) goes into ``user_content.pt`` as ``total_steps``, where NxD training scripts keep it and the tag's
-    readers look first.  Returns the bytes of tensor data written and the summary lines (the widening, when there
+    readers look first; ``scheduler`` (a state dict) goes into ``scheduler.pt``, where ``nxd.save_checkpoint``
+    puts it.  Returns the bytes of tensor data written and the summary lines (the widening, when there
     was one)."""
     from ckpt.storage.folder import begin_folder
 
@@ -297,6 +308,8 @@ def write_lora_tag(
         txn.storage.put_bytes(CONFIG_NAME, (json.dumps(tag_cfg, indent=2, sort_keys=True) + "\n").encode())
         if step is not None:
             save_nxd_file({"total_steps": int(step)}, txn.storage, "user_content.pt", False)
+        if scheduler is not None:
+            save_nxd_file(scheduler, txn.storage, "scheduler.pt", False)
         txn.commit({"done": b"1"})
     if not shards:
         warnings.warn(f"{dst}: the adapter laid out to no tensors", stacklevel=2)
