@@ -23,6 +23,7 @@ import re
 import warnings
 from collections.abc import Mapping
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -164,6 +165,42 @@ def read_trainer_adapter(path: str, config: Mapping[str, Any] | None = None) -> 
     return adapter
 
 
+class AdapterFolder:
+    """A PEFT adapter folder (a Trainer's LoRA ``checkpoint-N`` too) read whole, as ``ls`` / ``inspect`` /
+    ``verify`` read a conversion source: ``tensors`` (the adapter's HF names, and ``optim/<name>/<key>`` for the
+    optimizer's moments), ``read``, the step a Trainer folder records."""
+
+    layout = "cuda"
+
+    def __init__(self, path: str, config: Mapping[str, Any] | None = None) -> None:
+        from ckpt.format.dtypes import dtype_name
+        from ckpt.format.manifest import TensorDesc
+
+        trainer = is_trainer_folder(path)
+        self.adapter = read_trainer_adapter(path, config) if trainer else peft.read_adapter(path)
+        self.format = "hf-trainer-lora" if trainer else "peft"
+        self.title = "HF Trainer LoRA" if trainer else "PEFT adapter"
+        self.step_recorded = trainer
+        self.step = self.adapter.training.step if self.adapter.training is not None else None
+        self.trees = SimpleNamespace(step=self.step)  # where a conversion source keeps its step
+        self._tensors: dict[str, torch.Tensor] = dict(self.adapter.tensors)
+        self.tensors: dict[str, Any] = {}
+        for name, t in self.adapter.tensors.items():
+            self.tensors[name] = TensorDesc(name, "parameter", tuple(t.shape), dtype_name(t.dtype))
+        for name, per in ((self.adapter.optimizer or {}).get("state") or {}).items():
+            for key, v in per.items():
+                if isinstance(v, torch.Tensor) and v.dim() > 0:
+                    n = f"optim/{name}/{key}"
+                    self._tensors[n] = v
+                    self.tensors[n] = TensorDesc(n, "optimizer_state", tuple(v.shape), dtype_name(v.dtype), name, key)
+
+    def read(self, piece: Any) -> torch.Tensor:
+        return self._tensors[piece.name]
+
+    def close(self) -> None:
+        self._tensors = {}
+
+
 def dropped(adapter: peft.Adapter, holds: tuple[str, ...], target: str) -> tuple[str, ...]:
     """The one summary line naming what ``target`` cannot hold of a Trainer folder's state (none when nothing)."""
     if adapter.training is None:
@@ -246,6 +283,7 @@ def write_trainer_folder(
 
 
 __all__ = [
+    "AdapterFolder",
     "TRAINING_PARTS",
     "dropped",
     "is_trainer_folder",
