@@ -272,9 +272,12 @@ def convert_adapter(
             raise LayoutError(f"layout flags: {e}") from None
         spec = LayoutSpec.of(ModelDims.from_hf_config(cfg), flags)
         step = opts.step if opts.step is not None else recorded if recorded is not None else source_step(found, run)
-        sched = adapter.training.scheduler if adapter.training is not None else None
-        nbytes, notes = nxd_lora.write_lora_tag(adapter, spec, dst, run.storage_options, step=step, scheduler=sched)
-        notes += dropped(adapter, TRAINING_PARTS[:2], "an NxD LoRA tag")
+        t = adapter.training
+        nbytes, notes = nxd_lora.write_lora_tag(
+            adapter, spec, dst, run.storage_options, step=step, scheduler=t.scheduler if t is not None else None,
+            trainer_state=t.trainer_state if t is not None else None,
+        )  # fmt: skip
+        notes += dropped(adapter, tuple(p for p in TRAINING_PARTS if p != "RNG state"), "an NxD LoRA tag")
         if step is None:  # said once the tag is written, so that a refusal stays one error line
             warnings.warn(
                 f"{src} records no training step: the NxD LoRA tag records none either (pass --step N to set it)",

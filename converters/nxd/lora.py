@@ -11,7 +11,7 @@ back from them (:mod:`converters.lora_optim`).
 
 What ckpt writes: the rank files with ``lora_config`` inside (so NxD's ``LoraModel.load_checkpoint`` needs no other
 file), ``adapter_config.json`` in the tag too (NxD's fields, plus ``peft_config``: the PEFT config it came from, so
-that a round trip gives the same PEFT folder, ``ckpt_layout``: the parallel flags, and ``ckpt_widened`` when the
+that a round trip gives the same PEFT folder, ``ckpt_layout``: the parallel flags, and ``ckpt_trainer_state`` when it came from a Trainer folder, ``ckpt_widened`` when the
 adapter was widened to fit NxD's fused layers, :mod:`converters.lora_widen`), ``checkpoint`` and ``done``.
 
 Refused on read: NxD's default ``merge_sharded_lora=True`` form (every rank holds gathered tensors; for
@@ -42,6 +42,8 @@ from .xser import can_mmap, load_checked, load_nxd_file, save_nxd_file
 
 CONFIG_NAME = "adapter_config.json"
 LORA_CONFIG_KEY = "lora_config"
+#: the Trainer state of a tag written from a Trainer folder (in the tag's adapter_config.json, beside peft_config)
+TRAINER_STATE_KEY = "ckpt_trainer_state"
 #: NxD LoraConfig.get_selected_fields() (+ "r", which selected_fields_to_save adds for PEFT compatibility)
 NXD_FIELDS = (
     "bias", "init_lora_weights", "lora_alpha", "lora_dropout", "lora_rank", "use_rslora", "target_modules",
@@ -179,13 +181,15 @@ def read_lora_tag(
             )
         optimizer = from_nxd(optims, shards, spec, tensors, str(tag))
     training = None
-    if files.scheduler is not None:  # a tag written from a Trainer folder (or by NxD with scheduler=)
+    trainer_state = nxd_cfg.get(TRAINER_STATE_KEY)
+    if files.scheduler is not None or isinstance(trainer_state, dict):  # written from a Trainer folder
         from ..peft import Training
         from .step import tag_step
 
         step = tag_step(files, verify=verify, warn=False)
         if step is not None:
-            training = Training(step, load_checked(files.scheduler, verify=verify))
+            sched = load_checked(files.scheduler, verify=verify) if files.scheduler is not None else None
+            training = Training(step, sched, {}, dict(trainer_state) if isinstance(trainer_state, dict) else {})
     adapter = Adapter(
         training=training,
         optimizer=optimizer,
@@ -270,12 +274,14 @@ def write_lora_tag(
     *,
     step: int | None = None,
     scheduler: Any = None,
+    trainer_state: dict[str, Any] | None = None,
 ) -> tuple[int, tuple[str, ...]]:
     """Write ``adapter`` as an NxD LoRA tag in layout ``spec`` at ``dst`` (checked fully before any byte is
     written; published whole with ``done`` last), widened where NxD's fused layers need it.  ``step`` (None: not
     known) goes into ``user_content.pt`` as ``total_steps``, where NxD training scripts keep it and the tag's
     readers look first; ``scheduler`` (a state dict) goes into ``scheduler.pt``, where ``nxd.save_checkpoint``
-    puts it.  Returns the bytes of tensor data written and the summary lines (the widening, when there
+    puts it; ``trainer_state`` (a Trainer folder's ``trainer_state.json``) into ``adapter_config.json`` as
+    ``ckpt_trainer_state``, so that the tag converts back to a Trainer folder that resumes.  Returns the bytes of tensor data written and the summary lines (the widening, when there
     was one)."""
     from ckpt.storage.folder import begin_folder
 
@@ -295,6 +301,8 @@ def write_lora_tag(
     }
     if record is not None:
         tag_cfg[RECORD_KEY] = record
+    if trainer_state:
+        tag_cfg[TRAINER_STATE_KEY] = trainer_state
     nbytes = 0
     with begin_folder(dst, storage_options) as txn:
         txn.storage.put_bytes("checkpoint", b"1")
