@@ -58,7 +58,9 @@ def _base_model(adapter: peft.Adapter, config: Mapping[str, Any] | None, where: 
         cfg = dict(config)
         model_type = cfg.pop("model_type", None)
         if not model_type:
-            raise LayoutError(f"{where}: --config has no model_type; cannot rebuild the Trainer's parameter order")
+            raise LayoutError(
+                f"{where}: --config has no model_type; cannot rebuild the Trainer's parameter order"
+            )
         return AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **cfg))
     mapping = adapter.peft_config.get("auto_mapping") or {}
     lib, name = mapping.get("parent_library"), mapping.get("base_model_class")
@@ -120,7 +122,9 @@ def read_optimizer(path: Path, adapter: peft.Adapter, order: tuple[list[str], li
             f"{path}: param_groups of {sizes} parameters, but the Trainer groups this adapter as {len(order[0])} "
             f"with weight decay + {len(order[1])} without; cannot name its parameters"
         )
-    name_of = {i: n for g, names in zip(groups, order, strict=True) for i, n in zip(g["params"], names, strict=True)}
+    name_of = {
+        i: n for g, names in zip(groups, order, strict=True) for i, n in zip(g["params"], names, strict=True)
+    }
     state: dict[str, dict[str, Any]] = {}
     for idx, per in opt["state"].items():
         name = name_of.get(idx)
@@ -192,7 +196,9 @@ class AdapterFolder:
                 if isinstance(v, torch.Tensor) and v.dim() > 0:
                     n = f"optim/{name}/{key}"
                     self._tensors[n] = v
-                    self.tensors[n] = TensorDesc(n, "optimizer_state", tuple(v.shape), dtype_name(v.dtype), name, key)
+                    self.tensors[n] = TensorDesc(
+                        n, "optimizer_state", tuple(v.shape), dtype_name(v.dtype), name, key
+                    )
 
     def read(self, piece: Any) -> torch.Tensor:
         return self._tensors[piece.name]
@@ -255,7 +261,10 @@ def write_trainer_folder(
                 i += 1
             numbered.append(ids)
         files[OPTIMIZER_NAME] = _bytes_of(
-            {"state": state, "param_groups": [{**g, "params": ids} for g, ids in zip(groups, numbered, strict=True)]}
+            {
+                "state": state,
+                "param_groups": [{**g, "params": ids} for g, ids in zip(groups, numbered, strict=True)],
+            }
         )
     training = adapter.training or peft.Training(step)
     if training.scheduler is not None:
@@ -270,7 +279,8 @@ def write_trainer_folder(
         trainer_state["stateful_callbacks"] = {"TrainerControl": TrainerControl().state()}
     trainer_state["global_step"] = step
     files[peft.WEIGHTS_NAME] = save(
-        {peft.PREFIX + n: t.detach().contiguous() for n, t in adapter.tensors.items()}, metadata={"format": "pt"}
+        {peft.PREFIX + n: t.detach().contiguous() for n, t in adapter.tensors.items()},
+        metadata={"format": "pt"},
     )
     config_bytes = (json.dumps(adapter.to_peft_config(), indent=2, sort_keys=True) + "\n").encode()
     with begin_folder(dst, storage_options) as txn:

@@ -30,7 +30,9 @@ def run(*args: object) -> object:
 def straight(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("lora_trainer") / "out"
     assert train(out, "--lora", "--steps", STEPS, "--save-every", EVERY) == 0
-    assert (out / "checkpoint-2" / "optimizer.pt").is_file() and not (out / "checkpoint-2" / "config.json").exists()
+    assert (out / "checkpoint-2" / "optimizer.pt").is_file() and not (
+        out / "checkpoint-2" / "config.json"
+    ).exists()
     return out
 
 
@@ -51,25 +53,33 @@ def test_ls_inspect_verify_see_the_folders_with_their_step(straight: Path) -> No
     res = run("ls", straight)
     assert res.exit_code == 0, res.output
     rows = [ln.split() for ln in res.output.splitlines() if "checkpoint-" in ln]
-    assert [(r[0], r[1], r[-1]) for r in rows] == [(str(s), f"checkpoint-{s}", "ok") for s in (2, 4, 6)], res.output
+    assert [(r[0], r[1], r[-1]) for r in rows] == [(str(s), f"checkpoint-{s}", "ok") for s in (2, 4, 6)], (
+        res.output
+    )
     res = run("inspect", straight / "checkpoint-4", "--json")
     assert res.exit_code == 0, res.output
     doc = json.loads(res.output)
     assert doc["step"] == 4 and doc["format"] == "hf-trainer-lora"
     roles = [t["role"] for t in doc["tensors"].values()]
-    assert roles.count("parameter") == 28 and roles.count("optimizer_state") == 56  # exp_avg + exp_avg_sq each
+    assert (
+        roles.count("parameter") == 28 and roles.count("optimizer_state") == 56
+    )  # exp_avg + exp_avg_sq each
     res = run("verify", straight / "checkpoint-4")
     assert res.exit_code == 0 and "ok" in res.output, res.output
 
 
-def test_convert_to_ckpt_keeps_step_moments_scheduler_rng_and_diffs_equal(straight: Path, tmp_path: Path) -> None:
+def test_convert_to_ckpt_keeps_step_moments_scheduler_rng_and_diffs_equal(
+    straight: Path, tmp_path: Path
+) -> None:
     import ckpt
 
     src, dst = straight / "checkpoint-4", tmp_path / "ck"
     res = run("convert", src, dst, "--to", "cuda", "--format", "ckpt")  # no --step: trainer_state.json says 4
     assert res.exit_code == 0 and "not written" not in res.output, res.output
     m = ckpt.open_checkpoint(str(dst)).manifest
-    assert m.step == 4 and m.scheduler is not None and m.rng and m.extra["hf_trainer_state"]["global_step"] == 4
+    assert (
+        m.step == 4 and m.scheduler is not None and m.rng and m.extra["hf_trainer_state"]["global_step"] == 4
+    )
     assert sum(t.role == "optimizer_state" for t in m.tensors.values()) == 56
     res = run("diff", src, dst)
     assert res.exit_code == 0 and "84 equal" in res.output and "only in" in res.output, res.output
@@ -89,7 +99,9 @@ def test_convert_to_nxd_holds_the_adam_moments_and_names_what_it_cannot(
     st = torch.load(optim)["state"]
     assert len(st) > 0 and all({"exp_avg", "exp_avg_sq", "step"} <= set(v) for v in st.values())
     assert torch.load(tag / "scheduler.pt") == torch.load(src / "scheduler.pt")
-    res = run("diff", src, tag, "--config", config)  # adapter and moments, through NxD's fused, widened layout
+    res = run(
+        "diff", src, tag, "--config", config
+    )  # adapter and moments, through NxD's fused, widened layout
     assert res.exit_code == 0 and "84 equal" in res.output, res.output
 
 
@@ -101,11 +113,17 @@ def test_to_a_plain_peft_folder_names_what_is_left_out(straight: Path, tmp_path:
 
 
 @pytest.mark.parametrize("route", ["ckpt", "nxd"])
-def test_back_to_a_trainer_folder_resumes_bit_for_bit(straight: Path, config: Path, tmp_path: Path, route: str) -> None:
+def test_back_to_a_trainer_folder_resumes_bit_for_bit(
+    straight: Path, config: Path, tmp_path: Path, route: str
+) -> None:
     """checkpoint-2 -> ckpt (or an NxD LoRA tag) -> a Trainer folder: the Trainer resumes from it and its losses
     and its checkpoint-6 (adapter and Adam moments) are the uninterrupted run's, bit for bit."""
     mid, back = tmp_path / "mid", tmp_path / "checkpoint-2"
-    to = ["--to", "cuda", "--format", "ckpt"] if route == "ckpt" else ["--to", "neuron", "--format", "nxd", "--config", config]
+    to = (
+        ["--to", "cuda", "--format", "ckpt"]
+        if route == "ckpt"
+        else ["--to", "neuron", "--format", "nxd", "--config", config]
+    )
     assert run("convert", straight / "checkpoint-2", mid, *to).exit_code == 0
     res = run("convert", mid, back, "--to", "cuda", "--format", "hf-trainer", "--config", config)
     assert res.exit_code == 0, res.output
