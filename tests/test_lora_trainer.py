@@ -88,17 +88,26 @@ def test_convert_to_ckpt_keeps_step_moments_scheduler_rng_and_diffs_equal(
     assert res.exit_code == 1 and "step: 2 -> 4" in res.output, res.output
 
 
-def test_convert_to_nxd_holds_the_adam_moments_and_names_what_it_cannot(
+def test_convert_to_nxd_zero1_shards_hold_the_adam_moments_and_names_what_it_cannot(
     straight: Path, config: Path, tmp_path: Path
 ) -> None:
+    """TP 2 x DP 2: one ZeRO-1 file per (dp, tp) rank, each holding its DP shard of every LoRA parameter's Adam
+    moments; merged back they are the Trainer's moments bit for bit (``ckpt diff`` through NxD's layout)."""
     src, tag = straight / "checkpoint-4", tmp_path / "tag"
-    res = run("convert", src, tag, "--to", "neuron", "--format", "nxd", "--config", config)
+    to = ["--to", "neuron", "--format", "nxd", "--tp", 2, "--dp", 2, "--config", config]
+    res = run("convert", src, tag, *to)  # no --step: user_content.pt gets global_step
     assert res.exit_code == 0, res.output
     assert "not written: RNG state (an NxD LoRA tag cannot hold them)" in res.output
-    (optim,) = (tag / "optim").iterdir()
-    st = torch.load(optim)["state"]
-    assert len(st) > 0 and all({"exp_avg", "exp_avg_sq", "step"} <= set(v) for v in st.values())
+    files = sorted(p.name for p in (tag / "optim").iterdir())
+    assert files == [f"dp_rank_0{d}_tp_rank_0{t}_pp_rank_00.pt" for d in (0, 1) for t in (0, 1)]
+    for name in files:
+        z = torch.load(tag / "optim" / name)
+        assert sorted(z["shape_info"]) == sorted(z["base_state"]) and z["param_groups"][0]["param_names"]
+        for pid, per in z["base_state"].items():
+            rows = -(-z["shape_info"][pid][0] // 2)  # dim 0 padded to a multiple of dp, then halved
+            assert per["exp_avg"].shape[0] == per["exp_avg_sq"].shape[0] == rows and int(per["step"]) == 4
     assert torch.load(tag / "scheduler.pt") == torch.load(src / "scheduler.pt")
+    assert torch.load(tag / "user_content.pt")["total_steps"] == 4
     res = run(
         "diff", src, tag, "--config", config
     )  # adapter and moments, through NxD's fused, widened layout

@@ -6,8 +6,8 @@ names (``...qkv_proj.lora_A.weight``, ``...qkv_proj.lora_B.weight_q``, ``...gate
 ``save_lora_config_adapter=True``; otherwise NxD writes the same dict as ``adapter_config.json`` into
 ``lora_save_dir`` (the tag's parent, for ``load_checkpoint``).
 
-The adapter's optimizer state, when the source has it, is written as NxD's plain ``optim/`` rank files and read
-back from them (:mod:`converters.lora_optim`).
+The adapter's optimizer state, when the source has it, is written as NxD's ``optim/`` rank files (plain, or with
+``--dp N`` ZeRO-1 shards, one file per DP rank) and read back from them (:mod:`converters.lora_optim`).
 
 What ckpt writes: the rank files with ``lora_config`` inside (so NxD's ``LoraModel.load_checkpoint`` needs no other
 file), ``adapter_config.json`` in the tag too (NxD's fields, plus ``peft_config``: the PEFT config it came from, so
@@ -168,17 +168,24 @@ def read_lora_tag(
             raise LayoutError(f"{tag}: LoRA config {key}={nxd_cfg[key]!r} is not supported (expected {ok!r})")
     optimizer = None
     if files.optim:
-        from ..lora_optim import from_nxd
+        from ..lora_optim import from_nxd, from_zero1
+        from .zero1 import is_zero1_dict
 
-        if files.dp_size > 1:
-            raise LayoutError(
-                f"{tag}: ZeRO-1 sharded LoRA optimizer files (dp {files.dp_size}) are not supported"
+        by_rank: dict[tuple[int, int], list[Any]] = {}
+        for (_dp, key), f in sorted(files.optim.items()):
+            by_rank.setdefault((key[0], key[1]), []).append(
+                load_nxd_file(f, files.xser, verify=verify, context=f"optimizer dp {_dp} tp {key[0]}")
             )
         optims = {}
-        for (_dp, key), f in sorted(files.optim.items()):
-            optims[(key[0], key[1])] = load_nxd_file(
-                f, files.xser, verify=verify, context=f"optimizer tp {key[0]}"
-            )
+        for rank, dicts in by_rank.items():
+            if any(is_zero1_dict(d) for d in dicts):
+                optims[rank] = from_zero1(
+                    dicts, shards.get(rank, {}), f"{tag}: ZeRO-1 optim tp {rank[0]} pp {rank[1]}"
+                )
+            elif len(dicts) > 1:
+                raise LayoutError(f"{tag}: {len(dicts)} DP ranks of plain (not ZeRO-1) LoRA optimizer files")
+            else:
+                optims[rank] = dicts[0]
         optimizer = from_nxd(optims, shards, spec, tensors, str(tag))
     training = None
     trainer_state = nxd_cfg.get(TRAINER_STATE_KEY)
@@ -189,7 +196,9 @@ def read_lora_tag(
         step = tag_step(files, verify=verify, warn=False)
         if step is not None:
             sched = load_checked(files.scheduler, verify=verify) if files.scheduler is not None else None
-            training = Training(step, sched, {}, dict(trainer_state) if isinstance(trainer_state, dict) else {})
+            training = Training(
+                step, sched, {}, dict(trainer_state) if isinstance(trainer_state, dict) else {}
+            )
     adapter = Adapter(
         training=training,
         optimizer=optimizer,
@@ -285,7 +294,7 @@ def write_lora_tag(
     was one)."""
     from ckpt.storage.folder import begin_folder
 
-    from ..lora_optim import to_nxd
+    from ..lora_optim import to_nxd, to_zero1
     from ..lora_widen import RECORD_KEY, widen
 
     check_every_layer(adapter, spec.model.layers)
@@ -311,7 +320,11 @@ def write_lora_tag(
             nbytes += sum(t.numel() * t.element_size() for t in sd.values())
             sd[LORA_CONFIG_KEY] = lora_cfg
             save_nxd_file(sd, txn.storage, f"model/{rank_file_name(0, tp, pp)}", False)
-            if optims:
+            if optims and spec.dp > 1:  # ZeRO-1: one file of shards per DP rank
+                where = f"{dst} optim tp {tp} pp {pp}"
+                for dp, od in enumerate(to_zero1(optims[(tp, pp)], shards.get((tp, pp), {}), spec.dp, where)):
+                    save_nxd_file(od, txn.storage, f"optim/{rank_file_name(dp, tp, pp)}", False)
+            elif optims:
                 save_nxd_file(optims[(tp, pp)], txn.storage, f"optim/{rank_file_name(0, tp, pp)}", False)
         txn.storage.put_bytes(CONFIG_NAME, (json.dumps(tag_cfg, indent=2, sort_keys=True) + "\n").encode())
         if step is not None:
