@@ -1,4 +1,5 @@
-"""``inspect`` / ``verify`` of the folders ``convert`` reads but that are not ours: Hugging Face and DCP.
+"""``inspect`` / ``verify`` of the folders ``convert`` reads but that are not ours: Hugging Face, DCP and PEFT adapter
+folders (a Trainer's LoRA ``checkpoint-N`` with its optimizer moments).
 
 They carry no checksums, so ``verify`` checks what they do say: every file present, every safetensors header
 consistent with its file's size, every tensor readable at its shape and dtype.
@@ -17,17 +18,21 @@ from .common import human_bytes, out
 from .table import Col, print_table
 
 
-def _title(name: str) -> str:
-    """The format's name in prose, from the format table."""
+def _title(source: Any) -> str:
+    """The format's name in prose: the source's own, else the format table's."""
     from ckpt.converters import formats
 
-    return str(formats.get(name))
+    return getattr(source, "title", None) or str(formats.get(source.format))
 
 
 def open_foreign(path: str) -> Any:
-    """The conversion source of an HF or DCP folder at ``path`` (one-line errors from the format's reader)."""
-    from ckpt.converters import formats
+    """The conversion source of an HF, DCP or adapter folder at ``path`` (one-line errors from the reader)."""
+    from ckpt.converters import formats, peft
 
+    if peft.detect(path):
+        from ckpt.converters.lora_trainer import AdapterFolder
+
+        return AdapterFolder(path)
     fmt = formats.detect(path)
     return fmt.load().open_source(path)
 
@@ -42,6 +47,7 @@ def inspect_foreign(path: str, as_json: bool) -> None:
                 "path": path,
                 "format": source.format,
                 "layout": source.layout,
+                "step": source.trees.step if getattr(source, "step_recorded", False) else None,
                 "bytes": total,
                 "tensors": {
                     n: {"role": d.role, "shape": list(d.shape), "dtype": d.dtype} for n, d in tensors.items()
@@ -49,8 +55,9 @@ def inspect_foreign(path: str, as_json: bool) -> None:
             }
             click.echo(json.dumps(doc, indent=2))
             return
+        step = f"  step {source.trees.step}" if getattr(source, "step_recorded", False) else ""
         out.print(
-            f"{path}  {_title(source.format)} folder  {source.layout} layout  {count(len(tensors), 'tensor')}  {human_bytes(total)}",
+            f"{path}  {_title(source)} folder{step}  {source.layout} layout  {count(len(tensors), 'tensor')}  {human_bytes(total)}",
             markup=False,
         )
         rows = [
@@ -99,7 +106,7 @@ def verify_foreign(path: str, as_json: bool) -> list[str]:
                                "problems": problems, "checksums": False}, indent=2))  # fmt: skip
     elif not problems:
         out.print(
-            f"ok {path}: {_title(source.format)} folder, {count(n, 'tensor')} readable at their header's shape and dtype "
+            f"ok {path}: {_title(source)} folder, {count(n, 'tensor')} readable at their header's shape and dtype "
             "(the format has no checksums)",
             markup=False,
         )

@@ -249,8 +249,8 @@ def _nxd_table(rows: list[dict], root: str) -> None:
     print_table(out, cols, table, title=f"{root} (NxD)")
 
 
-_FORMAT_WORDS = {"hf-trainer": "HF Trainer", "hf": "Hugging Face", "dcp": "DCP", "accelerate": "accelerate",
-                 "lightning": "Lightning"}  # fmt: skip
+_FORMAT_WORDS = {"hf-trainer": "HF Trainer", "hf-trainer-lora": "HF Trainer LoRA", "hf": "Hugging Face", "dcp": "DCP",
+                 "accelerate": "accelerate", "lightning": "Lightning"}  # fmt: skip
 
 
 def _foreign_rows(storage: Storage, folders: list[Found]) -> list[dict]:
@@ -268,7 +268,12 @@ def _foreign_rows(storage: Storage, folders: list[Found]) -> list[dict]:
         path = f"{top}/{f.rel}" if f.rel else top
         row: dict = {"format": f.kind, "step": None, "name": f.rel, "status": "ok", "problems": []}
         try:
-            source = formats.get(f.kind).load().open_source(path)
+            if f.kind == "hf-trainer-lora":
+                from ckpt.converters.lora_trainer import AdapterFolder
+
+                source = AdapterFolder(path)
+            else:
+                source = formats.get(f.kind).load().open_source(path)
         except CkptError as e:
             row.update(status="damaged", problems=[str(e)])
         else:

@@ -37,7 +37,7 @@ def might_be_nxd(storage: Any) -> bool:
 
 
 def _kind(storage: Any) -> str | None:
-    """``"checkpoint"``, ``"hf"``, ``"dcp"``, ``"nxd"`` or None for a folder that is one checkpoint."""
+    """``"checkpoint"``, ``"hf"``, ``"dcp"``, ``"adapter"``, ``"nxd"`` or None for a folder that is one checkpoint."""
     try:
         names = set(storage.listdir())
     except Exception:  # noqa: BLE001
@@ -46,6 +46,8 @@ def _kind(storage: Any) -> str | None:
         return "checkpoint"
     if ".metadata" in names:
         return "dcp"
+    if "adapter_config.json" in names and "adapter_model.safetensors" in names:
+        return "adapter"  # a PEFT folder, or a Trainer's LoRA checkpoint-N
     if "config.json" in names and any(n.endswith(".safetensors") or n.endswith(".index.json") for n in names):
         return "hf"
     if "model" in names and ("done" in names or "checkpoint" in names or storage.local):

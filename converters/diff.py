@@ -4,8 +4,9 @@ Why through the conversion engine: a user checks a conversion (an NxD tag agains
 folder against our checkpoint) and formats name, shard and lay out the same tensors differently.  Each side is
 opened as ``ckpt convert`` opens a source and seen through the engine's full view (:func:`.engine.plan.full_view`:
 whole, unsharded, HF-named model tensors and ``optim/<name>/<key>`` optimizer states), so NxD TP shards, fused QKV,
-DCP chunks and our boxes all compare as the tensors they make.  PEFT adapter folders and NxD LoRA tags are read
-whole (adapters are small) by the converters' adapter reader.
+DCP chunks and our boxes all compare as the tensors they make.  PEFT adapter folders (a Trainer's LoRA
+``checkpoint-N`` too), NxD LoRA tags and adapter checkpoints of ours are read whole (adapters are small) by the
+converters' adapter reader, all under the adapter's HF names.
 
 One pair of tensors is held at a time (sources hand out memory-mapped views where they can), and values are
 compared in slices of :data:`SLICE` elements, so memory stays a few tensors whatever the model's size
@@ -87,16 +88,20 @@ class AdapterView(View):
     """A LoRA adapter (PEFT folder, NxD LoRA tag), read whole: ``<module>.lora_A.weight`` names, optimizer states
     as ``optim/<name>/<key>`` when the adapter carries them."""
 
-    def __init__(self, path: str, config: Mapping[str, Any] | None, run: Any) -> None:
+    def __init__(self, path: str, config: Mapping[str, Any] | None, run: Any, found: Any = None) -> None:
         import torch
 
         from .formats import detect_adapter
         from .lora import read_any, source_step
+        from .lora_trainer import is_trainer_folder
         from .options import ConvertOptions
 
-        found = detect_adapter(path, run.storage_options)
+        found = found if found is not None else detect_adapter(path, run.storage_options)
         adapter, _ = read_any(found, ConvertOptions(to="cuda", config=dict(config) if config else None), run)
-        self.path, self.format = path, "peft" if found.format.name == "peft" else "nxd-lora"
+        kind = found.format.name
+        trainer = kind == "peft" and is_trainer_folder(path)
+        self.path = path
+        self.format = "hf-trainer-lora" if trainer else {"peft": "peft", "ckpt": "ckpt-lora"}.get(kind, "nxd-lora")
         self._tensors: dict[str, torch.Tensor] = dict(adapter.tensors)
         for pname, st in ((adapter.optimizer or {}).get("state") or {}).items():
             for key, v in st.items():
@@ -137,7 +142,19 @@ def open_view(path: str, *, config: Mapping[str, Any] | None = None, **run_optio
     run = RunOptions(**run_options)
     if _is_peft(path) or nxd_lora.is_lora_tag(path):
         return AdapterView(path, config, run)
+    if _is_ours(path):  # an adapter checkpoint of ours is seen with adapter names, as the folders it came from
+        from .formats import detect_adapter
+
+        found = detect_adapter(path, run.storage_options)
+        if found.adapter and found.format.name == "ckpt":
+            return AdapterView(path, config, run, found)
     return EngineView(path, config, run)
+
+
+def _is_ours(path: str) -> bool:
+    from pathlib import Path
+
+    return "://" in path or (Path(path) / "manifest.json").is_file()
 
 
 # ------------------------------------------------------------------------------------------------ results

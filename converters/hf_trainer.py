@@ -121,6 +121,35 @@ def trainer_param_groups(config: Mapping[str, Any], where: str) -> tuple[list[st
     return [n for n in names if n in decay], [n for n in names if n not in decay]
 
 
+def trainer_groups(
+    optimizer: Mapping[str, Any], decay: list[str], rest: list[str], where: str
+) -> list[dict[str, Any]]:
+    """The Trainer's two param groups (``decay`` then ``rest`` names), each with the hyper-parameters of the one
+    source group its params come from; parameters the Trainer puts in one group that come from source groups with
+    different hyper-parameters are refused (the continuation would not be exact)."""
+    group_of = {n: g for g in optimizer.get("param_groups", []) for n in g["params"]}
+    out = []
+    for label, names in (("with", decay), ("without", rest)):
+        hypers = {
+            json.dumps(treecodec.encode({k: v for k, v in group_of[n].items() if k != "params"}), sort_keys=True)
+            for n in names
+            if n in group_of
+        }
+        if len(hypers) > 1:
+            raise LayoutError(
+                f"{where}: the parameters the Trainer puts in one group ({label} weight decay) come from source "
+                "param_groups with different hyper-parameters; the Trainer cannot hold them"
+            )
+        if hypers:
+            hyper = treecodec.decode(json.loads(hypers.pop()))
+        else:  # an empty group: the Trainer still creates it
+            first = optimizer["param_groups"][0]
+            hyper = {k: v for k, v in first.items() if k != "params"}
+            hyper["weight_decay"] = 0.0 if label == "without" else hyper.get("weight_decay", 0.0)
+        out.append({**hyper, "params": names})
+    return out
+
+
 class TrainerSource(HFSource):
     """A ``checkpoint-N`` folder: model, optimizer moments and the training state (see the module docstring)."""
 
@@ -248,30 +277,8 @@ class TrainerExport(HFExport):
         self.not_written = not_written(conv, kept, frozenset(holds))
 
     def _regroup(self) -> list[dict[str, Any]]:
-        """The Trainer's two groups, each with the hyper-parameters of the one source group its params come from."""
-        group_of = {n: g for g in self.optimizer.get("param_groups", []) for n in g["params"]}
-        out = []
-        for label, names in (("with", self.decay), ("without", self.rest)):
-            hypers = {
-                json.dumps(
-                    treecodec.encode({k: v for k, v in group_of[n].items() if k != "params"}), sort_keys=True
-                )
-                for n in names
-                if n in group_of
-            }
-            if len(hypers) > 1:
-                raise LayoutError(
-                    f"--format hf-trainer: the parameters the Trainer puts in one group ({label} weight decay) "
-                    "come from source param_groups with different hyper-parameters; the Trainer cannot hold them"
-                )
-            if hypers:
-                hyper = treecodec.decode(json.loads(hypers.pop()))
-            else:  # an empty group: the Trainer still creates it
-                first = self.optimizer["param_groups"][0]
-                hyper = {k: v for k, v in first.items() if k != "params"}
-                hyper["weight_decay"] = 0.0 if label == "without" else hyper.get("weight_decay", 0.0)
-            out.append({**hyper, "params": names})
-        return out
+        assert self.optimizer is not None
+        return trainer_groups(self.optimizer, self.decay, self.rest, "--format hf-trainer")
 
     def write(
         self, staging: Staging, units: Sequence[int], progress: Progress = None, *, worker: int = 0
@@ -381,5 +388,6 @@ __all__ = [
     "open_source",
     "read_rng_files",
     "rng_file_states",
+    "trainer_groups",
     "trainer_param_groups",
 ]

@@ -117,7 +117,11 @@ def read_ckpt_adapter(src: str, run: RunOptions, manifest: Any = None) -> peft.A
         )
     for n in tensors:
         parse_hf(n)
-    return peft.Adapter.of_config(tensors, cfg, optimizer=_ckpt_optimizer(reader, hf_of, src))
+    adapter = peft.Adapter.of_config(tensors, cfg, optimizer=_ckpt_optimizer(reader, hf_of, src))
+    from .lora_ckpt import read_training
+
+    adapter.training = read_training(reader)
+    return adapter
 
 
 def _need_config(opts: ConvertOptions, why: str) -> dict[str, Any]:
@@ -135,6 +139,10 @@ def read_any(src: str | Detected, opts: ConvertOptions, run: RunOptions) -> tupl
     if kind == "peft":
         if opts.source_flags:
             raise LayoutError(f"--source-*: {path} is a PEFT folder; source flags are for NxD tags only")
+        from .lora_trainer import is_trainer_folder, read_trainer_adapter
+
+        if is_trainer_folder(path):
+            return read_trainer_adapter(path, opts.config), None
         return peft.read_adapter(path), None
     if kind == "ckpt":
         if opts.source_flags:
@@ -191,13 +199,17 @@ def _ckpt_optimizer(reader: Any, hf_of: dict[str, str], src: str) -> dict[str, A
 
 def source_step(src: str | Detected, run: RunOptions) -> int | None:
     """The step the adapter source records: an NxD tag's (``tag_step``), an adapter checkpoint of ours (its
-    manifest's), else None (a PEFT folder records none)."""
+    manifest's), a Trainer folder's ``global_step``, else None (a PEFT folder records none)."""
     found = _found(src, run)
     if found.adapter and found.format.name == "nxd":
         from .nxd.files import scan_tag
         from .nxd.step import tag_step
 
         return tag_step(scan_tag(Path(found.path)), verify=run.verify)
+    if found.adapter and found.format.name == "peft":
+        from .lora_trainer import is_trainer_folder, read_trainer_step
+
+        return read_trainer_step(found.path) if is_trainer_folder(found.path) else None
     return int(found.manifest.step) if found.adapter and found.manifest is not None else None
 
 
@@ -209,9 +221,9 @@ def convert_adapter(
     run = run or RunOptions()
     found = _found(found, run)
     src = found.path
-    if opts.format not in ("peft", "nxd", "ckpt"):
+    if opts.format not in ("peft", "nxd", "ckpt", "hf-trainer"):
         raise LayoutError(
-            f"--format {opts.format}: {src} is a LoRA adapter; it converts to --format peft or ckpt (--to cuda) or "
+            f"--format {opts.format}: {src} is a LoRA adapter; it converts to --format peft, ckpt or hf-trainer (--to cuda) or "
             "--format nxd (--to neuron); for a full model use --merge-lora with the base model as SRC"
         )
     want = "neuron" if opts.format == "nxd" else "cuda"
@@ -230,15 +242,26 @@ def convert_adapter(
             "lose its base identity)"
         )
     adapter, src_flags = read_any(found, opts, run)
+    from .lora_trainer import TRAINING_PARTS, dropped, write_trainer_folder
+
     notes = adapter.notes
+    recorded = adapter.training.step if adapter.training is not None else None
     if opts.format == "peft":
+        notes += dropped(adapter, (), "a PEFT adapter folder")
         nbytes = peft.write_adapter(adapter, dst, run.storage_options)
+    elif opts.format == "hf-trainer":
+        from .lora_ckpt import ckpt_step
+
+        step = ckpt_step(src, opts.step, recorded if recorded is not None else source_step(found, run))
+        nbytes = write_trainer_folder(
+            adapter, dst, step=step, config=opts.config, storage_options=run.storage_options
+        )
     elif opts.format == "ckpt":
         from .lora_ckpt import ckpt_step, write_ckpt_adapter
 
         nbytes = write_ckpt_adapter(
-            adapter, dst, step=ckpt_step(src, opts.step, source_step(found, run)), source=src,
-            config=opts.config, storage_options=run.storage_options, codec=opts.codec,
+            adapter, dst, step=ckpt_step(src, opts.step, recorded if recorded is not None else source_step(found, run)),
+            source=src, config=opts.config, storage_options=run.storage_options, codec=opts.codec,
         )  # fmt: skip
     else:
         cfg = _need_config(opts, "laying an adapter out for NxD")
@@ -248,8 +271,13 @@ def convert_adapter(
         except TypeError as e:
             raise LayoutError(f"layout flags: {e}") from None
         spec = LayoutSpec.of(ModelDims.from_hf_config(cfg), flags)
-        step = opts.step if opts.step is not None else source_step(found, run)
-        nbytes, notes = nxd_lora.write_lora_tag(adapter, spec, dst, run.storage_options, step=step)
+        step = opts.step if opts.step is not None else recorded if recorded is not None else source_step(found, run)
+        t = adapter.training
+        nbytes, notes = nxd_lora.write_lora_tag(
+            adapter, spec, dst, run.storage_options, step=step, scheduler=t.scheduler if t is not None else None,
+            trainer_state=t.trainer_state if t is not None else None,
+        )  # fmt: skip
+        notes += dropped(adapter, tuple(p for p in TRAINING_PARTS if p != "RNG state"), "an NxD LoRA tag")
         if step is None:  # said once the tag is written, so that a refusal stays one error line
             warnings.warn(
                 f"{src} records no training step: the NxD LoRA tag records none either (pass --step N to set it)",

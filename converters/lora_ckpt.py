@@ -27,6 +27,9 @@ from ckpt.state.adapters import BaseIdentity
 from . import peft
 
 ADAPTER_NAME = "default"
+#: where an adapter checkpoint written from a Trainer folder keeps its ``trainer_state.json`` (``extra``), as a
+#: full Trainer folder's conversion does
+TRAINER_STATE_KEY = "hf_trainer_state"
 
 
 def peft_param_name(hf: str, adapter: str = ADAPTER_NAME) -> str:
@@ -124,20 +127,59 @@ def write_ckpt_adapter(
             params,
         )
 
+    training = adapter.training
+    rng = dict(training.rng) if training is not None else {}
+    if len(rng) > 1:
+        raise LayoutError(f"{source}: RNG state of {len(rng)} ranks; an adapter checkpoint of one rank holds one")
+
     class _Writer(Checkpointer):
         def capture_optimizer(self, optimizer: Any, model: Any) -> tuple[list[Any], dict[str, Any]]:
             tensors, meta = optimizer_capture(optimizer, model)
             return tensors, {**meta, "type": "unknown"}
 
+        def capture_rng(self) -> dict[str, Any]:  # the Trainer's streams, not this process's
+            return next(iter(rng.values()))
+
+    extra = {TRAINER_STATE_KEY: training.trainer_state} if training is not None and training.trainer_state else None
+    scheduler = _StateDict(training.scheduler) if training is not None and training.scheduler is not None else None
     saver = _Writer(async_save=False, storage_options=storage_options, codec=codec)
     saver._base = _NoBase(BaseIdentity(None, 0, 0, config, None))  # type: ignore[arg-type]
     try:
         res = saver.save(
-            dst, step=step, model=holder, optimizer=opt, options=SaveOptions(rng=False, adapter_only=True)
-        ).result()
+            dst, step=step, model=holder, optimizer=opt, scheduler=scheduler,
+            options=SaveOptions(rng=bool(rng), adapter_only=True, extra=extra),
+        ).result()  # fmt: skip
     finally:
         saver.close()
     return int(res.bytes_written)
+
+
+class _StateDict:
+    """A scheduler's saved state, as the saver captures a live scheduler (``state_dict()``)."""
+
+    def __init__(self, sd: dict[str, Any]) -> None:
+        self._sd = sd
+
+    def state_dict(self) -> dict[str, Any]:
+        return self._sd
+
+
+def read_training(reader: Any) -> peft.Training | None:
+    """The training state an adapter checkpoint of ours keeps (written from a Trainer folder): the step, the
+    scheduler, rank 0's RNG streams and the Trainer's state; None when it has no scheduler and no Trainer state."""
+    from ckpt.format import treecodec
+
+    m = reader.manifest
+    trainer_state = m.extra.get(TRAINER_STATE_KEY)
+    if m.scheduler is None and not isinstance(trainer_state, dict):
+        return None
+    rng, _ = reader.rank_trees(0)
+    return peft.Training(
+        int(m.step),
+        treecodec.decode(m.scheduler) if m.scheduler is not None else None,
+        {"0": rng} if rng is not None else {},
+        dict(trainer_state) if isinstance(trainer_state, dict) else {},
+    )
 
 
 def ckpt_step(src: str, explicit: int | None, recorded: int | None) -> int:
@@ -149,4 +191,4 @@ def ckpt_step(src: str, explicit: int | None, recorded: int | None) -> int:
     return recorded
 
 
-__all__ = ["ADAPTER_NAME", "ckpt_step", "peft_param_name", "write_ckpt_adapter"]
+__all__ = ["ADAPTER_NAME", "TRAINER_STATE_KEY", "ckpt_step", "peft_param_name", "read_training", "write_ckpt_adapter"]

@@ -5,7 +5,11 @@ LoRA parameters in NxD's module order).
 Moments shaped like their parameter are laid out exactly as the parameter (:mod:`ckpt.layouts.lora`); scalar state
 (``step``) is per parameter.  HF parameters that NxD fuses into one (q/k/v ``lora_A`` of ``qkv_proj``, gate/up
 ``lora_A``) must agree on every state value and sit in one param group, else the state has no NxD form and is refused.
-ZeRO-1 sharded LoRA optimizer files are refused (not produced by NxD's LoRA examples).
+With a DP size above one the rank files are ZeRO-1 shards (torch_xla's ``ZeroRedundancyOptimizer`` form, as
+NxD's ZeRO-1 optimizer saves one file per DP rank): :func:`to_zero1` / :func:`from_zero1` carry the same per-rank
+state through :mod:`.nxd.zero1`, with ``param_names`` recorded in the files ckpt writes.  Files without
+``param_names`` are named in NxD's module order, which is their pid order with one param group; several groups
+without names are refused.
 """
 
 from __future__ import annotations
@@ -154,4 +158,43 @@ def from_nxd(
     return {"state": {h: s for h, s in state.items() if s}, "param_groups": groups}
 
 
-__all__ = ["from_nxd", "module_order", "to_nxd"]
+def to_zero1(
+    optim: Mapping[str, Any], shard: Mapping[str, torch.Tensor], dp: int, where: str
+) -> list[dict[str, Any]]:
+    """One (tp, pp) rank's :func:`to_nxd` dict as the ZeRO-1 dicts of its ``dp`` DP ranks (index = DP rank)."""
+    from .nxd.zero1 import merge_plain_optimizer, shard_zero1_optimizer
+
+    names = sorted(shard, key=module_order)
+    merged = merge_plain_optimizer(optim, names, where=where)
+    shapes = {n: tuple(shard[n].shape) for n in names}
+    return shard_zero1_optimizer(merged, shapes, dp, where=where)
+
+
+def from_zero1(
+    dp_dicts: list[Mapping[str, Any]], shard: Mapping[str, torch.Tensor], where: str
+) -> dict[str, Any]:
+    """Inverse of :func:`to_zero1`: the plain dict :func:`from_nxd` reads (pids in NxD's module order)."""
+    from .nxd.zero1 import merge_zero1_optimizer, recorded_param_names
+
+    order = sorted(shard, key=module_order)
+    groups = dp_dicts[0]["param_groups"]
+    names = recorded_param_names(groups, where=where)
+    if names is None:
+        if len(groups) > 1:
+            raise LayoutError(
+                f"{where}: ZeRO-1 LoRA optimizer of {len(groups)} param groups without param_names; cannot name "
+                "its pids"
+            )
+        names = order
+    merged = merge_zero1_optimizer(dp_dicts, names, where=where)
+    unknown = sorted(set(names) - set(order))
+    if unknown:
+        raise LayoutError(f"{where}: optimizer state of {unknown[0]}, which the rank's model file lacks")
+    pid = {n: i for i, n in enumerate(order)}
+    return {
+        "state": {pid[n]: dict(v) for n, v in merged["state"].items()},
+        "param_groups": [{**g, "params": [pid[n] for n in g["params"]]} for g in merged["param_groups"]],
+    }
+
+
+__all__ = ["from_nxd", "from_zero1", "module_order", "to_nxd", "to_zero1"]

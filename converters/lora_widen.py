@@ -369,6 +369,7 @@ def narrow(adapter: Adapter, record: Mapping[str, Any], where: str) -> Adapter:
     out = Adapter(
         tensors=tensors, r=int(peft_cfg["r"]), lora_alpha=peft_cfg["lora_alpha"], use_rslora=adapter.use_rslora,
         lora_dropout=adapter.lora_dropout, peft_config=peft_cfg, optimizer=optimizer, notes=notes,
+        training=adapter.training,
     )  # fmt: skip
     _check_ranks(out, where)
     return out

@@ -37,6 +37,18 @@ def detect(path: str, storage_options: Mapping[str, Any] | None = None) -> bool:
 
 
 @dataclass
+class Training:
+    """What a Trainer ``checkpoint-N`` folder holds besides the adapter and its optimizer (:mod:`.lora_trainer`):
+    the step, the scheduler's state dict, the RNG streams by rank (encoded trees, as
+    :func:`.hf_trainer.read_rng_files` reads them) and ``trainer_state.json``."""
+
+    step: int
+    scheduler: dict[str, Any] | None = None
+    rng: dict[str, Any] = field(default_factory=dict)
+    trainer_state: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
 class Adapter:
     """A LoRA adapter in HF naming (no ``base_model.model.`` prefix), with the LoRA hyper-parameters that matter to
     its math (rank, alpha, rsLoRA) and the PEFT config it came with (kept whole so a round trip returns it)."""
@@ -52,6 +64,8 @@ class Adapter:
     optimizer: dict[str, Any] | None = None
     #: one-line remarks for the summary (e.g. how a widened NxD adapter came back)
     notes: tuple[str, ...] = ()
+    #: the training state of a Trainer folder (or of a conversion of one), None for a bare adapter
+    training: Training | None = None
 
     @classmethod
     def of_config(
@@ -208,6 +222,7 @@ __all__ = [
     "CONFIG_NAME",
     "NAME",
     "PREFIX",
+    "Training",
     "WEIGHTS_NAME",
     "check_config",
     "detect",

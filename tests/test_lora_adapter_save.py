@@ -301,7 +301,7 @@ def test_peft_run_resumes_bit_identical_through_an_nxd_lora_tag(tmp_path) -> Non
 
 def test_nxd_lora_tag_to_ckpt_refusals(tmp_path) -> None:
     """No step anywhere -> refused naming --step; a Neuron layout flag for --format ckpt -> refused; ZeRO-1 LoRA
-    optimizer files -> refused; nothing written at DST."""
+    optimizer files that do not hold together -> refused; nothing written at DST."""
     from ckpt.safe_unpickle import load_torch_file
     from tests._lora_models import save
 

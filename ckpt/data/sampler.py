@@ -9,6 +9,10 @@ same samples as the uninterrupted run's; with another global batch the next samp
 sample of the epoch is repeated or skipped (beyond the padding DistributedSampler itself adds).  The next epoch is
 the new sampler's own order.
 
+The resumed share is dealt once: a second iteration of the same epoch number is the next epoch of a loop that never
+calls ``set_epoch`` (DistributedSampler then repeats its epoch's full order, and so does the resumed sampler), not
+the rest of the resumed epoch again.
+
 The live sampler is switched to :class:`ResumedDistributedSampler` (a subclass, so ``isinstance`` and every
 attribute still hold; only ``__iter__``/``__len__`` differ, and only for the resumed epoch): a DataLoader forbids
 replacing its sampler, and a sampler's ``__iter__`` is looked up on its class.
@@ -86,10 +90,20 @@ class ResumedDistributedSampler(DistributedSampler):
     """A DistributedSampler that continues a saved global position during the resumed epoch, then is itself."""
 
     _ckpt_resume: EpochResume | None
+    #: the resumed epoch's iteration has begun (its share is dealt once)
+    _ckpt_dealt: bool = False
 
     def __iter__(self) -> Any:
         share = self._resumed_share()
-        return iter(share) if share is not None else super().__iter__()
+        if share is not None and self._ckpt_dealt:
+            # the same epoch number iterated again: a loop without set_epoch has begun its next epoch, which a
+            # DistributedSampler draws as the full order of that number; the resume is over
+            self._ckpt_resume = None
+            share = None
+        if share is None:
+            return super().__iter__()
+        self._ckpt_dealt = True
+        return iter(share)
 
     def __len__(self) -> int:
         share = self._resumed_share()
@@ -141,4 +155,5 @@ def reposition(sampler: DistributedSampler, resume: EpochResume) -> None:
     """Make ``sampler`` continue ``resume`` (in place) and set its epoch to the resumed one."""
     sampler.__class__ = ResumedDistributedSampler
     sampler._ckpt_resume = resume  # type: ignore[attr-defined]
+    sampler._ckpt_dealt = False  # type: ignore[attr-defined]
     sampler.set_epoch(resume.epoch)

@@ -99,9 +99,10 @@ _TRAINER_STATE = "trainer_state.json"
 @dataclass(frozen=True)
 class Found:
     """A checkpoint folder found under a root: ``rel`` its path below the root (``""``: the root itself), ``kind``
-    ``"ckpt"`` (ours), ``"nxd"`` (an NxD tag), ``"hf-trainer"`` (a Trainer ``checkpoint-N``), ``"hf"`` (a Hugging
-    Face model folder) or ``"dcp"``; or a checkpoint of a tool not supported yet (:data:`.other_tools.KINDS`:
-    an accelerate folder, a Lightning ``.ckpt`` file)."""
+    ``"ckpt"`` (ours), ``"nxd"`` (an NxD tag), ``"hf-trainer"`` (a Trainer ``checkpoint-N``), ``"hf-trainer-lora"``
+    (a Trainer ``checkpoint-N`` of a PEFT LoRA run), ``"hf"`` (a Hugging Face model folder) or ``"dcp"``; or a
+    checkpoint of a tool not supported yet (:data:`.other_tools.KINDS`: an accelerate folder, a Lightning ``.ckpt``
+    file)."""
 
     rel: str
     kind: str
@@ -121,6 +122,8 @@ def folder_kind(names: set[str], is_dir: Any) -> str | None:
         n.startswith(("dp_rank_", "tp_rank_")) for n in names
     ):
         return "nxd"
+    if {"adapter_config.json", "adapter_model.safetensors", _TRAINER_STATE} <= names:
+        return "hf-trainer-lora"  # a Trainer's checkpoint-N of a PEFT LoRA run
     weights = any(n.endswith(".safetensors") or n.endswith(".index.json") for n in names)
     if "config.json" in names and weights:
         return "hf-trainer" if _TRAINER_STATE in names else "hf"

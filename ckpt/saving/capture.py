@@ -56,6 +56,7 @@ def capture(
     options: SaveOptions,
     capture_optimizer: CaptureOptimizer,
     base: adapters.BaseTracker,
+    capture_rng: Callable[[], dict[str, Any]] = rng_mod.capture,
 ) -> Captured:
     """Flatten ``state`` (the training objects by keyword: ``model``, ``optimizer``, ...) as ``options`` say."""
     model, optimizer = state.get("model"), state.get("optimizer")
@@ -83,7 +84,7 @@ def capture(
         trees["extra"] = options.extra
     rank_trees: dict[str, Any] = {}
     if options.rng:
-        rank_trees["rng"] = rng_mod.capture()
+        rank_trees["rng"] = capture_rng()
     loader = state.get("dataloader")
     if loader is not None:
         rank_trees["data"] = treecodec.encode(_loader_state(loader), "dataloader")

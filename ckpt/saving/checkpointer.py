@@ -40,6 +40,7 @@ from ..errors import AsyncSaveError, CheckpointExistsError, CkptError
 from ..format import publish
 from ..format.manifest import MANIFEST_NAME
 from ..state import adapters
+from ..state.rng import capture as rng_capture
 from ..state.training import NamedTensor, optimizer_capture
 from ..storage import open_storage
 from .capture import capture, check_step, default_layout, detect_backend
@@ -158,7 +159,7 @@ class Checkpointer:
         storage = open_storage(path, self.storage_options)
         state = {"model": model, "optimizer": optimizer, "scheduler": scheduler, "scaler": scaler,
                  "dataloader": dataloader, "tokenizer": tokenizer}  # fmt: skip
-        cap = capture(step, state, opts, self.capture_optimizer, self._base)
+        cap = capture(step, state, opts, self.capture_optimizer, self._base, self.capture_rng)
         named, trees = cap.named, cap.trees
 
         refused: CkptError | None = None
@@ -293,6 +294,11 @@ class Checkpointer:
         """Named tensors and JSON tree of ``optimizer``.  An extension point: optimizers whose ``state_dict`` is
         not torch.optim's (ZeRO-1 wrappers keep sharded ``base_state``) override it in a subclass."""
         return optimizer_capture(optimizer, model)
+
+    def capture_rng(self) -> dict[str, Any]:
+        """This rank's RNG streams as an encoded tree (``rng=True`` saves).  An extension point: a converter that
+        writes another process's streams (a Trainer folder's ``rng_state.pth``) overrides it."""
+        return rng_capture()
 
     # ------------------------------------------------------------------------------------------------ internals
     def _stage(

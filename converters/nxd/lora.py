@@ -6,12 +6,12 @@ names (``...qkv_proj.lora_A.weight``, ``...qkv_proj.lora_B.weight_q``, ``...gate
 ``save_lora_config_adapter=True``; otherwise NxD writes the same dict as ``adapter_config.json`` into
 ``lora_save_dir`` (the tag's parent, for ``load_checkpoint``).
 
-The adapter's optimizer state, when the source has it, is written as NxD's plain ``optim/`` rank files and read
-back from them (:mod:`converters.lora_optim`).
+The adapter's optimizer state, when the source has it, is written as NxD's ``optim/`` rank files (plain, or with
+``--dp N`` ZeRO-1 shards, one file per DP rank) and read back from them (:mod:`converters.lora_optim`).
 
 What ckpt writes: the rank files with ``lora_config`` inside (so NxD's ``LoraModel.load_checkpoint`` needs no other
 file), ``adapter_config.json`` in the tag too (NxD's fields, plus ``peft_config``: the PEFT config it came from, so
-that a round trip gives the same PEFT folder, ``ckpt_layout``: the parallel flags, and ``ckpt_widened`` when the
+that a round trip gives the same PEFT folder, ``ckpt_layout``: the parallel flags, and ``ckpt_trainer_state`` when it came from a Trainer folder, ``ckpt_widened`` when the
 adapter was widened to fit NxD's fused layers, :mod:`converters.lora_widen`), ``checkpoint`` and ``done``.
 
 Refused on read: NxD's default ``merge_sharded_lora=True`` form (every rank holds gathered tensors; for
@@ -42,6 +42,8 @@ from .xser import can_mmap, load_checked, load_nxd_file, save_nxd_file
 
 CONFIG_NAME = "adapter_config.json"
 LORA_CONFIG_KEY = "lora_config"
+#: the Trainer state of a tag written from a Trainer folder (in the tag's adapter_config.json, beside peft_config)
+TRAINER_STATE_KEY = "ckpt_trainer_state"
 #: NxD LoraConfig.get_selected_fields() (+ "r", which selected_fields_to_save adds for PEFT compatibility)
 NXD_FIELDS = (
     "bias", "init_lora_weights", "lora_alpha", "lora_dropout", "lora_rank", "use_rslora", "target_modules",
@@ -166,19 +168,39 @@ def read_lora_tag(
             raise LayoutError(f"{tag}: LoRA config {key}={nxd_cfg[key]!r} is not supported (expected {ok!r})")
     optimizer = None
     if files.optim:
-        from ..lora_optim import from_nxd
+        from ..lora_optim import from_nxd, from_zero1
+        from .zero1 import is_zero1_dict
 
-        if files.dp_size > 1:
-            raise LayoutError(
-                f"{tag}: ZeRO-1 sharded LoRA optimizer files (dp {files.dp_size}) are not supported"
+        by_rank: dict[tuple[int, int], list[Any]] = {}
+        for (_dp, key), f in sorted(files.optim.items()):
+            by_rank.setdefault((key[0], key[1]), []).append(
+                load_nxd_file(f, files.xser, verify=verify, context=f"optimizer dp {_dp} tp {key[0]}")
             )
         optims = {}
-        for (_dp, key), f in sorted(files.optim.items()):
-            optims[(key[0], key[1])] = load_nxd_file(
-                f, files.xser, verify=verify, context=f"optimizer tp {key[0]}"
-            )
+        for rank, dicts in by_rank.items():
+            if any(is_zero1_dict(d) for d in dicts):
+                optims[rank] = from_zero1(
+                    dicts, shards.get(rank, {}), f"{tag}: ZeRO-1 optim tp {rank[0]} pp {rank[1]}"
+                )
+            elif len(dicts) > 1:
+                raise LayoutError(f"{tag}: {len(dicts)} DP ranks of plain (not ZeRO-1) LoRA optimizer files")
+            else:
+                optims[rank] = dicts[0]
         optimizer = from_nxd(optims, shards, spec, tensors, str(tag))
+    training = None
+    trainer_state = nxd_cfg.get(TRAINER_STATE_KEY)
+    if files.scheduler is not None or isinstance(trainer_state, dict):  # written from a Trainer folder
+        from ..peft import Training
+        from .step import tag_step
+
+        step = tag_step(files, verify=verify, warn=False)
+        if step is not None:
+            sched = load_checked(files.scheduler, verify=verify) if files.scheduler is not None else None
+            training = Training(
+                step, sched, {}, dict(trainer_state) if isinstance(trainer_state, dict) else {}
+            )
     adapter = Adapter(
+        training=training,
         optimizer=optimizer,
         tensors=tensors,
         r=int(nxd_cfg.get("lora_rank", nxd_cfg.get("r", 0))),
@@ -260,15 +282,19 @@ def write_lora_tag(
     storage_options: dict[str, Any] | None = None,
     *,
     step: int | None = None,
+    scheduler: Any = None,
+    trainer_state: dict[str, Any] | None = None,
 ) -> tuple[int, tuple[str, ...]]:
     """Write ``adapter`` as an NxD LoRA tag in layout ``spec`` at ``dst`` (checked fully before any byte is
     written; published whole with ``done`` last), widened where NxD's fused layers need it.  ``step`` (None: not
     known) goes into ``user_content.pt`` as ``total_steps``, where NxD training scripts keep it and the tag's
-    readers look first.  Returns the bytes of tensor data written and the summary lines (the widening, when there
+    readers look first; ``scheduler`` (a state dict) goes into ``scheduler.pt``, where ``nxd.save_checkpoint``
+    puts it; ``trainer_state`` (a Trainer folder's ``trainer_state.json``) into ``adapter_config.json`` as
+    ``ckpt_trainer_state``, so that the tag converts back to a Trainer folder that resumes.  Returns the bytes of tensor data written and the summary lines (the widening, when there
     was one)."""
     from ckpt.storage.folder import begin_folder
 
-    from ..lora_optim import to_nxd
+    from ..lora_optim import to_nxd, to_zero1
     from ..lora_widen import RECORD_KEY, widen
 
     check_every_layer(adapter, spec.model.layers)
@@ -284,6 +310,8 @@ def write_lora_tag(
     }
     if record is not None:
         tag_cfg[RECORD_KEY] = record
+    if trainer_state:
+        tag_cfg[TRAINER_STATE_KEY] = trainer_state
     nbytes = 0
     with begin_folder(dst, storage_options) as txn:
         txn.storage.put_bytes("checkpoint", b"1")
@@ -292,11 +320,17 @@ def write_lora_tag(
             nbytes += sum(t.numel() * t.element_size() for t in sd.values())
             sd[LORA_CONFIG_KEY] = lora_cfg
             save_nxd_file(sd, txn.storage, f"model/{rank_file_name(0, tp, pp)}", False)
-            if optims:
+            if optims and spec.dp > 1:  # ZeRO-1: one file of shards per DP rank
+                where = f"{dst} optim tp {tp} pp {pp}"
+                for dp, od in enumerate(to_zero1(optims[(tp, pp)], shards.get((tp, pp), {}), spec.dp, where)):
+                    save_nxd_file(od, txn.storage, f"optim/{rank_file_name(dp, tp, pp)}", False)
+            elif optims:
                 save_nxd_file(optims[(tp, pp)], txn.storage, f"optim/{rank_file_name(0, tp, pp)}", False)
         txn.storage.put_bytes(CONFIG_NAME, (json.dumps(tag_cfg, indent=2, sort_keys=True) + "\n").encode())
         if step is not None:
             save_nxd_file({"total_steps": int(step)}, txn.storage, "user_content.pt", False)
+        if scheduler is not None:
+            save_nxd_file(scheduler, txn.storage, "scheduler.pt", False)
         txn.commit({"done": b"1"})
     if not shards:
         warnings.warn(f"{dst}: the adapter laid out to no tensors", stacklevel=2)
