@@ -153,13 +153,18 @@ def fetch(coll: Any, nodes: NodeMap, root: Path, cand: Candidate) -> list[str]:
             except OSError:
                 same = False
             if not same and step_run_id(final) == m.run_id:
-                drop(final)  # another save of this step (a timeline a restore abandoned): never mixed with this
+                drop(
+                    final
+                )  # another save of this step (a timeline a restore abandoned): never mixed with this
             elif not same:
                 problems.append(f"{final} holds a step of another run (never replaced by this run)")
     except Exception as e:  # noqa: BLE001 - a problem of this rank's, told to every rank below
         problems.append(f"rank {nodes.rank}: {type(e).__name__}: {e}")
     # also: every node's leader is done with the check above
-    token, problems = coll.broadcast(uuid.uuid4().hex[:8]), [p for ps in coll.all_gather(problems) for p in ps]
+    token, problems = (
+        coll.broadcast(uuid.uuid4().hex[:8]),
+        [p for ps in coll.all_gather(problems) for p in ps],
+    )
     if problems:
         return problems
     target = final if final.exists() else root / FETCH / f"{step_dir(cand.step)}-{token}"

@@ -144,10 +144,14 @@ class Tiers:
             except (StorageError, OSError) as e:
                 if PERSISTENT in tiers:
                     raise
-                return rid, False, (
-                    f"cannot record this run's id in {root}/{runid.RUN_FILE} ({type(e).__name__}: {e}): "
-                    f"recorded in {runid.folder(self.local_dir, rid)}/{runid.RUN_FILE} only, and in the root "
-                    "at the next save to it"
+                return (
+                    rid,
+                    False,
+                    (
+                        f"cannot record this run's id in {root}/{runid.RUN_FILE} ({type(e).__name__}: {e}): "
+                        f"recorded in {runid.folder(self.local_dir, rid)}/{runid.RUN_FILE} only, and in the root "
+                        "at the next save to it"
+                    ),
                 )
             if self.run_id is not None and held != self.run_id:
                 raise CkptError(
@@ -326,6 +330,8 @@ class Tiers:
         try:
             persistent = [i.step for i in self.mgr.list() if i.status == "committed"]
         except (CkptError, OSError) as e:  # the object store down: the local tier can still restore
-            warnings.warn(f"cannot list the persistent tier, restoring from local steps only: {e}", stacklevel=5)
+            warnings.warn(
+                f"cannot list the persistent tier, restoring from local steps only: {e}", stacklevel=5
+            )
             persistent = []
         return agree.plan(self.nodes, reports, persistent)
