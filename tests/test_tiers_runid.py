@@ -211,3 +211,25 @@ def test_a_rank_failing_in_the_agreed_restore_ends_every_rank_with_its_reason(tm
             "restore_latest: the local tier's inventory: rank 1 failed: NotADirectoryError"
         )
         assert "ok1" in r["restore"]
+
+
+# ------------------------------------------------------------------------------------------------ the format
+
+
+def test_run_id_is_an_optional_manifest_member_older_manifests_read_as_before(tmp_path: Path) -> None:
+    from ckpt.errors import ManifestError
+    from ckpt.format.manifest import Manifest
+
+    model, opt = make(0)
+    with ckpt.CheckpointManager(str(tmp_path / "root"), local_dir=str(tmp_path / "l"), async_save=False) as mgr:
+        mgr.save(1, model=model, optimizer=opt)
+        rid = run_of(tmp_path, "root")
+        (run,) = (tmp_path / "l").glob("run-*")
+        raw = (run / "step_00000001" / "manifest.json").read_bytes()
+    assert run.name == f"run-{rid}" and Manifest.from_json(raw).run_id == rid
+    doc = json.loads(raw)
+    doc.pop("run_id")
+    assert Manifest.from_json(seal(doc)).run_id is None  # as every older manifest: absent
+    doc["run_id"] = 7
+    with pytest.raises(ManifestError, match="field 'run_id' must be a string or null, got int"):
+        Manifest.from_json(seal(doc), "m.json")
