@@ -197,6 +197,23 @@ def failing_job(rank: int, world: int, tmp_s: str) -> dict[str, str]:
         out["restore"] = "no error"
     except ckpt.CkptError as e:
         out["restore"] = str(e)
+    # a rank whose optimizer refuses the restored state with an unexpected error (a pre-hook of its own)
+    mgr = ckpt.CheckpointManager(
+        str(tmp / "root3"), local_dir=str(tmp / f"ok3{rank}"), local_every=1, node_rank=rank, async_save=False
+    )
+    save(mgr, 1, 1)
+    model, opt = make(2)
+    if rank == 1:
+
+        def refuse(optimizer: Any, state: Any) -> None:
+            raise RuntimeError("this optimizer refuses restored state")
+
+        opt.register_load_state_dict_pre_hook(refuse)
+    try:
+        mgr.restore_latest(model=model, optimizer=opt)
+        out["load"] = "no error"
+    except ckpt.CkptError as e:
+        out["load"] = str(e)
     return out
 
 
@@ -211,6 +228,8 @@ def test_a_rank_failing_in_the_agreed_restore_ends_every_rank_with_its_reason(tm
             "restore_latest: the local tier's inventory: rank 1 failed: NotADirectoryError"
         )
         assert "ok1" in r["restore"]
+        assert "restoring step 1 from " in r["load"]
+        assert "rank 1 failed: RuntimeError: this optimizer refuses restored state" in r["load"]
 
 
 # ------------------------------------------------------------------------------------------------ the format
