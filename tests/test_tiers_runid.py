@@ -240,7 +240,9 @@ def test_run_id_is_an_optional_manifest_member_older_manifests_read_as_before(tm
     from ckpt.format.manifest import Manifest
 
     model, opt = make(0)
-    with ckpt.CheckpointManager(str(tmp_path / "root"), local_dir=str(tmp_path / "l"), async_save=False) as mgr:
+    with ckpt.CheckpointManager(
+        str(tmp_path / "root"), local_dir=str(tmp_path / "l"), async_save=False
+    ) as mgr:
         mgr.save(1, model=model, optimizer=opt)
         rid = run_of(tmp_path, "root")
         (run,) = (tmp_path / "l").glob("run-*")
