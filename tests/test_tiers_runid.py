@@ -114,6 +114,7 @@ def identity_job(rank: int, world: int, tmp_s: str) -> dict[str, Any]:
     out["listing_after_sweep"] = steps(folder_a)
     a.close()
     b.close()
+    out["failing"] = failing_job(rank, world, tmp / "failing")  # same processes: one spawn for the module
     return out
 
 
@@ -173,9 +174,10 @@ def test_a_step_with_no_or_a_garbled_run_id_is_named_never_restored_never_delete
 # ------------------------------------------------------------------------------------------------ item 7
 
 
-def failing_job(rank: int, world: int, tmp_s: str) -> dict[str, str]:
+def failing_job(rank: int, world: int, tmp_s: str | Path) -> dict[str, str]:
     """Rank 1's ``local_dir`` turns out to be a file: at construction, then (another folder) after it."""
     tmp = Path(tmp_s)
+    tmp.mkdir(exist_ok=True)
     out = {}
     if rank == 1:
         (tmp / "node1").write_text("not a folder")
@@ -217,9 +219,11 @@ def failing_job(rank: int, world: int, tmp_s: str) -> dict[str, str]:
     return out
 
 
-def test_a_rank_failing_in_the_agreed_restore_ends_every_rank_with_its_reason(tmp_path: Path) -> None:
-    got = run_ranks(failing_job, 2, str(tmp_path), timeout=60)  # the tiers' gloo timeout is 30 min
-    for r in got:
+def test_a_rank_failing_in_the_agreed_restore_ends_every_rank_with_its_reason(
+    ran: list[dict[str, Any]],
+) -> None:
+    # run_ranks' timeout (90 s) fails the module's job long before the tiers' gloo timeout (30 min) would end it
+    for r in (r["failing"] for r in ran):
         assert (
             "reading the run id of" in r["construct"]
             and "rank 1 failed: NotADirectoryError" in r["construct"]
