@@ -9,9 +9,12 @@ the same group, so one-shot ``ckpt.save`` calls do not leak process groups.
 from __future__ import annotations
 
 import datetime
+from collections.abc import Callable
 from typing import Any
 
 import torch.distributed as dist
+
+from .errors import CkptError
 
 _GROUPS: dict[tuple[str, int], Any] = {}
 
@@ -74,3 +77,22 @@ class Collective:
     def barrier(self) -> None:
         if self.active:
             dist.barrier(group=self.group)
+
+
+def agreed(coll: Collective, what: str, fn: Callable[[], Any]) -> list[Any]:
+    """Run ``fn`` on every rank, then gather every rank's value (collective), so that no rank is left waiting in
+    the next collective for one that raised: when any rank's ``fn`` raised, every rank raises
+    :class:`~ckpt.errors.CkptError` naming ``what``, the first failing rank and its reason (chained to the
+    original on that rank)."""
+    value, error, exc = None, None, None
+    try:
+        value = fn()
+    except Exception as e:  # noqa: BLE001 - every rank must learn it; re-raised below
+        error, exc = f"{type(e).__name__}: {e}", e
+    gathered = coll.all_gather((value, error))
+    failed = [(r, err) for r, (_, err) in enumerate(gathered) if err is not None]
+    if failed:
+        rank, reason = failed[0]
+        more = f" (and {len(failed) - 1} more rank(s))" if len(failed) > 1 else ""
+        raise CkptError(f"{what}: rank {rank} failed: {reason}{more}") from exc
+    return [v for v, _ in gathered]

@@ -286,7 +286,8 @@ class CheckpointManager:
     ) -> RestoreResult | None:
         """Restore step ``step`` from ``path`` on every rank; None (with a warning) when any rank found damage, so
         that all fall back together.  A checkpoint that does not fit the caller's objects raises on every rank."""
-        error: tuple[Any, ...] | None = None  # (is_mismatch, message[, is_base_mismatch])
+        error: tuple[Any, ...] | None = None  # (is_mismatch: None when unexpected, message[, is_base_mismatch])
+        unexpected: BaseException | None = None
         options = self.storage_options if tier == "persistent" else None
         try:
             reader = CheckpointReader(path, options)
@@ -297,7 +298,14 @@ class CheckpointManager:
             # the caller's objects do not fit (StateMismatchError, BaseMismatchError, LayoutError, ...): not the
             # checkpoint's fault, and older steps would not fit either
             error = (True, str(e), isinstance(e, BaseMismatchError))
-        errors = [e for e in self.coll.all_gather(error) if e is not None]
+        except Exception as e:  # noqa: BLE001 - unexpected: every rank ends with it at once, none waits for it
+            error, unexpected = (None, f"{type(e).__name__}: {e}"), e
+        gathered = self.coll.all_gather(error)
+        failed = [(r, e[1]) for r, e in enumerate(gathered) if e is not None and e[0] is None]
+        if failed:
+            rank, reason = failed[0]
+            raise CkptError(f"restoring step {step} from {path}: rank {rank} failed: {reason}") from unexpected
+        errors = [e for e in gathered if e is not None]
         mismatches = [(msg, base) for is_mismatch, msg, *base in errors if is_mismatch]
         if mismatches:
             msg, base = mismatches[0]

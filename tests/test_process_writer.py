@@ -194,3 +194,27 @@ def test_a_save_to_object_storage_starts_no_writer_process(s3: Any) -> None:
     for k, v in model.state_dict().items():
         assert torch.equal(v, out.state_dict()[k]), k
     ck.close()
+
+
+def test_a_hung_writer_fails_the_save_within_its_timeout_naming_the_writer(tmp_path: Path) -> None:
+    """A writer that stops answering (here: stopped with SIGSTOP, as a hung child looks) is killed after
+    ``writer_timeout_s``: the save fails naming it, nothing is committed, the next save gets a new writer."""
+    model, opt = make()
+    ck = Checkpointer(async_save=True, stager=ProcessStager(writer_timeout_s=1.0))
+    ck.save(str(tmp_path / "s1"), step=1, model=model, optimizer=opt, options=NO_RNG).result()
+    pid = ck.stager.writer_pid
+    assert pid is not None
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        ck.save(str(tmp_path / "s2"), step=2, model=model, optimizer=opt, options=NO_RNG)
+        with pytest.raises(AsyncSaveError, match=rf"writer process {pid} gave no answer within 1 s .*killed"):
+            ck.wait()
+    finally:
+        if not exited(pid, 0):
+            os.kill(pid, signal.SIGKILL)
+    assert exited(pid, 10)
+    assert not (tmp_path / "s2" / MANIFEST_NAME).exists()
+    ck.save(str(tmp_path / "s3"), step=3, model=model, optimizer=opt, options=NO_RNG).result()
+    assert ck.stager.writer_pid not in (None, pid)
+    assert (tmp_path / "s3" / MANIFEST_NAME).exists()
+    ck.close()

@@ -48,6 +48,12 @@ def steps_in(folder: Path) -> list[str]:
     return sorted(n for n in os.listdir(folder) if n.startswith("step_")) if folder.exists() else []
 
 
+def run_folder(local: Path) -> Path:
+    """The one run's folder under ``local`` (``run-<id>``, the id its root records)."""
+    (name,) = [n for n in os.listdir(local) if n.startswith("run-")]
+    return local / name
+
+
 @pytest.mark.s3
 @pytest.mark.skipif(
     bool(REAL_S3_URL), reason="the request-logging proxy speaks plain HTTP to a loopback moto server"
@@ -68,7 +74,7 @@ def test_local_saves_never_touch_the_object_store_and_restore_prefers_the_newest
             async_save=True,
         )
         before = len(proxy.log)
-        snaps = {}
+        snaps, requests = {}, {}
         for step in range(1, 7):
             train_step(model, opt, step)
             fut = mgr.save(step, model=model, optimizer=opt)
@@ -77,20 +83,24 @@ def test_local_saves_never_touch_the_object_store_and_restore_prefers_the_newest
                 continue
             mgr.wait()
             snaps[step] = state_bytes(model, opt)
-            if step == 2:  # a local-only save: not one request to the object store
-                assert len(proxy.log) == before, [(r.method, r.target) for r in proxy.log[before:]]
+            new = [(r.method, r.target.rsplit("/", 2)[-2:]) for r in proxy.log[before:]]
+            requests[step] = len(new)
+            if step == 2:  # the run's first save records its id in the root (create-only), and only that
+                assert new == [("PUT", ["run", "run.json"])], new
+            if step == 6:  # a local-only save: not one request to the object store
+                assert new == [], new
+            before = len(proxy.log)
         mgr.close()
-        assert len(proxy.log) > before  # step 4 went there
-        requests_at_4 = len(proxy.log)
+        assert requests[4] > 0  # step 4 went there
     # the persistent tier holds step 4 only; its copy is a complete checkpoint in the same format
     assert [i.step for i in ckpt.list_checkpoints(s3.url, storage_options=s3.storage_options)] == [4]
     persisted = read_manifest(open_storage(f"{s3.url}/step_00000004", s3.storage_options))
-    assert persisted == read_manifest(open_storage(str(local / "step_00000004")))
+    run = run_folder(local)
+    assert persisted == read_manifest(open_storage(str(run / "step_00000004")))
     # the local tier: the keep_local=2 newest steps, each a committed checkpoint ckpt reads as any other
-    assert steps_in(local) == ["step_00000004", "step_00000006"]
-    assert not (local / ".pending").exists()  # swept after the commit
-    assert read_manifest(open_storage(str(local / "step_00000006"))).step == 6
-    assert requests_at_4 > before
+    assert steps_in(run) == ["step_00000004", "step_00000006"]
+    assert not (run / ".pending").exists()  # swept after the commit
+    assert read_manifest(open_storage(str(run / "step_00000006"))).step == 6
 
     def restart(seed: int, step: int, tier: str) -> None:
         model, opt = make(seed)
@@ -132,9 +142,9 @@ def test_local_steps_older_than_the_newest_persistent_one_are_dropped(tmp_path: 
             train_step(model, opt, step)
             mgr.save(step, model=model, optimizer=opt)
             if step == 2:
-                assert steps_in(local) == ["step_00000001", "step_00000002"]
+                assert steps_in(run_folder(local)) == ["step_00000001", "step_00000002"]
     # step 3 went to both tiers: 1 and 2 are older than it and were dropped; 4 is local only
-    assert steps_in(local) == ["step_00000003", "step_00000004"]
+    assert steps_in(run_folder(local)) == ["step_00000003", "step_00000004"]
     assert [i.step for i in ckpt.list_checkpoints(str(tmp_path / "run"))] == [3]
 
 
@@ -152,7 +162,7 @@ def test_a_partially_synced_local_step_is_skipped_never_restored_half(tmp_path: 
             train_step(model, opt, step)
             mgr.save(step, model=model, optimizer=opt)
             snaps[step] = state_bytes(model, opt)
-    newest = local / "step_00000002"
+    newest = run_folder(local) / "step_00000002"
     names = os.listdir(newest)
     victim = {
         "data file missing": next(n for n in names if n.endswith(".safetensors")),
@@ -242,12 +252,17 @@ def test_an_unreachable_object_store_does_not_stop_a_restore_from_the_local_tier
         async_save=False,
     ) as mgr:  # fmt: skip
         train_step(model, opt, 1)
-        mgr.save(1, model=model, optimizer=opt)  # local only: the store is never asked
+        # local only: the store is asked once, for the run's record, and the save goes on without it
+        with pytest.warns(UserWarning, match=r"cannot record this run's id in s3://nowhere/run/run.json .*: "
+                          r"recorded in .*nvme/run-[0-9a-f]{16}/run.json only"):  # fmt: skip
+            mgr.save(1, model=model, optimizer=opt)
     want = state_bytes(model, opt)
     model2, opt2 = make(seed=4)
-    with ckpt.CheckpointManager(
-        "s3://nowhere/run", storage_options=options, local_dir=str(local), persist_every=100
-    ) as mgr2:
+    with pytest.warns(UserWarning, match=r"this run's id [0-9a-f]{16} is taken from .*nvme/run-[0-9a-f]{16}/run.json"):
+        mgr2 = ckpt.CheckpointManager(
+            "s3://nowhere/run", storage_options=options, local_dir=str(local), persist_every=100
+        )
+    with mgr2:
         with pytest.warns(
             UserWarning, match="cannot list the persistent tier, restoring from local steps only"
         ):

@@ -80,10 +80,16 @@ def neuron_job(rank: int, world: int, tmp: str) -> dict[str, Any]:
         "kind": manifest.layout.kind,
         "on_xla": str(next(model2.parameters()).device).startswith("xla"),
         "saved_path": backend.path if backend else None,
-        "files_node1": sorted(os.listdir(root / "node1" / "step_00000004")) if rank == 1 else None,
+        "files_node1": sorted(os.listdir(run_step(root / "node1", 4))) if rank == 1 else None,
         "losses": losses,
         "saved": saved,
     }
+
+
+def run_step(node_dir: Path, step: int) -> Path:
+    """A step's folder in the run's folder of a node's ``local_dir`` (``run-<id>/step_<N>``)."""
+    (run,) = node_dir.glob("run-*")
+    return run / f"step_{step:08d}"
 
 
 def test_neuron_checkpointer_with_the_local_tier_restores_a_replaced_node_from_its_peer(

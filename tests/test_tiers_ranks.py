@@ -57,6 +57,12 @@ def fresh(world: int, seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer
     return model, torch.optim.AdamW(model.parameters(), lr=0.05)
 
 
+def run_dir(node_dir: Path) -> Path:
+    """The run's folder in a node's ``local_dir`` (``run-<id>``)."""
+    (name,) = [n for n in os.listdir(node_dir) if n.startswith("run-")]
+    return node_dir / name
+
+
 def manager(tmp: Path, dirs: str, node: int, **kw: Any) -> ckpt.CheckpointManager:
     return ckpt.CheckpointManager(
         str(tmp / dirs / "persistent"),
@@ -166,7 +172,7 @@ def corrupt_in_transit(rank: int, world: int, tmp: Path) -> dict[str, Any]:
     finally:
         rep.exchange = real
     mgr.close()
-    folder = tmp / "in-transit" / f"node{rank // 2}"
+    folder = run_dir(tmp / "in-transit" / f"node{rank // 2}")
     return {"error": error, "steps": sorted(n for n in os.listdir(folder) if n.startswith("step_"))}
 
 
@@ -213,7 +219,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     for name, nodes in (("bad-replica", ["node0"]), ("both-copies-bad", ["node0", "node1"])):
         v = variant(name)
         for node in nodes:
-            folder = v / node / "step_00000006"
+            folder = run_dir(v / node) / "step_00000006"
             f = next(
                 folder / n
                 for n in sorted(os.listdir(folder))
@@ -224,7 +230,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
             f.write_bytes(bytes(data))
     variant("in-transit")
     cases = ["replaced-node", "both-wiped", "bad-replica", "both-copies-bad", "killed"]
-    listing = {n: sorted(os.listdir(tmp / "killed" / n)) for n in ("node0", "node1")}
+    listing = {n: sorted(os.listdir(run_dir(tmp / "killed" / n))) for n in ("node0", "node1")}
     restored = run_ranks(restore_job, WORLD, str(tmp), cases)
     return {"trained": trained, "restored": restored, "kill_codes": codes, "killed_listing": listing}
 

@@ -81,6 +81,8 @@ class Manifest:
     data_position: dict[str, JSON] | None = None
     #: the RNG rule's inputs for a restore on another DP size (ckpt.state.rng.base_record); None: no RNG saved
     rng_base: dict[str, JSON] | None = None
+    #: the run that saved it (a CheckpointManager with tiers: ckpt.tiers.runid); None: not recorded (absent)
+    run_id: str | None = None
     # format v2 only: pieces per tensor and the index table (ckpt.format.placement.Placement); tensors' shards are
     # empty until the indexes are read (ckpt.format.reader.read_manifest reads them all unless asked not to)
     v2: Any = field(default=None, compare=False, repr=False)
@@ -147,6 +149,7 @@ def manifest_doc(m: Manifest, version: int) -> dict[str, JSON]:
         **(
             {"adapter": m.adapter} if m.adapter is not None else {}
         ),  # absent from full checkpoints, as v1 wrote
+        **({"run_id": m.run_id} if m.run_id is not None else {}),  # absent unless a run recorded it
     }
 
 
@@ -243,6 +246,9 @@ def _from_doc(doc: Any, source: str) -> Manifest:
         if doc.get(key) is not None and not isinstance(doc[key], dict):
             raise ManifestError(f"{source}: field {key!r} must be an object")
     created_at = need_field(doc, "created_at", str, source) if "created_at" in doc else ""
+    run_id = doc.get("run_id")
+    if run_id is not None and not isinstance(run_id, str):
+        raise ManifestError(f"{source}: field 'run_id' must be a string or null, got {type(run_id).__name__}")
     checked = {
         **doc,
         "adapter": _adapter_from_doc(doc.get("adapter"), source),
@@ -257,6 +263,7 @@ def _from_doc(doc: Any, source: str) -> Manifest:
         data=doc.get("data") or {},
         environment=doc.get("environment") or {},
         extra=doc.get("extra") or {},
+        run_id=run_id,
         format_version=version,
     )  # fmt: skip
 

@@ -325,6 +325,7 @@ def _commit_members(
         "data": data,
         "environment": env if env is not None else environment.capture(layout.world_size),
         "extra": trees.get("extra", {}),
+        "run_id": trees.get("run_id"),
     }
 
 

@@ -104,6 +104,8 @@ class Checkpointer:
         self.lazy = lazy
         self.verify_replicas = verify_replicas
         self._replicas_checked = False
+        #: recorded as every manifest's ``run_id`` when set (a CheckpointManager with tiers: ckpt.tiers.runid)
+        self.run_id: str | None = None
         self.coll = Collective(process_group)
         self.chunk_bytes = chunk_bytes
         self.codec = codec
@@ -161,6 +163,8 @@ class Checkpointer:
                  "dataloader": dataloader, "tokenizer": tokenizer}  # fmt: skip
         cap = capture(step, state, opts, self.capture_optimizer, self._base, self.capture_rng)
         named, trees = cap.named, cap.trees
+        if self.run_id is not None:
+            trees["run_id"] = self.run_id
 
         refused: CkptError | None = None
         try:

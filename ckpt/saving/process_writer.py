@@ -23,9 +23,11 @@ from __future__ import annotations
 import json
 import mmap
 import os
+import select
 import subprocess
 import sys
 import threading
+import time
 import weakref
 from collections.abc import Sequence
 from typing import Any
@@ -77,14 +79,24 @@ class _Writer:
         finally:
             os.close(r)
 
-    def request(self, req: dict[str, Any]) -> dict[str, Any]:
+    def request(self, req: dict[str, Any], timeout_s: float) -> dict[str, Any]:
+        """Hand ``req`` over and wait for the answer; a child that gives none within ``timeout_s`` (hung,
+        stopped) is killed and the write fails naming it."""
         assert self.proc.stdin is not None and self.proc.stdout is not None
         try:
             self.proc.stdin.write(json.dumps(req).encode() + b"\n")
             self.proc.stdin.flush()
-            line = self.proc.stdout.readline()
+            line = self._answer(timeout_s)
         except (BrokenPipeError, OSError):
             line = b""
+        if line is None:
+            self.proc.kill()
+            self.stop()
+            raise StorageError(
+                f"writer process {self.proc.pid} gave no answer within {timeout_s:.0f} s while writing "
+                f"{req['fname']} (killed; the data file was not published; ProcessStager(writer_timeout_s=...) "
+                "sets the limit)"
+            )
         if not line:
             self.stop()
             raise StorageError(
@@ -92,6 +104,21 @@ class _Writer:
                 f"{req['fname']}: the data file was not published"
             )
         return json.loads(line)
+
+    def _answer(self, timeout_s: float) -> bytes | None:
+        """One line from the child (b"" at its exit), or None when none came within ``timeout_s``."""
+        assert self.proc.stdout is not None
+        fd, buf = self.proc.stdout.fileno(), b""
+        deadline = time.monotonic() + timeout_s
+        while not buf.endswith(b"\n"):
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([fd], [], [], left)[0]:
+                return None
+            part = os.read(fd, 1 << 16)
+            if not part:
+                return b""
+            buf += part
+        return buf
 
     @property
     def alive(self) -> bool:
@@ -119,9 +146,12 @@ class _Writer:
 class ProcessStager(HostStager):
     """A host stager whose arena the writer process reads; :meth:`write_data_file` hands a data file to it."""
 
-    def __init__(self, direct_io: bool = True) -> None:
+    def __init__(self, direct_io: bool = True, writer_timeout_s: float = 120.0) -> None:
         super().__init__()
-        self.direct_io = direct_io  # False: the writer writes through the page cache (benches, comparisons)
+        self.direct_io = direct_io
+        #: a data file's write fails when the writer has not answered within this many seconds, plus one per
+        #: 50 MB of the file (a hung or stopped writer never blocks a save for ever)
+        self.writer_timeout_s = writer_timeout_s  # False: the writer writes through the page cache (benches, comparisons)
         # bytes the writer sent to disk straight from the arena, through its bounce buffer, or buffered
         self.io = {"direct": 0, "bounced": 0, "buffered": 0}
         self._fd = -1
@@ -247,8 +277,9 @@ class ProcessStager(HostStager):
             "direct": self.direct_io,
         }
         writer = self._start_writer()  # a writer that died since the last save is replaced
+        nbytes = sum(n for _, n in spans)
         with self._lock:
-            reply = writer.request(req)
+            reply = writer.request(req, self.writer_timeout_s + nbytes / 50e6)
         if not reply["ok"] and reply.get("errno"):
             raise OSError(reply["errno"], os.strerror(reply["errno"]), reply.get("filename") or storage.path(fname))
         if not reply["ok"]:

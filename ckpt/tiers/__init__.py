@@ -10,7 +10,8 @@ persistent root (an object store or a shared filesystem).
 * :mod:`.transfer`: moving files between ranks over the tier's gloo group;
 * :mod:`.replicate`: the background half of a local save (replicas, commit, persistent copy);
 * :mod:`.agree`: which step every rank restores, and from where;
-* :mod:`.retention`: what the local tier keeps.
+* :mod:`.retention`: what the local tier keeps;
+* :mod:`.runid`: which run a local step belongs to (a restore takes only this run's).
 """
 
 from .node import NodeMap

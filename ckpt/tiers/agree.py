@@ -26,6 +26,7 @@ from .files import FileChecker, all_files, file_size, rank_files
 from .node import NodeMap
 from .policy import LOCAL, PEER, PERSISTENT
 from .retention import FETCH, drop, local_steps
+from .runid import step_run_id
 from .transfer import exchange, read_or_zeros, sent_digests, store_received
 
 
@@ -41,12 +42,15 @@ class Candidate:
     note: str = ""
 
 
-def inventory(nodes: NodeMap, root: Path) -> dict[int, dict[str, Any]]:
-    """This rank's share of its node's inventory (module docstring, 1)."""
+def inventory(nodes: NodeMap, root: Path, run_id: str) -> dict[int, dict[str, Any]]:
+    """This rank's share of its node's inventory (module docstring, 1) of run ``run_id``'s folder ``root``; a step
+    whose manifest records another run id or none is left out (:func:`.runid.foreign_steps` names it)."""
     out: dict[int, dict[str, Any]] = {}
     leader = nodes.rank == nodes.leader(nodes.node)
     for step in local_steps(root):
         folder = root / step_dir(step)
+        if step_run_id(folder) != run_id:
+            continue
         try:
             raw = (folder / MANIFEST_NAME).read_bytes()
             m = Manifest.from_json(raw, str(folder / MANIFEST_NAME))
@@ -141,19 +145,35 @@ def fetch(coll: Any, nodes: NodeMap, root: Path, cand: Candidate) -> list[str]:
     m = Manifest.from_json(cand.raw, f"{step_dir(cand.step)}/{MANIFEST_NAME}")
     final = root / step_dir(cand.step)
     leader = nodes.rank == nodes.leader(nodes.node)
-    if leader and final.exists():
-        try:
-            same = (final / MANIFEST_NAME).read_bytes() == cand.raw
-        except OSError:
-            same = False
-        if not same:  # another save of this step (a timeline a restore abandoned): never mixed with this one
-            drop(final)
-    token = coll.broadcast(uuid.uuid4().hex[:8])  # also: every node's leader is done with the check above
+    problems: list[str] = []
+    try:
+        if leader and final.exists():
+            try:
+                same = (final / MANIFEST_NAME).read_bytes() == cand.raw
+            except OSError:
+                same = False
+            if not same and step_run_id(final) == m.run_id:
+                drop(
+                    final
+                )  # another save of this step (a timeline a restore abandoned): never mixed with this
+            elif not same:
+                problems.append(f"{final} holds a step of another run (never replaced by this run)")
+    except Exception as e:  # noqa: BLE001 - a problem of this rank's, told to every rank below
+        problems.append(f"rank {nodes.rank}: {type(e).__name__}: {e}")
+    # also: every node's leader is done with the check above
+    token, problems = (
+        coll.broadcast(uuid.uuid4().hex[:8]),
+        [p for ps in coll.all_gather(problems) for p in ps],
+    )
+    if problems:
+        return problems
     target = final if final.exists() else root / FETCH / f"{step_dir(cand.step)}-{token}"
     storage = open_storage(str(target))
-    if leader and not (final / MANIFEST_NAME).exists():
-        storage.put_bytes(MANIFEST_NAME, cand.raw, exclusive=False)
-    problems: list[str] = []
+    try:
+        if leader and not (final / MANIFEST_NAME).exists():
+            storage.put_bytes(MANIFEST_NAME, cand.raw, exclusive=False)
+    except Exception as e:  # noqa: BLE001 - the receivers refuse what they cannot check; told to every rank
+        problems.append(f"rank {nodes.rank}: {type(e).__name__}: {e}")
     outgoing = [(dst, name) for src, dst, name in cand.transfers if src == nodes.rank]
     data = {name: read_or_zeros(final / name, file_size(m, name), problems) for _, name in outgoing}
     sends = [(dst, data[name]) for dst, name in outgoing]
@@ -162,10 +182,13 @@ def fetch(coll: Any, nodes: NodeMap, root: Path, cand: Candidate) -> list[str]:
     try:
         got = exchange(coll.group, sends, [(src, file_size(m, name)) for src, name in mine])
         problems += store_received(storage, target, m, [name for _, name in mine], got, digests)
-    except (CkptError, OSError) as e:
-        problems.append(f"rank {nodes.rank}: {e}")
+    except Exception as e:  # noqa: BLE001 - told to every rank below
+        problems.append(f"rank {nodes.rank}: {type(e).__name__}: {e}")
     problems = [p for ps in coll.all_gather(problems) for p in ps]
-    if not problems and target != final and nodes.rank == nodes.leader(nodes.node):
-        os.rename(target, final)
-    coll.barrier()
-    return problems
+    renamed = None
+    try:
+        if not problems and target != final and leader:
+            os.rename(target, final)
+    except OSError as e:
+        renamed = f"rank {nodes.rank}: cannot commit {final}: {e}"
+    return [p for p in coll.all_gather(renamed) if p is not None]

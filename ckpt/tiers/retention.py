@@ -15,6 +15,7 @@ from pathlib import Path
 
 from ..format.manifest import MANIFEST_NAME
 from ..restoring.discovery import parse_step, step_dir
+from .runid import step_run_id
 
 #: folders (hidden: ``ckpt ls`` and discovery skip them) holding local saves and restore fetches in flight
 PENDING = ".pending"
@@ -38,9 +39,13 @@ def drop(folder: Path) -> None:
     shutil.rmtree(folder, ignore_errors=True)
 
 
-def sweep(root: Path, newest: int, keep_local: int | None, newest_persistent: int | None) -> list[int]:
-    """Apply the policy (module docstring) after ``newest`` was committed; returns the steps deleted."""
-    steps = local_steps(root)
+def sweep(
+    root: Path, newest: int, keep_local: int | None, newest_persistent: int | None, run_id: str | None
+) -> list[int]:
+    """Apply the policy (module docstring) after ``newest`` was committed to run ``run_id``'s folder ``root``;
+    returns the steps deleted.  A step whose manifest records another run id, or none, is never deleted."""
+    steps = [s for s in local_steps(root) if step_run_id(root / step_dir(s)) == run_id]
+    present = set(local_steps(root))
     keep = set(steps if keep_local is None else steps[-keep_local:]) | {newest}
     deleted = []
     for s in steps:
@@ -50,7 +55,7 @@ def sweep(root: Path, newest: int, keep_local: int | None, newest_persistent: in
             deleted.append(s)
     for name in os.listdir(root):  # leftovers of a delete that crashed half-way
         s = parse_step(name)
-        if s is not None and s not in steps:
+        if s is not None and s not in present:
             shutil.rmtree(root / name, ignore_errors=True)
     for hidden in (PENDING, FETCH):
         shutil.rmtree(root / hidden, ignore_errors=True)

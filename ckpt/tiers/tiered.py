@@ -11,12 +11,12 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Any, Protocol
 
-from ..distributed import Collective, gloo_group
-from ..errors import CkptError
+from ..distributed import Collective, agreed, gloo_group
+from ..errors import CkptError, StorageError
 from ..restoring.discovery import step_dir
 from ..saving.checkpointer import SaveResult
 from ..storage import refusal
-from . import agree, replicate
+from . import agree, replicate, runid
 from .node import NodeMap
 from .policy import LOCAL, PEER, PERSISTENT, TierPolicy
 from .retention import PENDING, sweep
@@ -40,6 +40,7 @@ class Host(Protocol):
 
     checkpointer: Any
     storage: Any
+    root: str
 
     def save_persistent(self, step: int, objects: dict[str, Any], options: Any) -> Future: ...
     def apply_retention(self, newest: int) -> list[int]: ...
@@ -71,16 +72,111 @@ class Tiers:
         if "://" in str(local_dir) and not str(local_dir).startswith("file://"):
             raise CkptError(f"local_dir={local_dir!r}: expected a node-local folder (a path), not a URL")
         self.mgr = mgr
-        self.root = Path(str(local_dir).removeprefix("file://"))
+        self.local_dir = Path(str(local_dir).removeprefix("file://"))
         self.policy = policy
         self.replicas = replicas
         self.keep_local = keep_local
         self.coll = Collective(_tier_group())
         self.nodes = NodeMap.build(self.coll, node_rank)
         self.nodes.check_replicas(replicas)
+        self.leader = self.nodes.rank == self.nodes.leader(self.nodes.node)
+        #: this run's id (module runid); None until the first save of a run the root records none of
+        self.run_id: str | None = None
+        self._in_root = False  # the root's run.json holds run_id
+        self._ensured = False  # this node's run folder exists with its run.json
+        self._resolve_run()
         self.newest_persistent: int | None = None
         self._fut: Future | None = None
         self._thread: threading.Thread | None = None
+
+    @property
+    def root(self) -> Path:
+        """This run's folder of the local tier (``<local_dir>/run-<id>``)."""
+        assert self.run_id is not None
+        return runid.folder(self.local_dir, self.run_id)
+
+    # ------------------------------------------------------------------------------------------------ run identity
+    def _resolve_run(self) -> None:
+        """The run id: the root's ``run.json``; when the root cannot be read, the one run folder of the nodes that
+        names this root (module :mod:`.runid`).  Collective."""
+        root = self.mgr.root
+
+        def look() -> tuple[Any, list[str]]:
+            found = None
+            if self.coll.rank == 0:
+                try:
+                    found = ("root", runid.read_root(self.mgr.storage))
+                except (StorageError, OSError) as e:
+                    found = ("unreachable", f"{type(e).__name__}: {e}")
+            return found, runid.runs_naming(self.local_dir, root) if self.leader else []
+
+        parts = agreed(self.coll, f"reading the run id of {root}", look)
+        (kind, value), named = parts[0][0], sorted({i for _, ids in parts for i in ids})
+        if kind == "root":
+            self.run_id, self._in_root = value, value is not None
+        elif len(named) == 1:
+            self.run_id = named[0]
+            self._warn(
+                f"cannot read {root}/{runid.RUN_FILE} ({value}): this run's id {named[0]} is taken from "
+                f"{runid.folder(self.local_dir, named[0])}/{runid.RUN_FILE}, which names this root"
+            )
+        elif named:
+            self._warn(
+                f"cannot read {root}/{runid.RUN_FILE} ({value}) and several run folders name this root "
+                f"({', '.join(runid.PREFIX + n for n in named)}): none is taken for this run's"
+            )
+        self.mgr.checkpointer.run_id = self.run_id
+
+    def _establish(self, tiers: tuple[str, ...]) -> None:
+        """Before a save: a run without an id gets one, recorded create-only in the root (once; retried at saves
+        to the persistent tier while the root could not be written), and this node's run folder.  Collective."""
+        if self.run_id is not None and self._ensured and (self._in_root or PERSISTENT not in tiers):
+            return
+        root = self.mgr.root
+
+        def record() -> tuple[str, bool, str | None] | None:
+            if self.coll.rank != 0:
+                return None
+            if self.run_id is not None and (self._in_root or PERSISTENT not in tiers):
+                return self.run_id, self._in_root, None
+            rid = self.run_id or runid.new_id()
+            try:
+                held = runid.record_in_root(self.mgr.storage, rid, root)
+            except (StorageError, OSError) as e:
+                if PERSISTENT in tiers:
+                    raise
+                return (
+                    rid,
+                    False,
+                    (
+                        f"cannot record this run's id in {root}/{runid.RUN_FILE} ({type(e).__name__}: {e}): "
+                        f"recorded in {runid.folder(self.local_dir, rid)}/{runid.RUN_FILE} only, and in the root "
+                        "at the next save to it"
+                    ),
+                )
+            if self.run_id is not None and held != self.run_id:
+                raise CkptError(
+                    f"{root}/{runid.RUN_FILE} records run {held}, but this run recorded {self.run_id} while the "
+                    "root could not be read: two runs write one root; give each run its own root"
+                )
+            return held, True, None
+
+        (got, *_) = agreed(self.coll, f"recording the run id in {root}", record)
+        self.run_id, self._in_root, warning = got
+        self.mgr.checkpointer.run_id = self.run_id
+        if warning:
+            self._warn(warning)
+        rid = self.run_id
+        agreed(
+            self.coll,
+            f"creating this run's folder in {self.local_dir}",
+            lambda: runid.ensure_local(self.local_dir, rid, root) if self.leader else None,
+        )
+        self._ensured = True
+
+    def _warn(self, message: str) -> None:
+        if self.coll.rank == 0:
+            warnings.warn(message, stacklevel=4)
 
     # ------------------------------------------------------------------------------------------------ saving
     def save(self, step: int, objects: dict[str, Any], options: Any) -> Future:
@@ -92,6 +188,7 @@ class Tiers:
             fut.set_result(None)
             return fut
         self.wait()
+        self._establish(tiers)
         if LOCAL not in tiers:
             return self.mgr.save_persistent(step, objects, options)
         token = self.coll.broadcast(uuid.uuid4().hex[:8])
@@ -133,8 +230,10 @@ class Tiers:
             problems = replicate.send_replicas(self.coll, self.nodes, self.replicas, pending, m)
         except (CkptError, OSError) as e:
             problems = [f"rank {self.coll.rank}: {refusal.reason(e, str(self.root)) or e}"]
-        problems = [p for ps in self.coll.all_gather(problems) for p in ps]
         final = self.root / step_dir(step)
+        if self.leader and final.exists() and runid.step_run_id(final) != self.run_id:
+            problems.append(f"{final} holds a step of another run (never replaced by this run)")
+        problems = [p for ps in self.coll.all_gather(problems) for p in ps]
         if not problems:
             replicate.commit(self.nodes, pending, final)
         self.coll.barrier()
@@ -154,7 +253,7 @@ class Tiers:
                 + (" (its persistent copy is committed)" if PERSISTENT in tiers else "")
             )
         if self.nodes.rank == self.nodes.leader(self.nodes.node):
-            sweep(self.root, step, self.keep_local, self.newest_persistent)
+            sweep(self.root, step, self.keep_local, self.newest_persistent, self.run_id)
         result = SaveResult(
             step, path, written.blocking_s, time.perf_counter() - started, written.bytes_written
         )
@@ -174,22 +273,28 @@ class Tiers:
 
     # ------------------------------------------------------------------------------------------------ restoring
     def restore_latest(self, state: dict[str, Any]) -> int | None:
-        """Restore the newest step complete in any tier (module docstrings of :mod:`.agree`); its step, or None."""
+        """Restore the newest step of this run complete in any tier (module docstrings of :mod:`.agree`); its
+        step, or None.  Every step of the collective agreement ends on every rank with the first failing rank's
+        reason when one rank fails unexpectedly (:func:`~ckpt.distributed.agreed`), never in a wait."""
         self.wait()
         self.mgr.checkpointer.staged()
         t0 = time.perf_counter()
-        reports = self.coll.all_gather(agree.inventory(self.nodes, self.root))
-        candidates = None
-        if self.coll.rank == 0:
-            try:
-                persistent = [i.step for i in self.mgr.list() if i.status == "committed"]
-            except (CkptError, OSError) as e:  # the object store down: the local tier can still restore
-                warnings.warn(
-                    f"cannot list the persistent tier, restoring from local steps only: {e}", stacklevel=3
-                )
-                persistent = []
-            candidates = agree.plan(self.nodes, reports, persistent)
-        candidates = self.coll.broadcast(candidates)
+        rid = self.run_id
+
+        def look() -> tuple[dict[int, dict[str, Any]], list[str]]:
+            mine = agree.inventory(self.nodes, self.root, rid) if rid is not None else {}
+            return mine, runid.foreign_steps(self.local_dir, rid) if self.leader else []
+
+        parts = agreed(self.coll, "restore_latest: the local tier's inventory", look)
+        reports = [r for r, _ in parts]
+        foreign = [f for _, fs in parts for f in fs]
+        if foreign:
+            self._warn(
+                f"not restoring {len(foreign)} local step(s) of other runs (this run: {rid or 'none recorded yet'}"
+                f"; never deleted by this run): {', '.join(foreign[:6])}"
+                + (f", and {len(foreign) - 6} more" if len(foreign) > 6 else "")
+            )
+        (candidates, *_) = agreed(self.coll, "restore_latest: planning", lambda: self._plan(reports))
         for cand in candidates:
             if not cand.tier:
                 warnings.warn(f"skipping {cand.note}", stacklevel=3)
@@ -197,6 +302,12 @@ class Tiers:
             if cand.tier == PERSISTENT:
                 path, tier, job_tier = self.mgr.path_for(cand.step), PERSISTENT, PERSISTENT
             else:
+                assert rid is not None
+                agreed(
+                    self.coll,
+                    "restore_latest: this run's folder",
+                    lambda: runid.ensure_local(self.local_dir, rid, self.mgr.root) if self.leader else None,
+                )
                 problems = agree.fetch(self.coll, self.nodes, self.root, cand)
                 if problems:
                     warnings.warn(
@@ -212,3 +323,16 @@ class Tiers:
                     self.newest_persistent = cand.step
                 return cand.step
         return None
+
+    def _plan(self, reports: list[dict[int, dict[str, Any]]]) -> list[agree.Candidate] | None:
+        """Rank 0: the candidates (:func:`.agree.plan`); None on the other ranks."""
+        if self.coll.rank != 0:
+            return None
+        try:
+            persistent = [i.step for i in self.mgr.list() if i.status == "committed"]
+        except (CkptError, OSError) as e:  # the object store down: the local tier can still restore
+            warnings.warn(
+                f"cannot list the persistent tier, restoring from local steps only: {e}", stacklevel=5
+            )
+            persistent = []
+        return agree.plan(self.nodes, reports, persistent)
