@@ -37,9 +37,9 @@ TREND_MIN_POINTS = 5
 """... or from at least this many logged losses (every k-th step logged: a longer stretch)."""
 MIN_PIECE = 4
 """A level change found in the losses leaves at least this many points on each side."""
-BREAK_GAIN = 0.6
+BREAK_GAIN = 0.75
 """A level change is accepted when cutting there shrinks the residual sigma to below this fraction ..."""
-BREAK_JUMP = 6.0
+BREAK_JUMP = 5.0
 """... and the jump is over this many of the remaining sigmas."""
 PATTERN_FACTOR = 2.0
 """A drop at an epoch start fits the run's pattern when it is at most this many times its largest earlier one."""
@@ -150,29 +150,65 @@ def _epoch_pattern(ctx: CheckContext, drop: float) -> tuple[str, str] | None:
     return "first", f"step {after.step} starts an epoch; the run's earlier epoch starts: {said}"
 
 
-def _drop_grid(ctx: CheckContext, sigma: float) -> str | None:
-    """Without epoch fields: the steps where the run's loss dropped before N (by over ``BREAK_JUMP`` sigma), when
-    they recur at one period and N+1 falls on it (an epoch start the log does not name), in words; else None."""
+def _sharpest(pts: Points, i: int) -> int:
+    """The step near index ``i`` with the largest single-step fall: where a level change found by medians of a
+    few points on either side really happened."""
+    near = range(max(1, i - MIN_PIECE + 1), min(len(pts), i + MIN_PIECE))
+    return pts[max(near, key=lambda t: pts[t - 1][1] - pts[t][1])][0]
+
+
+def _local(pts: Points, i: int, sigma: float) -> float:
+    """The noise around index ``i`` (a loss's noise shrinks with its level), at least ``sigma``."""
+    near = diff_sigma([v for _, v in pts[max(0, i - 2 * MIN_PIECE) : i + 2 * MIN_PIECE]]) / math.sqrt(2)
+    return max(sigma, near) if math.isfinite(near) else sigma
+
+
+def _drops(ctx: CheckContext, sigma: float) -> tuple[list[int], int | None]:
+    """Steps where the loss dropped before N by over ``BREAK_JUMP`` sigma, and their period when they recur at
+    one (to within two steps: a drop is located by medians of a few points on either side)."""
     b = ctx.boundary
     pts = [(s, b.pre[s].loss) for s in sorted(b.pre) if s <= b.restored_step and b.pre[s].loss is not None]
     pts = [(s, v) for s, v in pts if math.isfinite(v)]  # type: ignore[arg-type]
     jumps = {i: _jump(pts, i) for i in range(MIN_PIECE, len(pts) - 1)}  # type: ignore[arg-type]
     found = [
-        pts[i][0]
+        _sharpest(pts, i)  # type: ignore[arg-type]
         for i, j in jumps.items()
-        if j < -BREAK_JUMP * sigma
-        and j <= min(jumps.get(t, 0.0) for t in range(i - MIN_PIECE, i + MIN_PIECE + 1))
+        if j < -BREAK_JUMP * _local(pts, i, sigma) and j <= min(jumps.get(t, 0.0) for t in range(i - MIN_PIECE, i + MIN_PIECE + 1))
     ]
+    found = sorted(set(found))
+    gaps = [t - s for s, t in zip(found, found[1:], strict=False)]
+    period = round(median(gaps)) if gaps and max(gaps) - min(gaps) <= 2 else None
+    return found, period
+
+
+def _drop_grid(ctx: CheckContext, sigma: float) -> str | None:
+    """Without epoch fields: the run's earlier drops in words when one could be an epoch start the log does not
+    name at N+1 (a single earlier drop, or drops that recur at a period N+1 falls on); else None."""
+    found, period = _drops(ctx, sigma)
     if not found:
         return None
-    gaps = {t - s for s, t in zip(found, found[1:], strict=False)}
-    period = gaps.pop() if len(gaps) == 1 else None
-    nxt = b.post.steps[0].step
-    on_grid = period is not None and (nxt - found[-1]) % period == 0
+    nxt = ctx.boundary.post.steps[0].step
+    on_grid = period is not None and min((nxt - found[-1]) % period, -(nxt - found[-1]) % period) <= 1
     if len(found) == 1 or on_grid:
         every = f" every {period} steps" if period else ""
         return f"the loss dropped as much at step {', '.join(map(str, found))}{every} before, with no epoch logged"
     return None
+
+
+def _next_change(ctx: CheckContext, post: Points, sigma: float) -> int | None:
+    """The first resumed step after the first one where the run changes its level on purpose: an epoch start
+    (position fields) or a phase change, else the next drop of a recurring period (no epoch logged).  The
+    level test stops before it: the next epoch's level is no evidence about this restore."""
+    recs = [r for r in ctx.boundary.post.steps if r.loss is not None]
+    first = post[0][0]
+    marks = [s for s in epoch_starts(recs) if s > first]
+    marks += [r1.step for r0, r1 in zip(recs, recs[1:], strict=False) if r0.phase != r1.phase and r1.step > first]
+    if not any(r.epoch is not None for r in recs):
+        found, period = _drops(ctx, sigma)
+        if period is not None:
+            nxt = found[-1] + period * ((first - found[-1]) // period + 1)
+            marks.append(nxt - 1 if nxt - 1 > first else nxt + period - 1)
+    return min(marks, default=None)
 
 
 def _symptom(shift: float, level: float) -> str:
@@ -190,7 +226,11 @@ def level_test(ctx: CheckContext, post: Points, nums: dict, what_to_check: str) 
             "loss", Status.SKIP, "too few pre-boundary losses to calibrate the noise", None, nums
         )
     n = ctx.boundary.restored_step
-    cuts = breaks(pts, _known_cuts(ctx, pts))
+    jitter = diff_sigma([v for _, v in pts]) / math.sqrt(2)
+    known = _known_cuts(ctx, pts)
+    if math.isfinite(jitter) and jitter > 0:  # drops the losses show (an epoch start the log does not name)
+        known += [i for i, (s, _) in enumerate(pts) if s in set(_drops(ctx, jitter)[0]) and i > 0]
+    cuts = breaks(pts, known)
     last = _pieces(pts, cuts)[-1]
     near = [(s, v) for s, v in last if s > n - TREND_STEPS] or last
     near = near if len(near) >= TREND_MIN_POINTS else last[-TREND_MIN_POINTS:]
@@ -198,11 +238,14 @@ def level_test(ctx: CheckContext, post: Points, nums: dict, what_to_check: str) 
     at = n + 1
     level = icpt + slope * at
     spread = _sigma(pts, cuts)
-    jitter = diff_sigma([v for _, v in pts]) / math.sqrt(2)
     sigma = max(x for x in (spread, jitter, 0.0) if math.isfinite(x))
     nums.update(trend_level=level, trend_slope=slope, trend_window=len(near), noise_sigma=sigma)
     if cuts:
         nums["level_changes_before"] = ", ".join(str(pts[k][0]) for k in cuts)
+    stop = _next_change(ctx, post, sigma)
+    if stop is not None and sum(1 for s, _ in post if s < stop) >= 3:
+        post = [(s, v) for s, v in post if s < stop]
+        nums["level_stops_at"] = stop
     horizon = [(s, v) for s, v in post if s <= n + opt.level_window] or post[:1]
     horizon = horizon if len(horizon) >= 3 else post[:3]
     head = [(s, v) for s, v in horizon[: opt.level_window] if math.isfinite(v)]
@@ -210,16 +253,24 @@ def level_test(ctx: CheckContext, post: Points, nums: dict, what_to_check: str) 
         return CheckResult("loss", Status.SKIP, "no finite loss to compare after the resume", None, nums)
     k, m = len(head), len(near)
     up = median([v - level for _, v in head])
-    # a drop is measured from the line continued where it falls (a falling loss keeps falling)
-    down = median([v - min(level, icpt + slope * s) for s, v in head])
     xs = [s for s, _ in near]
     mean_x = sum(xs) / m
     sxx = sum((x - mean_x) ** 2 for x in xs)
-    mid = median([s for s, _ in head]) if slope < 0 else at
+    # a drop is measured from the line continued where it falls significantly (a falling loss keeps falling);
+    # a slope within two of its standard errors of flat is noise, and the level is held
+    falling = sxx > 0 and slope < -2 * sigma / math.sqrt(sxx)
+    flat = sxx > 0 and abs(slope) <= 2 * sigma / math.sqrt(sxx)
     lever = (at - mean_x) ** 2 / sxx if sxx > 0 else 0.0
-    lever_down = (mid - mean_x) ** 2 / sxx if sxx > 0 else 0.0
     se = sigma * math.sqrt(MEDIAN_SE**2 / k + 1 / m + lever)
-    se_down = sigma * math.sqrt(MEDIAN_SE**2 / k + 1 / m + lever_down)
+    if falling:
+        mid = median([s for s, _ in head])
+        down = median([v - min(level, icpt + slope * s) for s, v in head])
+        se_down = sigma * math.sqrt(MEDIAN_SE**2 / k + 1 / m + (mid - mean_x) ** 2 / sxx)
+    elif flat:  # no trend to extrapolate: the level before is the median of the piece
+        down = median([v for _, v in head]) - median([v for _, v in near])
+        se_down = sigma * MEDIAN_SE * math.sqrt(1 / k + 1 / m)
+    else:
+        down, se_down = up, se
     z, z_down = up / se, down / se_down
     top = max(head, key=lambda x: x[1] - level)
     spike_z = (top[1] - level) / sigma
