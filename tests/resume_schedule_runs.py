@@ -85,7 +85,9 @@ def _build(plan: Plan) -> dict[str, Any]:
     return state
 
 
-def _train(plan: Plan, st: dict[str, Any], run: Path, ledger: LedgerWriter, tb: Any, first: int, last: int) -> None:
+def _train(
+    plan: Plan, st: dict[str, Any], run: Path, ledger: LedgerWriter, tb: Any, first: int, last: int
+) -> None:
     y = _targets(plan)
     model, opt, loader = st["model"], st["optimizer"], st["dataloader"]
     for step in range(first, last + 1):

@@ -83,9 +83,9 @@ def clean_resume(crashed: Path, tmp_path_factory: pytest.TempPathFactory) -> Pat
 
 
 def test_callback_ledger_resume_verifies_and_continues_bit_for_bit(
-    crashed: Path, straight: Path, tmp_path: Path
+    clean_resume: Path, straight: Path
 ) -> None:
-    out = resumed(crashed, tmp_path)
+    out = clean_resume
     run = read_jsonl(out / "ledger.jsonl")
     dead, post = run.sessions
     assert [s.step for s in dead.saves] == [5, 10] and dead.exit is None  # killed: no exit event
@@ -352,7 +352,9 @@ def test_diff_compares_trainer_checkpoints_their_optimizer_and_step(crashed: Pat
     res = ckpt.diff(str(crashed / "checkpoint-10"), str(same))
     assert res.same and res.optimizer == "compared" and res.step_a == res.step_b == 10
     assert any(t.role == "optimizer_state" for t in res.tensors)
-    r = CliRunner().invoke(cli, ["diff", str(crashed / "checkpoint-5"), str(crashed / "checkpoint-10"), "--json"])
+    r = CliRunner().invoke(
+        cli, ["diff", str(crashed / "checkpoint-5"), str(crashed / "checkpoint-10"), "--json"]
+    )
     assert r.exit_code == 1, r.output
     doc = json.loads(r.stdout)
     assert doc["a"]["step"] == 5 and doc["b"]["step"] == 10 and doc["a"]["format"] == "hf-trainer"

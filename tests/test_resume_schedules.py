@@ -48,12 +48,16 @@ def with_facts(run: Path) -> Verification:
 @pytest.mark.parametrize(
     "name", ["clean_mid_epoch", "clean_before_epoch_start", "clean_at_epoch_start", "steplr_second_drop"]
 )
-def test_clean_resumes_of_a_run_whose_loss_steps_down_at_each_epoch_pass(runs: dict[str, Path], name: str) -> None:
+def test_clean_resumes_of_a_run_whose_loss_steps_down_at_each_epoch_pass(
+    runs: dict[str, Path], name: str
+) -> None:
     for result in (logs_only(runs[name]), with_facts(runs[name])):
         assert result.exit_code == 0 and result.causes == [], result.causes
 
 
-def test_a_drop_at_an_epoch_start_fits_the_runs_pattern_when_the_epoch_is_logged(runs: dict[str, Path]) -> None:
+def test_a_drop_at_an_epoch_start_fits_the_runs_pattern_when_the_epoch_is_logged(
+    runs: dict[str, Path],
+) -> None:
     loss = logs_only(runs["clean_at_epoch_start"]).verdicts[0].check("loss")
     assert loss.status is Status.PASS and loss.numbers["drop_z"] < -4  # a real drop, explained
     assert "starts an epoch" in loss.summary
@@ -76,7 +80,9 @@ def test_a_loader_restarted_mid_epoch_drops_the_loss_and_fails(runs: dict[str, P
     assert "epoch went back from 3.5 at step 56 to 3.0625 at step 57" in position.summary
 
 
-def test_a_curriculum_switch_at_the_first_resumed_step_is_cannot_tell_not_a_failure(runs: dict[str, Path]) -> None:
+def test_a_curriculum_switch_at_the_first_resumed_step_is_cannot_tell_not_a_failure(
+    runs: dict[str, Path],
+) -> None:
     for result in (logs_only(runs["curriculum"]), with_facts(runs["curriculum"])):
         loss = result.verdicts[0].check("loss")
         assert result.exit_code == 0 and loss.status is Status.WARN and loss.cause is Cause.CANNOT_TELL
@@ -87,7 +93,9 @@ def test_a_steplr_milestone_at_the_first_resumed_step(runs: dict[str, Path]) -> 
     first = logs_only(runs["steplr_first_drop"]).verdicts[0].check("lr")
     assert first.status is Status.WARN and first.cause is Cause.CANNOT_TELL  # logs alone cannot decide
     exact = with_facts(runs["steplr_first_drop"]).verdicts[0].check("lr")
-    assert exact.status is Status.PASS and exact.basis.value == "checkpoint facts"  # the scheduler's state can
+    assert (
+        exact.status is Status.PASS and exact.basis.value == "checkpoint facts"
+    )  # the scheduler's state can
     second = logs_only(runs["steplr_second_drop"]).verdicts[0].check("lr")
     assert second.status is Status.PASS and "every 20 steps" in second.summary
 
