@@ -74,6 +74,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
+        "--save-state",
+        action="store_true",
+        help="trainer.save_state() after training, as the transformers example scripts do (the output dir's "
+        "trainer_state.json with the final summary)",
+    )
+    p.add_argument(
         "--bug",
         choices=("data_reset", "reinit_weights", "reinit_lora_b"),
         help="resume with a classic mistake: data restarted from the first batch (ignore_data_skip), the "
@@ -139,6 +145,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     resume = True if a.resume == "latest" else a.resume
     trainer.train(resume_from_checkpoint=resume)
+    if a.save_state:
+        trainer.save_state()
     return 0
 
 

@@ -48,7 +48,7 @@ def losses(out: Path) -> dict[int, float]:
 @pytest.fixture(scope="module")
 def straight(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("straight") / "out"
-    assert train(out) == 0
+    assert train(out, "--save-state") == 0
     return out
 
 
@@ -60,19 +60,32 @@ def crashed(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
-def resumed(crashed: Path, dest: Path, delete: str | None = None, bug: str | None = None) -> Path:
+def resumed(
+    crashed: Path, dest: Path, delete: str | None = None, bug: str | None = None, *extra: str
+) -> Path:
     out = dest / "out"
     shutil.copytree(crashed, out)
     if delete:
         (out / "checkpoint-10" / delete).unlink()
-    assert train(out, "--resume", *(("--bug", bug) if bug else ())) == 0
+    assert train(out, "--resume", *(("--bug", bug) if bug else ()), *extra) == 0
     return out
 
 
+@pytest.fixture(scope="module")
+def data_reset(crashed: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Resumed with ``ignore_data_skip=True``; ``trainer.save_state()`` after training, as HF's scripts do."""
+    return resumed(crashed, tmp_path_factory.mktemp("data_reset"), None, "data_reset", "--save-state")
+
+
+@pytest.fixture(scope="module")
+def clean_resume(crashed: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return resumed(crashed, tmp_path_factory.mktemp("clean_resume"), None, None, "--save-state")
+
+
 def test_callback_ledger_resume_verifies_and_continues_bit_for_bit(
-    crashed: Path, straight: Path, tmp_path: Path
+    clean_resume: Path, straight: Path
 ) -> None:
-    out = resumed(crashed, tmp_path)
+    out = clean_resume
     run = read_jsonl(out / "ledger.jsonl")
     dead, post = run.sessions
     assert [s.step for s in dead.saves] == [5, 10] and dead.exit is None  # killed: no exit event
@@ -115,15 +128,41 @@ def test_model_reinitialised_after_the_resume_loaded_it_is_named(crashed: Path, 
     assert w.cause is Cause.WEIGHTS_NOT_RESTORED and 0 < w.numbers["not_restored"] < w.numbers["compared"]
 
 
-def test_a_data_reset_in_a_trainer_run_is_caught_by_the_callbacks_batch_digests(
-    crashed: Path, tmp_path: Path
-) -> None:
+def test_a_data_reset_in_a_trainer_run_is_caught_by_the_callbacks_batch_digests(data_reset: Path) -> None:
     # ignore_data_skip: the resumed Trainer starts the epoch's data from its first batch again
-    out = resumed(crashed, tmp_path, bug="data_reset")
+    out = data_reset
     result = verify_run(load_run(out), facts=TrainerCheckpointFacts(out))
     data = result.verdicts[0].check("data")
     assert data.status.value == "fail" and data.cause is Cause.DATA_POSITION_LOST
     assert result.causes[0] is Cause.DATA_POSITION_LOST
+
+
+def test_a_data_reset_is_seen_in_trainer_state_alone_from_the_epoch_going_back(data_reset: Path) -> None:
+    # logs only (no ledger, no checkpoint facts): the loss cannot show it, trainer_state.json's epoch can
+    run = load_run(data_reset, "hf")
+    assert any("epoch went back from 0.3125 at step 10 to 0.03125 at step 11" in n for n in run.notes)
+    result = verify_run(run)
+    assert result.exit_code == 1 and result.causes == [Cause.DATA_POSITION_LOST]
+    v = result.verdicts[0]
+    assert v.boundary.restored_step == 10 and v.boundary.restore.path == "checkpoint-10"
+    assert v.check("position").confidence.value == "high"
+
+
+def test_a_clean_trainer_resume_is_found_from_the_final_summary_and_passes(clean_resume: Path) -> None:
+    # the values continue seamlessly (nothing differs between lineages), yet the final summary's
+    # train_steps_per_second x train_runtime says the last train() call ran 10 steps: a resume from checkpoint-10
+    run = load_run(clean_resume, "hf")
+    assert any("resumed from checkpoint-10" in n for n in run.notes)
+    result = verify_run(run, facts=TrainerCheckpointFacts(clean_resume))
+    assert [v.boundary.restored_step for v in result.verdicts] == [10]
+    assert result.exit_code == 0 and result.verdicts[0].check("position").status.value == "pass"
+
+
+def test_a_trainer_dir_without_a_resume_says_so(straight: Path) -> None:
+    run = load_run(straight, "hf")
+    assert any(n.startswith("no trace of a resume in this Trainer output dir") for n in run.notes)
+    assert any("ran all 20 steps" in n for n in run.notes)
+    assert verify_run(run).exit_code == 0
 
 
 def test_weights_lost_after_the_restore_are_not_blamed_on_the_optimizer(
@@ -313,7 +352,9 @@ def test_diff_compares_trainer_checkpoints_their_optimizer_and_step(crashed: Pat
     res = ckpt.diff(str(crashed / "checkpoint-10"), str(same))
     assert res.same and res.optimizer == "compared" and res.step_a == res.step_b == 10
     assert any(t.role == "optimizer_state" for t in res.tensors)
-    r = CliRunner().invoke(cli, ["diff", str(crashed / "checkpoint-5"), str(crashed / "checkpoint-10"), "--json"])
+    r = CliRunner().invoke(
+        cli, ["diff", str(crashed / "checkpoint-5"), str(crashed / "checkpoint-10"), "--json"]
+    )
     assert r.exit_code == 1, r.output
     doc = json.loads(r.stdout)
     assert doc["a"]["step"] == 5 and doc["b"]["step"] == 10 and doc["a"]["format"] == "hf-trainer"

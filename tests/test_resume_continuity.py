@@ -93,6 +93,7 @@ def test_correct_training_function_continues_exactly(tmp_path: Path) -> None:
         "counters": "pass",  # from the split run's checkpoint manifest
         "lr": "pass",
         "data": "pass",
+        "position": "pass",  # the sample counts equal the straight run's
         "rng": "pass",
         "env": "pass",
         "weights": "pass",  # the restore event's model digest equals the checkpoint's

@@ -94,7 +94,7 @@ def test_correct_resume_passes_with_no_false_alarm(correct: Path) -> None:
     assert v.deterministic and v.boundary.restored_step == 10 and v.boundary.overlap == [11, 12, 13]
     passed = {c.name for c in v.checks if c.status is Status.PASS}
     # Every check ran on real evidence: the checkpoint's manifest for the counters, the free A/B for the rest.
-    assert passed == {"step", "counters", "lr", "data", "rng", "lost_work", "env", "weights", "loss"}
+    assert passed == {"step", "counters", "lr", "data", "position", "rng", "lost_work", "env", "weights", "loss"}
     assert v.check("counters").numbers["scheduler_last_epoch"] == 10
     assert v.check("counters").numbers["checkpoint_samples"] == 80
 

@@ -211,12 +211,16 @@ class LedgerWriter:
         tokens: int | None = None,
         data_digest: str | None = None,
         rng_digest: str | None = None,
+        epoch: float | None = None,
+        phase: Mapping[str, object] | None = None,
     ) -> None:
         """Record optimizer step ``step`` (1-based count of updates including this one).
 
         ``loss`` is the loss computed at this step, ``lr`` the rate its update used (read it before
         ``scheduler.step()``), ``samples``/``tokens`` the totals consumed after this step.  Tensors are
-        converted with ``.item()`` (a host sync the loop usually pays for logging anyway).
+        converted with ``.item()`` (a host sync the loop usually pays for logging anyway).  ``epoch`` is the
+        fractional epoch after this step (a position, like ``samples``); ``phase`` the curriculum / data-mix
+        state the step trained under (``{"data/phase": 2}``): a change of it is scheduled, not a defect.
         """
         if not self.enabled:
             return
@@ -231,6 +235,10 @@ class LedgerWriter:
             rec["data_digest"] = data_digest
         if rng_digest is not None:
             rec["rng_digest"] = rng_digest
+        if epoch is not None:
+            rec["epoch"] = float(epoch)
+        if phase:
+            rec["phase"] = {str(k): _num(v) if not isinstance(v, str) else v for k, v in phase.items()}
         rec["time"] = self._clock()
         rec["session"] = self.session
         with self._lock:

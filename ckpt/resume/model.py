@@ -18,6 +18,12 @@ class StepRecord:
 
     ``loss`` is the loss computed at this step (before its update), ``lr`` the learning rate its update used.
     Digests are opaque strings compared for equality only.
+
+    ``epoch`` (fractional, as the HF Trainer and Lightning log it), ``samples`` and ``tokens`` are *position*
+    fields: where in the data the run stands after this step, which a resume must continue
+    (:mod:`ckpt.resume.checks.position`).  ``phase`` is the logged curriculum / data-mix state as one string
+    (``"data/hard_fraction=0.5, data/phase=2"``): a change of it is a *scheduled* change, which the loss and
+    LR checks do not take for a defect.
     """
 
     step: int
@@ -29,6 +35,8 @@ class StepRecord:
     data_digest: str | None = None
     rng_digest: str | None = None
     time: float | None = None
+    epoch: float | None = None
+    phase: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

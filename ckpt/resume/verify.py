@@ -16,11 +16,12 @@ from ckpt.resume.checks import (
     VerifyOptions,
     worst,
 )
+from ckpt.resume.checks.scheduled import soften
 from ckpt.resume.checks.weights import digests_of
 from ckpt.resume.facts import FactsProvider
 from ckpt.resume.model import Run
 
-_VALUE_CHECKS = {"lr", "loss", "data", "rng"}
+_VALUE_CHECKS = {"lr", "loss", "data", "position", "rng"}
 """The checks whose failure at a suspected boundary shows a discontinuity in the logged values."""
 _LOSS_CAUSES = {
     Cause.LOSS_DIVERGED,
@@ -126,6 +127,7 @@ def judge_boundary(
     ctx = CheckContext(run, b, options, det, lr_reference=lr_reference, facts=f, weights=digests_of(facts))
     results = [check(ctx) for check in checks]
     _attribute(results)
+    soften(results)
     return BoundaryVerdict(boundary=b, checks=results, deterministic=det)
 
 

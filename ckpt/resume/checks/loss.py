@@ -7,11 +7,9 @@ the loss level: their mean is a discontinuity when it exceeds both a documented 
 relative to the loss) and ``paired_t`` standard errors of the differences' own spread.  A consistent shift
 across the overlap is therefore found even when every single step lies inside the batch noise.
 
-Without overlap the first post-resume losses are compared with the robust local trend of the last
-``noise_window`` pre-boundary steps (a Theil-Sen line held at its value at N+1: extrapolating a falling line
-would call every flattening loss a jump).  The test statistic is the median of the first ``level_window``
-post-resume residuals in units of its own standard error (1.2533 sigma / sqrt(k), plus the trend's
-uncertainty), where sigma is the spread about the trend; the largest single step is only a spike test.
+Without overlap the first post-resume losses are compared with the robust local trend before N, in standard
+errors of their median, with the noise from a trend that allows level changes and a drop judged against the
+run's own epoch pattern (:mod:`ckpt.resume.checks.level`).
 
 The check names a *cause* only from facts (deterministic mode: the first loss after the restore is exact and
 the first update differs, and the restore record does not show the optimizer counter restored); otherwise it
@@ -24,15 +22,9 @@ import math
 
 from ckpt.resume.checks.base import Basis, Cause, CheckResult, Confidence, Status
 from ckpt.resume.checks.context import CheckContext
-from ckpt.resume.checks.stats import diff_sigma, median, robust_sigma, theil_sen
+from ckpt.resume.checks.level import level_test
+from ckpt.resume.checks.stats import diff_sigma, median
 from ckpt.words import count
-
-MEDIAN_SE = 1.2533
-"""Standard error of a median of k Gaussian values, in units of sigma / sqrt(k)."""
-TREND_STEPS = 30
-"""The trend's level at N+1 (without overlap) comes from the losses of the last this-many steps ..."""
-TREND_MIN_POINTS = 5
-"""... or from at least this many logged losses (every k-th step logged: a longer stretch)."""
 
 
 def _window(ctx: CheckContext) -> list[tuple[int, float]]:
@@ -139,72 +131,6 @@ def _paired(ctx: CheckContext, pairs: list[tuple[int, float, float]], nums: dict
     ).judged(Basis.OVERLAP, Confidence.HIGH if k >= 3 else Confidence.LOW)
 
 
-def _trend(ctx: CheckContext, post: list[tuple[int, float]], nums: dict) -> CheckResult:
-    """The level-shift test against the pre-boundary trend (no overlap)."""
-    opt = ctx.options
-    pts = _window(ctx)
-    if len(pts) < 4:
-        return CheckResult(
-            "loss", Status.SKIP, "too few pre-boundary losses to calibrate the noise", None, nums
-        )
-    # The level at N+1 comes from the last ``TREND_STEPS`` steps only (a line through a longer stretch bends
-    # with a curved loss, most of all when only every k-th step is logged); the noise from the whole window's
-    # step-to-step jitter, which a curve does not inflate.
-    n = ctx.boundary.restored_step
-    near = [(s, v) for s, v in pts if s > n - TREND_STEPS] or pts
-    near = near if len(near) >= TREND_MIN_POINTS else pts[-TREND_MIN_POINTS:]
-    slope, icpt = theil_sen(near)
-    at = ctx.boundary.restored_step + 1
-    level = icpt + slope * at
-    spread = robust_sigma([v - (icpt + slope * s) for s, v in near])
-    sigma = max(spread, diff_sigma([v for _, v in pts]) / math.sqrt(2))
-    nums.update(trend_level=level, trend_slope=slope, trend_window=len(near), noise_sigma=sigma)
-    # The first ``level_window`` logged steps, but no further than that many steps after N (a fresh model
-    # at a high LR recovers within tens of steps: a log of every k-th step must not average that away).
-    horizon = [(s, v) for s, v in post if s <= n + opt.level_window] or post[:1]
-    horizon = horizon if len(horizon) >= 3 else post[:3]
-    head = [(s, v - level) for s, v in horizon[: opt.level_window] if math.isfinite(v)]
-    if not head or not sigma > 0:
-        return CheckResult("loss", Status.SKIP, "no finite loss to compare after the resume", None, nums)
-    k, m = len(head), len(near)
-    med = median([r for _, r in head])
-    # Standard error of the difference: the median of k post losses, and the line's value at N+1 (its
-    # uncertainty grows with the distance from the centroid of the steps it was fitted on).
-    xs = [s for s, _ in near]
-    mean_x = sum(xs) / m
-    sxx = sum((x - mean_x) ** 2 for x in xs)
-    lever = (at - mean_x) ** 2 / sxx if sxx > 0 else 0.0
-    se = sigma * math.sqrt(MEDIAN_SE**2 / k + 1 / m + lever)
-    z = med / se
-    top = max(head, key=lambda x: x[1])
-    spike_z = top[1] / sigma
-    nums.update(median_shift=med, level_z=z, max_z=spike_z, window=k)
-    src = f"the trend of the last {count(m, 'logged step')} before the boundary"
-    shift = z > opt.level_z and k >= 3
-    spike = spike_z > opt.spike_z
-    nums["shifted"] = shift or spike
-    if shift or spike:
-        if shift:
-            what = (
-                f"{_symptom(med, level)}: median of the first {count(k, 'step')} {med:+.4g} above {src}, "
-                f"{z:.1f} standard errors (noise sigma {sigma:.3g})"
-            )
-        else:
-            what = f"loss spike at step {top[0]} after restore: {spike_z:.0f}x the noise sigma {sigma:.3g} of {src}"
-        sure = Confidence.HIGH if z > 2 * opt.level_z or spike_z > 2 * opt.spike_z else Confidence.LOW
-        return CheckResult(
-            "loss", Status.FAIL, f"{what}; {_what_to_check(ctx)}", Cause.LOSS_SHIFT, nums
-        ).judged(Basis.TRAJECTORY, sure)
-    return CheckResult(
-        "loss",
-        Status.PASS,
-        f"level continues {src}: median shift {med:+.3g} ({z:+.1f} standard errors), "
-        f"max step {spike_z:.1f} sigma (sigma {sigma:.3g})",
-        None,
-        nums,
-    ).judged(Basis.TRAJECTORY, Confidence.HIGH if m >= 15 else Confidence.LOW)
-
-
 def _deterministic(ctx: CheckContext, pairs: list[tuple[int, float, float]], nums: dict) -> CheckResult:
     """Bitwise: any difference on the overlap fails; which step differs first says what it was."""
     b = ctx.boundary
@@ -268,4 +194,4 @@ def check_loss(ctx: CheckContext) -> CheckResult:
         found = _paired(ctx, pairs, nums)
         if found is not None:
             return found
-    return _trend(ctx, post, nums)
+    return level_test(ctx, post, nums, _what_to_check(ctx))

@@ -17,6 +17,7 @@ import numpy as np
 from ckpt.resume.checks.base import Basis, Cause, CheckResult, Confidence, Status
 from ckpt.resume.checks.context import CheckContext
 from ckpt.resume.checks.lr_trajectory import scan
+from ckpt.resume.checks.scheduled import lr_milestone
 from ckpt.words import count
 
 
@@ -104,6 +105,14 @@ def _no_overlap(ctx: CheckContext, pre: dict[int, float], post: list[tuple[int, 
             "lr", Status.SKIP, "too few LRs logged around the boundary to judge its trajectory", None, nums
         )
     nums.update(found.numbers)
+    milestone = lr_milestone(pre_pts, post) if found.cause is Cause.LR_DIFFERENT else None
+    if milestone is not None:
+        fits, text = milestone
+        if fits:
+            return CheckResult("lr", Status.PASS, text, None, nums).judged(Basis.TRAJECTORY, Confidence.HIGH)
+        return CheckResult("lr", Status.WARN, text, Cause.CANNOT_TELL, nums).judged(
+            Basis.TRAJECTORY, Confidence.LOW
+        )
     if found.cause is None:
         return CheckResult("lr", Status.PASS, found.text, None, nums).judged(
             Basis.TRAJECTORY, found.confidence

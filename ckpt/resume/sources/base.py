@@ -35,3 +35,38 @@ class LogSource:
     probe: Callable[[Path], bool]
     looks_for: str
     read: Reader
+
+
+_PHASE_WORDS = ("phase", "curriculum", "stage")
+_PHASE_SCOPES = ("data", "curriculum")
+
+
+def is_phase_name(name: str) -> bool:
+    """Whether a logged metric names the curriculum / data-mix state: a last component with ``phase``,
+    ``curriculum`` or ``stage`` in it (``data/phase``, ``curriculum_stage``), or a ``*_fraction`` / ``*mix``
+    under ``data/`` or ``curriculum/`` (``data/hard_fraction``).  Narrow on purpose: a metric that changes
+    every step (``data/load_time``) is not a schedule."""
+    parts = [p for p in name.lower().replace(".", "/").split("/") if p]
+    if not parts:
+        return False
+    last = parts[-1]
+    if any(w in last for w in _PHASE_WORDS):
+        return True
+    return (
+        len(parts) > 1 and parts[0] in _PHASE_SCOPES and (last.endswith("fraction") or last.endswith("mix"))
+    )
+
+
+def phase_text(values: Mapping[str, object]) -> str | None:
+    """The phase fields of one step as one comparable string (sorted ``name=value``), None when empty."""
+    if not values:
+        return None
+    return ", ".join(f"{k}={_plain(v)}" for k, v in sorted(values.items()))
+
+
+def _plain(v: object) -> str:
+    return (
+        repr(float(v))
+        if isinstance(v, float) and not float(v).is_integer()
+        else (str(int(v)) if isinstance(v, float) else str(v))
+    )

@@ -1,5 +1,9 @@
 """Read a CSV metrics log (header with ``step`` and any of loss, lr, grad_norm, ...) into a :class:`Run`.
 
+Position columns: ``epoch`` (Lightning's ``CSVLogger`` writes it), ``samples``/``consumed_samples``,
+``tokens``/``num_input_tokens_seen``; curriculum columns (``data/phase``, ``data/hard_fraction``) become the
+step's ``phase``.
+
 Values must be written with full precision (Python ``repr``); a CSV rounded by its writer can still be
 checked between sessions but not bit for bit against a replayed schedule.
 """
@@ -13,10 +17,18 @@ from pathlib import Path
 
 from ckpt.resume.errors import RunInputError
 from ckpt.resume.model import Run, Session, StepRecord
-from ckpt.resume.sources.base import LogSource
+from ckpt.resume.sources.base import LogSource, is_phase_name, phase_text
 
-_ALIASES = {"learning_rate": "lr", "global_step": "step", "session_id": "session"}
-_FLOATS = ("loss", "lr", "grad_norm", "time")
+_ALIASES = {
+    "learning_rate": "lr",
+    "global_step": "step",
+    "session_id": "session",
+    "train_loss": "loss",
+    "train/loss": "loss",
+    "consumed_samples": "samples",
+    "num_input_tokens_seen": "tokens",
+}
+_FLOATS = ("loss", "lr", "grad_norm", "time", "epoch")
 _INTS = ("samples", "tokens")
 
 
@@ -37,6 +49,7 @@ def read_csv(path: str | os.PathLike[str]) -> Run:
         cols = {c: _ALIASES.get(c.strip().lower(), c.strip().lower()) for c in reader.fieldnames}
         if "step" not in cols.values():
             raise RunInputError(f"CSV {p} has no 'step' column (columns: {', '.join(reader.fieldnames)})")
+        phases = [c for c in cols.values() if is_phase_name(c)]
         for row in reader:
             rec = {cols[k]: (v.strip() if isinstance(v, str) else v) for k, v in row.items() if k in cols}
             try:
@@ -50,6 +63,7 @@ def read_csv(path: str | os.PathLike[str]) -> Run:
                 for k in ("data_digest", "rng_digest"):
                     if rec.get(k):
                         fields[k] = rec[k]
+                fields["phase"] = phase_text({k: rec[k] for k in phases if rec.get(k)})
             except (TypeError, ValueError) as exc:
                 raise RunInputError(f"{p}:{reader.line_num}: bad CSV row ({exc})") from None
             sid = rec.get("session") or ""

@@ -5,7 +5,10 @@ appending, then overwrites the output dir's copy.  Pre-crash entries survive onl
 process wrote after the one the next process restored.  So each file is a *lineage*; a lineage that disagrees
 with the final one at a common step (or reaches past it) is a dead session, and the restore point of the
 next session is inferred as the last checkpoint on which both agree (recorded as ``Restore(inferred=True)``).
-A resume that reproduced every value bit for bit leaves no trace here and is (correctly) not reported.
+Two more traces mark a resume inside one lineage (:mod:`ckpt.resume.sources.hf_traces`): a position field
+(``epoch``, ``num_input_tokens_seen``) that goes back, and the final summary entry, whose
+``train_steps_per_second * train_runtime`` counts the steps the last ``train()`` call ran.  A dir with none of
+these traces says so in a note: a resume that reproduced every logged value and left no summary is invisible.
 """
 
 from __future__ import annotations
@@ -14,39 +17,71 @@ import json
 import os
 import re
 from pathlib import Path
+from typing import Any
 
 from ckpt.resume.errors import RunInputError
 from ckpt.resume.model import Restore, Run, Save, Session, StepRecord
-from ckpt.resume.sources.base import LogSource
+from ckpt.resume.sources.base import LogSource, is_phase_name, phase_text
+from ckpt.resume.sources.hf_traces import no_trace, place, restart_from_summary, restarts_from_positions
 
 _CKPT_RE = re.compile(r"checkpoint-(\d+)$")
 
 
 def _load(path: Path) -> list[StepRecord]:
     try:
+        return _records(_state(path))
+    except (ValueError, KeyError, TypeError) as exc:
+        raise RunInputError(f"{path}: not a Trainer state file ({type(exc).__name__}: {exc})") from None
+
+
+def _state(path: Path) -> dict[str, Any]:
+    try:
         state = json.loads(path.read_text())
-        history = state["log_history"]
-        recs = []
-        for entry in history:
-            if "loss" not in entry or "step" not in entry:
-                continue  # eval / final summary entries
-            recs.append(
-                StepRecord(
-                    step=int(entry["step"]),
-                    loss=float(entry["loss"]),
-                    lr=None if entry.get("learning_rate") is None else float(entry["learning_rate"]),
-                    grad_norm=None if entry.get("grad_norm") is None else float(entry["grad_norm"]),
-                )
-            )
-        return recs
+        if not isinstance(state, dict) or not isinstance(state["log_history"], list):
+            raise TypeError("log_history is not a list")
+        return state
     except FileNotFoundError:
         raise RunInputError(f"no trainer_state.json at {path}") from None
     except (ValueError, KeyError, TypeError) as exc:
         raise RunInputError(f"{path}: not a Trainer state file ({type(exc).__name__}: {exc})") from None
 
 
+def _records(state: dict[str, Any]) -> list[StepRecord]:
+    """The training-loss entries of ``log_history``, with the position fields the Trainer logs beside them
+    (``epoch``, ``num_input_tokens_seen``) and the phase metrics a callback logged at the same step."""
+    history = state["log_history"]
+    phases: dict[int, dict[str, object]] = {}
+    for entry in history:
+        if isinstance(entry, dict) and "step" in entry:
+            found = {k: v for k, v in entry.items() if is_phase_name(k) and isinstance(v, (int, float, str))}
+            phases.setdefault(int(entry["step"]), {}).update(found)
+    recs = []
+    for entry in history:
+        if "loss" not in entry or "step" not in entry:
+            continue  # eval / final summary entries
+        step = int(entry["step"])
+        recs.append(
+            StepRecord(
+                step=step,
+                loss=float(entry["loss"]),
+                lr=_float(entry.get("learning_rate")),
+                grad_norm=_float(entry.get("grad_norm")),
+                tokens=None
+                if entry.get("num_input_tokens_seen") is None
+                else int(entry["num_input_tokens_seen"]),
+                epoch=_float(entry.get("epoch")),
+                phase=phase_text(phases.get(step, {})),
+            )
+        )
+    return recs
+
+
+def _float(v: object) -> float | None:
+    return None if v is None else float(v)  # type: ignore[arg-type]
+
+
 def _same(a: StepRecord, b: StepRecord) -> bool:
-    return (a.loss, a.lr, a.grad_norm) == (b.loss, b.lr, b.grad_norm)
+    return (a.loss, a.lr, a.grad_norm, a.epoch, a.tokens) == (b.loss, b.lr, b.grad_norm, b.epoch, b.tokens)
 
 
 def _agree_until(a: dict[int, StepRecord], b: dict[int, StepRecord]) -> int | None:
@@ -118,12 +153,18 @@ def read_hf(path: str | os.PathLike[str]) -> Run:
             if step in assigned or step > last or (recs and step < recs[0].step and prev is not None):
                 continue
             if _agree_until(by_step[cf], by_step[f]) is None:
-                session.add_event(Save(time=None, step=step, path=str(cf.parent)))
+                place(session, Save(time=None, step=step, path=str(cf.parent)), step)
                 assigned.add(step)
         run.sessions.append(session)
         prev = by_step[f]
     if not any(s.steps for s in run.sessions):
         raise RunInputError(f"no training loss entries in log_history under {p}")
+    for session in run.sessions:
+        restarts_from_positions(session, ckpt_steps, run.notes)
+    if root is not None and run.sessions:
+        restart_from_summary(_state(root), run.sessions[-1], ckpt_steps, run.notes)
+    if not any(s.restores for s in run.sessions):
+        run.notes.append(no_trace(run))
     return run
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 from ckpt.resume.errors import RunInputError
 from ckpt.resume.ledger import LEDGER_NAME
 from ckpt.resume.model import Compile, Exit, Restore, Run, Save, Session, SessionStart, StepRecord
-from ckpt.resume.sources.base import LogSource
+from ckpt.resume.sources.base import LogSource, phase_text
 
 
 def _opt_float(rec: dict, key: str) -> float | None:
@@ -78,6 +78,15 @@ def read_jsonl(path: str | os.PathLike[str]) -> Run:
     return run
 
 
+def _phase(value: object) -> str | None:
+    """A step's ``phase``: an object of curriculum fields, or already one string."""
+    if value is None or isinstance(value, str):
+        return value
+    if not isinstance(value, dict):
+        raise TypeError("phase must be an object or a string")
+    return phase_text(value)
+
+
 def _add(session: Session, kind: object, rec: dict) -> None:
     t = _opt_float(rec, "time")
     if kind == "step":
@@ -95,6 +104,8 @@ def _add(session: Session, kind: object, rec: dict) -> None:
                 data_digest=rec.get("data_digest"),
                 rng_digest=rec.get("rng_digest"),
                 time=t,
+                epoch=_opt_float(rec, "epoch"),
+                phase=_phase(rec.get("phase")),
             )
         )
     elif kind == "session_start":

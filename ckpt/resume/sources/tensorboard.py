@@ -15,15 +15,18 @@ from pathlib import Path
 
 from ckpt.resume.errors import RunInputError
 from ckpt.resume.model import Run, Session, StepRecord
-from ckpt.resume.sources.base import LogSource
+from ckpt.resume.sources.base import LogSource, is_phase_name, phase_text
 
 FIELD_ALIASES: dict[str, tuple[str, ...]] = {
     "loss": ("loss", "train_loss", "training_loss", "lm_loss"),
     "lr": ("lr", "learning_rate", "learningrate"),
     "grad_norm": ("grad_norm", "gradnorm", "grad-norm", "global_grad_norm"),
-    "samples": ("samples", "consumed_samples", "samples_seen"),
-    "tokens": ("tokens", "consumed_tokens", "tokens_seen"),
+    "samples": ("samples", "consumed_samples", "samples_seen", "num_samples"),
+    "tokens": ("tokens", "consumed_tokens", "tokens_seen", "num_input_tokens_seen"),
+    "epoch": ("epoch", "epochs", "train_epoch"),
 }
+"""Tag names (last component, lowercased) of each field.  ``epoch``, ``samples`` and ``tokens`` are position
+fields (HF Trainer, Lightning and Megatron names); curriculum tags (:func:`is_phase_name`) become ``phase``."""
 
 
 def _crc32c_table() -> list[int]:
@@ -127,20 +130,31 @@ def read_event_file(path: Path, tags: Mapping[str, str] | None, notes: list[str]
                 raw.append((int(ev.step), float(ev.wall_time), v.tag, got[0]))
                 any_f32 = any_f32 or got[1]
     mapping = _field_for_tags({r[2] for r in raw}, tags, path)
+    phase_tags = {t for _, _, t, _ in raw if t not in mapping and is_phase_name(t)}
     session = Session(id=path.name, origin=str(path))
     cur_step: int | None = None
     cur: dict[str, object] = {}
+    phase: dict[str, object] = {}  # the curriculum state carries over steps that log no phase tag
+
+    def flush() -> None:
+        if cur_step is not None and set(cur) - {"time"}:
+            session.steps.append(StepRecord(step=cur_step, phase=phase_text(phase), **cur))  # type: ignore[arg-type]
+
     for step, wall, tag, value in raw:
+        if tag in phase_tags:
+            if step != cur_step:
+                flush()
+                cur_step, cur = step, {"time": wall}
+            phase[tag] = value
+            continue
         fld = mapping.get(tag)
         if fld is None:
             continue
         if step != cur_step or fld in cur:
-            if cur_step is not None:
-                session.steps.append(StepRecord(step=cur_step, **cur))  # type: ignore[arg-type]
+            flush()
             cur_step, cur = step, {"time": wall}
         cur[fld] = int(value) if fld in ("samples", "tokens") else value
-    if cur_step is not None:
-        session.steps.append(StepRecord(step=cur_step, **cur))  # type: ignore[arg-type]
+    flush()
     return session, any_f32
 
 
@@ -163,7 +177,7 @@ def find_event_files(path: Path) -> list[Path]:
 def read_tensorboard(path: str | os.PathLike[str], tags: Mapping[str, str] | None = None) -> Run:
     """All event files of a TensorBoard log directory, each a session, ordered by first wall time.
 
-    ``tags`` maps a field (``loss``, ``lr``, ``grad_norm``, ``samples``, ``tokens``) to the tag holding it when
+    ``tags`` maps a field (``loss``, ``lr``, ``grad_norm``, ``samples``, ``tokens``, ``epoch``) to the tag holding it when
     the default aliases (``train/loss``, ``lr``, ``learning_rate``, ...) are not enough.
     """
     p = Path(path)
