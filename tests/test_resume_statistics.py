@@ -118,3 +118,19 @@ def test_a_step_schedule_dropping_at_the_resume_is_not_called_a_jump_with_confid
     lr = [(s, 1e-3 * 0.5 ** ((s - 1) // 30)) for s in range(1, 121)]
     found = scan([p for p in lr if p[0] <= 90], [p for p in lr if p[0] > 90], 90, "float64")
     assert found is None or found.cause is None or found.confidence is not Confidence.HIGH
+
+
+def test_forced_bitwise_on_an_unclaimed_run_names_the_symptom_not_the_optimizer() -> None:
+    """Issue 39 item 5: ``--deterministic`` forced on a log whose sessions never claimed determinism (a GPU run
+    drifting from its second update on) fails, but no fact says the optimizer state was lost: the symptom."""
+    pre = {s: 2.0 - 0.001 * s for s in range(1, 108)}
+    post = {101: pre[101], **{s: pre[s] + 1e-6 * (s - 101) for s in range(102, 108)}}
+    result = verify_run(_run(pre, post, 100), options=VerifyOptions(deterministic=True))
+    loss = result.verdicts[0].check("loss")
+    assert result.exit_code == 1 and result.causes == [Cause.LOSS_DIVERGED]
+    assert "not bitwise reproducible" in loss.summary and "no restore record" in loss.summary
+    # the restore record's live counter restored: still the symptom; a counter of 0 names the optimizer
+    restored = verify_run(_run(pre, post, 100, optimizer_step=100), options=VerifyOptions(deterministic=True))
+    assert Cause.OPTIMIZER_LOST not in restored.causes
+    lost = verify_run(_run(pre, post, 100, optimizer_step=0), options=VerifyOptions(deterministic=True))
+    assert lost.verdicts[0].check("loss").cause is Cause.OPTIMIZER_LOST

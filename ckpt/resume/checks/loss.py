@@ -13,9 +13,9 @@ would call every flattening loss a jump).  The test statistic is the median of t
 post-resume residuals in units of its own standard error (1.2533 sigma / sqrt(k), plus the trend's
 uncertainty), where sigma is the spread about the trend; the largest single step is only a spike test.
 
-The check names a *cause* only from facts (deterministic mode: the first loss after the restore is exact and
-the first update differs, and the restore record does not show the optimizer counter restored); otherwise it
-names the symptom (``loss level +12% after restore``) and what to check.
+The check names a *cause* only from facts (deterministic mode: the first loss after the restore is exact, the
+first update differs, and the restore record or the checkpoint shows an optimizer counter other than N, or no
+counter says and the sessions themselves recorded a deterministic run); otherwise it names the symptom (``loss level +12% after restore``) and what to check.
 """
 
 from __future__ import annotations
@@ -46,8 +46,29 @@ def _window(ctx: CheckContext) -> list[tuple[int, float]]:
 
 def _optimizer_restored(ctx: CheckContext) -> bool:
     """The restore record shows the live optimizer's counter equal to N: its state arrived."""
+    return _optimizer_fact(ctx) is True
+
+
+def _optimizer_fact(ctx: CheckContext) -> bool | None:
+    """What the facts say about the live optimizer state after the restore: True restored (the restore
+    record's live counter equals N), False lost (that counter, or one stored in the checkpoint, is not N),
+    None when no fact says (a checkpoint holding N does not show that the load kept it)."""
+    n = ctx.boundary.restored_step
     r = ctx.boundary.restore
-    return r is not None and r.optimizer_step is not None and r.optimizer_step == ctx.boundary.restored_step
+    if r is not None and r.optimizer_step is not None and not r.inferred:
+        return r.optimizer_step == n
+    counters = list((ctx.facts.optimizer_steps or {}).values()) if ctx.facts is not None else []
+    if any(c != n for c in counters):
+        return False
+    return None
+
+
+def _claims_determinism(ctx: CheckContext) -> bool:
+    """The training sessions themselves recorded a deterministic run (the ledger's ``deterministic``), so a
+    differing first update is the restore's doing; ``--deterministic`` forced on a log is only the user's word."""
+    b = ctx.boundary
+    envs = [b.post.env] + ([b.dead.env] if b.dead is not None else [])
+    return all(env.get("deterministic") is True for env in envs)
 
 
 def _what_to_check(ctx: CheckContext) -> str:
@@ -218,18 +239,35 @@ def _deterministic(ctx: CheckContext, pairs: list[tuple[int, float, float]], num
     nums.update(first_mismatch=s, pre=p, post=v, mismatched=len(diff))
     first_is_exact = pairs[0][1] == pairs[0][2] and pairs[0][0] == b.restored_step + 1
     if first_is_exact and s == b.restored_step + 2:
-        # Same weights, data and RNG at N+1, yet the first update differs: the optimizer state, unless the
-        # restore record shows its counter restored (then the LR or the gradient path).
-        if _optimizer_restored(ctx):
+        # Same weights, data and RNG at N+1, yet the first update differs: the optimizer state, the LR, the
+        # gradient path, or a run that is not bitwise reproducible.  Only a counter says which (issue 39).
+        known = _optimizer_fact(ctx)
+        if known is False or (known is None and _claims_determinism(ctx)):
+            cause, why = (
+                Cause.OPTIMIZER_LOST,
+                "first loss exact, first update differs"
+                + (
+                    ", and the optimizer's step counter was not restored"
+                    if known is False
+                    else " in a run its sessions record as deterministic"
+                ),
+            )
+        elif known:
             cause, why = (
                 Cause.LOSS_DIVERGED,
                 (
                     "first loss exact, first update differs although the optimizer's step counter was restored; "
-                    "check the LR and the gradient path"
+                    "check the LR, the gradient path, and whether the run is bitwise reproducible"
                 ),
             )
         else:
-            cause, why = Cause.OPTIMIZER_LOST, "first loss exact, first update differs"
+            cause, why = (
+                Cause.LOSS_DIVERGED,
+                (
+                    "first loss exact, first update differs: the optimizer state, the LR, the gradient path, or "
+                    "a run that is not bitwise reproducible (no restore record or checkpoint counter says which)"
+                ),
+            )
     elif s == b.restored_step + 1:
         cause, why = Cause.MODEL_STATE, "first loss after restore (before any update) differs"
     else:
