@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 
+from ckpt.resume.boundaries import Boundary
 from ckpt.resume.checks.base import Basis, Cause, CheckResult, Confidence, Status
 from ckpt.resume.checks.context import CheckContext
 from ckpt.resume.checks.stats import diff_sigma, median, robust_sigma, theil_sen
@@ -226,6 +227,19 @@ def _trend(ctx: CheckContext, post: list[tuple[int, float]], nums: dict) -> Chec
     ).judged(Basis.TRAJECTORY, Confidence.HIGH if m >= 15 else Confidence.LOW)
 
 
+def _same_batch(b: Boundary, step: int) -> bool:
+    """Both logs carry the batch digest of ``step`` and they agree: the fact that makes a differing first loss
+    the model state's doing rather than the data's."""
+    post = next((r for r in b.post.steps if r.step == step), None)
+    pre = b.pre.get(step)
+    return (
+        post is not None
+        and pre is not None
+        and post.data_digest is not None
+        and post.data_digest == pre.data_digest
+    )
+
+
 def _deterministic(ctx: CheckContext, pairs: list[tuple[int, float, float]], nums: dict) -> CheckResult:
     """Bitwise: any difference on the overlap fails; which step differs first says what it was."""
     b = ctx.boundary
@@ -268,8 +282,14 @@ def _deterministic(ctx: CheckContext, pairs: list[tuple[int, float, float]], num
                     "a run that is not bitwise reproducible (no restore record or checkpoint counter says which)"
                 ),
             )
+    elif s == b.restored_step + 1 and _same_batch(b, s):
+        cause, why = Cause.MODEL_STATE, "first loss after restore (before any update) differs on the same batch"
     elif s == b.restored_step + 1:
-        cause, why = Cause.MODEL_STATE, "first loss after restore (before any update) differs"
+        cause, why = (
+            Cause.LOSS_DIVERGED,
+            "first loss after restore (before any update) differs: the model state or the batch (no batch "
+            "digest says it was the same)",
+        )
     else:
         cause, why = Cause.LOSS_DIVERGED, "losses diverge"
     return CheckResult(
