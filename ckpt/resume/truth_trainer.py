@@ -183,7 +183,12 @@ def _tensorboard(out: Path) -> Any:
 
 
 def _trainer(
-    cfg: TrainerTruthConfig, out: Path, defect: str, first: list[Any], init_seed: int, last: tuple[Any, ...] = ()
+    cfg: TrainerTruthConfig,
+    out: Path,
+    defect: str,
+    first: list[Any],
+    init_seed: int,
+    last: tuple[Any, ...] = (),
 ) -> Any:
     from transformers import Trainer
 
@@ -250,7 +255,10 @@ def _plant_files(cfg: TrainerTruthConfig, root: Path, out: Path, defect: str) ->
     if defect == "weights_stale":
         shutil.copyfile(root / "stale.safetensors", ck / "model.safetensors")
     elif defect == "weights_stale_saved":
-        shutil.copyfile(out / f"checkpoint-{cfg.restored - cfg.save_every}" / "model.safetensors", ck / "model.safetensors")
+        shutil.copyfile(
+            out / f"checkpoint-{cfg.restored - cfg.save_every}" / "model.safetensors",
+            ck / "model.safetensors",
+        )
     elif defect == "rng_lost":
         for p in ck.glob("rng_state*.pth"):
             p.unlink()
