@@ -1,6 +1,9 @@
 """Detection and false-positive rates of ``verify-resume`` per defect class, from real crashed-and-restarted runs.
 
 Run: ``.venv/bin/python bench/verify_resume_truth.py [--seeds 20] [--out bench/results/verify_resume_truth.json]``
+and ``--source trainer --seeds 24`` for the second source (``ckpt.resume.truth_trainer``: real
+``transformers.Trainer`` runs the thresholds never saw; ``--minutes`` stops starting trunks after that long).
+``--from-json A.json --trainer-json B.json`` prints both sources' tables from earlier runs.
 
 For every model size (``small``, ``large``), seed and crash mode (7 overlapping steps, or a crash right after
 the checkpoint) it trains one trunk and resumes it once per defect class (``ckpt.resume.truth``), then asks the
@@ -42,6 +45,87 @@ def run_grid(seeds: int, defects: tuple[str, ...]) -> list[dict]:
         )
     print(file=sys.stderr)
     return rows
+
+
+def run_trainer(seeds: int, minutes: float, out: Path) -> list[dict]:
+    """The Trainer grid: per seed one config (scheduler, accumulation, bf16, logging by seed), with and
+    without overlap; rows are written after every trunk so a stopped run keeps what it measured."""
+    from ckpt.resume.truth_trainer import TrainerTruthConfig
+    from ckpt.resume.truth_trainer import measure as measure_trainer
+
+    rows: list[dict] = []
+    t0 = time.time()
+    jobs = [(seed, ov) for seed in range(seeds) for ov in (True, False)]
+    for i, (seed, ov) in enumerate(jobs, 1):
+        if time.time() - t0 > 60 * minutes:
+            print(f"\nstopped after {i - 1} trunks ({minutes:g} min)", file=sys.stderr)
+            break
+        with tempfile.TemporaryDirectory() as tmp:
+            rows += measure_trainer(TrainerTruthConfig.from_seed(seed, overlap=ov), Path(tmp))
+        out.write_text(json.dumps(rows, indent=0))
+        print(f"\r{i}/{len(jobs)} trunks, {time.time() - t0:.0f} s", end="", file=sys.stderr)
+    print(file=sys.stderr)
+    return rows
+
+
+def trainer_tables(rows: list[dict]) -> str:
+    """Markdown for the Trainer source: rows = classes (clean split by a schedule event at N+1), columns =
+    views x logging interval; a cell is the share exiting 1 (defect) or 0 (clean) and the count."""
+    from ckpt.resume.truth_trainer import CLEAN as T_CLEAN
+    from ckpt.resume.truth_trainer import DEFECTS as T_DEFECTS
+    from ckpt.resume.truth_trainer import VIEWS as T_VIEWS
+
+    def cls(r: dict) -> str:
+        if r["defect"] == "clean" and r["event_at_boundary"]:
+            return "clean (warm restart / decay start at N+1)"
+        return r["defect"]
+
+    classes = [
+        c
+        for d in T_DEFECTS
+        for c in ((d, "clean (warm restart / decay start at N+1)") if d == "clean" else (d,))
+    ]
+    cols = [(f, d, e) for f, d in T_VIEWS for e in (1, 10)]
+    out = []
+    for ov in (True, False):
+        title = "7 overlapping steps" if ov else "no overlap"
+        out.append(f"\n**Trainer source, {title}** (share detected / clean-and-passed, runs in brackets)\n")
+        out.append(
+            "| class | "
+            + " | ".join(f"{_view_name(f, 1, d).rsplit(',', 1)[0]}, logging {e}" for f, d, e in cols)
+            + " |"
+        )
+        out.append("|---|" + "---|" * len(cols))
+        for c in classes:
+            cells = []
+            for f, d, e in cols:
+                sel = [
+                    r
+                    for r in rows
+                    if cls(r) == c
+                    and r["overlap"] == ov
+                    and (r["format"], r["deterministic"], r["every"]) == (f, d, e)
+                ]
+                if not sel:
+                    cells.append("-")
+                    continue
+                clean = sel[0]["defect"] in T_CLEAN
+                if sel[0]["defect"] == "clean_nondeterministic" and d is True:
+                    cells.append(
+                        f"fails {100 * sum(r['exit'] == 1 for r in sel) / len(sel):.0f}% (forced bitwise) ({len(sel)})"
+                    )
+                    continue
+                hit = sum(r["exit"] == (0 if clean else 1) for r in sel)
+                cells.append(f"{100 * hit / len(sel):.0f}% ({len(sel)})")
+            out.append(f"| {c} | " + " | ".join(cells) + " |")
+    fp = [r for r in rows if r["defect"] in T_CLEAN and not _forced(r)]
+    bad = [r for r in fp if r["exit"] != 0]
+    out.append(f"\nTrainer source: false positives {len(bad)} / {len(fp)} clean verdicts")
+    for r in bad[:10]:
+        out.append(
+            f"  FP: {r['defect']} seed {r['seed']} {r['scheduler']} overlap={r['overlap']} {r['format']} det={r['deterministic']} every={r['every']}: {r['causes']}"
+        )
+    return "\n".join(out)
 
 
 def _view_name(fmt: str, every: int, det: bool | None) -> str:
@@ -119,13 +203,31 @@ def main() -> None:
         "--out", type=Path, default=Path(__file__).parent / "results" / "verify_resume_truth.json"
     )
     ap.add_argument("--from-json", type=Path, help="Print the tables of an earlier run's rows.")
+    ap.add_argument("--source", choices=("generator", "trainer"), default="generator")
+    ap.add_argument(
+        "--minutes", type=float, default=1e9, help="trainer source: stop starting trunks after this"
+    )
+    ap.add_argument(
+        "--trainer-json", type=Path, help="Also print the Trainer source's tables from these rows."
+    )
     args = ap.parse_args()
+    if args.source == "trainer":
+        out = (
+            args.out.with_name("verify_resume_truth_trainer.json")
+            if args.out.name == "verify_resume_truth.json"
+            else args.out
+        )
+        out.parent.mkdir(parents=True, exist_ok=True)
+        print(trainer_tables(run_trainer(args.seeds, args.minutes, out)))
+        return
     if args.from_json:
         rows = json.loads(args.from_json.read_text())
     else:
         rows = run_grid(args.seeds, tuple(args.defects.split(",")))
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(rows, indent=0))
+    if args.trainer_json:
+        print(trainer_tables(json.loads(args.trainer_json.read_text())))
     print(tables(rows))
     fp = [r for r in rows if r["defect"] in CLEAN and not _forced(r) and r["exit"] != 0]
     missed = [r for r in rows if r["defect"] not in CLEAN and _big(r) and r["exit"] != 1]

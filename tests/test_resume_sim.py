@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ckpt.resume.ledger import LedgerWriter, checkpoints_dir, digest_ids, digest_rng
+from ckpt.resume.ledger import LedgerWriter, checkpoints_dir, digest_ids, digest_rng, optimizer_step
 
 VARIANTS = (
     "correct",
@@ -149,7 +149,7 @@ def session(
                 for p in model.parameters():
                     p.add_(1e-5 * torch.randn(p.shape, generator=g))
         start = ck["step"]
-        ledger.restore(start, path, seconds=0.01)
+        ledger.restore(start, path, seconds=0.01, optimizer_step=optimizer_step(opt))
     for step in range(start + 1, stop_at + 1):
         rng_d = digest_rng()
         idx = loader.next_batch()

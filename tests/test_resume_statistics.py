@@ -79,7 +79,10 @@ def test_a_loss_that_went_down_is_never_called_a_loss_spike() -> None:
     post = {101: pre[101], **{s: 2.0 - 0.001 * s - 0.05 for s in range(102, 120)}}
     exact = verify_run(_run(pre, post, 100), options=VerifyOptions(deterministic=True))
     assert all("spike" not in c.value for c in exact.causes)
-    tol = verify_run(_run(pre, post, 100), options=VerifyOptions(deterministic=False))
+    # tolerance mode allows the two trajectories to drift apart after the first update (issue 39), so the
+    # level it names is one already there at the first resumed step
+    lower = {s: 2.0 - 0.001 * s - 0.05 for s in range(101, 120)}
+    tol = verify_run(_run(pre, lower, 100), options=VerifyOptions(deterministic=False))
     loss = tol.verdicts[0].check("loss")
     assert tol.causes == [Cause.LOSS_SHIFT] and "loss level -" in loss.summary and "spike" not in loss.summary
 
@@ -118,3 +121,75 @@ def test_a_step_schedule_dropping_at_the_resume_is_not_called_a_jump_with_confid
     lr = [(s, 1e-3 * 0.5 ** ((s - 1) // 30)) for s in range(1, 121)]
     found = scan([p for p in lr if p[0] <= 90], [p for p in lr if p[0] > 90], 90, "float64")
     assert found is None or found.cause is None or found.confidence is not Confidence.HIGH
+
+
+def test_forced_bitwise_on_an_unclaimed_run_names_the_symptom_not_the_optimizer() -> None:
+    """Issue 39 item 5: ``--deterministic`` forced on a log whose sessions never claimed determinism (a GPU run
+    drifting from its second update on) fails, but no fact says the optimizer state was lost: the symptom."""
+    pre = {s: 2.0 - 0.001 * s for s in range(1, 108)}
+    post = {101: pre[101], **{s: pre[s] + 1e-6 * (s - 101) for s in range(102, 108)}}
+    result = verify_run(_run(pre, post, 100), options=VerifyOptions(deterministic=True))
+    loss = result.verdicts[0].check("loss")
+    assert result.exit_code == 1 and result.causes == [Cause.LOSS_DIVERGED]
+    assert "not bitwise reproducible" in loss.summary and "no restore record" in loss.summary
+    # the restore record's live counter restored: still the symptom; a counter of 0 names the optimizer
+    restored = verify_run(_run(pre, post, 100, optimizer_step=100), options=VerifyOptions(deterministic=True))
+    assert Cause.OPTIMIZER_LOST not in restored.causes
+    lost = verify_run(_run(pre, post, 100, optimizer_step=0), options=VerifyOptions(deterministic=True))
+    assert lost.verdicts[0].check("loss").cause is Cause.OPTIMIZER_LOST
+
+
+def _drifting(k: int, rho: float, rng: random.Random, scale: float) -> list[float]:
+    """Clean paired differences of two trajectories that agree at N and drift apart: an AR(1) from 0."""
+    x, out = 0.0, []
+    for _ in range(k):
+        x = rho * x + rng.gauss(0, scale)
+        out.append(x)
+    return out
+
+
+def test_drifting_clean_differences_false_alarms_stay_below_one_percent() -> None:
+    """Issue 39 item 4: lag-1 correlation 0.7-0.9 (measured on GPU resumes), differences well above the 0.5%
+    floor.  sd/sqrt(k) alarms on 30-60% of them; the drift-robust statistics on at most 1%."""
+    from ckpt.resume.checks.loss import drift_robust
+
+    rng = random.Random(39)
+    naive = robust = total = 0
+    for rho in (0.7, 0.8, 0.9):
+        for k in (5, 7, 20):
+            for _ in range(400):
+                d = _drifting(k, rho, rng, 1.0)
+                mean = sum(d) / k
+                sd = math.sqrt(sum((x - mean) ** 2 for x in d) / (k - 1))
+                naive += abs(mean) / (sd / math.sqrt(k)) > 3
+                drift_t, jump_t, crit = drift_robust(d, 3.0)
+                robust += max(drift_t, jump_t) > crit
+                total += 1
+    assert naive / total > 0.2  # the premise: the independent-samples test fails these often
+    assert robust / total <= 0.01, robust / total
+
+
+def test_drifting_clean_overlap_passes_and_an_offset_from_the_first_step_fails() -> None:
+    """Through verify_run: a clean overlap drifting 2% of the loss (above the floor) passes; a defect whose
+    offset is there from the first resumed step on, with per-step noise, fails."""
+    pre = _noisy(range(1, 121), 2.0, 0.16, seed=11)
+    # the first of these seeded drifts whose mean lies above the floor (1% of the loss here, twice the floor)
+    drift = next(
+        d for seed in range(100) if abs(sum(d := _drifting(20, 0.9, random.Random(seed), 0.01))) / 20 > 0.02
+    )
+    rng = random.Random(7)
+    clean = {s: pre[s] + drift[i] for i, s in enumerate(range(101, 121))}
+    ok = (
+        verify_run(_run(pre, clean, 100), options=VerifyOptions(deterministic=False))
+        .verdicts[0]
+        .check("loss")
+    )
+    assert ok.status is Status.PASS, ok.summary
+    assert (
+        abs(ok.numbers["paired_mean"]) > ok.numbers["paired_floor"]
+    )  # above the floor: only drift excuses it
+    bad = {s: pre[s] + 0.06 + rng.gauss(0, 0.01) for s in range(101, 121)}
+    loss = (
+        verify_run(_run(pre, bad, 100), options=VerifyOptions(deterministic=False)).verdicts[0].check("loss")
+    )
+    assert loss.status is Status.FAIL and loss.cause is Cause.LOSS_SHIFT

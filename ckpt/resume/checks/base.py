@@ -24,8 +24,9 @@ class Cause(str, Enum):
     LR_OFF_BY_ONE = "LR off by one (scheduler rebuilt with last_epoch / load order)"
     LR_DIFFERENT = "different LR schedule"
     OPTIMIZER_LOST = "optimizer state lost"
-    """Named only from facts (checkpoint or restore-record counters, or bitwise: first loss exact, first update
-    differs), never from the loss's shape: a lost state can move the loss either way."""
+    """Named only from facts (checkpoint or restore-record counters, or bitwise in a run whose sessions recorded
+    determinism: first loss exact, first update differs), never from the loss's shape (a lost state can move
+    the loss either way) nor from ``--deterministic`` forced on a log that claims nothing."""
     MODEL_STATE = "model state not restored exactly"
     LOSS_DIVERGED = "loss differs from the pre-crash run"
     LOSS_DROP = "loss dropped after resume (repeated data?)"

@@ -88,6 +88,12 @@ def _field_for_tags(tags: set[str], override: Mapping[str, str] | None, path: Pa
             trainish = [t for t in cands if "train" in t.lower()]
             cands = trainish if len(trainish) == 1 else cands
         if len(cands) > 1:
+            # The earlier alias is the per-step value: ``Trainer``'s TensorBoardCallback logs ``train/loss``
+            # every logging step and ``train/train_loss`` (the run's mean) once at the end.
+            rank = {t: aliases.index(t.lower().rsplit("/", 1)[-1]) for t in cands}
+            best = [t for t in cands if rank[t] == min(rank.values())]
+            cands = best if len(best) == 1 else cands
+        if len(cands) > 1:
             raise RunInputError(
                 f"{path}: several tags could be the {fld}: {', '.join(cands)}; pass tags={{...}}"
             )
