@@ -24,6 +24,7 @@ import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 from ckpt.format.integrity import verify_checkpoint
@@ -155,8 +156,8 @@ def run_trials(
 
     def newest() -> int | None:
         steps = [newest_verified(root, options, report)]
-        if local_dir is not None:
-            steps.append(newest_verified(local_dir, None, report))
+        if local_dir is not None:  # the run's local steps live in <local_dir>/run-<id>/ (one run here)
+            steps += [newest_verified(str(d), None, report) for d in sorted(Path(local_dir).glob("run-*"))]
         known = [s for s in steps if s is not None]
         return max(known) if known else None
 
