@@ -7,7 +7,10 @@ facts."""
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 
 import pytest
 
@@ -16,7 +19,6 @@ pytest.importorskip("tokenizers")
 os.environ.setdefault("USE_TORCH_XLA", "0")
 
 from ckpt.resume.checks import Cause  # noqa: E402
-from ckpt.resume.truth_trainer import TrainerTruthConfig, measure  # noqa: E402
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -30,12 +32,27 @@ SAMPLE = {
 }  # fmt: skip
 
 
+_MEASURE = """
+import json, sys
+from pathlib import Path
+from ckpt.resume.truth_trainer import TrainerTruthConfig, measure
+cfg = TrainerTruthConfig.from_seed(int(sys.argv[1]), overlap=True)
+json.dump(measure(cfg, Path(sys.argv[2]), tuple(sys.argv[4:])), open(sys.argv[3], "w"))
+"""
+
+
 @pytest.fixture(scope="module")
 def rows(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+    # each seed's Trainer runs in a fresh process: in a pytest process where earlier tests used the XLA device,
+    # the autograd engine's device queues no longer match the CPU-only Trainer's (an internal assert)
     out: list[dict] = []
+    env = dict(os.environ, USE_TORCH_XLA="0")
     for seed, defects in SAMPLE.items():
-        cfg = TrainerTruthConfig.from_seed(seed, overlap=True)
-        out += measure(cfg, tmp_path_factory.mktemp(f"trainer-{seed}"), defects)
+        work = tmp_path_factory.mktemp(f"trainer-{seed}")
+        dst = work / "rows.json"
+        cmd = [sys.executable, "-c", _MEASURE, str(seed), str(work), str(dst), *defects]
+        subprocess.run(cmd, env=env, check=True, timeout=600)
+        out += json.loads(dst.read_text())
     return out
 
 
