@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import io
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -178,35 +178,13 @@ class TrainerSource(HFSource):
 
     def _read_optimizer(self, path: Path) -> None:
         opt = load_torch_file(path, mmap=True)
-        if not isinstance(opt, dict) or "param_groups" not in opt or "state" not in opt:
-            raise CkptError(f"{path}: not a torch optimizer state dict (no param_groups/state)")
-        decay, rest = trainer_param_groups(self.config, str(path))
-        groups = opt["param_groups"]
-        wanted = [decay, rest]
-        sizes = [len(g["params"]) for g in groups]
-        if sizes != [len(g) for g in wanted]:
-            raise LayoutError(
-                f"{path}: param_groups of {sizes} parameters, but the Trainer groups this model as "
-                f"{len(decay)} with weight decay + {len(rest)} without; cannot name its parameters"
-            )
-        name_of = {
-            idx: n
-            for g, names in zip(groups, wanted, strict=True)
-            for idx, n in zip(g["params"], names, strict=True)
-        }
+        wanted = trainer_param_groups(self.config, str(path))
+        shapes = {n: tuple(t.shape) for n, t in self.tensors.items()}
         scalars: dict[str, dict[str, Any]] = {}
-        for idx, per in opt["state"].items():
-            name = name_of.get(idx)
-            if name is None:
-                raise LayoutError(f"{path}: state of parameter {idx!r}, which no param_group lists")
+        for idx, name, per in named_optimizer_state(path, opt, wanted, shapes, "model"):
             shape = self.tensors[name].shape
             for key, value in per.items():
                 if isinstance(value, torch.Tensor) and value.dim() > 0:
-                    if tuple(value.shape) != shape:
-                        raise LayoutError(
-                            f"{path}: {key} of parameter {idx} ({name}) has shape {list(value.shape)}, the "
-                            f"parameter {list(shape)}; the Trainer's numbering does not fit this checkpoint"
-                        )
                     tname = f"optim/{name}/{key}"
                     self.tensors[tname] = TensorDesc(
                         tname, "optimizer_state", shape, dtype_name(value.dtype), name, key
@@ -217,7 +195,7 @@ class TrainerSource(HFSource):
         self._opt = opt
         pg = [
             {**{k: v for k, v in g.items() if k != "params"}, "params": names}
-            for g, names in zip(groups, wanted, strict=True)
+            for g, names in zip(opt["param_groups"], wanted, strict=True)
         ]
         tree = {"type": "torch.optim.adamw.AdamW", "param_groups": pg, "state": scalars}
         self.trees.optimizer = treecodec.encode(tree, "optimizer")
@@ -391,3 +369,34 @@ __all__ = [
     "trainer_groups",
     "trainer_param_groups",
 ]
+
+
+def named_optimizer_state(
+    path: Path, opt: Any, order: Sequence[list[str]], shapes: Mapping[str, tuple[int, ...]], what: str
+) -> Iterator[tuple[Any, str, dict[str, Any]]]:
+    """``(index, name, state)`` of each parameter in a Trainer's ``optimizer.pt``, named by the Trainer's grouping
+    ``order`` (with weight decay, without): the file holds only indices, so a grouping or a moment shape that does
+    not fit the ``what`` ("model", "adapter") is refused rather than guessed."""
+    if not isinstance(opt, dict) or "param_groups" not in opt or "state" not in opt:
+        raise CkptError(f"{path}: not a torch optimizer state dict (no param_groups/state)")
+    groups = opt["param_groups"]
+    sizes = [len(g["params"]) for g in groups]
+    if sizes != [len(o) for o in order]:
+        raise LayoutError(
+            f"{path}: param_groups of {sizes} parameters, but the Trainer groups this {what} as {len(order[0])} "
+            f"with weight decay + {len(order[1])} without; cannot name its parameters"
+        )
+    name_of = {
+        i: n for g, names in zip(groups, order, strict=True) for i, n in zip(g["params"], names, strict=True)
+    }
+    for idx, per in opt["state"].items():
+        name = name_of.get(idx)
+        if name is None:
+            raise LayoutError(f"{path}: state of parameter {idx!r}, which no param_group lists")
+        for key, value in per.items():
+            if isinstance(value, torch.Tensor) and value.dim() > 0 and tuple(value.shape) != shapes[name]:
+                raise LayoutError(
+                    f"{path}: {key} of parameter {idx} ({name}) has shape {list(value.shape)}, the {what} tensor "
+                    f"{list(shapes[name])}; the Trainer's numbering does not fit this {what}"
+                )
+        yield idx, name, per

@@ -36,6 +36,7 @@ from .hf_trainer import (
     OPTIMIZER_NAME,
     SCHEDULER_NAME,
     STATE_NAME,
+    named_optimizer_state,
     read_rng_files,
     rng_file_states,
     trainer_groups,
@@ -113,34 +114,11 @@ def trainer_order(
 def read_optimizer(path: Path, adapter: peft.Adapter, order: tuple[list[str], list[str]]) -> dict[str, Any]:
     """``optimizer.pt`` in :attr:`.peft.Adapter.optimizer`'s form (state and groups keyed by adapter names)."""
     opt = load_torch_file(path)
-    if not isinstance(opt, dict) or "param_groups" not in opt or "state" not in opt:
-        raise CkptError(f"{path}: not a torch optimizer state dict (no param_groups/state)")
-    groups = opt["param_groups"]
-    sizes = [len(g["params"]) for g in groups]
-    if sizes != [len(o) for o in order]:
-        raise LayoutError(
-            f"{path}: param_groups of {sizes} parameters, but the Trainer groups this adapter as {len(order[0])} "
-            f"with weight decay + {len(order[1])} without; cannot name its parameters"
-        )
-    name_of = {
-        i: n for g, names in zip(groups, order, strict=True) for i, n in zip(g["params"], names, strict=True)
-    }
-    state: dict[str, dict[str, Any]] = {}
-    for idx, per in opt["state"].items():
-        name = name_of.get(idx)
-        if name is None:
-            raise LayoutError(f"{path}: state of parameter {idx!r}, which no param_group lists")
-        shape = tuple(adapter.tensors[name].shape)
-        for key, value in per.items():
-            if isinstance(value, torch.Tensor) and value.dim() > 0 and tuple(value.shape) != shape:
-                raise LayoutError(
-                    f"{path}: {key} of parameter {idx} ({name}) has shape {list(value.shape)}, the adapter tensor "
-                    f"{list(shape)}; the Trainer's numbering does not fit this folder"
-                )
-        state[name] = dict(per)
+    shapes = {n: tuple(t.shape) for n, t in adapter.tensors.items()}
+    state = {name: dict(per) for _, name, per in named_optimizer_state(path, opt, order, shapes, "adapter")}
     pg = [
         {**{k: v for k, v in g.items() if k != "params"}, "params": names}
-        for g, names in zip(groups, order, strict=True)
+        for g, names in zip(opt["param_groups"], order, strict=True)
         if names
     ]
     return {"state": state, "param_groups": pg}
