@@ -221,17 +221,17 @@ def convert_adapter(
     run = run or RunOptions()
     found = _found(found, run)
     src = found.path
-    if opts.format not in ("peft", "nxd", "ckpt", "hf-trainer"):
+    if opts.format not in ("peft", "nxd", "ckpt", "hf-trainer", "optimum-neuron"):
         raise LayoutError(
             f"--format {opts.format}: {src} is a LoRA adapter; it converts to --format peft, ckpt or hf-trainer (--to cuda) or "
-            "--format nxd (--to neuron); for a full model use --merge-lora with the base model as SRC"
+            "--format nxd or optimum-neuron (--to neuron); for a full model use --merge-lora with the base model as SRC"
         )
-    want = "neuron" if opts.format == "nxd" else "cuda"
+    want = "neuron" if opts.format in ("nxd", "optimum-neuron") else "cuda"
     if opts.to != want:
         raise LayoutError(
             f"--format {opts.format}: a LoRA adapter converts to the {want} layout there; use --to {want}"
         )
-    if opts.format != "nxd" and opts.layout:
+    if opts.format not in ("nxd", "optimum-neuron") and opts.layout:
         raise LayoutError(
             f"--{next(iter(opts.layout)).replace('_', '-')} describes a Neuron target; --format {opts.format} has no "
             "layout"
@@ -263,6 +263,14 @@ def convert_adapter(
             adapter, dst, step=ckpt_step(src, opts.step, recorded if recorded is not None else source_step(found, run)),
             source=src, config=opts.config, storage_options=run.storage_options, codec=opts.codec,
         )  # fmt: skip
+    elif opts.format == "optimum-neuron":
+        from .optimum_neuron_lora import optimum_layout, write_adapter_folder
+
+        cfg = _need_config(opts, "laying an adapter out for optimum-neuron")
+        step = opts.step if opts.step is not None else recorded if recorded is not None else source_step(found, run)
+        nbytes = write_adapter_folder(adapter, optimum_layout(cfg, opts.layout), dst, config=cfg, step=step,
+                                      xser=opts.xser if opts.xser is not None else True)  # fmt: skip
+        notes += dropped(adapter, ("scheduler", "trainer_state.json"), "an optimum-neuron LoRA checkpoint")
     else:
         cfg = _need_config(opts, "laying an adapter out for NxD")
         base = src_flags or NxdFlags()

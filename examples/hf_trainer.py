@@ -91,6 +91,11 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="train an all-linear LoRA adapter (peft.LoraConfig, PEFT's defaults)",
     )
+    p.add_argument(
+        "--lora-targets",
+        default="all-linear",
+        help="with --lora: the LoraConfig target_modules, comma-separated, or 'default' for PEFT's own choice",
+    )
     a = p.parse_args(argv)
     torch.set_num_threads(1)
 
@@ -135,7 +140,9 @@ def main(argv: list[str] | None = None) -> int:
     if a.lora:
         from peft import LoraConfig, get_peft_model
 
-        model = get_peft_model(model, LoraConfig(target_modules="all-linear"))
+        targets = None if a.lora_targets == "default" else a.lora_targets
+        targets = targets.split(",") if targets and targets != "all-linear" else targets
+        model = get_peft_model(model, LoraConfig(target_modules=targets))
     bugs = {"reinit_weights": ReinitWeights, "reinit_lora_b": ReinitLoraB}
     trainer = Trainer(
         model=model,
