@@ -70,8 +70,8 @@ def peft_adapter(dst: Path, cfg: dict, targets: list[str], *, shared_a: bool, se
 
 
 def convert(src: Path, dst: Path, cfg: dict, fmt: str, **layout: object) -> object:
-    from converters.lora import convert_adapter
-    from converters.options import ConvertOptions
+    from ckpt.converters.lora import convert_adapter
+    from ckpt.converters.options import ConvertOptions
 
     to = "neuron" if fmt == "optimum-neuron" else "cuda"
     return convert_adapter(str(src), str(dst), ConvertOptions(to=to, format=fmt, layout=layout, config=cfg))
@@ -111,8 +111,8 @@ def test_optimum_neuron_consolidation_gives_back_the_adapter(kv, layout, targets
     want = peft_adapter(src, cfg, targets, shared_a=True)
     layout = dict(layout)
     xser = layout.pop("xser", True)
-    from converters.lora import convert_adapter
-    from converters.options import ConvertOptions
+    from ckpt.converters.lora import convert_adapter
+    from ckpt.converters.options import ConvertOptions
 
     dst = tmp_path / "on"
     opts = ConvertOptions(to="neuron", format="optimum-neuron", layout=layout, config=cfg, xser=xser)
