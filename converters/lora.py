@@ -154,9 +154,13 @@ def read_any(src: str | Detected, opts: ConvertOptions, run: RunOptions) -> tupl
         cfg = _need_config(opts, f"reading optimum-neuron LoRA checkpoint {path}")
         if opts.source_flags:
             raise LayoutError(f"--source-*: {path}'s adapter shards record their own layout")
-        return optimum_neuron.read_lora_checkpoint(
+        from .optimum_neuron_lora import read_training
+
+        adapter = optimum_neuron.read_lora_checkpoint(
             path, config=cfg, verify=run.verify, allow_unmarked=run.allow_unmarked
-        ), None
+        )
+        adapter.training = read_training(path)
+        return adapter, None
     if kind == "nxd":
         cfg = _need_config(opts, f"reading NxD LoRA tag {path}")
         adapter, spec = nxd_lora.read_lora_tag(

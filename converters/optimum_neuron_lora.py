@@ -38,9 +38,8 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
-
-import torch
 
 from ckpt.errors import LayoutError
 from ckpt.layouts.lora import NXD_LORA, adapter_to_nxd, lora_rule
@@ -48,7 +47,7 @@ from ckpt.layouts.spec import LayoutSpec, ModelDims, NxdFlags
 
 from .nxd.naming import rank_file_name
 from .nxd.xser import save_nxd_file
-from .peft import Adapter
+from .peft import Adapter, Training
 
 ADAPTER_SHARDS = "adapter_shards"
 CONFIG_NAME = "adapter_config.json"
@@ -213,10 +212,21 @@ def write_adapter_folder(
     return nbytes
 
 
-def peek_shards(adapter: Adapter, spec: LayoutSpec) -> dict[tuple[int, int], dict[str, torch.Tensor]]:
-    """The rank shards :func:`write_adapter_folder` would write (for tests and ``--dry-run``-style checks)."""
-    check_whole_fused(adapter, spec)
-    return adapter_to_nxd(adapter.tensors, spec)
+def read_training(path: str) -> Training | None:
+    """The Trainer state at the root of a NeuronTrainer LoRA folder (``trainer_state.json``, ``scheduler.pt``,
+    ``rng_state_*.pth``), so that it converts on to a Trainer folder with its step; None when it records no step."""
+    from ckpt.safe_unpickle import load_torch_file
+
+    from .hf_trainer import SCHEDULER_NAME, STATE_NAME, read_rng_files
+    from .optimum_neuron import _json, read_step
+
+    root = Path(path)
+    sched = load_torch_file(root / SCHEDULER_NAME) if (root / SCHEDULER_NAME).is_file() else None
+    step = read_step(root, sched)
+    if step is None:
+        return None
+    state = _json(root / STATE_NAME, "the Trainer state") if (root / STATE_NAME).is_file() else {}
+    return Training(step, sched, read_rng_files(root), dict(state))
 
 
-__all__ = ["ADAPTER_SHARDS", "metadata", "optimum_layout", "peek_shards", "write_adapter_folder"]
+__all__ = ["ADAPTER_SHARDS", "metadata", "optimum_layout", "read_training", "write_adapter_folder"]

@@ -220,6 +220,11 @@ def test_lora_trainer_checkpoint_to_optimum_neuron_and_back(tmp_path) -> None:
     assert_same(consolidate(tmp_path / "on", tmp_path / "cons"), want)
     convert(tmp_path / "on", tmp_path / "back", cfg, "peft")
     assert_same(load_file(str(tmp_path / "back" / "adapter_model.safetensors")), want)
+    # and on to a Trainer folder: the step and the scheduler came along
+    convert(tmp_path / "on", tmp_path / "trainer", cfg, "hf-trainer")
+    assert json.loads((tmp_path / "trainer" / "trainer_state.json").read_text())["global_step"] == 2
+    assert torch.load(tmp_path / "trainer" / "scheduler.pt", weights_only=True) == sched
+    assert_same(load_file(str(tmp_path / "trainer" / "adapter_model.safetensors")), want)
 
 
 @pytest.mark.parametrize("targets", [ALL, ["q_proj", "v_proj"]], ids=["all-linear", "peft-default"])
