@@ -63,7 +63,7 @@ def optimum_layout(config: Mapping[str, Any], layout: Mapping[str, Any]) -> Layo
     kv = dims.kv_heads
     qkv_linear = kv < tp or kv % tp != 0
     auto = max(1, tp // kv) if qkv_linear else 1
-    mult = int(layout.get("kv_size_multiplier") or auto)
+    mult = int(layout.get("kv_size_multiplier") or auto) if qkv_linear else 1
     want = {"qkv_linear": qkv_linear, "kv_size_multiplier": mult}
     for name, value in want.items():
         if name in layout and layout[name] is not None and layout[name] != value:
@@ -71,6 +71,11 @@ def optimum_layout(config: Mapping[str, Any], layout: Mapping[str, Any]) -> Layo
                 f"--{name.replace('_', '-')} {layout[name]}: optimum-neuron's Llama uses {name}={value} for "
                 f"{kv} KV heads at tp {tp} (GQAQKVColumnParallelLinear iff kv_heads < tp or kv_heads % tp)"
             )
+    if layout.get("fuse_qkv") and not qkv_linear and dims.heads != kv:
+        raise LayoutError(
+            f"--fuse-qkv: optimum-neuron's Llama fuses q/k/v without GQAQKVColumnParallelLinear only when every head "
+            f"has its own KV head ({dims.heads} heads, {kv} KV heads at tp {tp} keep q_proj/k_proj/v_proj apart)"
+        )
     if layout.get("hw", "trn1") == "trn2" and qkv_linear and kv > 1 and mult > 1:
         raise LayoutError(
             "--hw trn2: optimum-neuron lays KV copies out tiled (repeat) on every chip, which is ckpt's trn1 "

@@ -57,15 +57,20 @@ def adapter(cfg: dict, r: int, seed: int) -> Adapter:
     tp=st.sampled_from([1, 2, 4]),
     pp=st.sampled_from([1, 2]),
     xser=st.booleans(),
+    fuse=st.booleans(),
     seed=st.integers(0, 2**16),
 )
-def test_adapter_round_trips_through_optimum_neuron_layout(shape, tp, pp, xser, seed, tmp_path: Path) -> None:
+def test_adapter_round_trips_through_optimum_neuron_layout(
+    shape, tp, pp, xser, fuse, seed, tmp_path: Path
+) -> None:
     heads, kv = shape
     cfg = config(heads, kv, layers=2)
     ad = adapter(cfg, r=2, seed=seed)
-    spec = optimum_layout(cfg, {"tp": tp, "pp": pp})
-    assert spec.qkv_linear == (kv < tp or kv % tp != 0)
-    dst = tmp_path / f"on-{heads}-{kv}-{tp}-{pp}-{xser}-{seed}"
+    qkv_linear = kv < tp or kv % tp != 0
+    fuse = fuse and (qkv_linear or heads == kv)  # where optimum-neuron's Llama can fuse q/k/v
+    spec = optimum_layout(cfg, {"tp": tp, "pp": pp, "fuse_qkv": fuse})
+    assert spec.qkv_linear == qkv_linear and spec.fuse_qkv == fuse
+    dst = tmp_path / f"on-{heads}-{kv}-{tp}-{pp}-{xser}-{fuse}-{seed}"
     write_adapter_folder(ad, spec, str(dst), xser=xser, config=cfg)
     back = read_lora_checkpoint(str(dst), config=cfg)
     assert sorted(back.tensors) == sorted(ad.tensors)
@@ -99,6 +104,8 @@ def test_adapter_round_trips_through_optimum_neuron_layout(shape, tp, pp, xser, 
             r"--qkv-linear True: optimum-neuron's Llama uses qkv_linear=False",
         ),
         (None, {"tp": 4, "kv_size_multiplier": 4}, r"--kv-size-multiplier 4 does not divide"),
+        (None, {"tp": 2, "kv_size_multiplier": 2}, r"--kv-size-multiplier 2: optimum-neuron's Llama uses"),
+        (None, {"tp": 2, "fuse_qkv": True}, r"--fuse-qkv: optimum-neuron's Llama fuses q/k/v without"),
     ],
 )
 def test_what_optimum_neuron_cannot_hold_is_refused_and_nothing_written(

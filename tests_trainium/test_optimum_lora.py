@@ -101,6 +101,8 @@ CASES = [  # (kv heads, layout, targets): optimum-neuron picks the attention lay
     pytest.param(1, {"tp": 2, "hw": "trn2"}, ALL, id="tp2-gqa-m2-trn2-one-kv-head"),
     pytest.param(2, {"tp": 4}, ALL, id="tp4-gqa-m2-trn1"),
     pytest.param(1, {"tp": 2, "xser": False}, ALL, id="tp2-gqa-plain-files"),
+    pytest.param(1, {"tp": 2, "fuse_qkv": True}, ALL, id="tp2-gqa-fuse-qkv"),
+    pytest.param(4, {"tp": 2, "fuse_qkv": True}, ALL, id="tp2-mha-fuse-qkv"),
 ]
 
 
