@@ -8,7 +8,8 @@ import os
 from typing import Any
 
 
-def run(rank: int, world: int, cfg: dict, adapter_dir: str) -> dict[str, Any]:
+def run(rank: int, world: int, cases: list[tuple[dict, str]]) -> dict[str, Any]:
+    """``cases``: ``(config, consolidated adapter folder)`` each, loaded one after the other in this process."""
     os.environ.update(NXD_CPU_MODE="1", PJRT_DEVICE="CPU")
     from neuronx_distributed.parallel_layers import parallel_state as ps
 
@@ -18,7 +19,9 @@ def run(rank: int, world: int, cfg: dict, adapter_dir: str) -> dict[str, Any]:
     from optimum.neuron.peft.utils.save_and_load import get_peft_model_state_dict
     from transformers import LlamaConfig
 
-    model = LlamaForCausalLM(LlamaConfig(**cfg), TrainingNeuronConfig(tensor_parallel_size=world))
-    peft_model = NeuronPeftModel.from_pretrained(model, adapter_dir)
-    sd = {k: v.detach().clone() for k, v in get_peft_model_state_dict(peft_model).items()}
-    return {"tp": ps.get_tensor_model_parallel_rank(), "state": sd}
+    states = []
+    for cfg, adapter_dir in cases:
+        model = LlamaForCausalLM(LlamaConfig(**cfg), TrainingNeuronConfig(tensor_parallel_size=world))
+        peft_model = NeuronPeftModel.from_pretrained(model, adapter_dir)
+        states.append({k: v.detach().clone() for k, v in get_peft_model_state_dict(peft_model).items()})
+    return {"tp": ps.get_tensor_model_parallel_rank(), "states": states}

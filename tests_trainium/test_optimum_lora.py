@@ -276,30 +276,35 @@ def test_neuron_peft_model_loads_the_consolidated_adapter_and_would_save_what_ck
             consolidate(tmp_path / "on", tmp_path / "cons2")
 
 
-@pytest.mark.parametrize("kv", [1, 2], ids=["gqa-m2", "separate-qkv"])
-def test_neuron_peft_model_on_two_tp_ranks_holds_what_ckpt_wrote_for_each_rank(kv, tmp_path) -> None:
+def test_neuron_peft_model_on_two_tp_ranks_holds_what_ckpt_wrote_for_each_rank(tmp_path) -> None:
     """At TP 2 (one gloo process per rank), ``NeuronPeftModel.from_pretrained`` lays the consolidated adapter out over
-    optimum-neuron's parallel LoRA layers (``adapt_state_dict``: its own GQA query permutation and KV replication);
-    each rank then holds exactly the rank file ckpt wrote for it, except where its loading itself rounds (the mean
-    of the three equal ``lora_A`` of a GQA ``qkv_proj``, found here)."""
+    optimum-neuron's parallel LoRA layers (``adapt_state_dict``: its own GQA query permutation and KV replication),
+    for a GQA model (1 KV head: ``GQAQKVColumnParallelLinear``, ``kv_size_multiplier`` 2) and one with separate
+    q/k/v (2 KV heads); each rank then holds exactly the rank file ckpt wrote for it, except where its loading
+    itself rounds (the mean of the three equal ``lora_A`` of a GQA ``qkv_proj``, found here)."""
     from _peft_load_ranks import run
     from _spawn import spawn
     from optimum.neuron.models.training.checkpointing import xser_load_on_cpu
 
-    cfg = llama_config(kv)
-    peft_adapter(tmp_path / "peft", cfg, ALL, shared_a=True)
-    convert(tmp_path / "peft", tmp_path / "on", cfg, "optimum-neuron", tp=2)
-    consolidate(tmp_path / "on", tmp_path / "cons")
-    tag = tmp_path / "on" / "adapter_default" / "adapter_shards"
-    shutil.copy(tag.parent / "adapter_config.json", tmp_path / "cons" / "adapter_config.json")
-    for r in spawn(run, 2, cfg, str(tmp_path / "cons")):
-        written = xser_load_on_cpu(str(tag / "model" / f"dp_rank_00_tp_rank_{r['tp']:02d}_pp_rank_00.pt"))
-        assert sorted(r["state"]) == sorted(written)
-        for name, t in written.items():
-            got = r["state"][name]
-            if name.endswith("qkv_proj.lora_A.weight"):
-                # its GQA loading keeps mean(A_q, A_k, A_v): of three equal tensors, (a + a + a) / 3, which rounds
-                # some elements by one unit; ckpt's file holds the adapter's own lora_A
-                assert torch.equal(got, torch.stack([t, t, t]).mean(0)), name
-            else:
-                assert torch.equal(got, t), name
+    cases, tags = [], []
+    for kv in (1, 2):
+        cfg, d = llama_config(kv), tmp_path / f"kv{kv}"
+        peft_adapter(d / "peft", cfg, ALL, shared_a=True)
+        convert(d / "peft", d / "on", cfg, "optimum-neuron", tp=2)
+        consolidate(d / "on", d / "cons")
+        tag = d / "on" / "adapter_default" / "adapter_shards"
+        shutil.copy(tag.parent / "adapter_config.json", d / "cons" / "adapter_config.json")
+        cases.append((cfg, str(d / "cons")))
+        tags.append(tag)
+    for r in spawn(run, 2, cases):
+        for tag, state in zip(tags, r["states"], strict=True):
+            written = xser_load_on_cpu(str(tag / "model" / f"dp_rank_00_tp_rank_{r['tp']:02d}_pp_rank_00.pt"))
+            assert sorted(state) == sorted(written)
+            for name, t in written.items():
+                got = state[name]
+                if name.endswith("qkv_proj.lora_A.weight"):
+                    # its GQA loading keeps mean(A_q, A_k, A_v): of three equal tensors, (a + a + a) / 3, which
+                    # rounds some elements by one unit; ckpt's file holds the adapter's own lora_A
+                    assert torch.equal(got, torch.stack([t, t, t]).mean(0)), name
+                else:
+                    assert torch.equal(got, t), name
