@@ -33,7 +33,7 @@ One of ours is "committed" when its manifest is valid and every file it lists is
 (one stat per file, no reads; on an object store sizes are asked only with --check-files), else "damaged";
 an NxD tag marked done whose files are missing or torn is "damaged".
 A step no file records shows as "unknown". Exit codes: 0 listed, 1 a checkpoint is damaged, 2 cannot run (bad input, or a checkpoint
-of a tool ckpt does not read yet: an accelerate save_state folder, a Lightning .ckpt).
+of a tool ckpt does not read yet: a Lightning .ckpt).
 """
 
 

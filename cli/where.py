@@ -50,6 +50,10 @@ def _kind(storage: Any) -> str | None:
         return "adapter"  # a PEFT folder, or a Trainer's LoRA checkpoint-N
     if "config.json" in names and any(n.endswith(".safetensors") or n.endswith(".index.json") for n in names):
         return "hf"
+    from ckpt.restoring.other_tools import ACCELERATE, folder_tool
+
+    if folder_tool(names) == ACCELERATE:
+        return "accelerate"
     if "model" in names and ("done" in names or "checkpoint" in names or storage.local):
         try:
             if any(n.startswith(("dp_rank_", "tp_rank_")) for n in storage.child("model").listdir()):
@@ -64,6 +68,7 @@ _KIND_WORDS = {
     "hf": "a Hugging Face model folder",
     "dcp": "a DCP checkpoint",
     "nxd": "an NxD tag",
+    "accelerate": "an accelerate save_state folder",
 }
 
 

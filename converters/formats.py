@@ -74,6 +74,9 @@ FORMATS: tuple[Format, ...] = (
     Format("hf", ".hf", ("cuda",), "a Hugging Face model folder", "Hugging Face",
            looks_like="an HF config.json + *.safetensors (with trainer_state.json: a Trainer checkpoint)",
            options=("max_shard_size",), suggested=True),
+    Format("accelerate", ".accelerate", ("cuda",), "an accelerate save_state folder", "accelerate",
+           looks_like="an accelerate save_state folder (random_states_0.pkl, optimizer.bin)",
+           step_note="save_state records none either"),
     # an NxD tag written by NxD Training: before plain "nxd"
     Format("nxdt", ".nxd.training", ("neuron",), "an NxD Training tag", options=("xser",), nxd_tag=True),
     Format("nxd", ".nxd", ("neuron",), "an NxD tag", looks_like="NxD model/ rank files", options=("xser",),

@@ -17,8 +17,9 @@ import zipfile
 
 ACCELERATE = "accelerate"
 LIGHTNING = "lightning"
-#: every kind this module recognises (the ``kind`` of a :class:`~ckpt.restoring.discovery.Found`)
-KINDS = (ACCELERATE, LIGHTNING)
+#: the kinds no command reads yet (the ``kind`` of a :class:`~ckpt.restoring.discovery.Found`); an accelerate
+#: folder is recognised here (:func:`folder_tool`) and read by ``converters/accelerate.py``
+KINDS = (LIGHTNING,)
 
 #: what each is, in the words the messages use
 WHAT = {
@@ -59,7 +60,8 @@ def tool_at(path: str) -> str | None:
     """Which unsupported tool wrote the local file or folder ``path`` (None: none this module knows)."""
     if os.path.isdir(path):
         try:
-            return folder_tool(os.listdir(path))
+            tool = folder_tool(os.listdir(path))
+            return tool if tool in KINDS else None
         except OSError:
             return None
     return file_tool(path)
@@ -69,7 +71,7 @@ def not_supported(path: str, kind: str) -> str:
     """The one line every command says for ``path``, a checkpoint of ``kind`` (:data:`KINDS`)."""
     return (
         f"{path} is {WHAT[kind]}; ckpt does not read {SHORT[kind]} checkpoints yet (it reads its own, NxD tags, "
-        "Hugging Face, Trainer and PEFT folders, DCP)"
+        "Hugging Face, Trainer, PEFT and accelerate folders, DCP)"
     )
 
 
