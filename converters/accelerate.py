@@ -55,7 +55,9 @@ from .hf_index import read_header
 NAME = "accelerate"
 _PREFIX = re.compile(r"model_(\d+)\.(.+)")
 #: the state a save_state folder holds besides tensors (phrases of :func:`.hf.not_written`)
-HOLDS = frozenset({"optimizer param groups", "scheduler state", "GradScaler state", "RNG state", "data-loader state"})
+HOLDS = frozenset(
+    {"optimizer param groups", "scheduler state", "GradScaler state", "RNG state", "data-loader state"}
+)
 
 
 def detect(path: str, storage_options: Mapping[str, Any] | None = None) -> bool:
@@ -93,7 +95,9 @@ class AccelerateSource(Source):
         root = Path(path)
         self.path = str(root)
         if not detect(str(root)):
-            raise CkptError(f"{root}: not an accelerate save_state folder (random_states_0.pkl, optimizer.bin, ...)")
+            raise CkptError(
+                f"{root}: not an accelerate save_state folder (random_states_0.pkl, optimizer.bin, ...)"
+            )
         names = sorted(os.listdir(root))
         self.config = dict(config) if config else None
         files = af.model_files(names, str(root))
@@ -122,7 +126,8 @@ class AccelerateSource(Source):
         if dl is not None:
             self.trees.data = {"0": treecodec.encode(af.load(root / dl), "data")}
         if _only_first(names, "sampler", "bin", root) is not None:
-            af.load(root / af.SAMPLER)  # a pickled sampler object: refused by the allow-list, naming its class
+            # a pickled sampler object: refused by the allow-list, naming its class
+            af.load(root / af.SAMPLER)
         if af.SCALER in names:
             self.trees.scaler = treecodec.encode(af.load(root / af.SCALER), "scaler")
         self.trees.rng, steps = af.read_rng(root, names)
@@ -221,7 +226,9 @@ def _model_index(name: str) -> tuple[int, str]:
 class AccelerateExport(FolderExport):
     """A save_state folder: one unit per model file, then ``optimizer.bin``; the rest at the commit."""
 
-    def __init__(self, conv: Conversion, *, storage_options: dict[str, Any] | None = None, verify: bool = True) -> None:
+    def __init__(
+        self, conv: Conversion, *, storage_options: dict[str, Any] | None = None, verify: bool = True
+    ) -> None:
         if conv.to != "cuda":
             raise LayoutError("--format accelerate holds the CUDA layout (full tensors); use --to cuda")
         self.conv = conv
@@ -232,17 +239,24 @@ class AccelerateExport(FolderExport):
         for name, t in outs.items():
             by_file.setdefault(_model_index(name)[0], []).append(t)
         if sorted(by_file) != list(range(len(by_file))):
-            raise LayoutError(f"--format accelerate: model tensors for models {sorted(by_file)} skip an index")
+            raise LayoutError(
+                f"--format accelerate: model tensors for models {sorted(by_file)} skip an index"
+            )
         self.files = [by_file[i] for i in range(len(by_file))]
         record = conv.trees.extra.get("accelerate") or {}
-        self.names = [af.model_file_name(i, bool(record.get("safe_serialization", True))) for i in range(len(self.files))]
+        self.names = [
+            af.model_file_name(i, bool(record.get("safe_serialization", True)))
+            for i in range(len(self.files))
+        ]
         self.moments = {t.desc.name: t for t in conv.tensors if t.desc.role == "optimizer_state"}
         self.optimizer = treecodec.decode(conv.trees.optimizer) if conv.trees.optimizer else None
         if self.optimizer is not None:
             listed = [n for g in self.optimizer.get("param_groups", []) for n in g["params"]]
             unknown = sorted(set(listed) - set(outs))
             if unknown:
-                raise LayoutError(f"--format accelerate: param_groups name tensors the model lacks ({', '.join(unknown[:3])})")
+                raise LayoutError(
+                    f"--format accelerate: param_groups name tensors the model lacks ({', '.join(unknown[:3])})"
+                )
         self.weights = [sum(t.desc.nbytes for t in f) or 1 for f in self.files]
         if self.optimizer is not None:
             self.weights.append(sum(t.desc.nbytes for t in self.moments.values()) or 1)
@@ -253,11 +267,16 @@ class AccelerateExport(FolderExport):
     def _header(self, k: int) -> bytes:
         _, inner = zip(*(_model_index(t.desc.name) for t in self.files[k]), strict=True)
         return safetensors_header(
-            [(n, t.desc.dtype, t.desc.shape, t.desc.nbytes) for n, t in zip(inner, self.files[k], strict=True)],
+            [
+                (n, t.desc.dtype, t.desc.shape, t.desc.nbytes)
+                for n, t in zip(inner, self.files[k], strict=True)
+            ],
             {"format": "pt"},
         )
 
-    def write(self, staging: Staging, units: Sequence[int], progress: Progress = None, *, worker: int = 0) -> UnitReceipt:
+    def write(
+        self, staging: Staging, units: Sequence[int], progress: Progress = None, *, worker: int = 0
+    ) -> UnitReceipt:
         storage = open_storage(staging.url, self.storage_options)
         sizes: dict[str, int] = {}
         for k in units:
@@ -346,7 +365,9 @@ class AccelerateExport(FolderExport):
         return dst
 
 
-def export(conv: Conversion, *, storage_options: dict[str, Any] | None = None, verify: bool = True, **_: Any) -> AccelerateExport:
+def export(
+    conv: Conversion, *, storage_options: dict[str, Any] | None = None, verify: bool = True, **_: Any
+) -> AccelerateExport:
     return AccelerateExport(conv, storage_options=storage_options, verify=verify)
 
 

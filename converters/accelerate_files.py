@@ -76,9 +76,13 @@ def model_files(names: Sequence[str], where: str) -> list[str]:
             by_index.setdefault(int(m.group(3) or 0), []).append(n)
     for i, found in by_index.items():
         if len(found) > 1:
-            raise CkptError(f"{where}: model {i} is saved twice ({', '.join(sorted(found))}); expected one file")
+            raise CkptError(
+                f"{where}: model {i} is saved twice ({', '.join(sorted(found))}); expected one file"
+            )
     if by_index and sorted(by_index) != list(range(len(by_index))):
-        raise CkptError(f"{where}: model files {sorted(n for v in by_index.values() for n in v)} skip an index")
+        raise CkptError(
+            f"{where}: model files {sorted(n for v in by_index.values() for n in v)} skip an index"
+        )
     return [by_index[i][0] for i in sorted(by_index)]
 
 
@@ -111,7 +115,9 @@ def read_rng(root: Path, names: Sequence[str]) -> tuple[dict[str, Any], dict[str
     return rng, steps
 
 
-def rng_files(rng: Mapping[str, Any], steps: Mapping[str, int], default_step: int) -> dict[str, dict[str, Any]]:
+def rng_files(
+    rng: Mapping[str, Any], steps: Mapping[str, int], default_step: int
+) -> dict[str, dict[str, Any]]:
     """Inverse of :func:`read_rng`: ``{file name: dict as save_state writes it}``."""
     out = {}
     for rank, rec in sorted(rng.items(), key=lambda kv: int(kv[0]) if str(kv[0]).isdigit() else 0):
@@ -138,7 +144,9 @@ def model_order(config: Mapping[str, Any], where: str) -> list[str]:
     try:
         from transformers import AutoConfig, AutoModelForCausalLM
     except ImportError:
-        raise CkptError(f"{where}: naming the optimizer's parameters from --config needs transformers") from None
+        raise CkptError(
+            f"{where}: naming the optimizer's parameters from --config needs transformers"
+        ) from None
     cfg = dict(config)
     model_type = cfg.pop("model_type", None)
     if not model_type:
@@ -168,7 +176,9 @@ def name_optimizer_params(
         named = dict(zip(ids, order, strict=True))
         missing = sorted(set(order) - set(shapes))
         if missing:
-            raise LayoutError(f"{path}: the --config model has parameters the model file lacks ({', '.join(missing[:3])})")
+            raise LayoutError(
+                f"{path}: the --config model has parameters the model file lacks ({', '.join(missing[:3])})"
+            )
         for i, per in opt["state"].items():
             for key, value in per.items():
                 if _moment(value) and tuple(value.shape) != shapes[named[i]]:
