@@ -101,18 +101,22 @@ class AccelerateSource(Source):
         names = sorted(os.listdir(root))
         self.config = dict(config) if config else None
         files = af.model_files(names, str(root))
-        if not files:
-            raise CkptError(
-                f"{root}: no model.safetensors or pytorch_model.bin (an FSDP or DeepSpeed save_state folder is not "
-                "read)"
-            )
         self.tensors: dict[str, TensorDesc] = {}
         self._where: dict[str, tuple[Path, str]] = {}  # our name -> (file, its name there)
         self._bins: dict[Path, dict[str, torch.Tensor]] = {}
         self._handles: dict[Path, Any] = {}
+        self._model: Any = None  # the ckpt step holding the model (a folder of ckpt.integrations.accelerate)
+        if not files and af.POINTER in names:
+            self._model = af.pointed_model(root)
+            self.tensors.update(self._model.tensors)
+        elif not files:
+            raise CkptError(
+                f"{root}: no model.safetensors or pytorch_model.bin (an FSDP or DeepSpeed save_state folder is not "
+                "read)"
+            )
         for i, fname in enumerate(files):
             self._read_model(root / fname, "" if i == 0 else f"model_{i}.")
-        self.safe = files[0].endswith(".safetensors")
+        self.safe = not files or files[0].endswith(".safetensors")
         self.trees = Trees(step=0, progress={"step": 0}, extra={})
         self._moments: dict[str, tuple[int, str]] = {}
         self._opt: Any = None
@@ -184,6 +188,8 @@ class AccelerateSource(Source):
 
     def read(self, piece: Piece) -> torch.Tensor:
         hit = self._moments.get(piece.name)
+        if hit is None and self._model is not None:
+            return self._model.read(piece)
         if hit is not None:
             t = self._opt["state"][hit[0]][hit[1]]
         else:
@@ -203,6 +209,8 @@ class AccelerateSource(Source):
             raise CorruptionError(f"{path}: tensor {name!r}: unreadable ({e})") from None
 
     def close(self) -> None:
+        if self._model is not None:
+            self._model.close()
         self._handles.clear()
         self._bins.clear()
         self._opt = None

@@ -62,6 +62,29 @@ _RNG_KEYS = {"random_state": "python", "numpy_random_seed": "numpy", "torch_manu
 _RNG_BACK = {v: k for k, v in _RNG_KEYS.items()}
 
 
+#: written by ckpt.integrations.accelerate into a save_state folder whose model it saved as a step of ours
+POINTER = "ckpt_step.json"
+
+
+def pointed_model(root: Path) -> Any:
+    """The model tensors of a folder whose ``ckpt_step.json`` points at a step of ours: its ``ManifestSource``
+    with the model tensors only (the rest is in accelerate's files beside the pointer)."""
+    import json
+
+    from ckpt.restoring.discovery import step_dir
+
+    from .ckpt import open_source
+
+    try:
+        doc = json.loads((root / POINTER).read_text())
+        step = f"{str(doc['root']).rstrip('/')}/{step_dir(int(doc['step']))}"
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise CkptError(f"{root / POINTER}: not a ckpt step pointer ({type(e).__name__}: {e})") from None
+    src = open_source(step, config=None, storage_options=None)
+    src.tensors = {n: d for n, d in src.tensors.items() if d.role != "optimizer_state"}
+    return src
+
+
 def is_state_file(name: str) -> bool:
     """A name only ``save_state`` writes (what marks an accelerate folder beside its model file)."""
     return _STATE_FILE.fullmatch(name) is not None
@@ -163,7 +186,9 @@ def name_optimizer_params(
 
     ``order``: the model's parameters in ``named_parameters()`` order (from ``--config``): the numbers, in
     param_group order, are those names in that order (``optimizer(model.parameters())``).  Without it each number is
-    named by its moment's shape when exactly one model tensor has that shape and no other number does."""
+    named by its moment's shape when exactly one model tensor has that shape and no other number does; numbers
+    with no state at all (SGD without momentum, a step not taken yet) by the model tensors left, when they are all
+    in one param_group and exactly as many (their order then changes nothing)."""
     if not isinstance(opt, dict) or "param_groups" not in opt or "state" not in opt:
         raise CkptError(f"{path}: not a torch optimizer state dict (no param_groups/state)")
     ids = [i for g in opt["param_groups"] for i in g["params"]]
@@ -191,14 +216,18 @@ def name_optimizer_params(
     for n, s in shapes.items():
         by_shape.setdefault(tuple(s), []).append(n)
     shape_of: dict[int, tuple[int, ...]] = {}
+    stateless = []
     for i in ids:
         moments = [v for v in opt["state"].get(i, {}).values() if _moment(v)]
-        if not moments:
+        if moments:
+            shape_of[i] = tuple(moments[0].shape)
+        elif opt["state"].get(i):
             raise LayoutError(
-                f"{path}: parameter {i} has no optimizer moment yet, so nothing says which tensor it is; pass "
-                "--config config.json (the HF model config) to name the parameters in model order"
+                f"{path}: parameter {i} has optimizer state but no moment tensor, so nothing says which tensor it "
+                "is; pass --config config.json (the HF model config) to name the parameters in model order"
             )
-        shape_of[i] = tuple(moments[0].shape)
+        else:
+            stateless.append(i)
     named = {}
     counts: dict[tuple[int, ...], int] = {}
     for s in shape_of.values():
@@ -212,6 +241,18 @@ def name_optimizer_params(
                 "the parameters in model order"
             )
         named[i] = holders[0]
+    if stateless:
+        # no state to carry: only their group matters, so they are named when they are all in one group and are
+        # exactly the model tensors left (then any order restores the same optimizer)
+        rest = [n for n in shapes if n not in named.values()]
+        groups = {gi for gi, g in enumerate(opt["param_groups"]) for i in g["params"] if i in stateless}
+        if len(groups) != 1 or len(rest) != len(stateless):
+            raise LayoutError(
+                f"{path}: {len(stateless)} parameters have no optimizer state yet and {len(rest)} model tensors "
+                "are left to name them by; pass --config config.json (the HF model config) to name the "
+                "parameters in model order"
+            )
+        named.update(zip(stateless, rest, strict=True))
     return named
 
 
@@ -220,7 +261,7 @@ def _moment(value: Any) -> bool:
 
 
 __all__ = [
-    "BIN_MODEL", "DL_STATE", "NUMPY_RNG", "OPTIMIZER", "SAFE_MODEL", "SAMPLER", "SCALER", "SCHEDULER",
+    "BIN_MODEL", "DL_STATE", "NUMPY_RNG", "OPTIMIZER", "POINTER", "SAFE_MODEL", "SAMPLER", "SCALER", "SCHEDULER",
     "custom_states", "is_state_file", "load", "model_file_name", "model_files", "model_order",
-    "name_optimizer_params", "read_rng", "rng_files",
+    "name_optimizer_params", "pointed_model", "read_rng", "rng_files",
 ]  # fmt: skip
