@@ -44,15 +44,21 @@ def train(out: str, steps: int, save_at: list[int], resume: str | None = None, h
     os.makedirs(out, exist_ok=True)
     set_seed(0)
     acc = Accelerator(
-        project_config=ProjectConfiguration(project_dir=out, automatic_checkpoint_naming=True, iteration=start),
+        project_config=ProjectConfiguration(
+            project_dir=out, automatic_checkpoint_naming=True, iteration=start
+        ),
         dataloader_config=DataLoaderConfiguration(use_stateful_dataloader=True),
     )
-    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Dropout(0.2), torch.nn.Linear(8, 2))
+    model = torch.nn.Sequential(
+        torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Dropout(0.2), torch.nn.Linear(8, 2)
+    )
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     sched = torch.optim.lr_scheduler.StepLR(opt, 3, gamma=0.5)
     g = torch.Generator().manual_seed(1)
     ds = torch.utils.data.TensorDataset(torch.randn(24, 4, generator=g), torch.randn(24, 2, generator=g))
-    dl = torch.utils.data.DataLoader(ds, batch_size=4, shuffle=False, generator=torch.Generator().manual_seed(2))
+    dl = torch.utils.data.DataLoader(
+        ds, batch_size=4, shuffle=False, generator=torch.Generator().manual_seed(2)
+    )
     counter = Counter()
     acc.register_for_checkpointing(counter)
     model, opt, dl, sched = acc.prepare(model, opt, dl, sched)

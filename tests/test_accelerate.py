@@ -1,0 +1,168 @@
+"""accelerate ``save_state`` folders in every command, converted both ways, and ``CkptStateHooks``, with real
+accelerate at its defaults (``USE_TORCH_XLA=0``: torch-xla must not take the device).
+
+The training run (``tests/_accelerate_train.py``) is a fresh process each time: an MLP with dropout, AdamW,
+StepLR, a ``StatefulDataLoader`` (``use_stateful_dataloader=True``) and a registered custom object.  Its loader has
+its own ``generator=``: a DataLoader otherwise draws its base seed from torch's global RNG at every ``iter()``,
+and a resumed run makes one more iterator than the uninterrupted one, so not even accelerate's own folder would
+resume bit-exactly (the dropout masks would differ).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner, Result
+
+from tests.cli_helpers import tree
+
+pytest.importorskip("accelerate")
+pytest.importorskip("torchdata")
+
+HERE = Path(__file__).resolve().parent
+TRAIN = HERE / "_accelerate_train.py"
+STEPS = 8
+
+
+def ckpt_cli(*args: object) -> Result:
+    """The ``ckpt`` command, in this process (a fresh one per call costs seconds of imports)."""
+    from ckpt.cli.main import cli
+
+    return CliRunner().invoke(cli, [str(a) for a in args])
+
+
+def assert_one_error(r: Result, *needles: str, code: int) -> str:
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip() and not ln.startswith("ckpt: warning")]
+    assert r.exit_code == code, (r.exit_code, r.output[-3000:])
+    assert len(lines) == 1 and lines[0].startswith("ckpt: error: "), r.stderr
+    for n in needles:
+        assert n in lines[0], (n, lines[0])
+    return lines[0]
+
+
+def _run(**args: object) -> subprocess.CompletedProcess:
+    env = {
+        **os.environ,
+        "USE_TORCH_XLA": "0",
+        "PJRT_DEVICE": "CPU",
+        "OMP_NUM_THREADS": "1",
+        "PYTHONWARNINGS": "ignore",
+    }
+    return subprocess.run([sys.executable, str(TRAIN), json.dumps(args)], env=env, capture_output=True, text=True,
+                          timeout=300)  # fmt: skip
+
+
+def _losses(out: Path) -> dict[int, str]:
+    sys.path.insert(0, str(HERE))
+    from _accelerate_train import read_losses
+
+    return read_losses(str(out))
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """An uninterrupted run of STEPS steps that saved at step 4 (``checkpoints/checkpoint_0``)."""
+    out = tmp_path_factory.mktemp("acc") / "run"
+    r = _run(out=str(out), steps=STEPS, save_at=[4])
+    assert r.returncode == 0, r.stderr[-3000:]
+    return out
+
+
+def test_save_state_folder_through_ckpt_and_back_resumes_bit_exact(run: Path, tmp_path: Path) -> None:
+    src = run / "checkpoints" / "checkpoint_0"
+    assert {"model.safetensors", "optimizer.bin", "scheduler.bin", "dl_state_dict.bin", "random_states_0.pkl",
+            "custom_checkpoint_0.pkl"} <= set(os.listdir(src))  # fmt: skip
+    before = tree(src)
+    ours, back = tmp_path / "ours", tmp_path / "back"
+    r = ckpt_cli("convert", src, ours, "--to", "cuda", "--format", "ckpt", "--step", "4")
+    assert r.exit_code == 0, r.output
+    r = ckpt_cli("convert", ours, back, "--to", "cuda", "--format", "accelerate")
+    assert r.exit_code == 0, r.output
+    assert "not written" not in r.output
+    assert tree(src) == before  # the source is never touched
+    # every file accelerate wrote comes back with the same content
+    for name in (
+        "optimizer.bin",
+        "scheduler.bin",
+        "dl_state_dict.bin",
+        "random_states_0.pkl",
+        "custom_checkpoint_0.pkl",
+    ):
+        a, b = (torch.load(p / name, weights_only=False) for p in (src, back))
+        assert repr(a) == repr(b), name
+    assert (src / "model.safetensors").read_bytes() == (back / "model.safetensors").read_bytes()
+    d = ckpt_cli("diff", src, back, "--json")
+    assert d.exit_code == 0, d.output
+
+    # load_state on the converted folder, in a fresh process, continues the uninterrupted run exactly
+    resumed = tmp_path / "resumed"
+    r = _run(out=str(resumed), steps=STEPS, save_at=[], resume=str(back), start=1)
+    assert r.returncode == 0, r.stderr[-3000:]
+    full, cont = _losses(run), _losses(resumed)
+    assert sorted(cont) == list(range(5, STEPS + 1))
+    assert {s: full[s] for s in cont} == cont
+
+
+def test_ls_inspect_verify_find_accelerate_beside_ours(run: Path, tmp_path: Path) -> None:
+    root = tmp_path / "root"
+    (root / "acc").mkdir(parents=True)
+    for f in (run / "checkpoints" / "checkpoint_0").iterdir():
+        (root / "acc" / f.name).write_bytes(f.read_bytes())
+    assert ckpt_cli("convert", root / "acc", root / "step_00000004", "--to", "cuda", "--format", "ckpt",
+                    "--step", "4").exit_code == 0  # fmt: skip
+    rows = json.loads(ckpt_cli("ls", root, "--json").stdout)
+    assert sorted((r["format"], r["name"], r["status"]) for r in rows) == [
+        ("accelerate", "acc", "ok"), ("ckpt", "step_00000004", "committed")]  # fmt: skip
+    acc_row = next(r for r in rows if r["format"] == "accelerate")
+    assert acc_row["tensors"] == 12 and acc_row["step"] is None  # 4 parameters + 2 AdamW moments each
+    shown = ckpt_cli("inspect", root / "acc")
+    assert shown.exit_code == 0 and "optim/0.weight/exp_avg" in shown.stdout and "accelerate" in shown.stdout
+    assert ckpt_cli("verify", root / "acc").exit_code == 0
+    (root / "acc" / "model.safetensors").write_bytes((root / "acc" / "model.safetensors").read_bytes()[:-8])
+    r = ckpt_cli("verify", root / "acc")
+    assert_one_error(r, "model.safetensors", "truncated", code=1)
+
+
+def test_optimizer_numbers_that_nothing_names_are_refused(tmp_path: Path) -> None:
+    """Two parameters with one shape: the moments' shapes cannot say which is which; the refusal names the fix."""
+    from safetensors.torch import save_file
+
+    folder = tmp_path / "acc"
+    folder.mkdir()
+    m = torch.nn.Sequential(torch.nn.Linear(3, 3, bias=False), torch.nn.Linear(3, 3, bias=False))
+    opt = torch.optim.AdamW(m.parameters())
+    m(torch.ones(1, 3)).sum().backward()
+    opt.step()
+    save_file(m.state_dict(), folder / "model.safetensors")
+    torch.save(opt.state_dict(), folder / "optimizer.bin")
+    torch.save({"step": 0, "random_state": (3, tuple(range(625)), None)}, folder / "random_states_0.pkl")
+    r = ckpt_cli("convert", folder, tmp_path / "out", "--to", "cuda", "--format", "ckpt")
+    assert_one_error(r, "optimizer.bin", "shape [3, 3]", "--config", code=2)
+    assert not (tmp_path / "out").exists()
+
+
+class Evil:
+    def __reduce__(self) -> tuple:
+        return (os.system, ("true",))
+
+
+def test_pickled_globals_outside_the_allow_list_are_refused_by_name(run: Path, tmp_path: Path) -> None:
+    folder = tmp_path / "acc"
+    folder.mkdir()
+    for f in (run / "checkpoints" / "checkpoint_0").iterdir():
+        (folder / f.name).write_bytes(f.read_bytes())
+    torch.save({"step": 0, "random_state": Evil()}, folder / "random_states_0.pkl")
+    for args in (
+        ("inspect", folder),
+        ("convert", folder, tmp_path / "out", "--to", "cuda", "--format", "ckpt"),
+    ):
+        r = ckpt_cli(*args)
+        line = assert_one_error(r, "random_states_0.pkl", "system", code=2)
+        assert "nothing was executed" in line, line
+    assert not (tmp_path / "out").exists()
