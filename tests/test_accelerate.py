@@ -166,3 +166,69 @@ def test_pickled_globals_outside_the_allow_list_are_refused_by_name(run: Path, t
         line = assert_one_error(r, "random_states_0.pkl", "system", code=2)
         assert "nothing was executed" in line, line
     assert not (tmp_path / "out").exists()
+
+
+# ------------------------------------------------------------------------------ CkptStateHooks
+
+
+def test_hooks_save_through_ckpt_survive_sigkill_and_resume_bit_exact(run: Path, tmp_path: Path) -> None:
+    from ckpt.integrations.accelerate import POINTER, latest_complete
+
+    out = tmp_path / "hooked"
+    r = _run(out=str(out), steps=STEPS, save_at=[2, 4, 6], hooks=str(out / "ckpt"), kill_after=6)
+    assert r.returncode == -9, r.stderr[-3000:]  # SIGKILLed right after the save of step 6 returned
+    full = _losses(run)
+    assert _losses(out) == {s: full[s] for s in range(1, 7)}  # the hooks change nothing in training
+    folders = sorted(os.listdir(out / "checkpoints"))
+    assert folders == ["checkpoint_0", "checkpoint_1", "checkpoint_2"]
+    for f in folders:  # accelerate wrote no model file: the model is a step of ours
+        names = set(os.listdir(out / "checkpoints" / f))
+        assert POINTER in names and "model.safetensors" not in names and "optimizer.bin" in names, names
+    latest = latest_complete(str(out / "checkpoints"))
+    assert latest is not None
+    step = json.loads((Path(latest) / POINTER).read_text())["step"]
+    assert step in (4, 6)  # step 6's write may have been cut by the kill; never an incomplete one
+
+    rows = json.loads(ckpt_cli("ls", out, "--json").stdout)
+    ours = {r["step"] for r in rows if r["format"] == "ckpt" and r["status"] == "committed"}
+    assert {2, 4} <= ours and step in ours
+    shown = ckpt_cli(
+        "inspect", latest
+    )  # the folder read whole: model from the step, optimizer from accelerate
+    assert shown.exit_code == 0 and "optim/0.weight/exp_avg" in shown.stdout and "3.weight" in shown.stdout
+
+    resumed = tmp_path / "resumed"
+    index = int(Path(latest).name.rsplit("_", 1)[1])
+    r = _run(
+        out=str(resumed), steps=STEPS, save_at=[7], resume=latest, hooks=str(out / "ckpt"), start=index + 1
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    cont = _losses(resumed)
+    assert sorted(cont) == list(range(step + 1, STEPS + 1))
+    assert cont == {s: full[s] for s in cont}
+
+
+def test_hooks_refuse_a_folder_that_is_not_complete(run: Path, tmp_path: Path) -> None:
+    from ckpt.integrations.accelerate import POINTER, latest_complete, problems
+
+    base = tmp_path / "checkpoints"
+    good = base / "checkpoint_0"
+    good.mkdir(parents=True)
+    for f in (run / "checkpoints" / "checkpoint_0").iterdir():
+        (good / f.name).write_bytes(f.read_bytes())
+    assert problems(str(good)) == []
+    torn = base / "checkpoint_1"
+    torn.mkdir()
+    for f in good.iterdir():
+        (torn / f.name).write_bytes(f.read_bytes())
+    (torn / "random_states_0.pkl").write_bytes((good / "random_states_0.pkl").read_bytes()[:-30])
+    assert problems(str(torn)) == ["random_states_0.pkl is torn (not a complete torch.save file)"]
+    pointed = base / "checkpoint_2"
+    pointed.mkdir()
+    for f in good.iterdir():
+        if f.name != "model.safetensors":
+            (pointed / f.name).write_bytes(f.read_bytes())
+    (pointed / POINTER).write_text(json.dumps({"root": str(tmp_path / "ckpt"), "step": 9}))
+    (bad,) = problems(str(pointed))
+    assert "step 9" in bad and "never committed" in bad
+    assert latest_complete(str(base)) == str(good)  # the newest folder that resumes exactly
