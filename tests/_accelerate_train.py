@@ -37,13 +37,14 @@ class Counter:
 
 
 def train(out: str, steps: int, save_at: list[int], resume: str | None = None, hooks: str | None = None,
-          kill_after: int | None = None, start: int = 0) -> list[tuple[int, str]]:  # fmt: skip
+          kill_after: int | None = None, start: int = 0, cpu: bool = False) -> list[tuple[int, str]]:  # fmt: skip
     from accelerate import Accelerator
     from accelerate.utils import DataLoaderConfiguration, ProjectConfiguration, set_seed
 
     os.makedirs(out, exist_ok=True)
     set_seed(0)
     acc = Accelerator(
+        cpu=cpu,  # with LOCAL_RANK set, accelerate uses gloo ranks (MULTI_CPU) only when told the device is the CPU
         project_config=ProjectConfiguration(
             project_dir=out, automatic_checkpoint_naming=True, iteration=start
         ),

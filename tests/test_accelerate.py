@@ -10,6 +10,7 @@ resume bit-exactly (the dropout masks would differ).
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -22,8 +23,11 @@ from click.testing import CliRunner, Result
 
 from tests.cli_helpers import tree
 
-pytest.importorskip("accelerate")
-pytest.importorskip("torchdata")
+# not imported here: torch-xla would take the device from accelerate, and USE_TORCH_XLA=0 is set only in the
+# processes that run it (the rest of the suite's in-process XLA tests read the same variable through transformers)
+for _needed in ("accelerate", "torchdata"):
+    if importlib.util.find_spec(_needed) is None:
+        pytest.skip(f"needs {_needed}", allow_module_level=True)
 
 HERE = Path(__file__).resolve().parent
 TRAIN = HERE / "_accelerate_train.py"
@@ -232,3 +236,42 @@ def test_hooks_refuse_a_folder_that_is_not_complete(run: Path, tmp_path: Path) -
     (bad,) = problems(str(pointed))
     assert "step 9" in bad and "never committed" in bad
     assert latest_complete(str(base)) == str(good)  # the newest folder that resumes exactly
+
+
+# ------------------------------------------------------------------------------ two processes (DDP on gloo)
+
+
+def _ddp_rank(rank: int, world: int, kwargs: dict) -> list[tuple[int, str]]:
+    os.environ["USE_TORCH_XLA"] = "0"
+    os.environ["LOCAL_RANK"] = str(rank)
+    os.environ["LOCAL_WORLD_SIZE"] = str(world)
+    sys.path.insert(0, str(HERE))
+    from _accelerate_train import train
+
+    return train(**kwargs, cpu=True)
+
+
+def test_two_processes_hooks_save_and_converted_folder_resumes_bit_exact(tmp_path: Path) -> None:
+    """DDP on 2 gloo ranks: the hooks save the model collectively; the folder (model from our step, the rest from
+    accelerate's files, one random_states per process) converts to a plain save_state folder whose load_state
+    continues both ranks exactly."""
+    from tests.conftest import run_ranks
+
+    out = tmp_path / "ddp"
+    full = run_ranks(_ddp_rank, 2, {"out": str(out), "steps": 6, "save_at": [3], "hooks": str(out / "ckpt")})
+    folder = out / "checkpoints" / "checkpoint_0"
+    assert {"random_states_0.pkl", "random_states_1.pkl", "ckpt_step.json"} <= set(os.listdir(folder))
+    back = tmp_path / "back"
+    r = ckpt_cli("convert", folder, back, "--to", "cuda", "--format", "accelerate")
+    assert r.exit_code == 0, r.output
+    for name in ("random_states_0.pkl", "random_states_1.pkl", "optimizer.bin"):
+        a, b = (torch.load(p / name, weights_only=False) for p in (folder, back))
+        assert repr(a) == repr(b), name
+    resumed = run_ranks(
+        _ddp_rank,
+        2,
+        {"out": str(tmp_path / "resumed"), "steps": 6, "save_at": [], "resume": str(back), "start": 1},
+    )
+    for rank in range(2):
+        assert resumed[rank] == full[rank][3:], rank
+        assert full[0][3:] != full[1][3:]  # each rank trains on its own shard of the data
