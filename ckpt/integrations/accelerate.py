@@ -83,7 +83,8 @@ class CkptStateHooks:
         weights.clear()  # the model is ckpt's now: accelerate writes no model file
         if self.accelerator.is_main_process:
             root = self.manager.root
-            doc = {"root": root if "://" in root else os.path.abspath(root), "step": step}
+            doc = {"root": root if "://" in root else os.path.abspath(root), "step": step,
+                   "tiers": self.manager.tiers is not None}  # fmt: skip
             with open(os.path.join(output_dir, POINTER), "w") as fh:
                 json.dump(doc, fh)
 
@@ -142,8 +143,9 @@ def read_pointer(folder: str) -> dict[str, Any] | None:
 
 def problems(folder: str, process_index: int = 0) -> list[str]:
     """Why ``folder`` (a save_state folder written with the hooks, or without) cannot be resumed from exactly:
-    its model's step is not committed, or accelerate's files are missing or torn (each ``torch.save`` file is a
-    zip whose directory is written last).  Empty: complete."""
+    its model's step is not committed at the root (not checked for a step of the node-local tier: the load hook
+    asks the tiers), or accelerate's files are missing or torn (each ``torch.save`` file is a zip whose directory is
+    written last).  Empty: complete."""
     from ckpt.format.manifest import MANIFEST_NAME
     from ckpt.restoring.discovery import step_dir
 
@@ -153,7 +155,9 @@ def problems(folder: str, process_index: int = 0) -> list[str]:
     except OSError as e:
         return [f"{folder}: unreadable ({e.strerror})"]
     pointer = read_pointer(folder)
-    if pointer is not None:
+    if pointer is not None and not pointer.get(
+        "tiers"
+    ):  # with tiers, the load hook asks them (restore_latest)
         from ckpt.storage import open_storage
 
         step = f"{str(pointer['root']).rstrip('/')}/{step_dir(int(pointer['step']))}"
