@@ -275,3 +275,62 @@ def test_two_processes_hooks_save_and_converted_folder_resumes_bit_exact(tmp_pat
     for rank in range(2):
         assert resumed[rank] == full[rank][3:], rank
         assert full[0][3:] != full[1][3:]  # each rank trains on its own shard of the data
+
+
+_LLAMA = """
+import sys, torch
+from accelerate import Accelerator
+from transformers import LlamaConfig, LlamaForCausalLM
+torch.manual_seed(0)
+cfg = LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=32, tie_word_embeddings=False)
+model = LlamaForCausalLM(cfg)
+opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+acc = Accelerator()
+model, opt = acc.prepare(model, opt)
+ids = torch.randint(0, 32, (2, 8))
+acc.backward(model(input_ids=ids, labels=ids).loss)
+opt.step()
+acc.save_state(sys.argv[1] + "/state")
+cfg.to_json_file(sys.argv[1] + "/config.json")
+"""
+
+
+def test_hf_model_folder_to_nxd_and_back_names_the_optimizer_from_config(tmp_path: Path) -> None:
+    """A Llama's layers share shapes: its optimizer numbers are named from --config (refused without), and the
+    folder goes to an NxD TP=2 tag and back to accelerate with every tensor and param_group as it was."""
+    env = {
+        **os.environ,
+        "USE_TORCH_XLA": "0",
+        "PJRT_DEVICE": "CPU",
+        "OMP_NUM_THREADS": "1",
+        "PYTHONWARNINGS": "ignore",
+    }
+    p = subprocess.run(
+        [sys.executable, "-c", _LLAMA, str(tmp_path)], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert p.returncode == 0, p.stderr[-3000:]
+    state, cfg = tmp_path / "state", tmp_path / "config.json"
+    r = ckpt_cli("convert", state, tmp_path / "dcp", "--to", "cuda", "--format", "dcp")
+    assert_one_error(r, "optimizer.bin", "--config", code=2)
+    r = ckpt_cli(
+        "convert", state, tmp_path / "tag", "--to", "neuron", "--tp", "2", "--format", "nxd", "--config", cfg
+    )
+    assert r.exit_code == 0, r.output
+    r = ckpt_cli(
+        "convert",
+        tmp_path / "tag",
+        tmp_path / "back",
+        "--to",
+        "cuda",
+        "--format",
+        "accelerate",
+        "--config",
+        cfg,
+    )
+    assert r.exit_code == 0, r.output
+    d = ckpt_cli("diff", state, tmp_path / "back", "--config", cfg, "--json")
+    assert d.exit_code == 0, d.output
+    a, b = (torch.load(f / "optimizer.bin", weights_only=False) for f in (state, tmp_path / "back"))
+    assert a["param_groups"] == b["param_groups"] and a["state"].keys() == b["state"].keys()
+    assert all(torch.equal(a["state"][i][k], b["state"][i][k]) for i in a["state"] for k in a["state"][i])
