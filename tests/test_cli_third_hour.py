@@ -341,4 +341,5 @@ def test_other_tools_checkpoints_are_named_not_supported_by_every_command(tmp_pa
     # an accelerate folder is read (tests/test_accelerate.py): listed "ok" beside the Lightning file
     assert sorted((r["format"], r["status"]) for r in rows) == [("accelerate", "ok"),
                                                                 ("lightning", "unsupported")]  # fmt: skip
+    assert cli("inspect", acc).exit_code == 0  # an accelerate folder is read now (tests/test_accelerate.py)
     assert tree(others) == before
