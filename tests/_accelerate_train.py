@@ -37,7 +37,8 @@ class Counter:
 
 
 def train(out: str, steps: int, save_at: list[int], resume: str | None = None, hooks: str | None = None,
-          kill_after: int | None = None, start: int = 0, cpu: bool = False) -> list[tuple[int, str]]:  # fmt: skip
+          kill_after: int | None = None, start: int = 0, cpu: bool = False,
+          hook_options: dict | None = None) -> list[tuple[int, str]]:  # fmt: skip
     from accelerate import Accelerator
     from accelerate.utils import DataLoaderConfiguration, ProjectConfiguration, set_seed
 
@@ -67,7 +68,7 @@ def train(out: str, steps: int, save_at: list[int], resume: str | None = None, h
     if hooks:
         from ckpt.integrations.accelerate import CkptStateHooks
 
-        ck = CkptStateHooks(acc, hooks)
+        ck = CkptStateHooks(acc, hooks, **(hook_options or {}))
     step = 0
     if resume:
         acc.load_state(resume)

@@ -179,7 +179,16 @@ def test_hooks_save_through_ckpt_survive_sigkill_and_resume_bit_exact(run: Path,
     from ckpt.integrations.accelerate import POINTER, latest_complete
 
     out = tmp_path / "hooked"
-    r = _run(out=str(out), steps=STEPS, save_at=[2, 4, 6], hooks=str(out / "ckpt"), kill_after=6)
+    # the node-local tier takes every save, the root every other one
+    tiers = {"local_dir": str(out / "local"), "local_every": 2, "persist_every": 4}
+    r = _run(
+        out=str(out),
+        steps=STEPS,
+        save_at=[2, 4, 6],
+        hooks=str(out / "ckpt"),
+        kill_after=6,
+        hook_options=tiers,
+    )
     assert r.returncode == -9, r.stderr[-3000:]  # SIGKILLed right after the save of step 6 returned
     full = _losses(run)
     assert _losses(out) == {s: full[s] for s in range(1, 7)}  # the hooks change nothing in training
@@ -194,8 +203,12 @@ def test_hooks_save_through_ckpt_survive_sigkill_and_resume_bit_exact(run: Path,
     assert step in (4, 6)  # step 6's write may have been cut by the kill; never an incomplete one
 
     rows = json.loads(ckpt_cli("ls", out, "--json").stdout)
-    ours = {r["step"] for r in rows if r["format"] == "ckpt" and r["status"] == "committed"}
-    assert {2, 4} <= ours and step in ours
+    ours = {
+        (r["name"].split("/")[0], r["step"])
+        for r in rows
+        if r["format"] == "ckpt" and r["status"] == "committed"
+    }
+    assert ("ckpt", 4) in ours and ("local", step) in ours  # the root has step 4; the local tier the newest
     shown = ckpt_cli(
         "inspect", latest
     )  # the folder read whole: model from the step, optimizer from accelerate
@@ -204,7 +217,13 @@ def test_hooks_save_through_ckpt_survive_sigkill_and_resume_bit_exact(run: Path,
     resumed = tmp_path / "resumed"
     index = int(Path(latest).name.rsplit("_", 1)[1])
     r = _run(
-        out=str(resumed), steps=STEPS, save_at=[7], resume=latest, hooks=str(out / "ckpt"), start=index + 1
+        out=str(resumed),
+        steps=STEPS,
+        save_at=[8],
+        resume=latest,
+        hooks=str(out / "ckpt"),
+        start=index + 1,
+        hook_options=tiers,
     )
     assert r.returncode == 0, r.stderr[-3000:]
     cont = _losses(resumed)
@@ -234,7 +253,7 @@ def test_hooks_refuse_a_folder_that_is_not_complete(run: Path, tmp_path: Path) -
             (pointed / f.name).write_bytes(f.read_bytes())
     (pointed / POINTER).write_text(json.dumps({"root": str(tmp_path / "ckpt"), "step": 9}))
     (bad,) = problems(str(pointed))
-    assert "step 9" in bad and "never committed" in bad
+    assert "step 9" in bad and "interrupted" in bad
     assert latest_complete(str(base)) == str(good)  # the newest folder that resumes exactly
 
 

@@ -83,8 +83,9 @@ class CkptStateHooks:
         weights.clear()  # the model is ckpt's now: accelerate writes no model file
         if self.accelerator.is_main_process:
             root = self.manager.root
-            doc = {"root": root if "://" in root else os.path.abspath(root), "step": step,
-                   "tiers": self.manager.tiers is not None}  # fmt: skip
+            doc: dict[str, Any] = {"root": root if "://" in root else os.path.abspath(root), "step": step}
+            if self.manager.tiers is not None:  # where this node's local tier keeps the step
+                doc["local"] = str(self.manager.tiers.root)
             with open(os.path.join(output_dir, POINTER), "w") as fh:
                 json.dump(doc, fh)
 
@@ -143,9 +144,9 @@ def read_pointer(folder: str) -> dict[str, Any] | None:
 
 def problems(folder: str, process_index: int = 0) -> list[str]:
     """Why ``folder`` (a save_state folder written with the hooks, or without) cannot be resumed from exactly:
-    its model's step is not committed at the root (not checked for a step of the node-local tier: the load hook
-    asks the tiers), or accelerate's files are missing or torn (each ``torch.save`` file is a zip whose directory is
-    written last).  Empty: complete."""
+    its model's step is committed neither at the root nor in this node's local tier (a restore with tiers then
+    asks every node: the load hook), or accelerate's files are missing or torn (each ``torch.save`` file is a zip
+    whose directory is written last).  Empty: complete."""
     from ckpt.format.manifest import MANIFEST_NAME
     from ckpt.restoring.discovery import step_dir
 
@@ -155,14 +156,16 @@ def problems(folder: str, process_index: int = 0) -> list[str]:
     except OSError as e:
         return [f"{folder}: unreadable ({e.strerror})"]
     pointer = read_pointer(folder)
-    if pointer is not None and not pointer.get(
-        "tiers"
-    ):  # with tiers, the load hook asks them (restore_latest)
+    if pointer is not None:
         from ckpt.storage import open_storage
 
-        step = f"{str(pointer['root']).rstrip('/')}/{step_dir(int(pointer['step']))}"
-        if not open_storage(step).exists(MANIFEST_NAME):
-            out.append(f"its model (step {pointer['step']} under {pointer['root']}) was never committed")
+        name = step_dir(int(pointer["step"]))
+        roots = [str(pointer["root"])] + ([str(pointer["local"])] if pointer.get("local") else [])
+        if not any(open_storage(f"{r.rstrip('/')}/{name}").exists(MANIFEST_NAME) for r in roots):
+            out.append(
+                f"its model (step {pointer['step']} under {' or '.join(roots)}) is not there (a save interrupted "
+                "before its commit, or pruned by retention)"
+            )
     elif not names & {"model.safetensors", "pytorch_model.bin"}:
         out.append("no model file")
     rng = f"random_states_{process_index}.pkl"
