@@ -1,4 +1,7 @@
-"""Checkpoints of training tools ``ckpt`` does not read yet, recognised so that no command mistakes them for nothing.
+"""Checkpoints of other training tools, recognised from names so that no command mistakes them for nothing.
+
+An accelerate ``save_state`` folder is recognised here (:func:`folder_tool`) and read by
+``converters/accelerate.py``; the tools in :data:`KINDS` are not read yet.
 
 An accelerate ``Accelerator.save_state`` folder (``model.safetensors``, ``optimizer.bin``, ``random_states_0.pkl``)
 and a PyTorch Lightning ``.ckpt`` file used to get "no checkpoints" (exit 0) from ``ls`` and "manifest.json
