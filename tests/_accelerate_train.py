@@ -38,7 +38,8 @@ class Counter:
 
 def train(out: str, steps: int, save_at: list[int], resume: str | None = None, hooks: str | None = None,
           kill_after: int | None = None, start: int = 0, cpu: bool = False,
-          hook_options: dict | None = None) -> list[tuple[int, str]]:  # fmt: skip
+          hook_options: dict | None = None, counter_state: bool = True,
+          at: int | None = None) -> list[tuple[int, str]]:  # fmt: skip
     from accelerate import Accelerator
     from accelerate.utils import DataLoaderConfiguration, ProjectConfiguration, set_seed
 
@@ -51,18 +52,13 @@ def train(out: str, steps: int, save_at: list[int], resume: str | None = None, h
         ),
         dataloader_config=DataLoaderConfiguration(use_stateful_dataloader=True),
     )
-    model = torch.nn.Sequential(
-        torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Dropout(0.2), torch.nn.Linear(8, 2)
-    )
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    sched = torch.optim.lr_scheduler.StepLR(opt, 3, gamma=0.5)
-    g = torch.Generator().manual_seed(1)
-    ds = torch.utils.data.TensorDataset(torch.randn(24, 4, generator=g), torch.randn(24, 2, generator=g))
+    model, opt, sched, ds = _objects()
     dl = torch.utils.data.DataLoader(
         ds, batch_size=4, shuffle=False, generator=torch.Generator().manual_seed(2)
     )
     counter = Counter()
-    acc.register_for_checkpointing(counter)
+    if counter_state:
+        acc.register_for_checkpointing(counter)
     model, opt, dl, sched = acc.prepare(model, opt, dl, sched)
     ck = None
     if hooks:
@@ -72,7 +68,7 @@ def train(out: str, steps: int, save_at: list[int], resume: str | None = None, h
     step = 0
     if resume:
         acc.load_state(resume)
-        step = counter.n
+        step = counter.n if at is None else at
     losses = []
     while step < steps:
         for x, y in dl:
@@ -100,6 +96,51 @@ def train(out: str, steps: int, save_at: list[int], resume: str | None = None, h
     return losses
 
 
+def _objects() -> tuple:
+    model = torch.nn.Sequential(
+        torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Dropout(0.2), torch.nn.Linear(8, 2)
+    )
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.StepLR(opt, 3, gamma=0.5)
+    g = torch.Generator().manual_seed(1)
+    ds = torch.utils.data.TensorDataset(torch.randn(24, 4, generator=g), torch.randn(24, 2, generator=g))
+    return model, opt, sched, ds
+
+
+def plain(out: str, steps: int, save_at: int) -> None:
+    """The same run in a plain torch loop (no accelerate) with ``ckpt.CheckpointManager`` saving step
+    ``save_at`` to ``OUT/ckpt`` (model, optimizer, scheduler, ``StatefulDataLoader`` position, RNG)."""
+    import random
+
+    import numpy as np
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    import ckpt
+
+    os.makedirs(out, exist_ok=True)
+    random.seed(0)
+    np.random.seed(0)
+    torch.manual_seed(0)  # what accelerate's set_seed(0) does on a CPU
+    model, opt, sched, ds = _objects()
+    dl = StatefulDataLoader(ds, batch_size=4, shuffle=False, generator=torch.Generator().manual_seed(2))
+    mgr = ckpt.CheckpointManager(os.path.join(out, "ckpt"), async_save=False)
+    step = 0
+    with open(os.path.join(out, "losses.txt"), "a") as fh:
+        for x, y in dl:
+            step += 1
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            loss.backward()
+            opt.step()
+            sched.step()
+            opt.zero_grad()
+            fh.write(f"{step} {loss.item().hex()}\n")
+            if step == save_at:
+                mgr.save(step, model=model, optimizer=opt, scheduler=sched, dataloader=dl)
+            if step >= steps:
+                break
+    mgr.close()
+
+
 def read_losses(out: str) -> dict[int, str]:
     """``{step: loss.hex()}`` of every run appended to ``OUT/losses.txt`` (a resumed run's lines replace)."""
     got: dict[int, str] = {}
@@ -112,4 +153,4 @@ def read_losses(out: str) -> dict[int, str]:
 
 if __name__ == "__main__":
     args = json.loads(sys.argv[1])
-    train(**args)
+    (plain if args.pop("plain", False) else train)(**args)

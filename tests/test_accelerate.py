@@ -113,6 +113,33 @@ def test_save_state_folder_through_ckpt_and_back_resumes_bit_exact(run: Path, tm
     assert {s: full[s] for s in cont} == cont
 
 
+def test_a_ckpt_checkpoint_of_a_plain_loop_resumes_under_accelerate(run: Path, tmp_path: Path) -> None:
+    """The other way in: the same run in a plain torch loop, saved by ``CheckpointManager`` at step 4, converted to
+    a save_state folder: accelerate's ``load_state`` continues it as the accelerate run continued its own."""
+    plain = tmp_path / "plain"
+    r = _run(plain=True, out=str(plain), steps=4, save_at=4)
+    assert r.returncode == 0, r.stderr[-3000:]
+    full = _losses(run)
+    assert _losses(plain) == {s: full[s] for s in range(1, 5)}  # the same run so far, without accelerate
+    folder = tmp_path / "acc"
+    c = ckpt_cli(
+        "convert", plain / "ckpt" / "step_00000004", folder, "--to", "cuda", "--format", "accelerate"
+    )
+    assert c.exit_code == 0, c.output
+    assert {
+        "model.safetensors",
+        "optimizer.bin",
+        "scheduler.bin",
+        "dl_state_dict.bin",
+        "random_states_0.pkl",
+    } == set(os.listdir(folder))
+    resumed = tmp_path / "resumed"
+    r = _run(out=str(resumed), steps=STEPS, save_at=[], resume=str(folder), counter_state=False, at=4)
+    assert r.returncode == 0, r.stderr[-3000:]
+    cont = _losses(resumed)
+    assert sorted(cont) == list(range(5, STEPS + 1)) and cont == {s: full[s] for s in cont}
+
+
 def test_ls_inspect_verify_find_accelerate_beside_ours(run: Path, tmp_path: Path) -> None:
     root = tmp_path / "root"
     (root / "acc").mkdir(parents=True)
