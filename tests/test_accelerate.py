@@ -257,6 +257,15 @@ def test_hooks_save_through_ckpt_survive_sigkill_and_resume_bit_exact(run: Path,
     assert sorted(cont) == list(range(step + 1, STEPS + 1))
     assert cont == {s: full[s] for s in cont}
 
+    # the same folder once its model's step is gone from every tier: load_state refuses it, naming why
+    for manifest in out.glob(f"**/step_{step:08d}/manifest.json"):
+        manifest.unlink()
+    r = _run(out=str(tmp_path / "again"), steps=STEPS, save_at=[], resume=latest, hooks=str(out / "ckpt"),
+             start=index + 2, hook_options=tiers)  # fmt: skip
+    assert r.returncode != 0 and "cannot resume from it" in r.stderr and f"step {step}" in r.stderr, r.stderr[
+        -2000:
+    ]
+
 
 def test_hooks_refuse_a_folder_that_is_not_complete(run: Path, tmp_path: Path) -> None:
     from ckpt.integrations.accelerate import POINTER, latest_complete, problems

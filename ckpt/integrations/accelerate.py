@@ -94,9 +94,14 @@ class CkptStateHooks:
         if pointer is None:
             return  # a folder accelerate wrote whole: it loads it itself
         self.manager.wait()
-        bad = problems(input_dir, self.accelerator.process_index)
+        # every process decides together: one that refused alone would leave the others in the restore's collectives
+        mine = problems(input_dir, self.accelerator.process_index)[:1]
+        bad = [(r, b[0]) for r, b in enumerate(self.manager.coll.all_gather(mine)) if b]
         if bad:
-            raise CkptError(f"{input_dir}: cannot resume from it: {bad[0]}")
+            rank, why = bad[0]
+            raise CkptError(
+                f"{input_dir}: cannot resume from it: {why}" + (f" (process {rank})" if rank else "")
+            )
         if len(models) != 1:
             raise CkptError(
                 f"CkptStateHooks: load_state hands {len(models)} models; the hook restores exactly one"
