@@ -20,6 +20,8 @@ from pathlib import Path
 import pytest
 import torch
 from click.testing import CliRunner, Result
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from tests.cli_helpers import tree
 
@@ -389,3 +391,60 @@ def test_hf_model_folder_to_nxd_and_back_names_the_optimizer_from_config(tmp_pat
     a, b = (torch.load(f / "optimizer.bin", weights_only=False) for f in (state, tmp_path / "back"))
     assert a["param_groups"] == b["param_groups"] and a["state"].keys() == b["state"].keys()
     assert all(torch.equal(a["state"][i][k], b["state"][i][k]) for i in a["state"] for k in a["state"][i])
+
+
+# ------------------------------------------------------------------------------ naming rules, two models
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.data())
+def test_optimizer_numbers_are_named_by_unique_shapes_and_refused_otherwise(data: st.DataObject) -> None:
+    """Whatever order the optimizer holds the parameters in, unique moment shapes name each number right; one shape
+    shared by two parameters is refused (never a guess)."""
+    from ckpt.errors import LayoutError
+    from ckpt.converters.accelerate_files import name_optimizer_params
+
+    n = data.draw(st.integers(1, 6))
+    shapes = data.draw(st.lists(st.tuples(st.integers(1, 4), st.integers(1, 4)), min_size=n, max_size=n))
+    names = [f"layer{i}.weight" for i in range(n)]
+    order = data.draw(st.permutations(range(n)))  # the optimizer's numbering of the model's tensors
+    stateless = data.draw(st.sets(st.sampled_from(range(n)), max_size=1))
+    state = {k: {"step": torch.tensor(1.0), "exp_avg": torch.zeros(shapes[i])} for k, i in enumerate(order)
+             if k not in stateless}  # fmt: skip
+    opt = {"state": state, "param_groups": [{"lr": 0.1, "params": list(range(n))}]}
+    model = {name: tuple(s) for name, s in zip(names, shapes, strict=True)}
+    if len(set(shapes)) == len(shapes):
+        assert name_optimizer_params(Path("optimizer.bin"), opt, model, None) == {
+            k: names[i] for k, i in enumerate(order)
+        }
+    else:
+        with pytest.raises(LayoutError, match="--config"):
+            name_optimizer_params(Path("optimizer.bin"), opt, model, None)
+
+
+def test_two_models_convert_to_ckpt_and_back(tmp_path: Path) -> None:
+    """``model_1.safetensors`` (a second prepared model) travels as ``model_1.<name>`` tensors and comes back."""
+    from safetensors.torch import load_file, save_file
+
+    src = tmp_path / "acc"
+    src.mkdir()
+    save_file({"w": torch.arange(6.0).reshape(2, 3)}, src / "model.safetensors")
+    save_file({"w": torch.ones(4), "b": torch.zeros(1)}, src / "model_1.safetensors")
+    seed = torch.Generator().manual_seed(7).get_state()
+    torch.save({"step": 3, "random_state": (3, tuple(range(625)), None), "torch_manual_seed": seed},
+               src / "random_states_0.pkl")  # fmt: skip
+    assert ckpt_cli("convert", src, tmp_path / "ours", "--to", "cuda", "--format", "ckpt").exit_code == 0
+    shown = ckpt_cli("inspect", tmp_path / "ours", "--json")
+    assert sorted(json.loads(shown.stdout)["tensors"]) == ["model_1.b", "model_1.w", "w"]
+    r = ckpt_cli("convert", tmp_path / "ours", tmp_path / "back", "--to", "cuda", "--format", "accelerate")
+    assert r.exit_code == 0, r.output
+    for name in ("model.safetensors", "model_1.safetensors"):
+        a, b = load_file(src / name), load_file(tmp_path / "back" / name)
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), name
+    rs = torch.load(tmp_path / "back" / "random_states_0.pkl", weights_only=False)
+    assert rs["step"] == 3 and torch.equal(rs["torch_manual_seed"], seed)
+    assert rs["random_state"] == (
+        3,
+        tuple(range(625)),
+        None,
+    )  # tuples stay tuples: random.setstate takes them
