@@ -401,8 +401,9 @@ def test_hf_model_folder_to_nxd_and_back_names_the_optimizer_from_config(tmp_pat
 def test_optimizer_numbers_are_named_by_unique_shapes_and_refused_otherwise(data: st.DataObject) -> None:
     """Whatever order the optimizer holds the parameters in, unique moment shapes name each number right; one shape
     shared by two parameters is refused (never a guess)."""
-    from ckpt.errors import LayoutError
     from ckpt.converters.accelerate_files import name_optimizer_params
+
+    from ckpt.errors import LayoutError
 
     n = data.draw(st.integers(1, 6))
     shapes = data.draw(st.lists(st.tuples(st.integers(1, 4), st.integers(1, 4)), min_size=n, max_size=n))
