@@ -48,12 +48,12 @@ def _kind(storage: Any) -> str | None:
         return "dcp"
     if "adapter_config.json" in names and "adapter_model.safetensors" in names:
         return "adapter"  # a PEFT folder, or a Trainer's LoRA checkpoint-N
-    if "config.json" in names and any(n.endswith(".safetensors") or n.endswith(".index.json") for n in names):
-        return "hf"
     from ckpt.restoring.other_tools import ACCELERATE, folder_tool
 
-    if folder_tool(names) == ACCELERATE:
-        return "accelerate"
+    if folder_tool(names) == ACCELERATE and "trainer_state.json" not in names:
+        return "accelerate"  # a save_state folder, also when the model's config.json is beside it
+    if "config.json" in names and any(n.endswith(".safetensors") or n.endswith(".index.json") for n in names):
+        return "hf"
     if "model" in names and ("done" in names or "checkpoint" in names or storage.local):
         try:
             if any(n.startswith(("dp_rank_", "tp_rank_")) for n in storage.child("model").listdir()):

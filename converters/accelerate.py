@@ -99,6 +99,10 @@ class AccelerateSource(Source):
                 f"{root}: not an accelerate save_state folder (random_states_0.pkl, optimizer.bin, ...)"
             )
         names = sorted(os.listdir(root))
+        if config is None and "config.json" in names:  # saved beside the state by the user (save_pretrained)
+            from .hf_index import read_json
+
+            config = read_json(root / "config.json", "config.json")
         self.config = dict(config) if config else None
         files = af.model_files(names, str(root))
         self.tensors: dict[str, TensorDesc] = {}

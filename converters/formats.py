@@ -71,12 +71,13 @@ FORMATS: tuple[Format, ...] = (
            options=("xser",), nxd_tag=True, adapters=True),
     Format("hf-trainer", ".hf_trainer", ("cuda",), "an HF Trainer checkpoint-N folder", "HF Trainer",
            step_note="its trainer_state.json records global_step 0"),
-    Format("hf", ".hf", ("cuda",), "a Hugging Face model folder", "Hugging Face",
-           looks_like="an HF config.json + *.safetensors (with trainer_state.json: a Trainer checkpoint)",
-           options=("max_shard_size",), suggested=True),
+    # before "hf": a save_state folder may hold the model's config.json beside its model.safetensors
     Format("accelerate", ".accelerate", ("cuda",), "an accelerate save_state folder", "accelerate",
            looks_like="an accelerate save_state folder (random_states_0.pkl, optimizer.bin)",
            step_note="save_state records none either"),
+    Format("hf", ".hf", ("cuda",), "a Hugging Face model folder", "Hugging Face",
+           looks_like="an HF config.json + *.safetensors (with trainer_state.json: a Trainer checkpoint)",
+           options=("max_shard_size",), suggested=True),
     # an NxD tag written by NxD Training: before plain "nxd"
     Format("nxdt", ".nxd.training", ("neuron",), "an NxD Training tag", options=("xser",), nxd_tag=True),
     Format("nxd", ".nxd", ("neuron",), "an NxD tag", looks_like="NxD model/ rank files", options=("xser",),

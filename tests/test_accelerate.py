@@ -391,6 +391,13 @@ def test_hf_model_folder_to_nxd_and_back_names_the_optimizer_from_config(tmp_pat
     a, b = (torch.load(f / "optimizer.bin", weights_only=False) for f in (state, tmp_path / "back"))
     assert a["param_groups"] == b["param_groups"] and a["state"].keys() == b["state"].keys()
     assert all(torch.equal(a["state"][i][k], b["state"][i][k]) for i in a["state"] for k in a["state"][i])
+    # the config saved beside the state (model.config.save_pretrained(output_dir)): still the accelerate folder,
+    # whose config names the optimizer's numbers
+    (state / "config.json").write_bytes(cfg.read_bytes())
+    rows = json.loads(ckpt_cli("ls", tmp_path, "--json").stdout)
+    assert ("accelerate", "state", "ok") in {(r["format"], r.get("name"), r["status"]) for r in rows}
+    r = ckpt_cli("convert", state, tmp_path / "dcp", "--to", "cuda", "--format", "dcp")
+    assert r.exit_code == 0 and "optimizer" not in r.stderr, r.output
 
 
 # ------------------------------------------------------------------------------ naming rules, two models

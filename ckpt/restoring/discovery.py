@@ -124,6 +124,8 @@ def folder_kind(names: set[str], is_dir: Any) -> str | None:
         return "nxd"
     if {"adapter_config.json", "adapter_model.safetensors", _TRAINER_STATE} <= names:
         return "hf-trainer-lora"  # a Trainer's checkpoint-N of a PEFT LoRA run
+    if _TRAINER_STATE not in names and folder_tool(names):  # save_state's files, whatever else is there
+        return folder_tool(names)
     weights = any(n.endswith(".safetensors") or n.endswith(".index.json") for n in names)
     if "config.json" in names and weights:
         return "hf-trainer" if _TRAINER_STATE in names else "hf"
