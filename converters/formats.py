@@ -208,6 +208,15 @@ def _refuse_a_root(src: str) -> None:
         return
     if tags:
         raise CkptError(holds_not_one(src, tags, "NxD tag", "ckpt convert"))
+    from .accelerate import detect as accelerate_folder
+
+    def numbered(name: str) -> tuple[str, int]:  # checkpoint_10 after checkpoint_9
+        stem = name.rstrip("0123456789")
+        return stem, int(name[len(stem) :] or -1)
+
+    saved = sorted((d.name for d in p.iterdir() if d.is_dir() and accelerate_folder(str(d))), key=numbered)
+    if saved:  # automatic_checkpoint_naming's checkpoints/ folder
+        raise CkptError(holds_not_one(src, saved, "accelerate save_state folder", "ckpt convert"))
 
 
 __all__ = ["ADAPTER", "BY_NAME", "Detected", "FORMATS", "Format", "detect", "detect_adapter", "detect_source", "get", "names"]

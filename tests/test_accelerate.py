@@ -226,6 +226,8 @@ def test_hooks_save_through_ckpt_survive_sigkill_and_resume_bit_exact(run: Path,
     for f in folders:  # accelerate wrote no model file: the model is a step of ours
         names = set(os.listdir(out / "checkpoints" / f))
         assert POINTER in names and "model.safetensors" not in names and "optimizer.bin" in names, names
+    r = ckpt_cli("convert", out / "checkpoints", tmp_path / "x", "--to", "cuda")  # one level too high: named
+    assert_one_error(r, "holds 3 accelerate save_state folders", "checkpoint_2", code=2)
     latest = latest_complete(str(out / "checkpoints"))
     assert latest is not None
     step = json.loads((Path(latest) / POINTER).read_text())["step"]
