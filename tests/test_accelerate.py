@@ -433,7 +433,8 @@ def test_optimizer_numbers_are_named_by_unique_shapes_and_refused_otherwise(data
 
 
 def test_two_models_convert_to_ckpt_and_back(tmp_path: Path) -> None:
-    """``model_1.safetensors`` (a second prepared model) travels as ``model_1.<name>`` tensors and comes back."""
+    """``model_1.safetensors`` (a second prepared model) travels as ``model_1.<name>`` tensors and comes back, with
+    the ``GradScaler`` state and the RNG."""
     from safetensors.torch import load_file, save_file
 
     src = tmp_path / "acc"
@@ -443,6 +444,14 @@ def test_two_models_convert_to_ckpt_and_back(tmp_path: Path) -> None:
     seed = torch.Generator().manual_seed(7).get_state()
     torch.save({"step": 3, "random_state": (3, tuple(range(625)), None), "torch_manual_seed": seed},
                src / "random_states_0.pkl")  # fmt: skip
+    scaler = {
+        "scale": 32768.0,
+        "growth_factor": 2.0,
+        "backoff_factor": 0.5,
+        "growth_interval": 2000,
+        "_growth_tracker": 7,
+    }
+    torch.save(scaler, src / "scaler.pt")  # GradScaler.state_dict(), as save_state writes it
     assert ckpt_cli("convert", src, tmp_path / "ours", "--to", "cuda", "--format", "ckpt").exit_code == 0
     shown = ckpt_cli("inspect", tmp_path / "ours", "--json")
     assert sorted(json.loads(shown.stdout)["tensors"]) == ["model_1.b", "model_1.w", "w"]
@@ -451,6 +460,7 @@ def test_two_models_convert_to_ckpt_and_back(tmp_path: Path) -> None:
     for name in ("model.safetensors", "model_1.safetensors"):
         a, b = load_file(src / name), load_file(tmp_path / "back" / name)
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), name
+    assert torch.load(tmp_path / "back" / "scaler.pt", weights_only=True) == scaler
     rs = torch.load(tmp_path / "back" / "random_states_0.pkl", weights_only=False)
     assert rs["step"] == 3 and torch.equal(rs["torch_manual_seed"], seed)
     assert rs["random_state"] == (
