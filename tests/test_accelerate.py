@@ -400,6 +400,14 @@ def test_hf_model_folder_to_nxd_and_back_names_the_optimizer_from_config(tmp_pat
     assert ("accelerate", "state", "ok") in {(r["format"], r.get("name"), r["status"]) for r in rows}
     r = ckpt_cli("convert", state, tmp_path / "dcp", "--to", "cuda", "--format", "dcp")
     assert r.exit_code == 0 and "optimizer" not in r.stderr, r.output
+    r = ckpt_cli("convert", state, tmp_path / "hf", "--to", "cuda", "--format", "hf")
+    assert r.exit_code == 0, r.output
+    from safetensors.torch import load_file
+
+    ours, theirs = load_file(state / "model.safetensors"), {}
+    for f in (tmp_path / "hf").glob("*.safetensors"):
+        theirs.update(load_file(f))
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
 
 
 # ------------------------------------------------------------------------------ naming rules, two models
