@@ -20,7 +20,7 @@ Examples:
   ckpt diff hf_out/checkpoint-20 hf_out/checkpoint-40
 
 \b
-Formats: ours, HF folders, HF Trainer checkpoint-N folders, DCP, NxD tags (--config), PEFT adapters, NxD LoRA tags.
+Formats: ours, HF folders, HF Trainer checkpoint-N folders, accelerate save_state folders, DCP, NxD tags (--config), PEFT adapters, NxD LoRA tags.
 Tensors are compared in the full (unsharded, HF-named) view, one pair at a time. Element x of A matches y of B when
 |x - y| <= atol + rtol * |y| (default: bit equality). Exit codes: 0 equal, 1 different (or damaged),
 2 cannot run (bad input, unsupported format).

@@ -28,12 +28,13 @@ Examples:
   ckpt ls s3://bucket/run/checkpoints --check-files --json
 
 \b
-Lists ours at any folder name up to 3 levels down, NxD tags, HF Trainer checkpoint-N, HF and DCP folders.
+Lists ours at any folder name up to 3 levels down, NxD tags, HF Trainer checkpoint-N, HF, DCP and accelerate
+save_state folders.
 One of ours is "committed" when its manifest is valid and every file it lists is in its folder at its size
 (one stat per file, no reads; on an object store sizes are asked only with --check-files), else "damaged";
 an NxD tag marked done whose files are missing or torn is "damaged".
 A step no file records shows as "unknown". Exit codes: 0 listed, 1 a checkpoint is damaged, 2 cannot run (bad input, or a checkpoint
-of a tool ckpt does not read yet: an accelerate save_state folder, a Lightning .ckpt).
+of a tool ckpt does not read yet: a Lightning .ckpt).
 """
 
 
@@ -42,7 +43,7 @@ of a tool ckpt does not read yet: an accelerate save_state folder, a Lightning .
 @click.option("--check-files", is_flag=True, help="On an object store, also ask each file's size (local folders: always).")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
 def ls(root: str, check_files: bool, as_json: bool) -> None:
-    """List the checkpoints under ROOT (ours, NxD tags, Trainer/HF/DCP folders): step, size, layout, status."""
+    """List the checkpoints under ROOT (ours, NxD tags, Trainer/HF/DCP/accelerate folders): step, size, status."""
     from ckpt.errors import CkptError
     from ckpt.restoring.discovery import find_checkpoints, list_checkpoints
     from ckpt.restoring.other_tools import KINDS, file_tool, not_supported

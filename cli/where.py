@@ -48,6 +48,10 @@ def _kind(storage: Any) -> str | None:
         return "dcp"
     if "adapter_config.json" in names and "adapter_model.safetensors" in names:
         return "adapter"  # a PEFT folder, or a Trainer's LoRA checkpoint-N
+    from ckpt.restoring.other_tools import ACCELERATE, folder_tool
+
+    if folder_tool(names) == ACCELERATE and "trainer_state.json" not in names:
+        return "accelerate"  # a save_state folder, also when the model's config.json is beside it
     if "config.json" in names and any(n.endswith(".safetensors") or n.endswith(".index.json") for n in names):
         return "hf"
     if "model" in names and ("done" in names or "checkpoint" in names or storage.local):
@@ -64,6 +68,7 @@ _KIND_WORDS = {
     "hf": "a Hugging Face model folder",
     "dcp": "a DCP checkpoint",
     "nxd": "an NxD tag",
+    "accelerate": "an accelerate save_state folder",
 }
 
 

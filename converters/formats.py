@@ -71,6 +71,10 @@ FORMATS: tuple[Format, ...] = (
            options=("xser",), nxd_tag=True, adapters=True),
     Format("hf-trainer", ".hf_trainer", ("cuda",), "an HF Trainer checkpoint-N folder", "HF Trainer",
            step_note="its trainer_state.json records global_step 0"),
+    # before "hf": a save_state folder may hold the model's config.json beside its model.safetensors
+    Format("accelerate", ".accelerate", ("cuda",), "an accelerate save_state folder", "accelerate",
+           looks_like="an accelerate save_state folder (random_states_0.pkl, optimizer.bin)",
+           step_note="save_state records none either"),
     Format("hf", ".hf", ("cuda",), "a Hugging Face model folder", "Hugging Face",
            looks_like="an HF config.json + *.safetensors (with trainer_state.json: a Trainer checkpoint)",
            options=("max_shard_size",), suggested=True),
@@ -204,6 +208,15 @@ def _refuse_a_root(src: str) -> None:
         return
     if tags:
         raise CkptError(holds_not_one(src, tags, "NxD tag", "ckpt convert"))
+    from .accelerate import detect as accelerate_folder
+
+    def numbered(name: str) -> tuple[str, int]:  # checkpoint_10 after checkpoint_9
+        stem = name.rstrip("0123456789")
+        return stem, int(name[len(stem) :] or -1)
+
+    saved = sorted((d.name for d in p.iterdir() if d.is_dir() and accelerate_folder(str(d))), key=numbered)
+    if saved:  # automatic_checkpoint_naming's checkpoints/ folder
+        raise CkptError(holds_not_one(src, saved, "accelerate save_state folder", "ckpt convert"))
 
 
 __all__ = ["ADAPTER", "BY_NAME", "Detected", "FORMATS", "Format", "detect", "detect_adapter", "detect_source", "get", "names"]

@@ -45,6 +45,11 @@ NOT_RUN: dict[str, str] = {
     "python3 -m venv .venv": "creates a virtualenv and installs from PyPI (network); `ckpt demo` runs in test_demo.py",
     ".venv/bin/python -m pytest": "the whole test suite, this file included",
     'ckpt verify-resume runs/small-trn --replay "torchrun --nproc-per-node 32 train.py': "the user's own train.py on 32 torchrun processes; --replay runs in verify-resume.md's tiny_llama example",
+    "ckpt ls run": "an accelerate run's folder (checkpoints/checkpoint_N): tests/test_accelerate.py lists one beside ours",
+    "ckpt convert run/checkpoints/checkpoint_3 ": (
+        "an accelerate run's save_state folder of an HF model; tests/test_accelerate.py converts real ones both ways"
+    ),
+    "ckpt convert trn/step_2400 gpu/checkpoint_7 ": "the Trainium run of the line above; tests/test_accelerate.py",
     ".venv/bin/python bench/verify_resume_truth.py": "a ~5 min benchmark (80 training runs); its runs' generator is tested in tests/test_resume_truth.py",
 }
 
@@ -505,6 +510,13 @@ PY_NOT_RUN: dict[tuple[str, str], str] = {
     ("docs/guide.md", 'local_dir="/local/nvme/ckpt"'): (
         "replicas=1 needs two nodes (refused on one); tests/test_tiers_ranks.py makes the same calls on 4 gloo ranks "
         "as 2 nodes, and `train_step`/`total` stand for the user's loop"
+    ),
+    ("docs/guide.md", 'accelerator.load_state("gpu/checkpoint_7")'): (
+        "`accelerator` is the user's prepared Accelerator; tests/test_accelerate.py calls load_state on converted folders"
+    ),
+    ("docs/guide.md", 'CkptStateHooks(accelerator, "run/ckpt"'): (
+        "`model`, `opt`, `dl`, `sched` and `global_step` stand for the user's; tests/test_accelerate.py runs the hooks "
+        "with real accelerate (kill and resume, two gloo ranks)"
     ),
     ("docs/verify-resume.md", "def train(c: Continuation)"): (
         "a template around the user's build(); check_continuation runs in tests/test_core_continuation.py"

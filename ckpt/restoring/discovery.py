@@ -100,9 +100,9 @@ _TRAINER_STATE = "trainer_state.json"
 class Found:
     """A checkpoint folder found under a root: ``rel`` its path below the root (``""``: the root itself), ``kind``
     ``"ckpt"`` (ours), ``"nxd"`` (an NxD tag), ``"hf-trainer"`` (a Trainer ``checkpoint-N``), ``"hf-trainer-lora"``
-    (a Trainer ``checkpoint-N`` of a PEFT LoRA run), ``"hf"`` (a Hugging Face model folder) or ``"dcp"``; or a
-    checkpoint of a tool not supported yet (:data:`.other_tools.KINDS`: an accelerate folder, a Lightning ``.ckpt``
-    file)."""
+    (a Trainer ``checkpoint-N`` of a PEFT LoRA run), ``"hf"`` (a Hugging Face model folder), ``"dcp"`` or
+    ``"accelerate"`` (a ``save_state`` folder); or a checkpoint of a tool not supported yet
+    (:data:`.other_tools.KINDS`: a Lightning ``.ckpt`` file)."""
 
     rel: str
     kind: str
@@ -124,12 +124,14 @@ def folder_kind(names: set[str], is_dir: Any) -> str | None:
         return "nxd"
     if {"adapter_config.json", "adapter_model.safetensors", _TRAINER_STATE} <= names:
         return "hf-trainer-lora"  # a Trainer's checkpoint-N of a PEFT LoRA run
+    if _TRAINER_STATE not in names and folder_tool(names):  # save_state's files, whatever else is there
+        return folder_tool(names)
     weights = any(n.endswith(".safetensors") or n.endswith(".index.json") for n in names)
     if "config.json" in names and weights:
         return "hf-trainer" if _TRAINER_STATE in names else "hf"
     if _TRAINER_STATE in names and weights:
         return "hf-trainer"
-    return folder_tool(names)  # a tool's folder ckpt does not read yet: found, so that it is named
+    return folder_tool(names)  # an accelerate save_state folder (converters/accelerate.py reads it)
 
 
 def find_checkpoints(root: str | Storage, max_depth: int = FIND_DEPTH) -> list[Found]:

@@ -1,4 +1,7 @@
-"""Checkpoints of training tools ``ckpt`` does not read yet, recognised so that no command mistakes them for nothing.
+"""Checkpoints of other training tools, recognised from names so that no command mistakes them for nothing.
+
+An accelerate ``save_state`` folder is recognised here (:func:`folder_tool`) and read by
+``converters/accelerate.py``; the tools in :data:`KINDS` are not read yet.
 
 An accelerate ``Accelerator.save_state`` folder (``model.safetensors``, ``optimizer.bin``, ``random_states_0.pkl``)
 and a PyTorch Lightning ``.ckpt`` file used to get "no checkpoints" (exit 0) from ``ls`` and "manifest.json
@@ -17,8 +20,9 @@ import zipfile
 
 ACCELERATE = "accelerate"
 LIGHTNING = "lightning"
-#: every kind this module recognises (the ``kind`` of a :class:`~ckpt.restoring.discovery.Found`)
-KINDS = (ACCELERATE, LIGHTNING)
+#: the kinds no command reads yet (the ``kind`` of a :class:`~ckpt.restoring.discovery.Found`); an accelerate
+#: folder is recognised here (:func:`folder_tool`) and read by ``converters/accelerate.py``
+KINDS = (LIGHTNING,)
 
 #: what each is, in the words the messages use
 WHAT = {
@@ -59,7 +63,8 @@ def tool_at(path: str) -> str | None:
     """Which unsupported tool wrote the local file or folder ``path`` (None: none this module knows)."""
     if os.path.isdir(path):
         try:
-            return folder_tool(os.listdir(path))
+            tool = folder_tool(os.listdir(path))
+            return tool if tool in KINDS else None
         except OSError:
             return None
     return file_tool(path)
@@ -69,7 +74,7 @@ def not_supported(path: str, kind: str) -> str:
     """The one line every command says for ``path``, a checkpoint of ``kind`` (:data:`KINDS`)."""
     return (
         f"{path} is {WHAT[kind]}; ckpt does not read {SHORT[kind]} checkpoints yet (it reads its own, NxD tags, "
-        "Hugging Face, Trainer and PEFT folders, DCP)"
+        "Hugging Face, Trainer, PEFT and accelerate folders, DCP)"
     )
 
 
