@@ -48,7 +48,9 @@ class CheckpointManager:
     torchrun's ``GROUP_RANK``, or ``node_rank=``), and steps divisible by ``persist_every`` also go to ``root``;
     ``save`` is a no-op for other steps.  ``keep_local`` local steps are kept per node.  ``restore_latest`` restores
     the newest step complete in any tier; ``last_restore.tier`` says from where.  Without ``local_dir``,
-    ``persist_every`` alone thins the saves to ``root``.
+    ``persist_every`` alone thins the saves to ``root``.  ``local_memory=True`` (``local_dir`` on ``/dev/shm``) makes
+    the local tier a host-memory tier (:mod:`ckpt.tiers.memory`): a save is one copy into shared memory, the
+    persistent copies run in the background at their own pace.
     """
 
     def __init__(
@@ -70,6 +72,7 @@ class CheckpointManager:
         replicas: int = 0,
         keep_local: int | None = 2,
         node_rank: int | None = None,
+        local_memory: bool = False,
         **checkpointer_options: Any,
     ) -> None:
         if keep_last is not None and keep_last < 1:
@@ -102,7 +105,9 @@ class CheckpointManager:
                 raise CkptError(
                     "local_dir= with process_group=: the tiers' group spans every rank of the job"
                 )
-            self.tiers = Tiers(self, local_dir, self.policy, replicas, keep_local, node_rank)
+            self.tiers = Tiers(self, local_dir, self.policy, replicas, keep_local, node_rank, local_memory)
+        elif local_memory:
+            raise CkptError("local_memory=True needs local_dir= (a folder in host memory, e.g. /dev/shm/ckpt)")
 
     def path_for(self, step: int) -> str:
         return f"{self.root}/{step_dir(step)}"

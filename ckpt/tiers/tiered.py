@@ -3,6 +3,7 @@ and restores from the newest step complete anywhere (package docstring)."""
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 import uuid
@@ -16,7 +17,7 @@ from ..errors import CkptError, StorageError
 from ..restoring.discovery import step_dir
 from ..saving.checkpointer import SaveResult
 from ..storage import refusal
-from . import agree, replicate, runid
+from . import agree, memory, replicate, runid
 from .node import NodeMap
 from .policy import LOCAL, PEER, PERSISTENT, TierPolicy
 from .retention import PENDING, sweep
@@ -25,14 +26,14 @@ from .retention import PENDING, sweep
 _RANK = {LOCAL: 0, PEER: 1, PERSISTENT: 2}
 
 
-def _tier_group(timeout_s: float = 1800.0) -> Any:
+def _tier_group(purpose: str = "tiers", timeout_s: float = 1800.0) -> Any:
     """A gloo group of its own for the tiers' collectives and transfers, next to the checkpoint group (created
     collectively by the first manager with tiers, then reused; None in one process)."""
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()):
         return None
-    return gloo_group("tiers", timeout_s)
+    return gloo_group(purpose, timeout_s)
 
 
 class Host(Protocol):
@@ -64,7 +65,17 @@ class Tiers:
         replicas: int = 0,
         keep_local: int | None = 2,
         node_rank: int | None = None,
+        local_memory: bool = False,
     ) -> None:
+        if local_memory and (keep_local is None or keep_local > memory.SLOTS):
+            raise CkptError(
+                f"local_memory=True with keep_local={keep_local!r}: the memory tier holds at most "
+                f"{memory.SLOTS} snapshots per rank (keep_local=1 or 2)"
+            )
+        if local_memory and not mgr.checkpointer.async_save:
+            raise CkptError(
+                "local_memory=True needs async_save=True (the memory tier is the async save's arena)"
+            )
         if keep_local is not None and (isinstance(keep_local, bool) or keep_local < 1):
             raise CkptError(
                 f"keep_local={keep_local!r}: expected at least 1 (or None to keep every local step)"
@@ -73,6 +84,8 @@ class Tiers:
             raise CkptError(f"local_dir={local_dir!r}: expected a node-local folder (a path), not a URL")
         self.mgr = mgr
         self.local_dir = Path(str(local_dir).removeprefix("file://"))
+        if local_memory:
+            memory.check_memory_dir(self.local_dir)
         self.policy = policy
         self.replicas = replicas
         self.keep_local = keep_local
@@ -88,6 +101,18 @@ class Tiers:
         self.newest_persistent: int | None = None
         self._fut: Future | None = None
         self._thread: threading.Thread | None = None
+        #: the memory tier's stager (module memory), None for a local tier on disk
+        self.stager: memory.MemoryStager | None = None
+        self._persisting: threading.Thread | None = None  # a memory step's copy to the root, at its own pace
+        self._persist_error: BaseException | None = None
+        self._persist_step: int | None = None
+        if local_memory:
+            per_node = len(self.nodes.nodes[self.nodes.node]) * (1 + replicas)
+            self.stager = memory.MemoryStager(self.coll.rank, per_node)
+            mgr.checkpointer.stager.release()
+            mgr.checkpointer.stager = self.stager
+            # the persistent copies run beside later saves: their collectives need a group of their own
+            self.pcoll = Collective(_tier_group("tiers-persist"))
 
     @property
     def root(self) -> Path:
@@ -187,10 +212,14 @@ class Tiers:
             fut: Future = Future()
             fut.set_result(None)
             return fut
-        self.wait()
+        self._wait_local()
         self._establish(tiers)
         if LOCAL not in tiers:
+            self.wait()
             return self.mgr.save_persistent(step, objects, options)
+        if self.stager is not None and self.stager.folder is None:
+            self.stager.folder = self.root / memory.ARENA
+            self.stager.drop_stale()
         token = self.coll.broadcast(uuid.uuid4().hex[:8])
         pending = self.root / PENDING / f"{step_dir(step)}-{token}"
         started = time.perf_counter()
@@ -239,7 +268,9 @@ class Tiers:
         self.coll.barrier()
         folder = pending if problems else final
         path = str(final)
-        if PERSISTENT in tiers:
+        if PERSISTENT in tiers and self.stager is not None and not problems:
+            self._persist_later(step, final, raw, m)
+        elif PERSISTENT in tiers:
             path = replicate.persist(self.coll, self.mgr.storage, step, folder, raw, m)
             self.newest_persistent = step
             if self.coll.rank == 0:
@@ -253,16 +284,68 @@ class Tiers:
                 + (" (its persistent copy is committed)" if PERSISTENT in tiers else "")
             )
         if self.nodes.rank == self.nodes.leader(self.nodes.node):
-            sweep(self.root, step, self.keep_local, self.newest_persistent, self.run_id)
+            sweep(self.root, step, self.keep_local, self.newest_persistent, self.run_id, self._persist_step)
         result = SaveResult(
             step, path, written.blocking_s, time.perf_counter() - started, written.bytes_written
         )
         self.mgr.note_save(result)
         return result
 
+    def _persist_later(self, step: int, final: Path, raw: bytes, m: Any) -> None:
+        """A memory step's copy to the root, in a thread of its own at low CPU priority, beside the next saves
+        (which reuse the other arena meanwhile: module memory); one at a time, its error raised at the next
+        ``wait``."""
+        assert self.stager is not None
+        self._join_persist(raise_error=False)
+        slot = self.stager.pin()
+        self._persist_step = step
+
+        def run() -> None:
+            try:
+                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+            except (OSError, AttributeError):
+                pass
+            try:
+                replicate.persist(self.pcoll, self.mgr.storage, step, final, raw, m)
+                self.newest_persistent = step
+                if self.coll.rank == 0:
+                    try:
+                        self.mgr.apply_retention(step)
+                    except Exception as e:  # noqa: BLE001 - the step is committed; housekeeping must not undo it
+                        warnings.warn(f"after committing step {step}: {type(e).__name__}: {e}", stacklevel=1)
+            except BaseException as e:  # noqa: BLE001 - raised by the next wait()
+                self._persist_error = e
+            finally:
+                assert self.stager is not None
+                self.stager.unpin(slot)
+                self._persist_step = None
+
+        self._persisting = threading.Thread(target=run, name="ckpt-persist", daemon=True)
+        self._persisting.start()
+
+    def _join_persist(self, raise_error: bool = True) -> None:
+        t, self._persisting = self._persisting, None
+        if t is not None:
+            t.join()
+        err, self._persist_error = self._persist_error, None
+        if err is not None:
+            if raise_error:
+                raise err
+            self._persist_error = err
+
     def wait(self) -> SaveResult | None:
         """Block until the in-flight local save (and its replicas, its persistent copy) is done; raise its error
         once."""
+        try:
+            return self._wait_local()
+        finally:
+            self._join_persist()
+
+    def _wait_local(self) -> SaveResult | None:
+        """:meth:`wait`, less a memory step's copy to the root (which runs at its own pace)."""
+        err, self._persist_error = self._persist_error, None
+        if err is not None:
+            raise err
         fut, self._fut = self._fut, None
         if self._thread is not None:
             self._thread.join()
