@@ -107,7 +107,9 @@ class CheckpointManager:
                 )
             self.tiers = Tiers(self, local_dir, self.policy, replicas, keep_local, node_rank, local_memory)
         elif local_memory:
-            raise CkptError("local_memory=True needs local_dir= (a folder in host memory, e.g. /dev/shm/ckpt)")
+            raise CkptError(
+                "local_memory=True needs local_dir= (a folder in host memory, e.g. /dev/shm/ckpt)"
+            )
 
     def path_for(self, step: int) -> str:
         return f"{self.root}/{step_dir(step)}"
@@ -288,14 +290,18 @@ class CheckpointManager:
         t0: float,
         tier: str = "persistent",
         job_tier: str = "",
+        verify: bool = True,
     ) -> RestoreResult | None:
         """Restore step ``step`` from ``path`` on every rank; None (with a warning) when any rank found damage, so
-        that all fall back together.  A checkpoint that does not fit the caller's objects raises on every rank."""
-        error: tuple[Any, ...] | None = None  # (is_mismatch: None when unexpected, message[, is_base_mismatch])
+        that all fall back together.  A checkpoint that does not fit the caller's objects raises on every rank.
+        ``verify=False``: the data files' checksums were just checked (a local tier's inventory)."""
+        error: tuple[Any, ...] | None = (
+            None  # (is_mismatch: None when unexpected, message[, is_base_mismatch])
+        )
         unexpected: BaseException | None = None
         options = self.storage_options if tier == "persistent" else None
         try:
-            reader = CheckpointReader(path, options)
+            reader = CheckpointReader(path, options, verify)
             result = restore(reader, layout_hook=self.layout_hook, **state)
         except _DAMAGE as e:
             error = (False, str(e))
@@ -309,7 +315,9 @@ class CheckpointManager:
         failed = [(r, e[1]) for r, e in enumerate(gathered) if e is not None and e[0] is None]
         if failed:
             rank, reason = failed[0]
-            raise CkptError(f"restoring step {step} from {path}: rank {rank} failed: {reason}") from unexpected
+            raise CkptError(
+                f"restoring step {step} from {path}: rank {rank} failed: {reason}"
+            ) from unexpected
         errors = [e for e in gathered if e is not None]
         mismatches = [(msg, base) for is_mismatch, msg, *base in errors if is_mismatch]
         if mismatches:

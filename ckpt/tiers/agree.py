@@ -39,6 +39,9 @@ class Candidate:
     raw: bytes | None = None  # the local step's manifest
     transfers: list[tuple[int, int, str]] = field(default_factory=list)  # (from rank, to rank, file)
     tiers: list[str] = field(default_factory=list)  # per rank: local / peer
+    #: every file held was checked against its checksums by the inventory (fetched ones are checked on receipt):
+    #: the restore reads them without verifying again
+    checked: bool = False
     note: str = ""
 
 
@@ -47,7 +50,10 @@ def inventory(nodes: NodeMap, root: Path, run_id: str) -> dict[int, dict[str, An
     whose manifest records another run id or none is left out (:func:`.runid.foreign_steps` names it)."""
     out: dict[int, dict[str, Any]] = {}
     leader = nodes.rank == nodes.leader(nodes.node)
-    for step in local_steps(root):
+    deep = (
+        True  # checksums for the newest steps down to the first one this rank holds intact; below it, sizes
+    )
+    for step in reversed(local_steps(root)):
         folder = root / step_dir(step)
         if step_run_id(folder) != run_id:
             continue
@@ -66,13 +72,24 @@ def inventory(nodes: NodeMap, root: Path, run_id: str) -> dict[int, dict[str, An
         for i, name in enumerate(all_files(m)):
             if i % nodes.local_size != nodes.local_rank or name not in present:
                 continue
-            err = checker.check(name)
+            err = checker.check(name) if deep else _size_check(folder / name, file_size(m, name))
             (held if err is None else bad).append(name if err is None else err)
         seal = SEAL_RE.match(raw)
-        out[step] = {"seal": seal.group(1) if seal else None, "held": held, "bad": bad}
+        out[step] = {"seal": seal.group(1) if seal else None, "held": held, "bad": bad, "checked": deep}
+        deep = deep and bool(bad)
         if leader:
             out[step]["raw"] = raw
     return out
+
+
+def _size_check(path: Path, size: int) -> str | None:
+    """An older step's file below the newest intact one: its size only (its checksums are verified as the restore
+    reads it, should it come to that step; damage then falls back together)."""
+    try:
+        got = path.stat().st_size
+    except OSError as e:
+        return f"{path}: cannot read: {e.strerror or type(e).__name__}"
+    return None if got == size else f"{path}: {got} bytes, the manifest says {size}"
 
 
 def plan(nodes: NodeMap, reports: list[dict[int, dict[str, Any]]], persistent: list[int]) -> list[Candidate]:
@@ -120,6 +137,7 @@ def plan(nodes: NodeMap, reports: list[dict[int, dict[str, Any]]], persistent: l
             )
             continue
         cand = Candidate(step, LOCAL, raw)
+        cand.checked = all(e.get("checked", False) for es in per_node.values() for e in es)
         for node in range(n_nodes):
             members = nodes.nodes[node]
             for i, name in enumerate(files):

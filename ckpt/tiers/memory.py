@@ -33,7 +33,7 @@ import torch
 
 from ..errors import CkptError
 from ..format.manifest import MANIFEST_NAME, Box
-from ..saving.process_writer import ProcessStager
+from ..saving.process_writer import ProcessStager, _pin
 from ..storage import Storage
 from ..storage.local import LocalStorage
 
@@ -151,7 +151,7 @@ class MemoryStager(ProcessStager):
                         pass
 
     def _arena_for(self, nbytes: int, pinned: bool) -> torch.Tensor:
-        if self.folder is None or pinned:  # no tier folder yet, or CUDA state: a plain shared arena
+        if self.folder is None:  # no tier folder yet: a plain shared arena
             return super()._arena_for(nbytes, pinned)
         k = self._next_slot()
         slot = self._slots[k]
@@ -166,6 +166,12 @@ class MemoryStager(ProcessStager):
             self._open_slot(slot, k, nbytes)
         self._cur = k
         self._switch(slot)
+        if pinned and not slot.get("pinned"):
+            # CUDA state: the slot's pages are page-locked in place so device-to-host copies run as DMA
+            if not _pin(slot["arena"]):  # CUDA refuses: a plain pinned arena, written as any save's
+                self._fd, self._map, self._arena = -1, None, None
+                return super()._arena_for(nbytes, pinned)
+            slot["pinned"] = True
         assert self._arena is not None
         return self._arena
 
@@ -175,6 +181,7 @@ class MemoryStager(ProcessStager):
         assert self.folder is not None
         self.folder.mkdir(parents=True, exist_ok=True)
         if slot.get("path"):
+            _unpin(slot)
             Path(slot["path"]).unlink(missing_ok=True)
             os.close(slot["fd"])
         path = self.folder / f"r{self.rank:05d}-{os.getpid()}-{k}"
@@ -281,6 +288,7 @@ class MemoryStager(ProcessStager):
                 self._writer.stop()
                 self._writer = None
         for s in self._slots:
+            _unpin(s)
             s["arena"] = s["map"] = None
             if s.get("fd") is not None:
                 os.close(s["fd"])
@@ -288,3 +296,9 @@ class MemoryStager(ProcessStager):
                 Path(s["path"]).unlink(missing_ok=True)
             s.clear()
         self._cur = -1
+
+
+def _unpin(slot: dict[str, Any]) -> None:
+    """Undo :func:`~ckpt.saving.process_writer._pin` of a slot's arena (before it is unmapped)."""
+    if slot.pop("pinned", False) and slot.get("arena") is not None:
+        torch.cuda.cudart().cudaHostUnregister(slot["arena"].data_ptr())

@@ -49,7 +49,14 @@ class Host(Protocol):
     def list(self, check_files: bool = False) -> list[Any]: ...
     def path_for(self, step: int) -> str: ...
     def restore_agreed(
-        self, path: str, step: int, state: dict[str, Any], t0: float, tier: str = ..., job_tier: str = ...
+        self,
+        path: str,
+        step: int,
+        state: dict[str, Any],
+        t0: float,
+        tier: str = ...,
+        job_tier: str = ...,
+        verify: bool = ...,
     ) -> Any: ...
 
 
@@ -400,7 +407,9 @@ class Tiers:
                     continue
                 path, tier = str(self.root / step_dir(cand.step)), cand.tiers[self.coll.rank]
                 job_tier = max(cand.tiers, key=lambda t: _RANK[t])
-            result = self.mgr.restore_agreed(path, cand.step, state, t0, tier=tier, job_tier=job_tier)
+            result = self.mgr.restore_agreed(
+                path, cand.step, state, t0, tier=tier, job_tier=job_tier, verify=not cand.checked
+            )
             if result is not None:
                 if cand.tier == PERSISTENT:
                     self.newest_persistent = cand.step
