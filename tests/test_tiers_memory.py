@@ -150,16 +150,27 @@ def job(rank: int, world: int, shm: str, root: str) -> dict[str, Any]:
     import shutil
 
     import torch.distributed as dist
-    from test_core_multirank import make, shard
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
 
     torch.set_num_threads(1)
+
+    def make(seed: int) -> torch.nn.Module:
+        torch.manual_seed(seed)
+        model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 4))
+        mesh = init_device_mesh("cpu", (world,))
+        for m in (model[0], model[2], model):
+            fully_shard(m, mesh=mesh)
+        return model
 
     def manager() -> ckpt.CheckpointManager:
         return ckpt.CheckpointManager(root, local_dir=f"{shm}/node{rank}", local_memory=True, replicas=1,
                                       node_rank=rank, persist_every=100)  # fmt: skip
 
-    model = shard(make(0), world)
-    opt = torch.optim.AdamW(model.parameters(), lr=0.05)
+    # FSDP2 without buffers, SGD with momentum: every tensor is sharded (a replicated buffer or Adam's step counters
+    # are written by whichever rank the planner picks, and every rank reads them: from that rank's data file)
+    model = make(0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     mgr = manager()
     for step in (1, 2, 3):
         g = torch.Generator().manual_seed(step + 10 * rank)
@@ -173,12 +184,18 @@ def job(rank: int, world: int, shm: str, root: str) -> dict[str, Any]:
     if rank == 1:
         shutil.rmtree(f"{shm}/node1")
     dist.barrier()
-    model = shard(make(5), world)
-    opt = torch.optim.AdamW(model.parameters(), lr=0.05)
+    model = make(5)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    for p in model.parameters():  # momentum buffers exist before the restore fills them
+        p.grad = torch.zeros_like(p)
+    opt.step()
     mgr = manager()
     step = mgr.restore_latest(model=model, optimizer=opt)
     assert mgr.last_restore is not None
     out = {"saved": saved, "step": step, "tier": mgr.last_restore.tier, "state": local_state(model, opt)}
+    out["data_files"] = sorted(
+        p.name[:6] for p in Path(f"{shm}/node{rank}").glob("run-*/step_00000003/*.safetensors")
+    )
     mgr.close()
     return out
 
@@ -200,3 +217,6 @@ def test_replaced_node_restores_from_its_peers_memory(tmp_path: Path, shm_dir: P
     assert [g["step"] for g in got] == [3, 3]
     assert [g["tier"] for g in got] == ["local", "peer"]
     assert all(g["state"] == g["saved"] for g in got)  # bit-exact on both ranks
+    # node 0 kept its own data file and its replica of rank 1's; the replaced node fetched only what rank 1 reads
+    assert got[0]["data_files"] == ["r00000", "r00001"]
+    assert got[1]["data_files"] == ["r00001"]

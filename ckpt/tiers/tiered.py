@@ -14,6 +14,7 @@ from typing import Any, Protocol
 
 from ..distributed import Collective, agreed, gloo_group
 from ..errors import CkptError, StorageError
+from ..format.manifest import MANIFEST_NAME
 from ..restoring.discovery import step_dir
 from ..saving.checkpointer import SaveResult
 from ..storage import refusal
@@ -42,6 +43,7 @@ class Host(Protocol):
     checkpointer: Any
     storage: Any
     root: str
+    layout_hook: Any
 
     def save_persistent(self, step: int, objects: dict[str, Any], options: Any) -> Future: ...
     def apply_retention(self, newest: int) -> list[int]: ...
@@ -267,7 +269,8 @@ class Tiers:
         except (CkptError, OSError) as e:
             problems = [f"rank {self.coll.rank}: {refusal.reason(e, str(self.root)) or e}"]
         final = self.root / step_dir(step)
-        if self.leader and final.exists() and runid.step_run_id(final) != self.run_id:
+        # a step folder without a manifest (an arena reuse invalidated it, a crash) is no run's step: replaced
+        if self.leader and (final / MANIFEST_NAME).exists() and runid.step_run_id(final) != self.run_id:
             problems.append(f"{final} holds a step of another run (never replaced by this run)")
         problems = [p for ps in self.coll.all_gather(problems) for p in ps]
         if not problems:
@@ -385,6 +388,7 @@ class Tiers:
                 + (f", and {len(foreign) - 6} more" if len(foreign) > 6 else "")
             )
         (candidates, *_) = agreed(self.coll, "restore_latest: planning", lambda: self._plan(reports))
+        boxes = _live_boxes(state.get("model"), self.mgr.layout_hook)
         for cand in candidates:
             if not cand.tier:
                 warnings.warn(f"skipping {cand.note}", stacklevel=3)
@@ -398,7 +402,7 @@ class Tiers:
                     "restore_latest: this run's folder",
                     lambda: runid.ensure_local(self.local_dir, rid, self.mgr.root) if self.leader else None,
                 )
-                problems = agree.fetch(self.coll, self.nodes, self.root, cand)
+                problems = agree.fetch(self.coll, self.nodes, self.root, cand, boxes)
                 if problems:
                     warnings.warn(
                         f"local step {cand.step}: fetching replicas failed, falling back: {problems[0]}",
@@ -428,3 +432,16 @@ class Tiers:
             )
             persistent = []
         return agree.plan(self.nodes, reports, persistent)
+
+
+def _live_boxes(model: Any, layout_hook: Any) -> dict[str, Any] | None:
+    """The box of every model tensor this rank holds (what a restore reads of it); None when a layout hook or no
+    model decides that (a fetch then brings every file)."""
+    if model is None or layout_hook is not None:
+        return None
+    from ..state.training import local_box, model_tensors
+
+    try:
+        return {nt.name: local_box(nt.tensor)[1] for nt in model_tensors(model)}
+    except CkptError:
+        return None
