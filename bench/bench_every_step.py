@@ -3,6 +3,7 @@
     .venv/bin/python bench/bench_every_step.py restart [--gib 0.25]   # SIGKILL, then restore: memory vs disk vs S3
     .venv/bin/python bench/bench_every_step.py lora                   # LoRA adapter + its AdamW state, every step
     .venv/bin/python bench/bench_every_step.py xla                    # torch-xla (PJRT CPU), every step
+    .venv/bin/python bench/bench_every_step.py held                   # the training thread's time held per save
 
 The per-step cost of the memory tier beside DCP and ckpt's own async save at 0.25 and 0.75 GiB, every step and every
 10 steps, is ``bench/bench_inloop.py --savers none,mem,ckpt,dcp --sizes 0.25,0.75 --every 1,10`` (its ``mem`` row).
@@ -274,9 +275,75 @@ def xla(args: argparse.Namespace) -> dict[str, Any]:
     return res
 
 
+def held(args: argparse.Namespace) -> dict[str, Any]:
+    """The training thread's time held by each saver per save (inside ``save``, waiting before ``optimizer.step()``
+    and in the step hook of lazy staging), as % of the median step without saves measured in the same rounds:
+    what a save costs the step when its background work has cores of its own (this shared VM has none to spare,
+    so the wall-time rows of bench_inloop.py also carry the background's CPU)."""
+    import torch
+    import torch.distributed as dist
+    from bench_inloop import make, width_for
+    from bench_stall import build, state_bytes
+
+    torch.set_num_threads(1)
+    if not dist.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
+        dist.init_process_group("gloo", rank=0, world_size=1)
+    work = tempfile.mkdtemp(prefix="ckpt-held-")
+    out: dict[str, Any] = {"load_before": os.getloadavg(), "sizes": {}}
+    try:
+        for gib in args.sizes:
+            w = width_for(gib)
+            model, opt = build(int(gib * 1024), w, "cpu")
+            x = torch.randn(8, w)
+            names = ["mem", "ckpt", "dcp"]
+            runs = {n: make(n, os.path.join(work, n), model, opt, False) for n in names}
+            plain: list[float] = []
+            per: dict[str, list[float]] = {n: [] for n in names}
+            for rnd in range(args.rounds + 1):  # round 0 warms (arenas, writer, DCP planning): not counted
+                for n in ["none", *names]:
+                    r = runs.get(n)
+                    for i in range(1, args.steps + 1):
+                        ck = getattr(getattr(r, "mgr", None), "checkpointer", None) or getattr(r, "ck", None)
+                        hook0 = ck.hook_wait_s if ck is not None else 0.0
+                        t0 = time.perf_counter()
+                        opt.zero_grad(set_to_none=True)
+                        model(x).square().mean().backward()
+                        t1 = time.perf_counter()
+                        if r is not None:
+                            r.before_step()
+                        t2 = time.perf_counter()
+                        opt.step()
+                        t3 = time.perf_counter()
+                        if r is not None:
+                            r.save(i)
+                        t4 = time.perf_counter()
+                        hook = (ck.hook_wait_s - hook0) if ck is not None else 0.0
+                        if rnd and r is None:
+                            plain.append(t4 - t0)
+                        elif rnd:
+                            per[n].append((t2 - t1) + hook + (t4 - t3))
+                    if r is not None:
+                        r.cleanup()
+            step = statistics.median(plain)
+            res = {"state_gib": state_bytes(model, opt) / GIB, "step_s": step}
+            for n in names:
+                every1 = statistics.median(per[n])
+                res[n] = {"held_per_save_s": every1, "every_step_pct": 100 * every1 / step,
+                          "every_10_pct": 100 * every1 / (10 * step)}  # fmt: skip
+                runs[n].close()
+            out["sizes"][str(gib)] = res
+            print(json.dumps({gib: res}), flush=True)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return out
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("what", choices=("restart", "lora", "xla", "_child"))
+    p.add_argument("what", choices=("restart", "lora", "xla", "held", "_child"))
+    p.add_argument("--sizes", default="0.25,0.75", help="held: GiB of params + Adam state")
     p.add_argument("--gib", type=float, default=0.25)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--steps", type=int, default=6, help="lora / xla: steps per round and per mode")
@@ -294,7 +361,8 @@ def main() -> int:
         return child(args)
     t0 = time.time()
     load = os.getloadavg()
-    res = {"restart": restart, "lora": lora, "xla": xla}[args.what](args)
+    args.sizes = [float(v) for v in args.sizes.split(",")]
+    res = {"restart": restart, "lora": lora, "xla": xla, "held": held}[args.what](args)
     res.setdefault("load_before", load)
     res.setdefault("load_after", os.getloadavg())
     res["wall_s"] = time.time() - t0

@@ -17,6 +17,7 @@ from ..errors import CkptError, StorageError
 from ..format.manifest import MANIFEST_NAME
 from ..restoring.discovery import step_dir
 from ..saving.checkpointer import SaveResult
+from ..saving.worker import Job, Worker
 from ..storage import refusal
 from . import agree, memory, replicate, runid
 from .node import NodeMap
@@ -109,7 +110,8 @@ class Tiers:
         self._resolve_run()
         self.newest_persistent: int | None = None
         self._fut: Future | None = None
-        self._thread: threading.Thread | None = None
+        self._thread: Job | None = None
+        self._worker = Worker("ckpt-tiers")  # one thread across saves (ckpt.saving.worker)
         #: the memory tier's stager (module memory), None for a local tier on disk
         self.stager: memory.MemoryStager | None = None
         self._persisting: threading.Thread | None = None  # a memory step's copy to the root, at its own pace
@@ -240,13 +242,7 @@ class Tiers:
                 raise fut.exception()  # type: ignore[misc]
             return fut
         self._fut = fut
-        self._thread = threading.Thread(
-            target=self._finish,
-            args=(step, tiers, pending, started, written, fut),
-            name="ckpt-tiers",
-            daemon=True,
-        )
-        self._thread.start()
+        self._thread = self._worker.submit(self._finish, step, tiers, pending, started, written, fut)
         return fut
 
     def _finish(
