@@ -368,7 +368,9 @@ def measure(args: argparse.Namespace, gib: float, work: str, cuda: bool) -> dict
     runs = {
         n: make(n, os.path.join(work, n.replace(" ", "_").replace("+", "_")), model, opt, cuda) for n in names
     }
-    for r in runs.values():  # warm: arenas' first touch (two for mem), writer start, DCP's first-save planning
+    for (
+        r
+    ) in runs.values():  # warm: arenas' first touch (two for mem), writer start, DCP's first-save planning
         train(model, opt, x, r, 2, 1, sync)
         r.cleanup()
     out: dict[str, Any] = {"state_bytes": nbytes, "by_every": {}}
