@@ -13,6 +13,8 @@ A stack of ``Linear`` layers holding fp32 parameters + Adam moments (``--sizes``
   The writer sends the data file to the disk with direct I/O straight from the arena (no page-cache copy);
 * ``ckpt buffered``: the same writer process writing through the page cache (``ProcessStager(direct_io=False)``),
   as before direct I/O;
+* ``mem``: the host-memory tier (``CheckpointManager(local_dir="/dev/shm/...", local_memory=True)``, issue 38):
+  one copy into a shared-memory arena that becomes the data file in place;
 * ``ckpt thread``: the same with ``stager=HostStager()``: the data files written by a thread of the trainer;
 * ``dcp``: ``torch.distributed.checkpoint.async_save`` (staging inside the call, writer thread);
 * ``dcp stager``: ``async_save`` with one reused ``DefaultStager`` (background staging, waited on before
@@ -149,6 +151,33 @@ class CkptRun(Run):
     def close(self) -> None:
         super().close()
         self.ck.close()
+
+
+class MemRun(Run):
+    """The host-memory tier (``CheckpointManager(local_dir=<in /dev/shm>, local_memory=True)``): each save is one
+    copy into the shared-memory arena, sealed and linked in place; no persistent copy (``persist_every`` never)."""
+
+    name = "mem"
+
+    def __init__(self, root: str, model: Any, opt: Any) -> None:
+        super().__init__(root, model, opt)
+        from ckpt.manager import CheckpointManager
+
+        self.shm = tempfile.mkdtemp(prefix="ckpt-bench-mem-", dir="/dev/shm")
+        self.mgr = CheckpointManager(root, local_dir=self.shm, local_memory=True, persist_every=10**9)
+
+    def save(self, step: int) -> None:
+        self.mgr.save(step, model=self.model, optimizer=self.opt, rng=False)
+
+    def drain(self) -> None:
+        self.mgr.wait()
+
+    def child_pid(self) -> int | None:
+        return getattr(self.mgr.checkpointer.stager, "writer_pid", None)
+
+    def close(self) -> None:
+        self.mgr.close()
+        shutil.rmtree(self.shm, ignore_errors=True)
 
 
 class DcpRun(Run):
@@ -312,6 +341,8 @@ def make(name: str, root: str, model: Any, opt: Any, cuda: bool) -> Run:
         return Run(root, model, opt)
     if name in ("ckpt", "ckpt buffered", "ckpt thread"):
         return CkptRun(root, model, opt, name)
+    if name == "mem":
+        return MemRun(root, model, opt)
     if name in ("dcp", "dcp stager"):
         return DcpRun(root, model, opt, stager=name == "dcp stager", cuda=cuda)
     if name == "copy+write":
@@ -337,8 +368,10 @@ def measure(args: argparse.Namespace, gib: float, work: str, cuda: bool) -> dict
     runs = {
         n: make(n, os.path.join(work, n.replace(" ", "_").replace("+", "_")), model, opt, cuda) for n in names
     }
-    for r in runs.values():  # warm: arena first touch, writer process start, DCP's first-save planning
-        train(model, opt, x, r, 1, 1, sync)
+    for (
+        r
+    ) in runs.values():  # warm: arenas' first touch (two for mem), writer start, DCP's first-save planning
+        train(model, opt, x, r, 2, 1, sync)
         r.cleanup()
     out: dict[str, Any] = {"state_bytes": nbytes, "by_every": {}}
     for every in args.every:

@@ -10,7 +10,8 @@ and the persistent tier on S3 (moto on 127.0.0.1) and on local disk.
   training thread's cost), ``total`` until the step is committed (for the local tier: replicas sealed and the
   per-node commit done; nothing sent to the object store);
 * restore: ``restore_latest`` into a fresh model: ``local`` (both nodes hold the step), ``peer`` (node 1's
-  ``local_dir`` emptied first: its files come from node 0's replicas over gloo), ``persistent`` (no local tier).
+  ``local_dir`` emptied first: its files come from node 0's replicas over gloo), ``persistent`` (no local tier);
+* ``memory``: the same two with the host-memory tier (``local_dir`` in /dev/shm, ``local_memory=True``).
 
 Times are the slowest rank's.  Ratios are against the persistent S3 tier measured in the same run.  Prints a table
 and writes ``bench/results/tiers.json``.
@@ -79,6 +80,11 @@ def rank_main(rank: int, world: int, port: int, args: dict[str, Any], out: Any) 
                 root=f"{s3url}/rep{rep}-tiered", storage_options=s3opt, local_dir=f"{base}/node{rank}",
                 local_every=1, persist_every=10**9, replicas=1, node_rank=rank,
             ),
+            "memory": dict(
+                root=f"{s3url}/rep{rep}-memory", storage_options=s3opt,
+                local_dir=f"{args['shm']}/rep{rep}/node{rank}", local_memory=True,
+                persist_every=10**9, replicas=1, node_rank=rank,
+            ),
         }  # fmt: skip
         for name, kw in cases.items():
             model, opt = build(args["state_mib"], world)
@@ -92,9 +98,9 @@ def rank_main(rank: int, world: int, port: int, args: dict[str, Any], out: Any) 
                 total = time.perf_counter() - t0
             timed(f"save {name} stall", stall)
             timed(f"save {name} total", total)
-            restores = ["local", "peer"] if name == "local" else [name]
+            restores = {"local": ["local", "peer"], "memory": ["memory", "memory peer"]}.get(name, [name])
             for r in restores:
-                if r == "peer" and rank == 1:
+                if r.endswith("peer") and rank == 1:
                     shutil.rmtree(kw["local_dir"])
                 dist.barrier()
                 model2, opt2 = build(args["state_mib"], world)
@@ -107,7 +113,7 @@ def rank_main(rank: int, world: int, port: int, args: dict[str, Any], out: Any) 
                     assert mgr.last_restore.tier == (
                         "persistent"
                         if r.startswith("persistent")
-                        else ("peer" if r == "peer" and rank == 1 else "local")
+                        else ("peer" if r.endswith("peer") and rank == 1 else "local")
                     )
                 timed(f"restore {r}", seconds)
     dist.destroy_process_group()
@@ -126,9 +132,11 @@ def main() -> None:
     from conftest import free_port
     from torture.s3 import moto_server
 
+    shm = tempfile.mkdtemp(prefix="ckpt-bench-tiers-", dir="/dev/shm")
     with moto_server(bucket="bench") as endpoint, tempfile.TemporaryDirectory() as tmp:
         args = {
             "tmp": tmp,
+            "shm": shm,
             "s3url": "s3://bench/run",
             "s3opt": {"client_kwargs": {"endpoint_url": endpoint}},
             "state_mib": a.state_mib,
@@ -143,14 +151,15 @@ def main() -> None:
         results = q.get(timeout=3600)
         for p in procs:
             p.join()
+    shutil.rmtree(shm, ignore_errors=True)
     med = {k: statistics.median(v) for k, v in results.items()}
     base_save = med["save persistent S3 stall"], med["save persistent S3 total"]
     base_restore = med["restore persistent S3"]
     rows = []
-    for tier in ("local", "persistent disk", "persistent S3"):
+    for tier in ("memory", "local", "persistent disk", "persistent S3"):
         st, tot = med[f"save {tier} stall"], med[f"save {tier} total"]
         rows.append((f"save to {tier}", st, tot, st / base_save[0], tot / base_save[1]))
-    for r in ("local", "peer", "persistent disk", "persistent S3"):
+    for r in ("memory", "memory peer", "local", "peer", "persistent disk", "persistent S3"):
         s = med[f"restore {r}"]
         rows.append((f"restore from {r}", None, s, None, s / base_restore))
     print(f"state {a.state_mib} MiB over 2 ranks (2 nodes), median of {a.repeat}; ratios vs persistent S3")

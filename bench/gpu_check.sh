@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One-GPU check of the CUDA path (issues 11 and 28), in about 10 minutes; prints one JSON object at the end.
+# One-GPU check of the CUDA path (issues 11, 28 and 38), in about 15 minutes; prints one JSON object at the end.
 #
 #   bash bench/gpu_check.sh            # PYTHON=... to pick the interpreter (default .venv/bin/python, else python3)
 #
@@ -12,6 +12,9 @@
 #    process with direct I/O, the same through the page cache, writer thread) vs DCP async_save with and without
 #    its pinned DefaultStager vs no checkpoints, at 2 GiB, a save every step and every 10 steps, and background
 #    CPU s/GiB vs a bare copy + write.
+# 4. the host-memory tier every step (issue 38): bench/bench_inloop.py --savers none,mem,ckpt,dcp at 2 GiB of CUDA
+#    state, a save every step and every 10 steps (``mem``: CheckpointManager(local_dir=<in /dev/shm>,
+#    local_memory=True): the slot arenas page-locked in place with cudaHostRegister, D2H on the side stream).
 #
 # Without a GPU (CUDA=0, or torch sees none) it runs the CPU fallback: no CUDA tests, the stall and in-loop benches
 # on CPU tensors at a small size, so the script itself is checked anywhere.
@@ -46,11 +49,17 @@ timeout 360 "$PY" bench/bench_inloop.py --device "$DEV" $INLOOP_ARGS --every 1,1
   --out "$OUT/inloop_cuda.json" >"$OUT/inloop_cuda.log" 2>&1
 inloop_rc=$?
 grep -v -i -e warn -e gloo "$OUT/inloop_cuda.log" | tail -20 >&2
-"$PY" - "$OUT" "$tests_rc" "$bench_rc" "$inloop_rc" "$DEV" <<'PYEOF'
+# shellcheck disable=SC2086
+timeout 360 "$PY" bench/bench_inloop.py --device "$DEV" $INLOOP_ARGS --every 1,10 --savers none,mem,ckpt,dcp \
+  --out "$OUT/every_step_cuda.json" >"$OUT/every_step_cuda.log" 2>&1
+every_rc=$?
+grep -v -i -e warn -e gloo "$OUT/every_step_cuda.log" | tail -12 >&2
+"$PY" - "$OUT" "$tests_rc" "$bench_rc" "$inloop_rc" "$DEV" "$every_rc" <<'PYEOF'
 import json, os, sys
 import xml.etree.ElementTree as ET
 out, tests_rc, bench_rc, inloop_rc, dev = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
-res = {"device": dev, "tests_rc": tests_rc, "bench_rc": bench_rc, "inloop_rc": inloop_rc}
+every_rc = int(sys.argv[6])
+res = {"device": dev, "tests_rc": tests_rc, "bench_rc": bench_rc, "inloop_rc": inloop_rc, "every_rc": every_rc}
 try:
     s = ET.parse(os.path.join(out, "cuda_tests.xml")).getroot()
     s = s if s.tag == "testsuite" else s[0]
@@ -70,21 +79,22 @@ try:
     res["goals"] = b.get("goals")
 except (OSError, KeyError, ValueError):
     res["savers"] = None
-try:
-    with open(os.path.join(out, "inloop_cuda.json")) as f:
-        b = json.load(f)
-    keep = ("overhead_per_save_s", "overhead_pct", "train_cpu_overhead_pct", "vs_dcp", "vs_dcp_stager",
-            "bg_cpu_s_per_gib", "bg_cpu_vs_copy_write")
-    res["inloop"] = {
-        f"{size} GiB every {every}": {
-            "step_s": e["step_s"],
-            **{n: {k: r.get(k) for k in keep} for n, r in e["savers"].items() if n != "none"},
+keep = ("overhead_per_save_s", "overhead_pct", "train_cpu_overhead_pct", "vs_dcp", "vs_dcp_stager",
+        "bg_cpu_s_per_gib", "bg_cpu_vs_copy_write")
+for name, fname in (("inloop", "inloop_cuda.json"), ("every_step", "every_step_cuda.json")):
+    try:
+        with open(os.path.join(out, fname)) as f:
+            b = json.load(f)
+        res[name] = {
+            f"{size} GiB every {every}": {
+                "step_s": e["step_s"],
+                **{n: {k: r.get(k) for k in keep} for n, r in e["savers"].items() if n != "none"},
+            }
+            for size, s in b["sizes"].items()
+            for every, e in s["by_every"].items()
         }
-        for size, s in b["sizes"].items()
-        for every, e in s["by_every"].items()
-    }
-except (OSError, KeyError, ValueError):
-    res["inloop"] = None
+    except (OSError, KeyError, ValueError):
+        res[name] = None
 print(json.dumps(res, indent=2))
 PYEOF
-[ "$tests_rc" -eq 0 ] && [ "$bench_rc" -eq 0 ] && [ "$inloop_rc" -eq 0 ]
+[ "$tests_rc" -eq 0 ] && [ "$bench_rc" -eq 0 ] && [ "$inloop_rc" -eq 0 ] && [ "$every_rc" -eq 0 ]

@@ -3,6 +3,7 @@
     .venv/bin/python bench/torture_crash.py --trials 100 --storage local
     .venv/bin/python bench/torture_crash.py --trials 20 --storage s3      # moto server on 127.0.0.1
     .venv/bin/python bench/torture_crash.py --trials 30 --local-tier --persist-every 3   # ckpt.tiers
+    .venv/bin/python bench/torture_crash.py --trials 30 --local-memory --persist-every 3  # the host-memory tier
 
 Each trial starts ``tests/torture/trainer.py`` (tiny MLP + Adam, async ``CheckpointManager`` save every step,
 ``keep_last=2``), kills it with SIGKILL after a seeded random delay, fully verifies every committed checkpoint and
@@ -38,6 +39,11 @@ def main() -> int:
     )
     p.add_argument("--persist-every", type=int, help="with --local-tier: also to the root every N steps")
     p.add_argument(
+        "--local-memory",
+        action="store_true",
+        help="the local tier in /dev/shm as the host-memory tier (local_memory=True)",
+    )
+    p.add_argument(
         "--process-writer",
         action="store_true",
         help="the trainer writes through ProcessStager's writer process (the default); without it, HostStager's thread",
@@ -45,7 +51,10 @@ def main() -> int:
     args = p.parse_args()
     with tempfile.TemporaryDirectory(prefix="ckpt-torture-") as work:
         common = dict(seed=args.seed, max_delay=args.max_delay, every=args.every, progress=True)
-        if args.local_tier:
+        if args.local_memory:
+            shm = tempfile.mkdtemp(prefix="ckpt-torture-", dir="/dev/shm")
+            common.update(local_dir=shm, persist_every=args.persist_every, local_memory=True)
+        elif args.local_tier:
             common.update(local_dir=os.path.join(work, "local"), persist_every=args.persist_every)
         if args.process_writer:
             common.update(process_writer=True)
@@ -58,7 +67,13 @@ def main() -> int:
     summary["args"] = vars(args)
     print(json.dumps(summary, indent=2))
     os.makedirs(os.path.join(HERE, "results"), exist_ok=True)
-    tail = ("_tiers" if args.local_tier else "") + ("_process_writer" if args.process_writer else "")
+    if args.local_memory:
+        import shutil
+
+        shutil.rmtree(common["local_dir"], ignore_errors=True)
+    tail = ("_memory" if args.local_memory else "_tiers" if args.local_tier else "") + (
+        "_process_writer" if args.process_writer else ""
+    )
     with open(os.path.join(HERE, "results", f"torture_crash_{args.storage}{tail}.json"), "w") as f:
         json.dump(summary, f, indent=2)
     return 1 if report.corrupt_restores or report.divergent_losses else 0

@@ -48,7 +48,9 @@ class CheckpointManager:
     torchrun's ``GROUP_RANK``, or ``node_rank=``), and steps divisible by ``persist_every`` also go to ``root``;
     ``save`` is a no-op for other steps.  ``keep_local`` local steps are kept per node.  ``restore_latest`` restores
     the newest step complete in any tier; ``last_restore.tier`` says from where.  Without ``local_dir``,
-    ``persist_every`` alone thins the saves to ``root``.
+    ``persist_every`` alone thins the saves to ``root``.  ``local_memory=True`` (``local_dir`` on ``/dev/shm``) makes
+    the local tier a host-memory tier (:mod:`ckpt.tiers.memory`): a save is one copy into shared memory, the
+    persistent copies run in the background at their own pace.
     """
 
     def __init__(
@@ -70,6 +72,7 @@ class CheckpointManager:
         replicas: int = 0,
         keep_local: int | None = 2,
         node_rank: int | None = None,
+        local_memory: bool = False,
         **checkpointer_options: Any,
     ) -> None:
         if keep_last is not None and keep_last < 1:
@@ -102,7 +105,11 @@ class CheckpointManager:
                 raise CkptError(
                     "local_dir= with process_group=: the tiers' group spans every rank of the job"
                 )
-            self.tiers = Tiers(self, local_dir, self.policy, replicas, keep_local, node_rank)
+            self.tiers = Tiers(self, local_dir, self.policy, replicas, keep_local, node_rank, local_memory)
+        elif local_memory:
+            raise CkptError(
+                "local_memory=True needs local_dir= (a folder in host memory, e.g. /dev/shm/ckpt)"
+            )
 
     def path_for(self, step: int) -> str:
         return f"{self.root}/{step_dir(step)}"
@@ -283,14 +290,18 @@ class CheckpointManager:
         t0: float,
         tier: str = "persistent",
         job_tier: str = "",
+        verify: bool = True,
     ) -> RestoreResult | None:
         """Restore step ``step`` from ``path`` on every rank; None (with a warning) when any rank found damage, so
-        that all fall back together.  A checkpoint that does not fit the caller's objects raises on every rank."""
-        error: tuple[Any, ...] | None = None  # (is_mismatch: None when unexpected, message[, is_base_mismatch])
+        that all fall back together.  A checkpoint that does not fit the caller's objects raises on every rank.
+        ``verify=False``: the data files' checksums were just checked (a local tier's inventory)."""
+        error: tuple[Any, ...] | None = (
+            None  # (is_mismatch: None when unexpected, message[, is_base_mismatch])
+        )
         unexpected: BaseException | None = None
         options = self.storage_options if tier == "persistent" else None
         try:
-            reader = CheckpointReader(path, options)
+            reader = CheckpointReader(path, options, verify)
             result = restore(reader, layout_hook=self.layout_hook, **state)
         except _DAMAGE as e:
             error = (False, str(e))
@@ -304,7 +315,9 @@ class CheckpointManager:
         failed = [(r, e[1]) for r, e in enumerate(gathered) if e is not None and e[0] is None]
         if failed:
             rank, reason = failed[0]
-            raise CkptError(f"restoring step {step} from {path}: rank {rank} failed: {reason}") from unexpected
+            raise CkptError(
+                f"restoring step {step} from {path}: rank {rank} failed: {reason}"
+            ) from unexpected
         errors = [e for e in gathered if e is not None]
         mismatches = [(msg, base) for is_mismatch, msg, *base in errors if is_mismatch]
         if mismatches:

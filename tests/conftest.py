@@ -204,3 +204,19 @@ def nxd_src(tmp_path_factory: pytest.TempPathFactory) -> str:
     if not ARCHIVE.is_file():
         pytest.skip(f"NxD source archive {ARCHIVE} is absent (see tests/vendor/README.md to rebuild it)")
     return str(extract(tmp_path_factory.mktemp("nxd_src")))
+
+
+@pytest.fixture
+def shm_dir() -> Iterator[Any]:
+    """A fresh folder in host memory (/dev/shm: the memory tier's home), removed afterwards."""
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    if not os.path.isdir("/dev/shm"):
+        pytest.skip("no /dev/shm on this host")
+    d = Path(tempfile.mkdtemp(prefix="ckpt-test-", dir="/dev/shm"))
+    try:
+        yield d
+    finally:
+        shutil.rmtree(d, ignore_errors=True)

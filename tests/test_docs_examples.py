@@ -518,6 +518,10 @@ PY_NOT_RUN: dict[tuple[str, str], str] = {
         "`model`, `opt`, `dl`, `sched` and `global_step` stand for the user's; tests/test_accelerate.py runs the hooks "
         "with real accelerate (kill and resume, two gloo ranks)"
     ),
+    ("docs/guide.md", 'local_dir="/dev/shm/ckpt"'): (
+        "replicas=1 needs two nodes (refused on one); tests/test_tiers_memory.py makes the same calls on 2 gloo ranks "
+        "as 2 nodes, and `train_step`/`total` stand for the user's loop"
+    ),
     ("docs/verify-resume.md", "def train(c: Continuation)"): (
         "a template around the user's build(); check_continuation runs in tests/test_core_continuation.py"
     ),

@@ -50,6 +50,22 @@ def test_sigkill_during_async_saves_with_the_local_tier(tmp_path: Path) -> None:
     check(report, 6)
 
 
+def test_sigkill_during_saves_to_the_memory_tier(tmp_path: Path, shm_dir: Path) -> None:
+    # the host-memory tier (/dev/shm): kills land in the copy into the arena, its in-place seal and link, the
+    # commit, an arena's reuse, or the background copy to the root every third step; a restart adopts the newest
+    # step from memory, never a half-written one
+    report = run_trials(
+        str(tmp_path / "run"), str(tmp_path), 3, seed=8, max_delay=1.5,
+        local_dir=str(shm_dir), persist_every=3, local_memory=True,
+    )  # fmt: skip
+    # as check(), but a kill may land before the first step is committed (the memory tier's first save also makes
+    # its arenas): then two starts restore nothing, consistently
+    assert report.problems == [] and report.corrupt_restores == 0 and report.divergent_losses == 0
+    assert report.trials == 3 and report.restores == 4
+    assert report.restores_from_scratch < report.restores  # some restart did restore a step from memory
+    assert report.kills_during_save >= 1 and report.final_step > 3
+
+
 @pytest.mark.s3
 @pytest.mark.skipif(bool(REAL_S3_URL), reason="trainer processes are pointed at the loopback moto server")
 def test_sigkill_during_async_saves_s3(s3: Any, tmp_path: Path) -> None:

@@ -26,7 +26,6 @@ A failure anywhere means no manifest, hence no checkpoint; an async failure is r
 
 from __future__ import annotations
 
-import threading
 import time
 import uuid
 from concurrent.futures import Future
@@ -50,6 +49,7 @@ from .options import SaveOptions
 from .planning import DEFAULT_CHUNK_BYTES
 from .process_writer import default_stager
 from .staging import Staged
+from .worker import Job, Worker
 from .writers import LayoutHook, WriterPlanner, chunks_of
 
 
@@ -115,7 +115,10 @@ class Checkpointer:
         self.format_version = format_version  # None: ckpt.FORMAT_VERSION
         self._writers = WriterPlanner(self.coll)
         self._inflight: Future | None = None
-        self._thread: threading.Thread | None = None
+        self._thread: Job | None = None
+        self._worker = Worker(
+            "ckpt-writer"
+        )  # one thread across saves: no thread start on the training thread
         self._base = adapters.BaseTracker()
         self._staged: Staged | None = None  # copies the training thread must wait for before mutating
         self._guards = Guards()
@@ -244,10 +247,7 @@ class Checkpointer:
             fut.set_result(run(self.coll, job, self.format_version))
             return fut
         self._inflight = fut
-        self._thread = threading.Thread(
-            target=self._background, args=(job, fut), name="ckpt-writer", daemon=True
-        )
-        self._thread.start()
+        self._thread = self._worker.submit(self._background, job, fut)
         return fut
 
     def wait(self) -> SaveResult | None:

@@ -285,7 +285,7 @@ class ProcessStager(HostStager):
         if not reply["ok"]:
             raise StorageError(f"writer process, {storage.display(fname)}: {reply['error']}")
         for k, v in reply["io"].items():
-            self.io[k] += int(v)
+            self.io[k] = self.io.get(k, 0) + int(v)
         return [(int(o), int(n), str(d)) for o, n, d in reply["placed"]], int(reply["size"])
 
 

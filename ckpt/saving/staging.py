@@ -16,7 +16,6 @@ which the checkpointer starts only after the previous one finished, and it grows
 from __future__ import annotations
 
 import math
-import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -24,6 +23,10 @@ from typing import Any
 import torch
 
 from ..format.datafile import aligned
+from .worker import Job, Worker
+
+# the lazy copies of every stager, one after the other, on one thread kept across saves
+_STAGE = Worker("ckpt-stage")
 
 
 class Staged:
@@ -36,7 +39,7 @@ class Staged:
 
     def __init__(self, hosts: list[torch.Tensor]) -> None:
         self.hosts = hosts
-        self._thread: threading.Thread | None = None
+        self._thread: Job | None = None
         self._event: Any = None  # torch.cuda.Event of the side-stream copies
         self._error: BaseException | None = None
         self._sources: list[torch.Tensor] = []  # kept alive until copied
@@ -90,8 +93,7 @@ class Staged:
                 self._error = e
             self.copy_s = time.perf_counter() - t0
 
-        self._thread = threading.Thread(target=run, name="ckpt-stage", daemon=True)
-        self._thread.start()
+        self._thread = _STAGE.submit(run)
 
 
 class HostStager:

@@ -11,6 +11,7 @@ persistent root (an object store or a shared filesystem).
 * :mod:`.replicate`: the background half of a local save (replicas, commit, persistent copy);
 * :mod:`.agree`: which step every rank restores, and from where;
 * :mod:`.retention`: what the local tier keeps;
+* :mod:`.memory`: the host-memory tier (``local_memory=True``): the save's arena is the data file, in /dev/shm;
 * :mod:`.runid`: which run a local step belongs to (a restore takes only this run's).
 """
 

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import CkptError
-from ..format.manifest import MANIFEST_NAME, SEAL_RE, Manifest
+from ..format.manifest import MANIFEST_NAME, SEAL_RE, Box, Manifest
 from ..restoring.discovery import step_dir
 from ..storage import open_storage
 from .files import FileChecker, all_files, file_size, rank_files
@@ -39,6 +39,9 @@ class Candidate:
     raw: bytes | None = None  # the local step's manifest
     transfers: list[tuple[int, int, str]] = field(default_factory=list)  # (from rank, to rank, file)
     tiers: list[str] = field(default_factory=list)  # per rank: local / peer
+    #: every file held was checked against its checksums by the inventory (fetched ones are checked on receipt):
+    #: the restore reads them without verifying again
+    checked: bool = False
     note: str = ""
 
 
@@ -47,7 +50,10 @@ def inventory(nodes: NodeMap, root: Path, run_id: str) -> dict[int, dict[str, An
     whose manifest records another run id or none is left out (:func:`.runid.foreign_steps` names it)."""
     out: dict[int, dict[str, Any]] = {}
     leader = nodes.rank == nodes.leader(nodes.node)
-    for step in local_steps(root):
+    deep = (
+        True  # checksums for the newest steps down to the first one this rank holds intact; below it, sizes
+    )
+    for step in reversed(local_steps(root)):
         folder = root / step_dir(step)
         if step_run_id(folder) != run_id:
             continue
@@ -66,13 +72,24 @@ def inventory(nodes: NodeMap, root: Path, run_id: str) -> dict[int, dict[str, An
         for i, name in enumerate(all_files(m)):
             if i % nodes.local_size != nodes.local_rank or name not in present:
                 continue
-            err = checker.check(name)
+            err = checker.check(name) if deep else _size_check(folder / name, file_size(m, name))
             (held if err is None else bad).append(name if err is None else err)
         seal = SEAL_RE.match(raw)
-        out[step] = {"seal": seal.group(1) if seal else None, "held": held, "bad": bad}
+        out[step] = {"seal": seal.group(1) if seal else None, "held": held, "bad": bad, "checked": deep}
+        deep = deep and bool(bad)
         if leader:
             out[step]["raw"] = raw
     return out
+
+
+def _size_check(path: Path, size: int) -> str | None:
+    """An older step's file below the newest intact one: its size only (its checksums are verified as the restore
+    reads it, should it come to that step; damage then falls back together)."""
+    try:
+        got = path.stat().st_size
+    except OSError as e:
+        return f"{path}: cannot read: {e.strerror or type(e).__name__}"
+    return None if got == size else f"{path}: {got} bytes, the manifest says {size}"
 
 
 def plan(nodes: NodeMap, reports: list[dict[int, dict[str, Any]]], persistent: list[int]) -> list[Candidate]:
@@ -120,6 +137,7 @@ def plan(nodes: NodeMap, reports: list[dict[int, dict[str, Any]]], persistent: l
             )
             continue
         cand = Candidate(step, LOCAL, raw)
+        cand.checked = all(e.get("checked", False) for es in per_node.values() for e in es)
         for node in range(n_nodes):
             members = nodes.nodes[node]
             for i, name in enumerate(files):
@@ -139,10 +157,49 @@ def plan(nodes: NodeMap, reports: list[dict[int, dict[str, Any]]], persistent: l
     return skipped + out
 
 
-def fetch(coll: Any, nodes: NodeMap, root: Path, cand: Candidate) -> list[str]:
-    """This rank's part of ``cand``'s transfers (module docstring, 3); returns its problems.  Collective."""
+def wanted(m: Manifest, boxes: dict[str, Box] | None) -> set[str] | None:
+    """The files a rank reads to restore its ``boxes`` (tensor name -> the box it holds live) of step ``m``: every
+    index and state file (small; the reader loads every index), and the data files of the ranks whose pieces
+    overlap its boxes (an optimizer state tensor shaped like its parameter: the parameter's box; anything else:
+    the whole tensor).  None, meaning every file, for a version 1 manifest or unknown boxes."""
+    if m.v2 is None or boxes is None:
+        return None
+    writers: set[int] = set()
+    for name, t in m.tensors.items():
+        spec = m.v2.pieces.get(name)
+        if spec is None:
+            return None
+        box = boxes.get(name)
+        p = m.tensors.get(t.param) if t.param is not None else None
+        if box is None and p is not None and p.shape == t.shape:
+            box = boxes.get(t.param)  # type: ignore[arg-type]
+        if box is None or len(box.offsets) != len(t.shape):
+            box = Box((0,) * len(t.shape), tuple(t.shape))
+        writers |= spec.ranks_for(t.shape, box)
+    return {e.path for e in m.v2.sealed_files()} | {n for n, f in m.files.items() if f.rank in writers}
+
+
+def fetch(
+    coll: Any, nodes: NodeMap, root: Path, cand: Candidate, boxes: dict[str, Box] | None = None
+) -> list[str]:
+    """This rank's part of ``cand``'s transfers (module docstring, 3); returns its problems.  Collective.
+    ``boxes``: this rank's live boxes; a node then receives only the files its ranks read (:func:`wanted`)."""
     assert cand.raw is not None
     m = Manifest.from_json(cand.raw, f"{step_dir(cand.step)}/{MANIFEST_NAME}")
+    mine = wanted(m, boxes)
+    needs: dict[int, set[str] | None] = {}
+    for rank, want in enumerate(coll.all_gather(sorted(mine) if mine is not None else None)):
+        node = nodes.node_of(rank)
+        if want is None or needs.get(node, set()) is None:
+            needs[node] = None
+        else:
+            needs[node] = needs.get(node, set()) | set(want)  # type: ignore[operator]
+    transfers = [
+        t
+        for t in cand.transfers
+        if needs.get(nodes.node_of(t[1])) is None or t[2] in needs[nodes.node_of(t[1])]
+    ]  # type: ignore[operator]
+    cand = Candidate(cand.step, cand.tier, cand.raw, transfers, cand.tiers, cand.note, cand.checked)
     final = root / step_dir(cand.step)
     leader = nodes.rank == nodes.leader(nodes.node)
     problems: list[str] = []

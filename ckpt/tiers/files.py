@@ -7,6 +7,9 @@ or in a version 1 manifest), an index or state file by its seal, which the top m
 
 from __future__ import annotations
 
+import contextlib
+import mmap
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -15,6 +18,22 @@ from ..format.codecs import checksum
 from ..format.index import INDEX_FORMAT, STATE_FORMAT, index_shards, load_index, load_sealed
 from ..format.manifest import MANIFEST_NAME, Manifest, Shard
 from ..storage import Storage
+from ..storage.local import LocalStorage
+
+
+@contextlib.contextmanager
+def _mapped(storage: Storage, name: str, size: int) -> Iterator[memoryview | None]:
+    """A local file mapped read-only (hashed where it lies: the memory tier's files are in /dev/shm), or None for
+    other storage (read by ranges)."""
+    if type(storage) is not LocalStorage or not size:
+        yield None
+        return
+    with open(storage.path(name), "rb") as f, mmap.mmap(f.fileno(), size, prot=mmap.PROT_READ) as mm:
+        view = memoryview(mm)
+        try:
+            yield view
+        finally:
+            view.release()
 
 
 def sealed_entries(m: Manifest) -> dict[str, Any]:
@@ -69,10 +88,18 @@ class FileChecker:
                 return f"{where}: missing"
             if size != f.size:
                 return f"{where}: {size} bytes, {MANIFEST_NAME} says {f.size}"
-            for tensor, shard in self._shards_in(name, f.rank):
-                got = checksum(self.storage.read_range(name, shard.offset, shard.nbytes))
-                if got != shard.checksum:
-                    return f"{where}: tensor {tensor!r} checksum mismatch ({MANIFEST_NAME} {shard.checksum}, data {got})"
+            with _mapped(self.storage, name, size) as view:
+                for tensor, shard in self._shards_in(name, f.rank):
+                    end = shard.offset + shard.nbytes
+                    data = view[shard.offset : end] if view is not None and end <= size else None
+                    got = checksum(
+                        data
+                        if data is not None
+                        else self.storage.read_range(name, shard.offset, shard.nbytes)
+                    )
+                    del data
+                    if got != shard.checksum:
+                        return f"{where}: tensor {tensor!r} checksum mismatch ({MANIFEST_NAME} {shard.checksum}, data {got})"
         except (CkptError, OSError) as exc:
             return str(exc) if where in str(exc) else f"{where}: {exc}"
         return None

@@ -39,6 +39,8 @@ def send_replicas(coll: Any, nodes: NodeMap, replicas: int, folder: Path, m: Man
     """Step 2 of the module docstring; returns this rank's problems (empty: its replicas are sealed)."""
     storage = open_storage(str(folder))
     problems: list[str] = []
+    if not replicas:  # nothing to send: never read the files back
+        return problems
     own = rank_files(m, nodes.rank)
     mine = [read_or_zeros(folder / n, file_size(m, n), problems) for n in own]
     digests = sent_digests(coll, dict(zip(own, mine, strict=True)) if replicas else {})

@@ -40,13 +40,19 @@ def drop(folder: Path) -> None:
 
 
 def sweep(
-    root: Path, newest: int, keep_local: int | None, newest_persistent: int | None, run_id: str | None
+    root: Path,
+    newest: int,
+    keep_local: int | None,
+    newest_persistent: int | None,
+    run_id: str | None,
+    copying: int | None = None,
 ) -> list[int]:
     """Apply the policy (module docstring) after ``newest`` was committed to run ``run_id``'s folder ``root``;
-    returns the steps deleted.  A step whose manifest records another run id, or none, is never deleted."""
+    returns the steps deleted.  A step whose manifest records another run id, or none, is never deleted, nor step
+    ``copying`` (being copied to the persistent tier)."""
     steps = [s for s in local_steps(root) if step_run_id(root / step_dir(s)) == run_id]
     present = set(local_steps(root))
-    keep = set(steps if keep_local is None else steps[-keep_local:]) | {newest}
+    keep = set(steps if keep_local is None else steps[-keep_local:]) | {newest} | {copying}
     deleted = []
     for s in steps:
         stale = s > newest or (newest_persistent is not None and s < newest_persistent and s != newest)

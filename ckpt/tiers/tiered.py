@@ -3,6 +3,7 @@ and restores from the newest step complete anywhere (package docstring)."""
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 import uuid
@@ -13,10 +14,12 @@ from typing import Any, Protocol
 
 from ..distributed import Collective, agreed, gloo_group
 from ..errors import CkptError, StorageError
+from ..format.manifest import MANIFEST_NAME
 from ..restoring.discovery import step_dir
 from ..saving.checkpointer import SaveResult
+from ..saving.worker import Job, Worker
 from ..storage import refusal
-from . import agree, replicate, runid
+from . import agree, memory, replicate, runid
 from .node import NodeMap
 from .policy import LOCAL, PEER, PERSISTENT, TierPolicy
 from .retention import PENDING, sweep
@@ -25,14 +28,14 @@ from .retention import PENDING, sweep
 _RANK = {LOCAL: 0, PEER: 1, PERSISTENT: 2}
 
 
-def _tier_group(timeout_s: float = 1800.0) -> Any:
+def _tier_group(purpose: str = "tiers", timeout_s: float = 1800.0) -> Any:
     """A gloo group of its own for the tiers' collectives and transfers, next to the checkpoint group (created
     collectively by the first manager with tiers, then reused; None in one process)."""
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()):
         return None
-    return gloo_group("tiers", timeout_s)
+    return gloo_group(purpose, timeout_s)
 
 
 class Host(Protocol):
@@ -41,6 +44,7 @@ class Host(Protocol):
     checkpointer: Any
     storage: Any
     root: str
+    layout_hook: Any
 
     def save_persistent(self, step: int, objects: dict[str, Any], options: Any) -> Future: ...
     def apply_retention(self, newest: int) -> list[int]: ...
@@ -48,7 +52,14 @@ class Host(Protocol):
     def list(self, check_files: bool = False) -> list[Any]: ...
     def path_for(self, step: int) -> str: ...
     def restore_agreed(
-        self, path: str, step: int, state: dict[str, Any], t0: float, tier: str = ..., job_tier: str = ...
+        self,
+        path: str,
+        step: int,
+        state: dict[str, Any],
+        t0: float,
+        tier: str = ...,
+        job_tier: str = ...,
+        verify: bool = ...,
     ) -> Any: ...
 
 
@@ -64,7 +75,17 @@ class Tiers:
         replicas: int = 0,
         keep_local: int | None = 2,
         node_rank: int | None = None,
+        local_memory: bool = False,
     ) -> None:
+        if local_memory and (keep_local is None or keep_local > memory.SLOTS):
+            raise CkptError(
+                f"local_memory=True with keep_local={keep_local!r}: the memory tier holds at most "
+                f"{memory.SLOTS} snapshots per rank (keep_local=1 or 2)"
+            )
+        if local_memory and not mgr.checkpointer.async_save:
+            raise CkptError(
+                "local_memory=True needs async_save=True (the memory tier is the async save's arena)"
+            )
         if keep_local is not None and (isinstance(keep_local, bool) or keep_local < 1):
             raise CkptError(
                 f"keep_local={keep_local!r}: expected at least 1 (or None to keep every local step)"
@@ -73,6 +94,8 @@ class Tiers:
             raise CkptError(f"local_dir={local_dir!r}: expected a node-local folder (a path), not a URL")
         self.mgr = mgr
         self.local_dir = Path(str(local_dir).removeprefix("file://"))
+        if local_memory:
+            memory.check_memory_dir(self.local_dir)
         self.policy = policy
         self.replicas = replicas
         self.keep_local = keep_local
@@ -87,7 +110,20 @@ class Tiers:
         self._resolve_run()
         self.newest_persistent: int | None = None
         self._fut: Future | None = None
-        self._thread: threading.Thread | None = None
+        self._thread: Job | None = None
+        self._worker = Worker("ckpt-tiers")  # one thread across saves (ckpt.saving.worker)
+        #: the memory tier's stager (module memory), None for a local tier on disk
+        self.stager: memory.MemoryStager | None = None
+        self._persisting: threading.Thread | None = None  # a memory step's copy to the root, at its own pace
+        self._persist_error: BaseException | None = None
+        self._persist_step: int | None = None
+        if local_memory:
+            per_node = len(self.nodes.nodes[self.nodes.node]) * (1 + replicas)
+            self.stager = memory.MemoryStager(self.coll.rank, per_node)
+            mgr.checkpointer.stager.release()
+            mgr.checkpointer.stager = self.stager
+            # the persistent copies run beside later saves: their collectives need a group of their own
+            self.pcoll = Collective(_tier_group("tiers-persist"))
 
     @property
     def root(self) -> Path:
@@ -187,10 +223,14 @@ class Tiers:
             fut: Future = Future()
             fut.set_result(None)
             return fut
-        self.wait()
+        self._wait_local()
         self._establish(tiers)
         if LOCAL not in tiers:
+            self.wait()
             return self.mgr.save_persistent(step, objects, options)
+        if self.stager is not None and self.stager.folder is None:
+            self.stager.folder = self.root / memory.ARENA
+            self.stager.drop_stale()
         token = self.coll.broadcast(uuid.uuid4().hex[:8])
         pending = self.root / PENDING / f"{step_dir(step)}-{token}"
         started = time.perf_counter()
@@ -202,13 +242,7 @@ class Tiers:
                 raise fut.exception()  # type: ignore[misc]
             return fut
         self._fut = fut
-        self._thread = threading.Thread(
-            target=self._finish,
-            args=(step, tiers, pending, started, written, fut),
-            name="ckpt-tiers",
-            daemon=True,
-        )
-        self._thread.start()
+        self._thread = self._worker.submit(self._finish, step, tiers, pending, started, written, fut)
         return fut
 
     def _finish(
@@ -231,7 +265,8 @@ class Tiers:
         except (CkptError, OSError) as e:
             problems = [f"rank {self.coll.rank}: {refusal.reason(e, str(self.root)) or e}"]
         final = self.root / step_dir(step)
-        if self.leader and final.exists() and runid.step_run_id(final) != self.run_id:
+        # a step folder without a manifest (an arena reuse invalidated it, a crash) is no run's step: replaced
+        if self.leader and (final / MANIFEST_NAME).exists() and runid.step_run_id(final) != self.run_id:
             problems.append(f"{final} holds a step of another run (never replaced by this run)")
         problems = [p for ps in self.coll.all_gather(problems) for p in ps]
         if not problems:
@@ -239,7 +274,9 @@ class Tiers:
         self.coll.barrier()
         folder = pending if problems else final
         path = str(final)
-        if PERSISTENT in tiers:
+        if PERSISTENT in tiers and self.stager is not None and not problems:
+            self._persist_later(step, final, raw, m)
+        elif PERSISTENT in tiers:
             path = replicate.persist(self.coll, self.mgr.storage, step, folder, raw, m)
             self.newest_persistent = step
             if self.coll.rank == 0:
@@ -253,16 +290,68 @@ class Tiers:
                 + (" (its persistent copy is committed)" if PERSISTENT in tiers else "")
             )
         if self.nodes.rank == self.nodes.leader(self.nodes.node):
-            sweep(self.root, step, self.keep_local, self.newest_persistent, self.run_id)
+            sweep(self.root, step, self.keep_local, self.newest_persistent, self.run_id, self._persist_step)
         result = SaveResult(
             step, path, written.blocking_s, time.perf_counter() - started, written.bytes_written
         )
         self.mgr.note_save(result)
         return result
 
+    def _persist_later(self, step: int, final: Path, raw: bytes, m: Any) -> None:
+        """A memory step's copy to the root, in a thread of its own at low CPU priority, beside the next saves
+        (which reuse the other arena meanwhile: module memory); one at a time, its error raised at the next
+        ``wait``."""
+        assert self.stager is not None
+        self._join_persist(raise_error=False)
+        slot = self.stager.pin()
+        self._persist_step = step
+
+        def run() -> None:
+            try:
+                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+            except (OSError, AttributeError):
+                pass
+            try:
+                replicate.persist(self.pcoll, self.mgr.storage, step, final, raw, m)
+                self.newest_persistent = step
+                if self.coll.rank == 0:
+                    try:
+                        self.mgr.apply_retention(step)
+                    except Exception as e:  # noqa: BLE001 - the step is committed; housekeeping must not undo it
+                        warnings.warn(f"after committing step {step}: {type(e).__name__}: {e}", stacklevel=1)
+            except BaseException as e:  # noqa: BLE001 - raised by the next wait()
+                self._persist_error = e
+            finally:
+                assert self.stager is not None
+                self.stager.unpin(slot)
+                self._persist_step = None
+
+        self._persisting = threading.Thread(target=run, name="ckpt-persist", daemon=True)
+        self._persisting.start()
+
+    def _join_persist(self, raise_error: bool = True) -> None:
+        t, self._persisting = self._persisting, None
+        if t is not None:
+            t.join()
+        err, self._persist_error = self._persist_error, None
+        if err is not None:
+            if raise_error:
+                raise err
+            self._persist_error = err
+
     def wait(self) -> SaveResult | None:
         """Block until the in-flight local save (and its replicas, its persistent copy) is done; raise its error
         once."""
+        try:
+            return self._wait_local()
+        finally:
+            self._join_persist()
+
+    def _wait_local(self) -> SaveResult | None:
+        """:meth:`wait`, less a memory step's copy to the root (which runs at its own pace)."""
+        err, self._persist_error = self._persist_error, None
+        if err is not None:
+            raise err
         fut, self._fut = self._fut, None
         if self._thread is not None:
             self._thread.join()
@@ -295,6 +384,7 @@ class Tiers:
                 + (f", and {len(foreign) - 6} more" if len(foreign) > 6 else "")
             )
         (candidates, *_) = agreed(self.coll, "restore_latest: planning", lambda: self._plan(reports))
+        boxes = _live_boxes(state.get("model"), self.mgr.layout_hook)
         for cand in candidates:
             if not cand.tier:
                 warnings.warn(f"skipping {cand.note}", stacklevel=3)
@@ -308,7 +398,7 @@ class Tiers:
                     "restore_latest: this run's folder",
                     lambda: runid.ensure_local(self.local_dir, rid, self.mgr.root) if self.leader else None,
                 )
-                problems = agree.fetch(self.coll, self.nodes, self.root, cand)
+                problems = agree.fetch(self.coll, self.nodes, self.root, cand, boxes)
                 if problems:
                     warnings.warn(
                         f"local step {cand.step}: fetching replicas failed, falling back: {problems[0]}",
@@ -317,7 +407,9 @@ class Tiers:
                     continue
                 path, tier = str(self.root / step_dir(cand.step)), cand.tiers[self.coll.rank]
                 job_tier = max(cand.tiers, key=lambda t: _RANK[t])
-            result = self.mgr.restore_agreed(path, cand.step, state, t0, tier=tier, job_tier=job_tier)
+            result = self.mgr.restore_agreed(
+                path, cand.step, state, t0, tier=tier, job_tier=job_tier, verify=not cand.checked
+            )
             if result is not None:
                 if cand.tier == PERSISTENT:
                     self.newest_persistent = cand.step
@@ -336,3 +428,16 @@ class Tiers:
             )
             persistent = []
         return agree.plan(self.nodes, reports, persistent)
+
+
+def _live_boxes(model: Any, layout_hook: Any) -> dict[str, Any] | None:
+    """The box of every model tensor this rank holds (what a restore reads of it); None when a layout hook or no
+    model decides that (a fetch then brings every file)."""
+    if model is None or layout_hook is not None:
+        return None
+    from ..state.training import local_box, model_tensors
+
+    try:
+        return {nt.name: local_box(nt.tensor)[1] for nt in model_tensors(model)}
+    except CkptError:
+        return None

@@ -142,11 +142,13 @@ def run_trials(
     process_writer: bool = False,
     local_dir: str | None = None,
     persist_every: int | None = None,
+    local_memory: bool = False,
 ) -> CrashReport:
     """Run ``trials`` kill/restart cycles on ``root`` and one final restart; return the figures.
 
     ``local_dir``: the trainer saves every step to that node-local tier too (ckpt.tiers), and to ``root`` every
-    ``persist_every`` steps; the step a restart must restore is then the newest verified one in either."""
+    ``persist_every`` steps; the step a restart must restore is then the newest verified one in either.
+    ``local_memory``: that tier is the host-memory tier (``local_dir`` on /dev/shm)."""
     rng = random.Random(seed)
     options = {"client_kwargs": {"endpoint_url": endpoint}} if endpoint else None
     report = CrashReport("s3" if root.startswith("s3://") else "local")
@@ -170,8 +172,10 @@ def run_trials(
         cmd += ["--keep-last", str(keep_last)] + (["--endpoint", endpoint] if endpoint else [])
         cmd += ["--process-writer"] if process_writer else []
         if local_dir is not None:
-            cmd += ["--local-dir", local_dir] + (
-                ["--persist-every", str(persist_every)] if persist_every else []
+            cmd += (
+                ["--local-dir", local_dir]
+                + (["--persist-every", str(persist_every)] if persist_every else [])
+                + (["--local-memory"] if local_memory else [])
             )
         proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         ready = _wait_ready(log, proc.pid, proc, ready_timeout)

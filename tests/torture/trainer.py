@@ -91,6 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--local-dir", help="the node-local tier (ckpt.tiers): every save goes there")
     p.add_argument("--persist-every", type=int, help="with --local-dir: steps also copied to ROOT")
+    p.add_argument("--local-memory", action="store_true", help="with --local-dir: the host-memory tier")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     log = EventLog(args.log)
@@ -107,6 +108,7 @@ def main(argv: list[str] | None = None) -> int:
             "local_dir": args.local_dir,
             "persist_every": args.persist_every,
             "keep_local": args.keep_last,
+            "local_memory": args.local_memory,
         }
     mgr = ckpt.CheckpointManager(
         args.root,
@@ -120,7 +122,8 @@ def main(argv: list[str] | None = None) -> int:
     from ckpt.saving.process_writer import ProcessStager
     from ckpt.saving.staging import HostStager
 
-    mgr.checkpointer.stager = ProcessStager() if args.process_writer else HostStager()
+    if not args.local_memory:  # the memory tier's stager is its own (ckpt.tiers.memory)
+        mgr.checkpointer.stager = ProcessStager() if args.process_writer else HostStager()
     restored = mgr.restore_latest(model=model, optimizer=opt)
     log("ready", restored=restored, digest=state_digest(model, opt) if restored is not None else None)
     step = restored or 0
