@@ -16,33 +16,22 @@ the reference logits come from 4.57 in this process.
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import conftest
 import pytest
 import torch
+from _nxd_launch import run_ranks
 from ckpt.cli.main import cli
 from click.testing import CliRunner
 from safetensors.torch import load_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
-HERE = Path(__file__).resolve().parent
-EXAMPLE_SITE = conftest.ROOT / ".venv-trainium" / "nxd-site"
 RANKS = 4
 ATOL = 2e-5  # float32 on both sides; a wrong head pairing moves logits by ~1e-1 (the negative case below)
 # name: (KV heads, --kv-size-multiplier): with 8 query heads, KV heads x multiplier = the TP degree, 4
 MODELS = {"m2": (2, 2), "m4": (1, 4)}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _model(kv: int, seed: int) -> LlamaForCausalLM:
@@ -75,45 +64,6 @@ def _convert(src: Path, dst: Path, *flags: str) -> None:
         cli, ["convert", str(src), str(dst), "--to", "neuron", "--format", "nxd", *flags]
     )
     assert res.exit_code == 0, res.output
-
-
-def _run_ranks(job: dict, tmp: Path) -> None:
-    """The job in RANKS fresh processes, one gloo group (what torchrun would start)."""
-    if not (EXAMPLE_SITE / "transformers").is_dir():
-        pytest.fail(
-            f"{EXAMPLE_SITE} is missing: .venv-trainium/bin/pip install --target {EXAMPLE_SITE} --no-deps "
-            f"-r {HERE / 'nxd-site-requirements.txt'} (.ci/trainium-stack does)",
-            pytrace=False,
-        )
-    (tmp / "job.json").write_text(json.dumps(job))
-    shim = conftest.SHIM
-    env = dict(
-        os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE=str(RANKS),
-        GLOO_SOCKET_IFNAME="lo", NXD_CPU_MODE="1", NXD_SRC=str(conftest.NXD_SRC), PJRT_DEVICE="CPU",
-        PYTHONPATH=os.pathsep.join([str(EXAMPLE_SITE), str(shim), str(conftest.NXD_SRC), str(HERE), str(conftest.ROOT)]),
-        XLA_FLAGS="--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true",
-    )  # fmt: skip
-    procs = []
-    for r in range(RANKS):
-        log = open(tmp / f"rank{r}.log", "w")  # noqa: SIM115 - closed below
-        procs.append((subprocess.Popen(
-            [sys.executable, str(HERE / "_nxd_llama_ranks.py"), str(tmp / "job.json")],
-            env=dict(env, RANK=str(r)), stdout=log, stderr=subprocess.STDOUT,
-        ), log))  # fmt: skip
-    failed = []
-    try:
-        for r, (p, _) in enumerate(procs):
-            if p.wait(timeout=240) != 0:
-                failed.append(r)
-    finally:
-        for p, log in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-            log.close()
-    if failed:
-        tails = "\n".join(f"--- rank {r}:\n{(tmp / f'rank{r}.log').read_text()[-4000:]}" for r in failed)
-        pytest.fail(f"NxD rank processes {failed} failed:\n{tails}", pytrace=False)
 
 
 def _logits(out: Path) -> torch.Tensor:
@@ -156,8 +106,10 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, torc
     shutil.copytree(tmp / "ckpts" / "trn2_m2", tmp / "ckpts" / "swapped")
     _swap_kv_ranks(tmp / "ckpts" / "swapped", 0, RANKS - 1)
     cases.append(dict(cases[1], name="swapped", tag="swapped", out=str(tmp / "out" / "swapped")))
-    _run_ranks(dict(ids=ids.tolist(), cases=cases, llama_example=str(conftest.NXD_ROOT / "examples/training/llama")),
-               tmp)  # fmt: skip
+    job = dict(
+        ids=ids.tolist(), cases=cases, llama_example=str(conftest.NXD_ROOT / "examples/training/llama")
+    )
+    run_ranks("_nxd_llama_ranks.py", job, tmp, RANKS)
     return tmp / "out", expected
 
 

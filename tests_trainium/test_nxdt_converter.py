@@ -18,21 +18,17 @@ refuses such a tag in one line, writing nothing.
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
 
-import conftest
 import pytest
 import torch
+from _nxd_launch import site_env
 from ckpt.cli.main import cli
 from click.testing import CliRunner
 from transformers import LlamaConfig, LlamaForCausalLM
 
-SITE = (
-    conftest.ROOT / ".venv-trainium" / "nxd-site"
-)  # boto3, tenacity: NxD's trainer package (nxd-site-requirements.txt)
 # NxD Training's checkpoint_converter.py, as a command
 CONVERTER = (
     "import sys; from neuronx_distributed.scripts.checkpoint_converter import CheckpointConverterBase as C; "
@@ -61,16 +57,9 @@ def _model(kv: int) -> LlamaForCausalLM:
 
 
 def _nxdt_converter(*args: str) -> None:
-    if not (SITE / "boto3").is_dir():
-        pytest.fail(
-            f"{SITE} is missing (tests_trainium/nxd-site-requirements.txt says how to make it)", pytrace=False
-        )
-    env = dict(
-        os.environ, NXD_CPU_MODE="1", NXD_SRC=str(conftest.NXD_SRC),
-        PYTHONPATH=os.pathsep.join([str(SITE), str(conftest.SHIM), str(conftest.NXD_SRC)]),
-    )  # fmt: skip
+    """NxD Training's checkpoint_converter.py with these arguments, in a fresh process (NxD's trainer importable)."""
     r = subprocess.run(
-        [sys.executable, "-c", CONVERTER, *args], env=env, capture_output=True, text=True, timeout=240
+        [sys.executable, "-c", CONVERTER, *args], env=site_env(), capture_output=True, text=True, timeout=240
     )
     assert r.returncode == 0, r.stderr[-3000:]
 
