@@ -18,6 +18,7 @@ refuses such a tag in one line, writing nothing.
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -31,8 +32,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 # NxD Training's checkpoint_converter.py, as a command
 CONVERTER = (
-    "import sys; from neuronx_distributed.scripts.checkpoint_converter import CheckpointConverterBase as C; "
-    "c = C(); c.run(c.get_arg_parser().parse_args(sys.argv[1:]))"
+    "import json, sys; from neuronx_distributed.scripts.checkpoint_converter import CheckpointConverterBase as C\n"
+    "for argv in json.loads(sys.argv[1]):\n    c = C(); c.run(c.get_arg_parser().parse_args(argv))"
 )
 TAG = "tiny--step=5-consumed_samples=40.0.ckpt"
 # What --model_style megatron writes (TP 2), GQA with --qkv_linear True and MHA without alike: Q in query, each
@@ -56,11 +57,12 @@ def _model(kv: int) -> LlamaForCausalLM:
     ))  # fmt: skip
 
 
-def _nxdt_converter(*args: str) -> None:
-    """NxD Training's checkpoint_converter.py with these arguments, in a fresh process (NxD's trainer importable)."""
+def _nxdt_converter(runs: list[list[str]]) -> None:
+    """NxD Training's checkpoint_converter.py once per argument list, in one fresh process (NxD's trainer
+    importable); each run parses its own arguments as the script does."""
     r = subprocess.run(
-        [sys.executable, "-c", CONVERTER, *args], env=site_env(), capture_output=True, text=True, timeout=240
-    )
+        [sys.executable, "-c", CONVERTER, json.dumps(runs)], env=site_env(), capture_output=True, text=True, timeout=240
+    )  # fmt: skip
     assert r.returncode == 0, r.stderr[-3000:]
 
 
@@ -68,22 +70,48 @@ def _ckpt(*args: str):
     return CliRunner().invoke(cli, ["convert", *args])
 
 
-@pytest.mark.parametrize("hw,kv,tp,mult", [("trn1", 2, 2, 1), ("trn1", 2, 4, 2), ("trn2", 2, 4, 2)])
-def test_nxdt_converter_reads_our_nxdt_tag(hw: str, kv: int, tp: int, mult: int, tmp_path: Path) -> None:
-    model = _model(kv)
-    model.save_pretrained(tmp_path / "hf")
-    tag = tmp_path / "exp" / "checkpoints" / TAG
-    res = _ckpt(str(tmp_path / "hf"), str(tag), "--to", "neuron", "--format", "nxdt", "--tp", str(tp), "--qkv-linear",
-                "--kv-size-multiplier", str(mult), "--hw", hw, "--step", "5", "--consumed-samples", "40")  # fmt: skip
-    assert res.exit_code == 0, res.output
-    _nxdt_converter(
-        "--model_style", "hf", "--convert_to_full_state", "--input_dir", str(tag / "model"),
-        "--output_dir", str(tmp_path / "full"), "--config", str(tmp_path / "hf" / "config.json"),
-        "--tp_size", str(tp), "--qkv_linear", "True", "--kv_size_multiplier", str(mult), "--hw_backend", hw,
-        "--n_layers", "2",
-    )  # fmt: skip
-    full = torch.load(tmp_path / "full" / "checkpoint.pt", weights_only=True)
-    source = model.state_dict()
+READ_BACK = [("trn1", 2, 1), ("trn1", 4, 2), ("trn2", 4, 2)]  # (hw, tp, kv_size_multiplier), 2 KV heads
+MEGATRON = [(2, "True"), (8, "False")]  # (KV heads, --qkv_linear)
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[int, LlamaForCausalLM]]:
+    """ckpt's nxdt tags read back by the converter (``read_<i>/full``), and the converter's Megatron-style tags of
+    the source models (``megatron_<i>/exp/checkpoints/<TAG>``): all converter runs in one process."""
+    tmp = tmp_path_factory.mktemp("nxdt_converter")
+    models = {kv: _model(kv) for kv in (2, 8)}
+    for kv, model in models.items():
+        model.save_pretrained(tmp / f"hf{kv}")
+        torch.save(model.state_dict(), tmp / f"hf{kv}" / "checkpoint.pt")  # the converter's full-state input
+    runs = []
+    for i, (hw, tp, mult) in enumerate(READ_BACK):
+        tag = tmp / f"read_{i}" / "exp" / "checkpoints" / TAG
+        res = _ckpt(str(tmp / "hf2"), str(tag), "--to", "neuron", "--format", "nxdt", "--tp", str(tp), "--qkv-linear",
+                    "--kv-size-multiplier", str(mult), "--hw", hw, "--step", "5", "--consumed-samples", "40")  # fmt: skip
+        assert res.exit_code == 0, res.output
+        runs.append([
+            "--model_style", "hf", "--convert_to_full_state", "--input_dir", str(tag / "model"),
+            "--output_dir", str(tmp / f"read_{i}" / "full"), "--config", str(tmp / "hf2" / "config.json"),
+            "--tp_size", str(tp), "--qkv_linear", "True", "--kv_size_multiplier", str(mult), "--hw_backend", hw,
+            "--n_layers", "2",
+        ])  # fmt: skip
+    for i, (kv, qkv_linear) in enumerate(MEGATRON):
+        runs.append([
+            "--model_style", "megatron", "--convert_from_full_state", "--input_dir", str(tmp / f"hf{kv}" / "checkpoint.pt"),
+            "--output_dir", str(tmp / f"megatron_{i}" / "exp" / "checkpoints" / TAG),
+            "--config", str(tmp / f"hf{kv}" / "config.json"), "--tp_size", "2", "--qkv_linear", qkv_linear,
+            "--kv_size_multiplier", "1", "--hw_backend", "trn1", "--n_layers", "2",
+        ])  # fmt: skip
+    _nxdt_converter(runs)
+    return tmp, models
+
+
+@pytest.mark.parametrize("i", range(len(READ_BACK)), ids=[f"{h}-tp{t}-m{m}" for h, t, m in READ_BACK])
+def test_nxdt_converter_reads_our_nxdt_tag(converted, i: int) -> None:
+    tmp, models = converted
+    hw, _, mult = READ_BACK[i]
+    full = torch.load(tmp / f"read_{i}" / "full" / "checkpoint.pt", weights_only=True)
+    source = models[2].state_dict()
     assert set(full) == set(source)
     differ = sorted(n for n in source if not torch.equal(full[n], source[n]))
     if hw == "trn1" or mult == 1:
@@ -91,31 +119,23 @@ def test_nxdt_converter_reads_our_nxdt_tag(hw: str, kv: int, tp: int, mult: int,
     else:  # NxD's converter reads trn2 K/V with the trn1 tiling (module docstring); nothing else differs
         assert differ == [f"model.layers.{n}.self_attn.{p}_proj.weight" for n in range(2) for p in "kv"]
         hd = 4
-        for n in range(
-            2
-        ):  # what it returns: TP ranks 0 and 1's K heads, which ckpt's trn2 tag replicates (K0, K0)
+        for n in range(2):  # it returns TP ranks 0 and 1's K heads, which ckpt's trn2 tag holds as (K0, K0)
             k = source[f"model.layers.{n}.self_attn.k_proj.weight"]
             assert torch.equal(full[f"model.layers.{n}.self_attn.k_proj.weight"], torch.cat([k[:hd], k[:hd]]))
 
 
-@pytest.mark.parametrize("kv,qkv_linear", [(2, "True"), (8, "False")])
-def test_megatron_style_tag_is_refused(kv: int, qkv_linear: str, tmp_path: Path) -> None:
-    model = _model(kv)
-    model.save_pretrained(tmp_path / "hf")
-    torch.save(
-        model.state_dict(), tmp_path / "checkpoint.pt"
-    )  # the converter's --input_dir (a full state dict)
-    tag = tmp_path / "exp" / "checkpoints" / TAG
-    _nxdt_converter(
-        "--model_style", "megatron", "--convert_from_full_state", "--input_dir", str(tmp_path / "checkpoint.pt"),
-        "--output_dir", str(tag), "--config", str(tmp_path / "hf" / "config.json"), "--tp_size", "2",
-        "--qkv_linear", qkv_linear, "--kv_size_multiplier", "1", "--hw_backend", "trn1", "--n_layers", "2",
-    )  # fmt: skip
+@pytest.mark.parametrize("i", range(len(MEGATRON)), ids=[f"kv{kv}-qkv_linear{q}" for kv, q in MEGATRON])
+def test_megatron_style_tag_is_refused(converted, i: int) -> None:
+    tmp, _ = converted
+    kv = MEGATRON[i][0]
+    tag = tmp / f"megatron_{i}" / "exp" / "checkpoints" / TAG
     for r in range(2):
         shard = torch.load(tag / "model" / f"dp_rank_00_tp_rank_{r:02d}_pp_rank_00.pt", weights_only=True)
         assert set(shard) == MEGATRON_NAMES
-    res = _ckpt(str(tag), str(tmp_path / "out"), "--to", "cuda", "--format", "hf", "--config",
-                str(tmp_path / "hf" / "config.json"))  # fmt: skip
+    out = tmp / f"megatron_{i}" / "out"
+    res = _ckpt(
+        str(tag), str(out), "--to", "cuda", "--format", "hf", "--config", str(tmp / f"hf{kv}" / "config.json")
+    )
     assert res.exit_code != 0
     assert "language_model." in res.output and len(res.output.strip().splitlines()) == 1, res.output
-    assert not (tmp_path / "out").exists()
+    assert not out.exists()
