@@ -125,13 +125,15 @@ def resolve_checkpoint(path: str, command: str) -> tuple[str, str]:
     this cannot list, whose reader then says what is wrong), ``"nxd"``, ``"hf"`` or ``"dcp"``.  A folder of
     checkpoints or a run directory is refused with what to run instead."""
     from ckpt.errors import CkptError
-    from ckpt.restoring.other_tools import file_tool, not_supported, tool_at
+    from ckpt.restoring.other_tools import LIGHTNING, file_tool, not_supported, tool_at
     from ckpt.storage import open_storage
 
     path = strip_manifest(path)
     storage = open_storage(path)
     if storage.local and os.path.isfile(path):
         other = file_tool(path)
+        if other == LIGHTNING:  # read by ckpt.converters.lightning (through the safe unpickler)
+            return path, LIGHTNING
         raise CkptError(not_supported(path, other) if other is not None else _a_file(path, command))
     try:
         if not storage.is_dir():

@@ -1,0 +1,117 @@
+"""A PyTorch Lightning ``.ckpt`` file (``Trainer.save_checkpoint`` / ``ModelCheckpoint`` output) as a source.
+
+The file is one ``torch.save`` pickle of Lightning's checkpoint dict.  It is read with
+:func:`ckpt.safe_unpickle.load_torch_file` (``weights_only`` + an allow-list: Lightning's ``AttributeDict``, the
+``Namespace``/``OrderedDict`` that ``save_hyperparameters`` may leave, and NumPy scalars); any other global is
+refused with its name, nothing is executed.  Tensors are read memory-mapped.
+
+What the source holds (the same split as :class:`ckpt.integrations.lightning.CkptCheckpointIO` writes, so a
+converted file is what the plugin would have written): ``state_dict``'s tensors as model tensors under their own
+names (the LightningModule's attribute paths: a ``self.model = AutoModelForCausalLM...`` module's tensors start with
+``model.``), each optimizer moment as ``optim/<k>.<index>/<key>`` (Lightning numbers parameters; the file does not
+say which tensor a number is, so none is guessed), and everything else as ``extra.lightning`` (JSON).
+``global_step`` is the step.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections import OrderedDict
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ckpt.errors import CkptError
+from ckpt.format.dtypes import dtype_name
+from ckpt.format.manifest import TensorDesc
+from ckpt.integrations.lightning_state import EXTRA_KEY, optimizer_tree, split
+from ckpt.layouts import Piece
+from ckpt.restoring.other_tools import LIGHTNING, file_tool
+from ckpt.safe_unpickle import load_torch_file
+
+from .engine import Source, Trees
+from .engine.source import slice_of
+
+NAME = "lightning"
+
+
+def _allowed() -> dict[tuple[str, str], Any]:
+    """The globals a Lightning checkpoint may pickle besides tensors and plain containers."""
+    out: dict[tuple[str, str], Any] = {
+        ("collections", "OrderedDict"): OrderedDict,
+        ("argparse", "Namespace"): argparse.Namespace,
+    }
+    from ckpt.integrations.lightning_state import ATTRIBUTE_DICTS
+
+    for path in ATTRIBUTE_DICTS:
+        module, _, cls = path.rpartition(".")
+        try:
+            import importlib
+
+            out[(module, cls)] = getattr(importlib.import_module(module), cls)
+        except ImportError:  # Lightning not installed: its AttributeDict read as a dict, same keys and values
+            out[(module, cls)] = _AttributeDict
+    from .hf_trainer import _NUMPY_ALLOWED
+
+    out.update(_NUMPY_ALLOWED)
+    return out
+
+
+class _AttributeDict(dict):
+    """What a Lightning ``AttributeDict`` is read as where Lightning is not installed (a dict with the same items)."""
+
+
+def load_ckpt_file(path: Path) -> dict[str, Any]:
+    """Lightning's checkpoint dict from a ``.ckpt`` file, through the safe unpickler (one-line refusals)."""
+    checkpoint = load_torch_file(path, _allowed(), mmap=True)
+    if not isinstance(checkpoint, dict) or "pytorch-lightning_version" not in checkpoint:
+        raise CkptError(f"{path}: not a Lightning checkpoint (no pytorch-lightning_version key)")
+    return checkpoint
+
+
+def detect(path: str, storage_options: Mapping[str, Any] | None = None) -> bool:
+    return file_tool(path) == LIGHTNING
+
+
+class LightningSource(Source):
+    """A Lightning ``.ckpt`` file as a CUDA-layout source (see the module docstring)."""
+
+    format = NAME
+    layout = "cuda"
+    title = "Lightning"
+
+    def __init__(self, path: str | Path, *, config: Mapping[str, Any] | None = None) -> None:
+        self.path = str(path)
+        checkpoint = load_ckpt_file(Path(path))
+        model, moments, tree = split(checkpoint)
+        self._tensors: dict[str, torch.Tensor] = {**model, **{m.name: m.tensor for m in moments}}
+        self.tensors = {n: TensorDesc(n, "parameter", tuple(t.shape), dtype_name(t.dtype)) for n, t in model.items()}
+        for m in moments:
+            self.tensors[m.name] = TensorDesc(
+                m.name, "optimizer_state", tuple(m.tensor.shape), dtype_name(m.tensor.dtype), m.param, m.key
+            )
+        step = int(checkpoint.get("global_step", 0) or 0)
+        self.config = dict(config) if config is not None else None
+        extra: dict[str, Any] = {EXTRA_KEY: tree}
+        if self.config is not None:
+            extra["config"] = self.config
+        self.trees = Trees(step=step, progress={"step": step}, extra=extra)
+        if moments:
+            self.trees.optimizer = optimizer_tree(moments, tree)
+        self.step_recorded = "global_step" in checkpoint
+
+    def read(self, piece: Piece) -> torch.Tensor:
+        t = self._tensors[piece.name]
+        return t if piece.dim is None else slice_of(t, piece)
+
+    def close(self) -> None:
+        self._tensors = {}
+
+
+def open_source(path: str, *, config: Mapping[str, Any] | None = None, **_: Any) -> LightningSource:
+    return LightningSource(path, config=config)
+
+
+__all__ = ["LightningSource", "detect", "load_ckpt_file", "open_source"]
