@@ -326,18 +326,23 @@ def test_other_tools_checkpoints_are_named_not_supported_by_every_command(tmp_pa
     acc = others / "accelerate_state"
     light = others / "lightning" / "checkpoints" / "epoch=0-step=2.ckpt"
     before = tree(others)
-    for path, what in ((acc, "accelerate save_state folder"), (light, "PyTorch Lightning .ckpt file")):
+    for path, what in ((acc, "accelerate save_state folder"),):
         for args in (("ls", path), ("inspect", path), ("verify", path), ("diff", path, path),
                      ("convert", path, tmp_path / "out", "--to", "cuda")):  # fmt: skip
             one_error(cli(*args), str(path), what, "not read", code=2)
         assert not (tmp_path / "out").exists()
 
+    # a Lightning .ckpt is read now (tests/test_lightning_files.py): every command accepts it
+    for args in (("inspect", light), ("verify", light), ("diff", light, light)):
+        assert cli(*args).exit_code == 0, args
+
     listed = cli("ls", others)  # was "no checkpoints under ..." and exit 0
     assert listed.exit_code == 2, listed.output
-    assert listed.stdout.count("not supported yet") == 2 and "accelerate_state" in listed.stdout
+    assert listed.stdout.count("not supported yet") == 1 and "accelerate_state" in listed.stdout
+    assert "epoch=0-step=2.ckpt" in listed.stdout
     (line,) = listed.stderr.splitlines()
-    assert line.startswith("ckpt: error: 2 checkpoints under") and "epoch=0-step=2.ckpt" in line
+    assert line.startswith("ckpt: error: 1 checkpoint under") and "accelerate_state" in line, line
     rows = json.loads(cli("ls", others, "--json").stdout)
     assert sorted((r["format"], r["status"]) for r in rows) == [("accelerate", "unsupported"),
-                                                                ("lightning", "unsupported")]  # fmt: skip
+                                                                ("lightning", "ok")]  # fmt: skip
     assert tree(others) == before
