@@ -114,4 +114,7 @@ def open_source(path: str, *, config: Mapping[str, Any] | None = None, **_: Any)
     return LightningSource(path, config=config)
 
 
-__all__ = ["LightningSource", "detect", "load_ckpt_file", "open_source"]
+# the writer side lives in its own module (it imports the engine's export machinery)
+from .lightning_export import NOT_WRITTEN_WHY, LightningExport, export  # noqa: E402
+
+__all__ = ["NOT_WRITTEN_WHY", "LightningExport", "LightningSource", "detect", "export", "load_ckpt_file", "open_source"]

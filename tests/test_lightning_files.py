@@ -76,6 +76,24 @@ def test_convert_to_ours_and_dcp_and_back_into_lightning_exactly(lightning_ckpt:
     assert trainer.global_step == 6 and model.losses[0][0] == 4
 
 
+def test_convert_format_lightning_writes_a_ckpt_lightning_loads(lightning_ckpt: Path, tmp_path: Path) -> None:
+    from test_lightning_plugin import same
+
+    assert cli("convert", lightning_ckpt, tmp_path / "ours", "--to", "cuda")[0] == 0
+    code, out = cli("convert", tmp_path / "ours", tmp_path / "back.ckpt", "--to", "cuda", "--format", "lightning")
+    assert code == 0, out
+    same(load_ckpt_file(tmp_path / "back.ckpt"), load_ckpt_file(lightning_ckpt))  # Lightning's dict, exactly
+    # from a source Lightning did not write (DCP): the weights, which load_from_checkpoint takes
+    assert cli("convert", lightning_ckpt, tmp_path / "dcp", "--to", "cuda", "--format", "dcp")[0] == 0
+    code, out = cli("convert", tmp_path / "dcp", tmp_path / "w.ckpt", "--to", "cuda", "--format", "lightning")
+    assert code == 0 and "optimizer-state" in out, out  # said to be left out
+    model = run.Tiny.load_from_checkpoint(tmp_path / "w.ckpt")
+    want = load_ckpt_file(lightning_ckpt)["state_dict"]
+    same(dict(model.state_dict()), dict(want))
+    code, out = cli("convert", tmp_path / "dcp", tmp_path / "w.ckpt", "--to", "cuda", "--format", "lightning")
+    assert code != 0 and "existing file" in out and "\n" not in out.strip()  # never overwritten
+
+
 def test_a_pickled_global_outside_the_allow_list_is_refused_by_name(tmp_path: Path) -> None:
     bad = tmp_path / "bad.ckpt"
     torch.save({"pytorch-lightning_version": "2.6.0", "state_dict": {"w": torch.ones(2)},
