@@ -13,8 +13,9 @@ How each part is stored:
   tensor that number is (Lightning numbers what the user handed the optimizer), so no name is guessed for it;
 - everything else, the optimizers' scalar state and param_groups included, is one treecodec tree in the
   manifest's ``extra.lightning`` (JSON: reading it back executes nothing), with what JSON cannot say on its own:
-  the order of ``state_dict``'s keys and of each parameter's state keys, and which dicts were Lightning's
-  ``AttributeDict`` (``hyper_parameters``).
+  the order of ``state_dict``'s keys and of each parameter's state keys, which dicts were Lightning's
+  ``AttributeDict`` (``hyper_parameters``), and (``prefix``) the module prefix a conversion with ``--config`` took
+  off the model's tensors.
 
 :func:`split` and :func:`join` are inverses: ``join(*split(d))`` equals ``d``, tensor for tensor and type for type.
 """
@@ -113,10 +114,12 @@ def join(read: Callable[[str], torch.Tensor], names: list[str], tree: Mapping[st
     except (KeyError, TypeError) as exc:
         raise ManifestError(f"extra.{EXTRA_KEY}: not a Lightning checkpoint record (missing {exc})") from None
     present = set(names)
+    prefix = tree.get("prefix") or ""  # a converter stored the HF model's tensors without the module's prefix
     if MODEL_KEY in has:
         sd: OrderedDict[str, Any] = OrderedDict()
         for n in order:
-            sd[n] = model_other[n] if n in model_other else read(n)
+            stored = n[len(prefix) :] if prefix and n.startswith(prefix) else n
+            sd[n] = model_other[n] if n in model_other else read(stored)
         checkpoint[MODEL_KEY] = sd
     if OPTIMIZERS_KEY in has:
         states = []
