@@ -45,7 +45,11 @@ def _kind(storage: Any) -> str | None:
     if MANIFEST_NAME in names:
         return "checkpoint"
     if ".metadata" in names:
-        return "dcp"
+        return "dcp"  # Lightning's FSDP sharded folder too (its meta.pt read by converters.lightning_folders)
+    if "checkpoint" in names and "latest" in names and storage.local and os.path.isfile(
+        os.path.join(storage.local_path(), "checkpoint", "mp_rank_00_model_states.pt")
+    ):
+        return "lightning"  # a DeepSpeed folder: converters.lightning_folders refuses it, saying what to run
     if "adapter_config.json" in names and "adapter_model.safetensors" in names:
         return "adapter"  # a PEFT folder, or a Trainer's LoRA checkpoint-N
     if "config.json" in names and any(n.endswith(".safetensors") or n.endswith(".index.json") for n in names):

@@ -74,7 +74,9 @@ def load_ckpt_file(path: Path) -> dict[str, Any]:
 
 
 def detect(path: str, storage_options: Mapping[str, Any] | None = None) -> bool:
-    return file_tool(path) == LIGHTNING
+    from .lightning_folders import is_deepspeed, is_fsdp_sharded
+
+    return file_tool(path) == LIGHTNING or is_fsdp_sharded(Path(path)) or is_deepspeed(Path(path))
 
 
 def _config_names(config: Mapping[str, Any]) -> set[str] | None:
@@ -160,7 +162,14 @@ class LightningSource(Source):
         self._tensors = {}
 
 
-def open_source(path: str, *, config: Mapping[str, Any] | None = None, **_: Any) -> LightningSource:
+def open_source(path: str, *, config: Mapping[str, Any] | None = None, **_: Any) -> Source:
+    """The source of a ``.ckpt`` file, or of the folder Lightning's FSDP strategy writes (DeepSpeed's: refused)."""
+    from .lightning_folders import FsdpShardedSource, deepspeed_refusal, is_deepspeed, is_fsdp_sharded
+
+    if is_deepspeed(Path(path)):
+        raise CkptError(deepspeed_refusal(Path(path)))
+    if is_fsdp_sharded(Path(path)):
+        return FsdpShardedSource(path, config=dict(config) if config is not None else None)
     return LightningSource(path, config=config)
 
 

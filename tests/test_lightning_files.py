@@ -165,3 +165,38 @@ def test_hf_model_inside_a_lightning_module_converts_to_hf_with_config(tmp_path:
     code, out = cli("convert", src, tmp_path / "nxd", "--to", "neuron", "--format", "nxd", "--tp", "2",
                     "--config", tmp_path / "config.json")  # fmt: skip
     assert code != 0 and "Lightning numbers the parameters" in out and not (tmp_path / "nxd").exists(), out
+
+
+def test_lightning_fsdp_sharded_folder_is_read_and_deepspeed_refused(lightning_ckpt: Path, tmp_path: Path) -> None:
+    """The sharded folder as Lightning's FSDPStrategy lays it out, written by Lightning's own DCP save helper (its
+    FSDPStrategy itself refuses accelerator="cpu"): {"model", "optimizer_0"} in DCP, the rest in meta.pt."""
+    from lightning.fabric.strategies.fsdp import _distributed_checkpoint_save
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    pl.seed_everything(0)
+    model = run.Tiny()
+    opt = torch.optim.AdamW(model.parameters())
+    model.net(torch.ones(2, 4)).sum().backward()
+    opt.step()
+    folder = tmp_path / "epoch=0-step=4.ckpt"
+    state = {"model": model.state_dict(), "optimizer_0": get_optimizer_state_dict(model, opt)}
+    _distributed_checkpoint_save(state, folder)
+    meta = {k: v for k, v in load_ckpt_file(lightning_ckpt).items() if k not in ("state_dict", "optimizer_states")}
+    torch.save(meta, folder / "meta.pt")
+    code, out = cli("inspect", folder)
+    assert code == 0 and "Lightning FSDP sharded folder  step 4" in out and "optim/net.0.weight/exp_avg" in out, out
+    assert cli("verify", folder)[0] == 0
+    code, out = cli("convert", folder, tmp_path / "ours", "--to", "cuda")
+    assert code == 0, out
+    code, out = cli("diff", folder, tmp_path / "ours")
+    assert code == 0 and "0 changed" in out, out
+
+    ds = tmp_path / "ds.ckpt"
+    (ds / "checkpoint").mkdir(parents=True)
+    torch.save({"module": {}}, ds / "checkpoint" / "mp_rank_00_model_states.pt")
+    (ds / "latest").write_text("checkpoint")
+    for command in ("inspect", "verify"):
+        code, out = cli(command, ds)
+        assert code != 0 and "DeepSpeed checkpoint folder" in out and "convert_zero_checkpoint" in out, out
+    code, out = cli("convert", ds, tmp_path / "x", "--to", "cuda")
+    assert code != 0 and "DeepSpeed" in out and not (tmp_path / "x").exists(), out
