@@ -131,3 +131,20 @@ def test_ddp_on_gloo_ranks_saves_once_from_rank_zero_and_resumes(tmp_path: Path)
     assert first["saved"] and second["saved"] == []  # Lightning hands the plugin the dict on rank 0 only
     assert (tmp_path / "ckpts" / "last.ckpt" / "manifest.json").is_file()
     assert first["resumed_to"] == second["resumed_to"] == 6
+
+
+def test_a_failed_background_write_fails_fit(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The writer fails after save_checkpoint returned (the fault injected as tests/test_core_async.py does):
+    Lightning's fit raises it (from the next save or from teardown), and no checkpoint is committed."""
+    import ckpt.format.publish
+    from ckpt.errors import AsyncSaveError
+
+    def broken(*args: Any, **kwargs: Any) -> Any:
+        raise OSError("disk on fire")
+
+    monkeypatch.setattr(ckpt.format.publish, "write_data_file", broken)
+    pl.seed_everything(0)
+    trainer = run.trainer(tmp_path, 2, CkptCheckpointIO(), logger=False)
+    with pytest.raises(AsyncSaveError, match="disk on fire"):
+        trainer.fit(run.Tiny(), run.data())
+    assert not list(tmp_path.rglob("manifest.json"))
