@@ -148,3 +148,25 @@ def test_a_failed_background_write_fails_fit(tmp_path: Path, monkeypatch: pytest
     with pytest.raises(AsyncSaveError, match="disk on fire"):
         trainer.fit(run.Tiny(), run.data())
     assert not list(tmp_path.rglob("manifest.json"))
+
+
+def test_node_local_tier_writes_locally_and_persists_whole_copies(tmp_path: Path) -> None:
+    from ckpt.integrations.lightning_tier import local_path
+
+    pl.seed_everything(0)
+    io = _Recording(local_dir=tmp_path / "nvme")
+    trainer = run.trainer(tmp_path, 6, io, logger=False)
+    trainer.fit(run.Tiny(), run.data())
+    ckpts = tmp_path / "ckpts"
+    kept = sorted(p.name for p in ckpts.iterdir())
+    assert "last.ckpt" in kept and len(kept) == 3
+    local_root = Path(local_path(str(tmp_path / "nvme"), str(ckpts / "x"))).parent
+    assert sorted(p.name for p in local_root.iterdir()) == kept  # the removed one is gone from both tiers
+    for name in kept:
+        here, there = local_root / name, ckpts / name
+        files = sorted(str(p.relative_to(here)) for p in here.rglob("*") if p.is_file())
+        assert files == sorted(str(p.relative_to(there)) for p in there.rglob("*") if p.is_file())
+        assert all((here / f).read_bytes() == (there / f).read_bytes() for f in files), name
+        # the persistent copy alone (another node, no local copy) gives Lightning's dict back
+        same(CkptCheckpointIO().load_checkpoint(there), io.given[str(there)], name)
+    same(io.load_checkpoint(ckpts / "last.ckpt"), io.given[str(ckpts / "last.ckpt")], "local")

@@ -54,6 +54,7 @@ from ckpt.state.training import NamedTensor
 from ckpt.storage import open_storage
 
 from .lightning_state import EXTRA_KEY, join, optimizer_tree, split
+from .lightning_tier import Persister, drop_local, local_path
 
 __all__ = ["CkptCheckpointIO", "load_lightning"]
 
@@ -87,7 +88,9 @@ class CkptCheckpointIO(CheckpointIO):
     ``async_save=False`` writes before ``save_checkpoint`` returns.  ``codec``/``storage_options`` are the
     :class:`ckpt.Checkpointer`'s (a path may be an fsspec URL such as ``s3://bucket/run/last.ckpt``);
     ``verify=False`` skips the checksum check of each tensor on load.  ``on_save(path, result)`` is called on
-    global rank zero once a checkpoint is committed (from the writer thread)."""
+    global rank zero once a checkpoint is committed (from the writer thread).  ``local_dir`` (a node-local
+    folder): the node-local tier of :mod:`.lightning_tier`: written there, copied to the path in the background,
+    loaded from there on a restart on the same node."""
 
     def __init__(
         self,
@@ -97,6 +100,7 @@ class CkptCheckpointIO(CheckpointIO):
         storage_options: dict[str, Any] | None = None,
         verify: bool = True,
         on_save: Callable[[str, Any], None] | None = None,
+        local_dir: str | os.PathLike[str] | None = None,
     ) -> None:
         self.async_save = async_save
         self.codec = codec
@@ -105,6 +109,8 @@ class CkptCheckpointIO(CheckpointIO):
         self.on_save = on_save
         self._checkpointer: _RankZeroCheckpointer | None = None
         self._inflight: str | None = None
+        self.local_dir = None if local_dir is None else os.fspath(local_dir)
+        self._persister = Persister(storage_options)
 
     # -- saving --------------------------------------------------------------------------------------------
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
@@ -126,8 +132,12 @@ class CkptCheckpointIO(CheckpointIO):
                 Path(target).unlink()
         on_commit = None if self.on_save is None else (lambda result: self.on_save(target, result))  # type: ignore[misc]
         self._inflight = target
-        self._checkpointer.save(
-            target,
+        where = target if self.local_dir is None else local_path(self.local_dir, target)
+        if self.local_dir is not None:
+            self._persister.wait()  # the previous copy: its error now, not lost
+            Path(where).parent.mkdir(parents=True, exist_ok=True)
+        saved = self._checkpointer.save(
+            where,
             step=int(checkpoint.get("global_step", 0) or 0),
             model=model,
             optimizer=moments or None,
@@ -139,12 +149,15 @@ class CkptCheckpointIO(CheckpointIO):
                 on_commit=on_commit,
             ),
         )
+        if self.local_dir is not None:
+            self._persister.start(saved, where, target)
 
     def wait(self) -> None:
         """Block until the save in flight is committed; raise its error."""
         self._inflight = None
         if self._checkpointer is not None:
             self._checkpointer.wait()
+        self._persister.wait()
 
     # -- loading -------------------------------------------------------------------------------------------
     def load_checkpoint(
@@ -153,6 +166,8 @@ class CkptCheckpointIO(CheckpointIO):
         target = os.fspath(path)
         if target == self._inflight:
             self.wait()
+        if self.local_dir is not None and Path(local_path(self.local_dir, target), MANIFEST_NAME).is_file():
+            target = local_path(self.local_dir, target)  # this node's copy of the same checkpoint: no remote read
         storage = open_storage(target, self.storage_options)
         if storage.exists(MANIFEST_NAME):
             checkpoint = load_lightning(target, self.storage_options, self.verify)
@@ -171,6 +186,8 @@ class CkptCheckpointIO(CheckpointIO):
         target = os.fspath(path)
         if target == self._inflight:  # ModelCheckpoint drops a checkpoint still being written: finish it first
             self.wait()
+        if self.local_dir is not None:
+            drop_local(local_path(self.local_dir, target))
         if "://" not in target and Path(target).is_file():
             Path(target).unlink()
             return
@@ -195,6 +212,7 @@ class CkptCheckpointIO(CheckpointIO):
                 finally:
                     self._inflight = None
                     checkpointer.close()
+            self._persister.wait()
         finally:
             if not failing and dist.is_available() and dist.is_initialized():
                 dist.barrier()
