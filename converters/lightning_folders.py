@@ -19,8 +19,10 @@ from typing import Any
 
 from ckpt.errors import CkptError
 from ckpt.format import treecodec
+from ckpt.safe_unpickle import load_torch_file
 
 from .dcp_source import METADATA_NAME, DCPSource
+from .lightning_pickle import allowed_globals
 
 #: the file Lightning's FSDP strategy writes beside the DCP shards
 META_NAME = "meta.pt"
@@ -54,11 +56,7 @@ class FsdpShardedSource(DCPSource):
     optim_keys = ("optimizer_0",)
 
     def __init__(self, path: str | Path, *, config: dict[str, Any] | None = None) -> None:
-        from ckpt.safe_unpickle import load_torch_file
-
-        from .lightning import _allowed
-
-        meta = load_torch_file(Path(path) / META_NAME, _allowed())
+        meta = load_torch_file(Path(path) / META_NAME, allowed_globals())
         if not isinstance(meta, dict):
             raise CkptError(f"{Path(path) / META_NAME}: not Lightning's checkpoint metadata (a {type(meta).__name__})")
         super().__init__(path, config=config, step=int(meta.get("global_step", 0) or 0))

@@ -172,7 +172,7 @@ class CkptCheckpointIO(CheckpointIO):
         if storage.exists(MANIFEST_NAME):
             checkpoint = load_lightning(target, self.storage_options, self.verify)
         elif "://" not in target and Path(target).is_file():
-            from ckpt.converters.lightning import load_ckpt_file
+            from ckpt.converters.lightning_pickle import load_ckpt_file
 
             checkpoint = load_ckpt_file(Path(target))
         else:
