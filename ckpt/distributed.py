@@ -28,11 +28,16 @@ def gloo_group(purpose: str, timeout_s: float) -> Any:
     return _GROUPS[key]
 
 
+#: ``process_group=SELF``: this process checkpoints alone even inside a distributed job (a framework that saves
+#: from rank 0 only, as Lightning's strategies call their ``CheckpointIO``); no collective is ever entered
+SELF = "self"
+
+
 class Collective:
     """Rank, world size and object collectives for checkpointing; a no-op shell in a single process."""
 
     def __init__(self, group: Any = None, timeout_s: float = 1800.0) -> None:
-        self.active = dist.is_available() and dist.is_initialized()
+        self.active = group is not SELF and dist.is_available() and dist.is_initialized()
         if not self.active:
             self.rank, self.world_size, self.group = 0, 1, None
             return

@@ -8,6 +8,7 @@ consistent with its file's size, every tensor readable at its shape and dtype.
 from __future__ import annotations
 
 import json
+import os
 from typing import Any
 
 import click
@@ -56,8 +57,9 @@ def inspect_foreign(path: str, as_json: bool) -> None:
             click.echo(json.dumps(doc, indent=2))
             return
         step = f"  step {source.trees.step}" if getattr(source, "step_recorded", False) else ""
+        what = "file" if os.path.isfile(path) else "folder"
         out.print(
-            f"{path}  {_title(source)} folder{step}  {source.layout} layout  {count(len(tensors), 'tensor')}  {human_bytes(total)}",
+            f"{path}  {_title(source)} {what}{step}  {source.layout} layout  {count(len(tensors), 'tensor')}  {human_bytes(total)}",
             markup=False,
         )
         rows = [

@@ -40,7 +40,7 @@ def inspect(checkpoint: str, as_json: bool, shards: bool) -> None:
 
         _inspect_nxd(nxd_summary.inspect_nxd(checkpoint), as_json)
         return
-    if kind in ("hf", "dcp", "adapter", "accelerate"):
+    if kind in ("hf", "dcp", "adapter", "accelerate", "lightning"):
         from .foreign import inspect_foreign
 
         inspect_foreign(checkpoint, as_json)

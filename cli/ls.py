@@ -46,12 +46,14 @@ def ls(root: str, check_files: bool, as_json: bool) -> None:
     """List the checkpoints under ROOT (ours, NxD tags, Trainer/HF/DCP/accelerate folders): step, size, status."""
     from ckpt.errors import CkptError
     from ckpt.restoring.discovery import find_checkpoints, list_checkpoints
-    from ckpt.restoring.other_tools import KINDS, file_tool, not_supported
+    from ckpt.restoring.other_tools import KINDS, LIGHTNING, file_tool, not_supported
     from ckpt.storage import open_storage
 
     from .where import explain_empty_root
 
     storage = open_storage(root)
+    if storage.local and file_tool(root) == LIGHTNING:
+        raise CkptError(f"{root} is a Lightning .ckpt file; run: ckpt inspect {root}")
     if storage.local and file_tool(root) is not None:
         raise CkptError(not_supported(root, file_tool(root) or ""))
     if not storage.is_dir():
@@ -63,8 +65,8 @@ def ls(root: str, check_files: bool, as_json: bool) -> None:
     if len(found) == 1 and found[0].rel == "" and found[0].kind in KINDS:
         raise CkptError(not_supported(root, found[0].kind))
     unsupported = [{"format": f.kind, "step": None, "name": f.rel, "status": "unsupported", "problems": []}
-                   for f in found if f.kind in KINDS]  # fmt: skip
-    found = [f for f in found if f.kind not in KINDS]
+                   for f in found if f.kind in KINDS and f.kind != LIGHTNING]  # fmt: skip
+    found = [f for f in found if f.kind not in KINDS or f.kind == LIGHTNING]
     if len(found) == 1 and found[0].rel == "" and found[0].kind != "nxd":
         raise CkptError(
             explain_empty_root(root, storage) or f"{root} is a checkpoint; run: ckpt inspect {root}"

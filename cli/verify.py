@@ -35,7 +35,7 @@ def verify(checkpoint: str, as_json: bool) -> None:
     from .where import resolve_checkpoint
 
     checkpoint, kind = resolve_checkpoint(checkpoint, "verify")
-    if kind in ("hf", "dcp", "adapter", "accelerate"):
+    if kind in ("hf", "dcp", "adapter", "accelerate", "lightning"):
         from .foreign import verify_foreign
 
         problems = verify_foreign(checkpoint, as_json)

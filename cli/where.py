@@ -45,7 +45,11 @@ def _kind(storage: Any) -> str | None:
     if MANIFEST_NAME in names:
         return "checkpoint"
     if ".metadata" in names:
-        return "dcp"
+        return "dcp"  # Lightning's FSDP sharded folder too (its meta.pt read by converters.lightning_folders)
+    if "checkpoint" in names and "latest" in names and storage.local and os.path.isfile(
+        os.path.join(storage.local_path(), "checkpoint", "mp_rank_00_model_states.pt")
+    ):
+        return "lightning"  # a DeepSpeed folder: converters.lightning_folders refuses it, saying what to run
     if "adapter_config.json" in names and "adapter_model.safetensors" in names:
         return "adapter"  # a PEFT folder, or a Trainer's LoRA checkpoint-N
     from ckpt.restoring.other_tools import ACCELERATE, folder_tool
@@ -130,13 +134,15 @@ def resolve_checkpoint(path: str, command: str) -> tuple[str, str]:
     this cannot list, whose reader then says what is wrong), ``"nxd"``, ``"hf"`` or ``"dcp"``.  A folder of
     checkpoints or a run directory is refused with what to run instead."""
     from ckpt.errors import CkptError
-    from ckpt.restoring.other_tools import file_tool, not_supported, tool_at
+    from ckpt.restoring.other_tools import LIGHTNING, file_tool, not_supported, tool_at
     from ckpt.storage import open_storage
 
     path = strip_manifest(path)
     storage = open_storage(path)
     if storage.local and os.path.isfile(path):
         other = file_tool(path)
+        if other == LIGHTNING:  # read by ckpt.converters.lightning (through the safe unpickler)
+            return path, LIGHTNING
         raise CkptError(not_supported(path, other) if other is not None else _a_file(path, command))
     try:
         if not storage.is_dir():

@@ -92,6 +92,8 @@ class DCPSource(Source):
 
     layout = "cuda"
     format = NAME
+    #: the top-level keys holding an optimizer state dict (Lightning's FSDP folder: ``optimizer_0``)
+    optim_keys: tuple[str, ...] = OPTIM_KEYS
 
     def __init__(self, path: str | Path, *, config: dict[str, Any] | None = None, step: int = 0) -> None:
         self.root = Path(path)
@@ -115,14 +117,14 @@ class DCPSource(Source):
         for fqn, item in md.state_dict_metadata.items():
             path_ = tuple(mapping.get(fqn, (fqn,)))
             is_tensor = type(item).__name__ == "TensorStorageMetadata"
-            if path_[0] in OPTIM_KEYS and len(path_) == 4 and path_[1] == "state":
+            if path_[0] in self.optim_keys and len(path_) == 4 and path_[1] == "state":
                 param, key = str(path_[2]), str(path_[3])
                 if is_tensor and len(item.size) > 0:
                     name = f"optim/{param}/{key}"
                     self._add_tensor(name, fqn, item, "optimizer_state", param, key)
                 else:
                     scalars.setdefault(param, {})[key] = treecodec.encode(self._read_any(fqn, item), fqn)
-            elif path_[0] in OPTIM_KEYS and len(path_) == 4 and path_[1] == "param_groups":
+            elif path_[0] in self.optim_keys and len(path_) == 4 and path_[1] == "param_groups":
                 groups.setdefault(int(path_[2]), {})[str(path_[3])] = self._read_any(fqn, item)
             elif is_tensor and (len(path_) == 1 or (path_[0] == "model" and len(path_) == 2)):
                 self._add_tensor(str(path_[-1]), fqn, item, "parameter")

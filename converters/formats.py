@@ -65,6 +65,8 @@ class Format:
 FORMATS: tuple[Format, ...] = (
     Format("ckpt", ".ckpt", ("cuda", "neuron"), "ours, either layout", remote=True, looks_like="manifest.json",
            options=("codec",), step_note="the output records step 0", adapters=True, suggested=True),
+    Format("lightning", ".lightning", ("cuda",), "a PyTorch Lightning .ckpt file", "Lightning",
+           looks_like="a Lightning .ckpt file"),
     Format("dcp", ".dcp", ("cuda",), "torch.distributed.checkpoint", "DCP", looks_like="a DCP .metadata",
            suggested=True),
     Format("optimum-neuron", ".optimum_neuron", ("neuron",), "a NeuronTrainer checkpoint-N folder",

@@ -51,6 +51,10 @@ NOT_RUN: dict[str, str] = {
     ),
     "ckpt convert trn/step_2400 gpu/checkpoint_7 ": "the Trainium run of the line above; tests/test_accelerate.py",
     ".venv/bin/python bench/verify_resume_truth.py": "a ~5 min benchmark (80 training runs); its runs' generator is tested in tests/test_resume_truth.py",
+    "ckpt ls runs/": "guide.md's Lightning section: the same commands on files real Lightning wrote run in tests/test_lightning_files.py",
+    "ckpt convert epoch=0-step=8.ckpt": "guide.md's Lightning section: the same commands on files real Lightning wrote run in tests/test_lightning_files.py",
+    "ckpt convert ours/ back.ckpt": "guide.md's Lightning section: the same commands on files real Lightning wrote run in tests/test_lightning_files.py",
+    "ckpt convert hf/ nxd/": "guide.md's Lightning section: the same commands on files real Lightning wrote run in tests/test_lightning_files.py",
 }
 
 #: text in a documented command -> what the workspace calls it (placeholders only; keep this short)
@@ -521,6 +525,10 @@ PY_NOT_RUN: dict[tuple[str, str], str] = {
     ("docs/guide.md", 'local_dir="/dev/shm/ckpt"'): (
         "replicas=1 needs two nodes (refused on one); tests/test_tiers_memory.py makes the same calls on 2 gloo ranks "
         "as 2 nodes, and `train_step`/`total` stand for the user's loop"
+    ),
+    ("docs/guide.md", "from ckpt.integrations.lightning import CkptCheckpointIO"): (
+        "`model` and `data` stand for the user's LightningModule and data; tests/test_lightning_plugin.py runs a "
+        "Trainer with CkptCheckpointIO and ModelCheckpoint, killed and resumed with ckpt_path="
     ),
     ("docs/verify-resume.md", "def train(c: Continuation)"): (
         "a template around the user's build(); check_continuation runs in tests/test_core_continuation.py"

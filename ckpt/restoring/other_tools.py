@@ -1,7 +1,8 @@
 """Checkpoints of other training tools, recognised from names so that no command mistakes them for nothing.
 
-An accelerate ``save_state`` folder is recognised here (:func:`folder_tool`) and read by
-``converters/accelerate.py``; the tools in :data:`KINDS` are not read yet.
+An accelerate ``save_state`` folder (:func:`folder_tool`) and a Lightning ``.ckpt`` file (:func:`file_tool`) are
+recognised here and read by ``converters/accelerate.py`` and ``converters/lightning.py``; the tools in
+:data:`KINDS` (none today) are not read yet.
 
 An accelerate ``Accelerator.save_state`` folder (``model.safetensors``, ``optimizer.bin``, ``random_states_0.pkl``)
 and a PyTorch Lightning ``.ckpt`` file used to get "no checkpoints" (exit 0) from ``ls`` and "manifest.json
@@ -20,9 +21,10 @@ import zipfile
 
 ACCELERATE = "accelerate"
 LIGHTNING = "lightning"
-#: the kinds no command reads yet (the ``kind`` of a :class:`~ckpt.restoring.discovery.Found`); an accelerate
-#: folder is recognised here (:func:`folder_tool`) and read by ``converters/accelerate.py``
-KINDS = (LIGHTNING,)
+#: the kinds no command reads yet (the ``kind`` of a :class:`~ckpt.restoring.discovery.Found`): none today.  An
+#: accelerate folder and a Lightning ``.ckpt`` are recognised here and read by ``converters/accelerate.py`` and
+#: ``converters/lightning.py``; a tool added here is named "not supported yet" by every command until it is read
+KINDS: tuple[str, ...] = ()
 
 #: what each is, in the words the messages use
 WHAT = {
@@ -67,14 +69,15 @@ def tool_at(path: str) -> str | None:
             return tool if tool in KINDS else None
         except OSError:
             return None
-    return file_tool(path)
+    tool = file_tool(path)
+    return tool if tool in KINDS else None
 
 
 def not_supported(path: str, kind: str) -> str:
     """The one line every command says for ``path``, a checkpoint of ``kind`` (:data:`KINDS`)."""
     return (
         f"{path} is {WHAT[kind]}; ckpt does not read {SHORT[kind]} checkpoints yet (it reads its own, NxD tags, "
-        "Hugging Face, Trainer, PEFT and accelerate folders, DCP)"
+        "Hugging Face, Trainer, PEFT, accelerate and Lightning checkpoints, DCP)"
     )
 
 

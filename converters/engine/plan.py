@@ -135,6 +135,7 @@ def full_view(
         if param not in model:
             raise StateMismatchError(
                 f"{source.path}: optimizer state for {param!r}, which is not a parameter"
+                + getattr(source, "optimizer_note", "")
             )
         for d in keys.values():
             if d.shape != model[param].shape:
@@ -373,6 +374,7 @@ def plan_to_neuron(
         if param not in model:
             raise StateMismatchError(
                 f"{source.path}: optimizer state for {param!r}, which is not a parameter"
+                + getattr(source, "optimizer_note", "")
             )
     record = NxdRecord.of(
         flags, rule_set=rule, config=cfg, pp_ranks=pp_ranks if spec.pp > 1 else None, replicated=declared

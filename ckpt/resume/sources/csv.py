@@ -18,6 +18,7 @@ from pathlib import Path
 from ckpt.resume.errors import RunInputError
 from ckpt.resume.model import Run, Session, StepRecord
 from ckpt.resume.sources.base import LogSource, is_phase_name, phase_text
+from ckpt.resume.sources.lightning_dirs import csv_versions
 
 _ALIASES = {
     "learning_rate": "lr",
@@ -79,13 +80,29 @@ def read_csv(path: str | os.PathLike[str]) -> Run:
 
 
 def _probe(d: Path) -> bool:
+    if csv_versions(d):
+        return True
     csvs = list(d.glob("*.csv"))
     if len(csvs) > 1:
         raise RunInputError(f"several CSV files in {d}; pass the one to read")
     return len(csvs) == 1
 
 
+def read_lightning_csv(path: Path, files: list[Path]) -> Run:
+    """CSVLogger's ``version_<N>/metrics.csv`` files, each a session in version order."""
+    run = Run(path=str(path), source="csv", precision="float64")
+    for f in files:
+        (session,) = read_csv(f).sessions  # a CSVLogger file has no session column: one session
+        session.id, session.origin = f.parent.name, str(f.relative_to(path))
+        run.sessions.append(session)
+    run.sessions_logged = True
+    return run
+
+
 def _read(path: Path, tags: Mapping[str, str] | None) -> Run:
+    versions = csv_versions(path) if path.is_dir() else []
+    if versions:
+        return read_lightning_csv(path, versions)
     if path.is_dir():
         csvs = sorted(path.glob("*.csv"))
         if len(csvs) != 1:

@@ -16,6 +16,7 @@ from pathlib import Path
 from ckpt.resume.errors import RunInputError
 from ckpt.resume.model import Run, Session, StepRecord
 from ckpt.resume.sources.base import LogSource, is_phase_name, phase_text
+from ckpt.resume.sources.lightning_dirs import version_dirs
 
 FIELD_ALIASES: dict[str, tuple[str, ...]] = {
     "loss": ("loss", "train_loss", "training_loss", "lm_loss"),
@@ -166,11 +167,14 @@ def read_event_file(path: Path, tags: Mapping[str, str] | None, notes: list[str]
 
 def find_event_files(path: Path) -> list[Path]:
     """Event files of ``path`` (a file, or a directory searched recursively); they must share one directory,
-    since train/ and eval/ writers side by side are different streams, not sessions."""
+    since train/ and eval/ writers side by side are different streams, not sessions, unless the directories are
+    the ``version_<N>`` folders of one Lightning logger (:mod:`.lightning_dirs`): its sessions."""
     if path.is_file():
         return [path]
     files = sorted(p for p in path.rglob("*") if "tfevents" in p.name and p.is_file())
     dirs = {p.parent for p in files}
+    if len(dirs) > 1 and version_dirs(dirs) is not None:  # Lightning: one version_<N> folder per session
+        return files
     if len(dirs) > 1:
         names = sorted(str(d) for d in dirs)
         listed = ", ".join(names[:3]) + (f", +{len(names) - 3} more" if len(names) > 3 else "")
