@@ -48,13 +48,20 @@ from ckpt.saving.planning import plan_local  # noqa: E402
 CSUM = "xxh3_64:0123456789abcdef"
 
 
-def reports(sim: Sim, packed: bool) -> list[bytes]:
-    """Every rank's pickled commit report (format 2), as ``ckpt.saving.commit.run`` sends it."""
+def boxes(sim: Sim) -> list[list[tuple[str, tuple[int, ...], tuple[int, ...]]]]:
+    """The boxes each rank writes, from the saver's local planning."""
     out = []
     for r in range(sim.world):
         pieces = sim.pieces(r)
         write, _ = plan_local(pieces, groups(sim, r, pieces))
-        mine = [(p.name, p.box.offsets, p.box.lengths) for p, w in zip(pieces, write, strict=True) if w]
+        out.append([(p.name, p.box.offsets, p.box.lengths) for p, w in zip(pieces, write, strict=True) if w])
+    return out
+
+
+def reports(sim: Sim, written: list[list[Any]], packed: bool) -> list[bytes]:
+    """Every rank's pickled commit report (format 2), as ``ckpt.saving.commit.run`` sends it."""
+    out = []
+    for r, mine in enumerate(written):
         s = publish.RankSummary(
             r,
             [(publish.data_file_name(r, "a1b2c3d4"), 64 + sum(64 * 1024 for _ in mine))] if mine else [],
@@ -83,10 +90,10 @@ def timed(fn: Callable[[], Any], repeat: int) -> tuple[float, Any]:
     return min(times), out
 
 
-def measure(sim: Sim, packed: bool, repeat: int) -> tuple[dict[str, Any], str]:
-    raw = reports(sim, packed)
+def measure(sim: Sim, written: list[list[Any]], packed: bool, repeat: int) -> tuple[dict[str, Any], str]:
+    raw = reports(sim, written, packed)
     res: dict[str, Any] = {"bytes_to_rank0": sum(map(len, raw))}
-    res["receive_s"], got = timed(lambda: [pickle.loads(b) for b in raw], repeat)
+    res["receive_s"], got = timed(lambda raw=raw: [pickle.loads(b) for b in raw], repeat)
     del raw
     summaries = [r["summary"] for r in got]
     publish.tile = tile if packed else tile_one_by_one  # type: ignore[attr-defined]
@@ -139,8 +146,9 @@ def main() -> int:
     p.add_argument("--max-repeat-ranks", type=int, default=1024)
     p.add_argument("--modes", default="before,after")
     p.add_argument("--json", default=os.path.join(HERE, "results", "commit_scale.json"))
+    p.add_argument("--append", action="store_true", help="add the rows to those already in --json")
     args = p.parse_args()
-    rows = []
+    rows = json.load(open(args.json)) if args.append and os.path.exists(args.json) else []
     descs = model_descs(args.tensors)
     for kind in args.layouts.split(","):
         for n in (int(x) for x in args.ranks.split(",")):
@@ -148,13 +156,15 @@ def main() -> int:
             repeat = args.repeat if n <= args.max_repeat_ranks else 1
             row: dict[str, Any] = {"layout": kind, "ranks": n, "tensors": args.tensors, "repeat": repeat}
             texts = {}
+            written = boxes(sim)
             for mode in args.modes.split(","):
-                row[mode], texts[mode] = measure(sim, mode == "after", repeat)
+                row[mode], texts[mode] = measure(sim, written, mode == "after", repeat)
                 gc.collect()
             if len(texts) == 2:
                 row["same_manifest"] = same_manifest(texts["before"], texts["after"])
                 row["commit_ratio"] = row["before"]["commit_s"] / max(row["after"]["commit_s"], 1e-9)
             row["load_avg_1min"] = os.getloadavg()[0]
+            del written
             rows.append(row)
             print(json.dumps(row), flush=True)
             os.makedirs(os.path.dirname(args.json), exist_ok=True)

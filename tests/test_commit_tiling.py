@@ -28,7 +28,9 @@ def outcome(fn, by_name, written):  # type: ignore[no-untyped-def]
         return "error", str(e)
 
 
-def nested(shape: tuple[int, ...], levels: list[tuple[int, int]]) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+def nested(
+    shape: tuple[int, ...], levels: list[tuple[int, int]]
+) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
     """Every block of a nested split, in block order (empty blocks included)."""
     out = [((0,) * len(shape), shape)]
     for d, parts in levels:
@@ -54,7 +56,9 @@ def layouts(draw: st.DrawFn) -> tuple[dict[str, TensorDesc], list[tuple[int, lis
         kind = draw(st.sampled_from(["whole", "split", "split", "nested", "cuts"] if shape else ["whole"]))
         if kind == "whole":
             blocks = [((0,) * len(shape), shape)]
-        elif kind == "split":  # FSDP / TP / ZeRO-1: dim d over `parts` (empty blocks kept, as DTensor ranks do)
+        elif (
+            kind == "split"
+        ):  # FSDP / TP / ZeRO-1: dim d over `parts` (empty blocks kept, as DTensor ranks do)
             d = draw(st.integers(0, len(shape) - 1))
             blocks = nested(shape, [(d, draw(st.integers(1, world + 2)))])
         elif kind == "nested":  # HSDP-like or 2-D: two levels, on one dim or on two
@@ -62,7 +66,10 @@ def layouts(draw: st.DrawFn) -> tuple[dict[str, TensorDesc], list[tuple[int, lis
             blocks = nested(shape, [(d1, draw(st.integers(1, 4))), (d2, draw(st.integers(1, 4)))])
         else:  # an irregular tiling of dim 0
             cuts = sorted(set(draw(st.lists(st.integers(0, shape[0]), max_size=4))) | {0, shape[0]})
-            blocks = [((a, *(0,) * (len(shape) - 1)), (b - a, *shape[1:])) for a, b in zip(cuts, cuts[1:])]
+            blocks = [
+                ((a, *(0,) * (len(shape) - 1)), (b - a, *shape[1:]))
+                for a, b in zip(cuts, cuts[1:], strict=False)
+            ]
         how = draw(st.sampled_from(["affine", "reversed", "random"]))
         start, step = draw(st.integers(0, world - 1)), draw(st.integers(0, 2))
         for i, (offs, lens) in enumerate(blocks):
@@ -102,7 +109,9 @@ def layouts(draw: st.DrawFn) -> tuple[dict[str, TensorDesc], list[tuple[int, lis
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(layouts())
-def test_arrays_and_one_by_one_agree(case: tuple[dict[str, TensorDesc], list[tuple[int, list[Piece]]]]) -> None:
+def test_arrays_and_one_by_one_agree(
+    case: tuple[dict[str, TensorDesc], list[tuple[int, list[Piece]]]],
+) -> None:
     by_name, written = case
     packed = [(r, pickle.loads(pickle.dumps(PackedBoxes(p)))) for r, p in written]  # as rank 0 receives them
     assert [list(p) for _, p in packed] == [p for _, p in written]
@@ -133,7 +142,9 @@ def fsdp_tp_zero1(world: int, n_t: int) -> tuple[list[TensorDesc], list[RankSumm
             shape = () if t % 8 == 3 else (0, 3)
             per_rank[t % world].append((name, (0,) * len(shape), shape))
         descs.append(TensorDesc(name, "parameter", shape, "F32"))
-    return descs, [RankSummary(r, [(f"r{r:05d}.safetensors", 10)], PackedBoxes(p)) for r, p in per_rank.items()]
+    return descs, [
+        RankSummary(r, [(f"r{r:05d}.safetensors", 10)], PackedBoxes(p)) for r, p in per_rank.items()
+    ]
 
 
 @pytest.mark.parametrize("world", [1, 7, 64])
@@ -141,7 +152,13 @@ def test_the_commit_describes_real_layouts_as_the_per_box_path_does(world: int) 
     descs, summaries = fsdp_tp_zero1(world, 24)
     received = pickle.loads(pickle.dumps(summaries))
     m, written = manifest_from_summaries(
-        step=1, backend="cpu", layout=Layout(world_size=world), metas=descs, summaries=received, trees={}, env={}
+        step=1,
+        backend="cpu",
+        layout=Layout(world_size=world),
+        metas=descs,
+        summaries=received,
+        trees={},
+        env={},
     )
     by_name = {d.name: d for d in descs}
     assert written.pieces == tile_one_by_one(by_name, [(s.rank, list(s.pieces)) for s in summaries])
@@ -154,5 +171,11 @@ def test_a_box_written_twice_is_named_as_before() -> None:
     summaries[5].pieces.append(("layers.0.w", (0, 0), (3, 5)))  # rank 0's box of an FSDP tensor, again
     with pytest.raises(ManifestError, match=r"tensor 'layers.0.w': box \[0, 0\]\+\[3, 5\] was written twice"):
         manifest_from_summaries(
-            step=1, backend="cpu", layout=Layout(world_size=8), metas=descs, summaries=summaries, trees={}, env={}
+            step=1,
+            backend="cpu",
+            layout=Layout(world_size=8),
+            metas=descs,
+            summaries=summaries,
+            trees={},
+            env={},
         )

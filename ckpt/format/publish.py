@@ -20,13 +20,11 @@ byte ranges inside its file (it just wrote them); readers validate both again wh
 from __future__ import annotations
 
 import datetime
-import math
 import uuid
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..errors import ManifestError
 from ..storage import Storage
 from . import environment
 from .index import (
@@ -43,7 +41,7 @@ from .index import (
 from .manifest import FORMAT_VERSION, MANIFEST_NAME, Manifest, tree_members
 from .placement import IndexEntry
 from .schema import Box, FileEntry, Layout, Shard, TensorDesc, TensorEntry
-from .tiling import PackedBoxes, Piece, tile
+from .tiling import PackedBoxes, Piece, check_box, check_covered, tile
 
 
 @dataclass
@@ -136,44 +134,6 @@ def write_data_file(
         for (name, box, _), (offset, nbytes, digest) in zip(chunks, placed, strict=True)
     )
     return size
-
-
-def check_box(
-    rank: int,
-    name: str,
-    offs: tuple[int, ...],
-    lens: tuple[int, ...],
-    metas: dict[str, TensorDesc],
-    seen: set[Any],
-) -> Box:
-    """A written box of tensor ``name``: described by some rank, inside its shape, not written before."""
-    d = metas.get(name)
-    if d is None:
-        raise ManifestError(f"rank {rank} wrote tensor {name!r} that no rank described")
-    shape = d.shape
-    ok = len(offs) == len(shape) == len(lens)
-    if ok:
-        for o, n, s in zip(offs, lens, shape):  # noqa: B905 - lengths checked just above
-            if o < 0 or n < 0 or o + n > s:
-                ok = False
-                break
-    if not ok:
-        raise ManifestError(
-            f"rank {rank} wrote box {list(offs)}+{list(lens)} of tensor {name!r}, "
-            f"which lies outside its shape {list(shape)}"
-        )
-    key = (name, tuple(offs), tuple(lens))
-    if key in seen and 0 not in lens:
-        raise ManifestError(f"tensor {name!r}: box {list(offs)}+{list(lens)} was written twice")
-    seen.add(key)
-    return Box(key[1], key[2])
-
-
-def check_covered(name: str, shape: tuple[int, ...], stored: int) -> None:
-    """The boxes written of a tensor (checked by :func:`check_box`) hold as many elements as the tensor."""
-    total = math.prod(shape)
-    if stored != total:
-        raise ManifestError(f"tensor {name!r}: written shards hold {stored} of {total} elements")
 
 
 def build_manifest(

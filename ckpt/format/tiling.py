@@ -5,8 +5,7 @@ An FSDP save of 8,192 ranks x 1,000 tensors hands rank 0 8.2 M boxes (every rank
 Checked one box at a time in Python that is ~5 us a box, ~40 s of rank 0's commit.  So writers send their boxes
 packed (:class:`PackedBoxes`: the names as one string, the coordinates as one int64 array; pickled as a few byte
 strings, not as millions of tuples), and rank 0 checks and describes them with array operations
-(:func:`tile`): the same checks as :func:`ckpt.format.publish.check_box` and
-:func:`~ckpt.format.publish.check_covered`, and the same ``pieces`` as ``describe_boxes`` for the shapes it
+(:func:`tile`): the same checks as :func:`check_box` and :func:`check_covered`, and the same ``pieces`` as ``describe_boxes`` for the shapes it
 recognizes in one pass (one piece holding the whole tensor; one regular split along one dim, FSDP / TP / ZeRO-1 /
 an HSDP shard group).  Every other tensor is described by ``describe_boxes`` itself, on its own pieces.  When any
 check fails, :func:`tile_one_by_one` (the per-box path, kept as the reference) runs instead and names the first
@@ -21,6 +20,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from itertools import chain, islice
 from typing import Any
 
+from ..errors import ManifestError
 from .placement import describe_boxes
 from .schema import JSON, Box, TensorDesc
 
@@ -99,13 +99,49 @@ def packed(pieces: Iterable[Piece]) -> PackedBoxes:
     return pieces if isinstance(pieces, PackedBoxes) else PackedBoxes(pieces)
 
 
+def check_box(
+    rank: int,
+    name: str,
+    offs: tuple[int, ...],
+    lens: tuple[int, ...],
+    metas: dict[str, TensorDesc],
+    seen: set[Any],
+) -> Box:
+    """A written box of tensor ``name``: described by some rank, inside its shape, not written before."""
+    d = metas.get(name)
+    if d is None:
+        raise ManifestError(f"rank {rank} wrote tensor {name!r} that no rank described")
+    shape = d.shape
+    ok = len(offs) == len(shape) == len(lens)
+    if ok:
+        for o, n, s in zip(offs, lens, shape):  # noqa: B905 - lengths checked just above
+            if o < 0 or n < 0 or o + n > s:
+                ok = False
+                break
+    if not ok:
+        raise ManifestError(
+            f"rank {rank} wrote box {list(offs)}+{list(lens)} of tensor {name!r}, "
+            f"which lies outside its shape {list(shape)}"
+        )
+    key = (name, tuple(offs), tuple(lens))
+    if key in seen and 0 not in lens:
+        raise ManifestError(f"tensor {name!r}: box {list(offs)}+{list(lens)} was written twice")
+    seen.add(key)
+    return Box(key[1], key[2])
+
+
+def check_covered(name: str, shape: tuple[int, ...], stored: int) -> None:
+    """The boxes written of a tensor (checked by :func:`check_box`) hold as many elements as the tensor."""
+    total = math.prod(shape)
+    if stored != total:
+        raise ManifestError(f"tensor {name!r}: written shards hold {stored} of {total} elements")
+
+
 def tile_one_by_one(
     by_name: dict[str, TensorDesc], written: Sequence[tuple[int, Iterable[Piece]]]
 ) -> dict[str, JSON]:
     """The per-box path: ``(rank, boxes)`` of every writer checked one box at a time (the first bad box named), then
     every tensor's coverage in ``by_name``'s order, then its ``pieces``."""
-    from .publish import check_box, check_covered  # publish imports this module
-
     boxes: dict[str, list[tuple[Box, int]]] = {n: [] for n in by_name}
     seen: set[Any] = set()
     for rank, pieces in written:
@@ -305,4 +341,4 @@ def _described(
     return out
 
 
-__all__ = ["PackedBoxes", "packed", "tile", "tile_one_by_one"]
+__all__ = ["PackedBoxes", "check_box", "check_covered", "packed", "tile", "tile_one_by_one"]
