@@ -1,7 +1,8 @@
 """Rank 0's share of a format-2 commit at 8 to 8,192 simulated ranks, before and after the array check, in one run.
 
     .venv/bin/python bench/bench_commit_scale.py [--layouts fsdp] [--ranks 8,64,256,1024,4096,8192] [--tensors 1000]
-        [--json bench/results/commit_scale.json]
+        [--json bench/results/commit_scale.json] [--append]
+    .venv/bin/python bench/bench_commit_scale.py --plot bench/results/commit_scale_fsdp.json  # docs/commit_scale.png
 
 Each simulated rank's boxes are what the saver's local planning makes it write (``bench_scale.Sim``,
 ``ckpt.saving.planning.plan_local``: the same layouts and model as ``bench/bench_scale.py``); its report to rank 0
@@ -137,6 +138,31 @@ def same_manifest(a: str, b: str) -> bool:
     return da == db
 
 
+def plot(path: str, out: str) -> None:
+    """Log-log curve of rank 0's commit CPU and report unpickling, before and after, against N."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = sorted((r for r in json.load(open(path)) if "before" in r), key=lambda r: r["ranks"])
+    xs = [r["ranks"] for r in rows]
+    fig, ax = plt.subplots(figsize=(6, 4.2))
+    for key, label, color in (("commit_s", "commit", "C0"), ("receive_s", "unpickling the reports", "C1")):
+        ax.plot(xs, [r["before"][key] for r in rows], "--o", color=color, ms=3, label=f"{label}, before")
+        ax.plot(xs, [r["after"][key] for r in rows], "-s", color=color, ms=3, label=f"{label}, after")
+    ax.axhline(5, color="gray", lw=0.8, ls=":", label="goal: 5 s")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("ranks (FSDP, 1,000 tensors)")
+    ax.set_ylabel("rank 0 CPU (s)")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=7)
+    ax.set_title("bench/bench_commit_scale.py: rank 0's format-2 commit", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--layouts", default="fsdp")
@@ -147,7 +173,11 @@ def main() -> int:
     p.add_argument("--modes", default="before,after")
     p.add_argument("--json", default=os.path.join(HERE, "results", "commit_scale.json"))
     p.add_argument("--append", action="store_true", help="add the rows to those already in --json")
+    p.add_argument("--plot", help="draw docs/commit_scale.png from this result file, and measure nothing")
     args = p.parse_args()
+    if args.plot:
+        plot(args.plot, os.path.join(HERE, "..", "docs", "commit_scale.png"))
+        return 0
     rows = json.load(open(args.json)) if args.append and os.path.exists(args.json) else []
     descs = model_descs(args.tensors)
     for kind in args.layouts.split(","):

@@ -107,7 +107,7 @@ def layouts(draw: st.DrawFn) -> tuple[dict[str, TensorDesc], list[tuple[int, lis
     return by_name, written
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(layouts())
 def test_arrays_and_one_by_one_agree(
     case: tuple[dict[str, TensorDesc], list[tuple[int, list[Piece]]]],
