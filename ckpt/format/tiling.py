@@ -65,10 +65,17 @@ class PackedBoxes:
         return f"PackedBoxes({list(self)!r})"
 
     def __getstate__(self) -> tuple[Any, ...]:
-        return self.names, self.name_lens, self.ndims, self.coords
+        # type codes and bytes: a few dozen bytes of pickle for a rank with no box (pickled arrays take ~200 each)
+        return self.names, *((a.typecode, a.tobytes()) for a in (self.name_lens, self.ndims, self.coords))
 
     def __setstate__(self, state: tuple[Any, ...]) -> None:
-        self.names, self.name_lens, self.ndims, self.coords = state
+        self.names = state[0]
+        arrays = []
+        for code, raw in state[1:]:
+            a = array(code)
+            a.frombytes(raw)
+            arrays.append(a)
+        self.name_lens, self.ndims, self.coords = arrays
 
 
 def _narrow(values: list[int], code: str) -> array:
