@@ -20,13 +20,11 @@ byte ranges inside its file (it just wrote them); readers validate both again wh
 from __future__ import annotations
 
 import datetime
-import math
 import uuid
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..errors import ManifestError
 from ..storage import Storage
 from . import environment
 from .index import (
@@ -41,8 +39,9 @@ from .index import (
     top_text,
 )
 from .manifest import FORMAT_VERSION, MANIFEST_NAME, Manifest, tree_members
-from .placement import IndexEntry, describe_boxes
+from .placement import IndexEntry
 from .schema import Box, FileEntry, Layout, Shard, TensorDesc, TensorEntry
+from .tiling import PackedBoxes, Piece, check_box, check_covered, tile
 
 
 @dataclass
@@ -137,44 +136,6 @@ def write_data_file(
     return size
 
 
-def check_box(
-    rank: int,
-    name: str,
-    offs: tuple[int, ...],
-    lens: tuple[int, ...],
-    metas: dict[str, TensorDesc],
-    seen: set[Any],
-) -> Box:
-    """A written box of tensor ``name``: described by some rank, inside its shape, not written before."""
-    d = metas.get(name)
-    if d is None:
-        raise ManifestError(f"rank {rank} wrote tensor {name!r} that no rank described")
-    shape = d.shape
-    ok = len(offs) == len(shape) == len(lens)
-    if ok:
-        for o, n, s in zip(offs, lens, shape):  # noqa: B905 - lengths checked just above
-            if o < 0 or n < 0 or o + n > s:
-                ok = False
-                break
-    if not ok:
-        raise ManifestError(
-            f"rank {rank} wrote box {list(offs)}+{list(lens)} of tensor {name!r}, "
-            f"which lies outside its shape {list(shape)}"
-        )
-    key = (name, tuple(offs), tuple(lens))
-    if key in seen and 0 not in lens:
-        raise ManifestError(f"tensor {name!r}: box {list(offs)}+{list(lens)} was written twice")
-    seen.add(key)
-    return Box(key[1], key[2])
-
-
-def check_covered(name: str, shape: tuple[int, ...], stored: int) -> None:
-    """The boxes written of a tensor (checked by :func:`check_box`) hold as many elements as the tensor."""
-    total = math.prod(shape)
-    if stored != total:
-        raise ManifestError(f"tensor {name!r}: written shards hold {stored} of {total} elements")
-
-
 def build_manifest(
     *,
     step: int,
@@ -216,11 +177,13 @@ def build_manifest(
 
 @dataclass
 class RankSummary:
-    """What a writer sends rank 0 under format v2 (independent of how many chunks it wrote)."""
+    """What a writer sends rank 0 under format v2 (independent of how many chunks it wrote).  ``pieces``: the
+    boxes it wrote, ``(tensor name, offsets, lengths)``, packed (:class:`~ckpt.format.tiling.PackedBoxes`, as
+    :func:`write_rank_files` makes them) or as a list."""
 
     rank: int
     files: list[tuple[str, int]] = field(default_factory=list)
-    pieces: list[tuple[str, tuple[int, ...], tuple[int, ...]]] = field(default_factory=list)
+    pieces: PackedBoxes | list[Piece] = field(default_factory=PackedBoxes)
     index: IndexEntry | None = None
     state: IndexEntry | None = None
 
@@ -236,7 +199,7 @@ def write_rank_files(
     """Writer side (every rank, after its data file): publish this rank's index and state file create-only and
     return what rank 0 needs of them.  Nothing is written for a rank with no chunk (index) or no tree (state)."""
     rank = receipt.rank
-    out = RankSummary(rank, list(receipt.files), [(n, b.offsets, b.lengths) for n, b in pieces])
+    out = RankSummary(rank, list(receipt.files), PackedBoxes((n, b.offsets, b.lengths) for n, b in pieces))
     if receipt.shards:
         rows = [
             chunk_row(name, Box(tuple(offs), tuple(lens)), f, off, nbytes, codec, csum)
@@ -276,26 +239,19 @@ def manifest_from_summaries(
     summary, after checking that the written boxes tile every tensor exactly once.  Publish both with
     :func:`publish`."""
     by_name = {m.name: m for m in metas}
-    boxes: dict[str, list[tuple[Box, int]]] = {n: [] for n in by_name}
-    seen: set[Any] = set()
     files: dict[str, FileEntry] = {}
     indexes: list[IndexEntry] = []
     states: list[IndexEntry] = []
+    written = []
     for s in summaries:
         for fname, size in s.files:
             files[fname] = FileEntry(fname, size, s.rank)
-        for name, offs, lens in s.pieces:
-            box = check_box(s.rank, name, offs, lens, by_name, seen)
-            if box.numel:
-                boxes[name].append((box, s.rank))
+        written.append((s.rank, s.pieces))
         if s.index is not None:
             indexes.append(s.index)
         if s.state is not None:
             states.append(s.state)
-    pieces = {}
-    for n, d in by_name.items():
-        check_covered(n, d.shape, sum(b.numel for b, _ in boxes[n]))
-        pieces[n] = describe_boxes(d.shape, boxes[n])
+    pieces = tile(by_name, written)
     tensors = {n: TensorEntry.of(d, ()) for n, d in by_name.items()}
     m = Manifest(
         step, _now(), backend, layout, tensors, files, **_commit_members(step, layout, trees, {}, {}, env)
