@@ -20,6 +20,7 @@ import contextlib  # noqa: E402
 import multiprocessing as mp  # noqa: E402
 import queue  # noqa: E402
 import socket  # noqa: E402
+import time  # noqa: E402
 import traceback  # noqa: E402
 import urllib.request  # noqa: E402
 import uuid  # noqa: E402
@@ -140,6 +141,20 @@ def _child(
         results.put((rank, False, traceback.format_exc()))
 
 
+def _late_failures(results: Any, left: int, grace: float = 5.0) -> list[str]:
+    """Errors the other ranks report within ``grace`` seconds of the first (the root cause is often among them)."""
+    late: list[str] = []
+    deadline = time.monotonic() + grace
+    for _ in range(left):
+        try:
+            rank, ok, value = results.get(timeout=max(0.0, deadline - time.monotonic()))
+        except queue.Empty:
+            break
+        if not ok:
+            late.append(f"--- rank {rank} raised:\n{value}")
+    return late
+
+
 def run_ranks(
     fn: Callable[..., Any],
     world: int,
@@ -179,7 +194,10 @@ def run_ranks(
             else:
                 failures.append(f"--- rank {rank} raised:\n{value}")
                 if process_group:
-                    break  # the others are probably stuck in a collective with the failed rank
+                    # the others are probably stuck in a collective with the failed rank; the first to report
+                    # may only have seen a peer vanish, so the others' own errors get a few seconds to arrive
+                    failures += _late_failures(results, world - len(out) - 1)
+                    break
     finally:
         for p in procs:
             p.join(timeout=10 if not failures else 1)

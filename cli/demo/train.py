@@ -15,6 +15,7 @@ import json
 import os
 import signal
 import time
+from concurrent.futures import Future
 from typing import Any
 
 import torch
@@ -115,6 +116,7 @@ def main(argv: list[str] | None = None) -> None:
             json.dumps({"event": "start", "restored": restored, "restore_s": time.perf_counter() - t0}) + "\n"
         )
         log.flush()
+    saves: dict[int, Future] = {}
     for step in range(start, a.steps + 1):
         rng_digest = digest_rng()
         ids, tokens = data.next_with_ids()
@@ -144,8 +146,13 @@ def main(argv: list[str] | None = None) -> None:
             )
             log.flush()
         if step % a.save_every == 0:
-            mgr.save(step, progress={"samples": step * 8 * world}, **state)
+            saves[step] = mgr.save(step, progress={"samples": step * 8 * world}, **state)
         if step == a.kill_at:
+            # The crash the demo shows is "newest save in flight, an older one committed": on a loaded machine an
+            # async save can take longer than the steps between it and the kill, so the older ones are awaited.
+            for s in sorted(saves):
+                if s < step:
+                    saves[s].result()
             time.sleep(0.002)  # let the background writer get going, then crash mid-save
             os.kill(os.getpid(), signal.SIGKILL)
     mgr.close()  # waits for the last async save, whose commit event goes to the ledger
