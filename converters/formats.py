@@ -53,6 +53,9 @@ class Format:
     whole: bool = False
     #: named in the "--format X holds the ... layout; use --to ... or --format ..." refusal
     suggested: bool = False
+    #: the format's readers build the Neuron layout from the model themselves: its module's
+    #: ``fit_flags(flags, given, config)`` sets the flags not given and refuses the ones that contradict it
+    fits_layout: bool = False
 
     def __str__(self) -> str:
         return self.title or self.name
@@ -68,7 +71,7 @@ FORMATS: tuple[Format, ...] = (
     Format("dcp", ".dcp", ("cuda",), "torch.distributed.checkpoint", "DCP", looks_like="a DCP .metadata",
            suggested=True),
     Format("optimum-neuron", ".optimum_neuron", ("neuron",), "a NeuronTrainer checkpoint-N folder",
-           options=("xser",), nxd_tag=True, adapters=True),
+           options=("xser",), nxd_tag=True, adapters=True, fits_layout=True),
     Format("hf-trainer", ".hf_trainer", ("cuda",), "an HF Trainer checkpoint-N folder", "HF Trainer",
            step_note="its trainer_state.json records global_step 0"),
     Format("hf", ".hf", ("cuda",), "a Hugging Face model folder", "Hugging Face",

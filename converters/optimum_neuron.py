@@ -62,6 +62,8 @@ from .nxd.source import NxdTagSource
 from .nxd.xser import load_nxd_file
 from .nxd.zero1 import is_zero1_dict
 from .peft import Adapter
+from . import optimum_neuron_files as files
+from .optimum_neuron_files import fit_flags
 
 NAME = "optimum-neuron"
 #: optimum-neuron's ``MODEL_PARALLEL_SHARDS_DIR_NAME`` / ``ADAPTER_MODEL_PARALLEL_SHARDS_DIR_NAME``
@@ -295,21 +297,23 @@ def _bytes_of(obj: Any) -> bytes:
 
 
 def trn_config(conv: Conversion, xser: bool) -> dict[str, Any]:
-    """The ``trn_config.json`` of the layout written: the source's own (an optimum-neuron source) with the sizes
-    and flags of this target; the fields are ``TrainingNeuronConfig``'s (optimum-neuron 0.3/0.4)."""
+    """The ``trn_config.json`` of the layout written (:func:`.optimum_neuron_files.trn_config`), over the source's
+    own (an optimum-neuron source)."""
     assert conv.flags is not None
     came = conv.trees.extra.get("optimum_neuron") if isinstance(conv.trees.extra, dict) else None
     base = dict(came.get("trn_config") or {}) if isinstance(came, dict) else {}
-    f = conv.flags
-    return {
-        **base,
-        "tensor_parallel_size": f.tp,
-        "pipeline_parallel_size": f.pp,
-        "virtual_pipeline_parallel_size": f.virtual_pp,
-        "kv_size_multiplier": f.kv_size_multiplier if f.qkv_linear else base.get("kv_size_multiplier"),
-        "fuse_qkv": f.fuse_qkv,
-        "use_xser": xser,
-    }
+    return files.trn_config(base, conv.flags, xser)
+
+
+def stage_parameters(conv: Conversion) -> dict[int, list[str]]:
+    """``{pp rank: [parameter names]}``: the model parameters each PP stage of the plan holds, in plan order."""
+    out: dict[int, list[str]] = {p: [] for p in range(conv.flags.pp if conv.flags else 1)}
+    for t in conv.tensors:
+        if t.desc.role != "parameter":
+            continue
+        for pp in sorted({rank[1] for part in t.parts for rank in part.ranks}):
+            out[pp].append(t.desc.name)
+    return out
 
 
 class OptimumNeuronExport(NxdExport):
@@ -365,6 +369,13 @@ class OptimumNeuronExport(NxdExport):
         storage.put_bytes(
             TRN_CONFIG, (json.dumps(trn_config(self.conv, self.xser), indent=4) + "\n").encode()
         )
+        if self.conv.config is not None and self.conv.flags is not None:
+            # what consolidation reads (checkpointing.py:138-142), as save_pretrained writes it (modeling_utils.py:1490-1497)
+            for pp, names in stage_parameters(self.conv).items():
+                meta = files.mp_metadata(names, self.conv.flags, self.conv.config)
+                storage.put_bytes(f"{SHARDS}/mp_metadata_pp_rank_{pp}.json", json.dumps(meta, indent=4).encode())
+        for name, path in files.side_files(getattr(self.conv.source, "path", None)).items():
+            storage.put_bytes(name, path.read_bytes())  # training_args.bin: bytes only, never unpickled
         if scheduler is not None:
             storage.put_bytes(SCHEDULER_NAME, _bytes_of(treecodec.decode(scheduler)))
         rng = dict(trees.rng)
@@ -402,6 +413,7 @@ __all__ = [
     "is_lora_checkpoint",
     "read_lora_checkpoint",
     "export",
+    "fit_flags",
     "open_source",
     "read_step",
 ]
