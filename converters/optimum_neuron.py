@@ -54,6 +54,7 @@ from ckpt.format import treecodec
 from ckpt.safe_unpickle import load_torch_file
 from ckpt.storage.folder import FolderTxn, begin_folder
 
+from . import optimum_neuron_files as files
 from .engine import Conversion, Staging, UnitReceipt
 from .engine.export import Progress
 from .hf_trainer import SCHEDULER_NAME, STATE_NAME, read_rng_files, rng_file_states
@@ -61,9 +62,8 @@ from .nxd.export import NxdExport
 from .nxd.source import NxdTagSource
 from .nxd.xser import load_nxd_file
 from .nxd.zero1 import is_zero1_dict
-from .peft import Adapter
-from . import optimum_neuron_files as files
 from .optimum_neuron_files import fit_flags
+from .peft import Adapter
 
 NAME = "optimum-neuron"
 #: optimum-neuron's ``MODEL_PARALLEL_SHARDS_DIR_NAME`` / ``ADAPTER_MODEL_PARALLEL_SHARDS_DIR_NAME``
@@ -373,7 +373,9 @@ class OptimumNeuronExport(NxdExport):
             # what consolidation reads (checkpointing.py:138-142), as save_pretrained writes it (modeling_utils.py:1490-1497)
             for pp, names in stage_parameters(self.conv).items():
                 meta = files.mp_metadata(names, self.conv.flags, self.conv.config)
-                storage.put_bytes(f"{SHARDS}/mp_metadata_pp_rank_{pp}.json", json.dumps(meta, indent=4).encode())
+                storage.put_bytes(
+                    f"{SHARDS}/mp_metadata_pp_rank_{pp}.json", json.dumps(meta, indent=4).encode()
+                )
         for name, path in files.side_files(getattr(self.conv.source, "path", None)).items():
             storage.put_bytes(name, path.read_bytes())  # training_args.bin: bytes only, never unpickled
         if scheduler is not None:

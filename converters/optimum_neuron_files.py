@@ -112,7 +112,9 @@ def fit_flags(flags: NxdFlags, given: Mapping[str, Any], config: Mapping[str, An
         mult = 1
     # a fused QKV exists for GQAQKVColumnParallelLinear, or for MHA without it (:355); else q/k/v stay apart
     fuse = bool(flags.fuse_qkv) and (qkv_linear or heads == kv)
-    return dataclasses.replace(flags, qkv_linear=qkv_linear, kv_size_multiplier=mult, hw="trn1", fuse_qkv=fuse)
+    return dataclasses.replace(
+        flags, qkv_linear=qkv_linear, kv_size_multiplier=mult, hw="trn1", fuse_qkv=fuse
+    )
 
 
 #: NxD's partition attributes of the parameters of optimum-neuron's model classes, by name suffix:
