@@ -17,9 +17,9 @@ from typing import Any
 import pytest
 import torch
 from _tiny_models import write_model, write_tokenizer, write_training_args
+from ckpt.converters.convert import ConvertOptions, RunOptions, convert
 from safetensors.torch import load_file
 
-from ckpt.converters.convert import ConvertOptions, RunOptions, convert
 from ckpt.errors import LayoutError
 
 # id: (model, tp, pp, extra options, dtype); shards are plain torch.save files unless "xser" (optimum-neuron's default,

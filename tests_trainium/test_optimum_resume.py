@@ -14,19 +14,17 @@ its optimizer, scheduler and ``training_args.bin``.
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 
+import _optimum_ranks
 import pytest
 import torch
+from ckpt.converters.convert import ConvertOptions, RunOptions, convert
 from ranks import run_ranks
 from safetensors.torch import save_file
-
-import _optimum_ranks
-from ckpt.converters.convert import ConvertOptions, RunOptions, convert
 
 ROOT = Path(__file__).resolve().parent.parent
 STEPS = 2
