@@ -8,7 +8,8 @@ dispatch are all read from here; nothing else names a format.
 
 A format's module provides the verbs it supports: ``detect(path, storage_options)``,
 ``open_source(path, **options) -> Source`` (read), ``export(conv, **options) -> Export`` (write), and where SRC may be
-a LoRA adapter, ``is_adapter(path, storage_options)``; the adapter entry's module converts whole
+a LoRA adapter, ``is_adapter(path, storage_options)``; where the format's own readers fix the Neuron layout
+(``fits_layout``), ``fit_flags(flags, given, config) -> NxdFlags``; the adapter entry's module converts whole
 (``convert(found, dst, opts, run)``) instead of going through the engine.  Modules are imported only when a format is
 used, so the table itself stays cheap to import (the CLI builds its options from it).
 """
