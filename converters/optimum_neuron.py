@@ -232,6 +232,13 @@ class OptimumNeuronSource(NxdTagSource):
         """``kw``: :class:`NxdTagSource`'s (``config``, ``flags``, ``step``...); ``target_format``: see
         :func:`open_source`."""
         root = Path(path)
+        hw = (kw.get("flags") or {}).get("hw", "trn1")
+        # its loading and consolidation read one KV order on every chip (optimum_neuron_files)
+        if hw != "trn1":
+            raise LayoutError(
+                f"{root}: --source-hw {hw}: optimum-neuron 0.4.5 stores KV copies tiled (the trn1 order) on every "
+                "chip (transformations_utils.py:862); drop --source-hw"
+            )
         config, step = kw.pop("config", None), kw.pop("step", None)
         adapters = _adapters(root)
         if adapters and not (root / SHARDS / "model").is_dir():

@@ -40,7 +40,6 @@ CASES: dict[str, tuple[str, int, int, dict[str, Any], torch.dtype]] = {
 }
 
 
-
 @pytest.fixture(scope="module")
 def sources(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, torch.dtype], Path]:
     base = tmp_path_factory.mktemp("src")
@@ -109,7 +108,9 @@ def test_training_args_and_tokenizer_files_are_copied_byte_for_byte(
     write_training_args(src)
     folder = export(src, tmp_path / "checkpoint-0", 2, 1)
     copied = sorted(
-        p.name for p in src.iterdir() if p.name not in ("model.safetensors", "config.json", "generation_config.json")
+        p.name
+        for p in src.iterdir()
+        if p.name not in ("model.safetensors", "config.json", "generation_config.json")
     )
     assert "training_args.bin" in copied and "tokenizer.json" in copied, copied
     for name in copied:
@@ -117,7 +118,9 @@ def test_training_args_and_tokenizer_files_are_copied_byte_for_byte(
     from transformers import AutoTokenizer
 
     assert AutoTokenizer.from_pretrained(folder)("w3 w5")["input_ids"] == [3, 5]
-    args = torch.load(folder / "training_args.bin", weights_only=False)  # the test's own file, read as the Trainer
+    args = torch.load(
+        folder / "training_args.bin", weights_only=False
+    )  # the test's own file, read as the Trainer
     assert (args.learning_rate, args.seed) == (3e-4, 7)
 
 
@@ -146,3 +149,19 @@ def test_a_model_optimum_neuron_cannot_train_is_refused(tmp_path: Path) -> None:
     AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path / "qwen2")
     with pytest.raises(LayoutError, match="no training model for model_type 'qwen2'"):
         export(tmp_path / "qwen2", tmp_path / "c", 2, 1)
+
+
+def test_reading_our_folder_back_with_another_kv_order_is_refused(
+    sources: dict[tuple[str, torch.dtype], Path], tmp_path: Path
+) -> None:
+    """The folder holds optimum-neuron's (trn1) KV order whatever chip it trains on: --source-hw trn2 would read
+    the wrong heads, so it is refused; without it the folder reads back to the source."""
+    src = sources[("llama_gqa", torch.float32)]
+    folder = export(src, tmp_path / "c", 4, 1)
+    with pytest.raises(LayoutError, match="--source-hw trn2"):
+        convert(str(folder), str(tmp_path / "hf"), ConvertOptions(to="cuda", format="hf", source_flags={"hw": "trn2"}),
+                RunOptions())  # fmt: skip
+    convert(str(folder), str(tmp_path / "hf"), ConvertOptions(to="cuda", format="hf"), RunOptions())
+    got = {k: v for f in (tmp_path / "hf").glob("*.safetensors") for k, v in load_file(f).items()}
+    want = load_file(src / "model.safetensors")
+    assert sorted(got) == sorted(want) and all(torch.equal(got[k], want[k]) for k in want)
