@@ -32,8 +32,10 @@ says why the optimizer is left out).
 
 The step is ``trainer_state.json``'s ``global_step`` (else ``scheduler.pt``'s ``last_epoch``), never the digits of a
 folder name.  Source: an :class:`~.nxd.source.NxdTagSource` over ``shards/`` with the root's state folded in.
-Target (:class:`OptimumNeuronExport`): the NxD tag export into ``DST/shards`` plus the root files, the whole
-folder published at once.
+Target (:class:`OptimumNeuronExport`): the NxD tag export into ``DST/shards`` in the layout optimum-neuron's model
+classes build (:func:`fit_flags`), ``shards/mp_metadata_pp_rank_P.json``, the root files, and the source's
+``training_args.bin`` / tokenizer files (:mod:`.optimum_neuron_files`: what optimum-neuron's own readers need), the
+whole folder published at once.
 """
 
 from __future__ import annotations
