@@ -196,9 +196,11 @@ def plan_conversion(source: Source, opts: ConvertOptions) -> Conversion:
                 )
             )
         return plan_to_cuda(source, config=opts.config)
-    conv = plan_to_neuron(
-        source, target_flags(source, opts), config=opts.config, replicated=tuple(opts.replicated)
-    )
+    flags = target_flags(source, opts)
+    if fmt.fits_layout:
+        config = opts.config if opts.config is not None else source.config
+        flags = fmt.load().fit_flags(flags, opts.layout, config)
+    conv = plan_to_neuron(source, flags, config=opts.config, replicated=tuple(opts.replicated))
     if _dist_env()[0] == 0:
         _say_round_trip(source, opts)  # after planning: a refused request stays one error line
     return conv

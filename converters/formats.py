@@ -8,7 +8,8 @@ dispatch are all read from here; nothing else names a format.
 
 A format's module provides the verbs it supports: ``detect(path, storage_options)``,
 ``open_source(path, **options) -> Source`` (read), ``export(conv, **options) -> Export`` (write), and where SRC may be
-a LoRA adapter, ``is_adapter(path, storage_options)``; the adapter entry's module converts whole
+a LoRA adapter, ``is_adapter(path, storage_options)``; where the format's own readers fix the Neuron layout
+(``fits_layout``), ``fit_flags(flags, given, config) -> NxdFlags``; the adapter entry's module converts whole
 (``convert(found, dst, opts, run)``) instead of going through the engine.  Modules are imported only when a format is
 used, so the table itself stays cheap to import (the CLI builds its options from it).
 """
@@ -53,6 +54,9 @@ class Format:
     whole: bool = False
     #: named in the "--format X holds the ... layout; use --to ... or --format ..." refusal
     suggested: bool = False
+    #: the format's readers build the Neuron layout from the model themselves: its module's
+    #: ``fit_flags(flags, given, config)`` sets the flags not given and refuses the ones that contradict it
+    fits_layout: bool = False
 
     def __str__(self) -> str:
         return self.title or self.name
@@ -70,7 +74,7 @@ FORMATS: tuple[Format, ...] = (
     Format("dcp", ".dcp", ("cuda",), "torch.distributed.checkpoint", "DCP", looks_like="a DCP .metadata",
            suggested=True),
     Format("optimum-neuron", ".optimum_neuron", ("neuron",), "a NeuronTrainer checkpoint-N folder",
-           options=("xser",), nxd_tag=True, adapters=True),
+           options=("xser",), nxd_tag=True, adapters=True, fits_layout=True),
     Format("hf-trainer", ".hf_trainer", ("cuda",), "an HF Trainer checkpoint-N folder", "HF Trainer",
            step_note="its trainer_state.json records global_step 0"),
     # before "hf": a save_state folder may hold the model's config.json beside its model.safetensors

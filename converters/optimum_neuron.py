@@ -32,8 +32,10 @@ says why the optimizer is left out).
 
 The step is ``trainer_state.json``'s ``global_step`` (else ``scheduler.pt``'s ``last_epoch``), never the digits of a
 folder name.  Source: an :class:`~.nxd.source.NxdTagSource` over ``shards/`` with the root's state folded in.
-Target (:class:`OptimumNeuronExport`): the NxD tag export into ``DST/shards`` plus the root files, the whole
-folder published at once.
+Target (:class:`OptimumNeuronExport`): the NxD tag export into ``DST/shards`` in the layout optimum-neuron's model
+classes build (:func:`fit_flags`), ``shards/mp_metadata_pp_rank_P.json``, the root files, and the source's
+``training_args.bin`` / tokenizer files (:mod:`.optimum_neuron_files`: what optimum-neuron's own readers need), the
+whole folder published at once.
 """
 
 from __future__ import annotations
@@ -54,6 +56,7 @@ from ckpt.format import treecodec
 from ckpt.safe_unpickle import load_torch_file
 from ckpt.storage.folder import FolderTxn, begin_folder
 
+from . import optimum_neuron_files as files
 from .engine import Conversion, Staging, UnitReceipt
 from .engine.export import Progress
 from .hf_trainer import SCHEDULER_NAME, STATE_NAME, read_rng_files, rng_file_states
@@ -61,6 +64,7 @@ from .nxd.export import NxdExport
 from .nxd.source import NxdTagSource
 from .nxd.xser import load_nxd_file
 from .nxd.zero1 import is_zero1_dict
+from .optimum_neuron_files import fit_flags
 from .peft import Adapter
 
 NAME = "optimum-neuron"
@@ -230,6 +234,13 @@ class OptimumNeuronSource(NxdTagSource):
         """``kw``: :class:`NxdTagSource`'s (``config``, ``flags``, ``step``...); ``target_format``: see
         :func:`open_source`."""
         root = Path(path)
+        hw = (kw.get("flags") or {}).get("hw", "trn1")
+        # its loading and consolidation read one KV order on every chip (optimum_neuron_files)
+        if hw != "trn1":
+            raise LayoutError(
+                f"{root}: --source-hw {hw}: optimum-neuron 0.4.5 stores KV copies tiled (the trn1 order) on every "
+                "chip (transformations_utils.py:862); drop --source-hw"
+            )
         config, step = kw.pop("config", None), kw.pop("step", None)
         adapters = _adapters(root)
         if adapters and not (root / SHARDS / "model").is_dir():
@@ -295,21 +306,23 @@ def _bytes_of(obj: Any) -> bytes:
 
 
 def trn_config(conv: Conversion, xser: bool) -> dict[str, Any]:
-    """The ``trn_config.json`` of the layout written: the source's own (an optimum-neuron source) with the sizes
-    and flags of this target; the fields are ``TrainingNeuronConfig``'s (optimum-neuron 0.3/0.4)."""
+    """The ``trn_config.json`` of the layout written (:func:`.optimum_neuron_files.trn_config`), over the source's
+    own (an optimum-neuron source)."""
     assert conv.flags is not None
     came = conv.trees.extra.get("optimum_neuron") if isinstance(conv.trees.extra, dict) else None
     base = dict(came.get("trn_config") or {}) if isinstance(came, dict) else {}
-    f = conv.flags
-    return {
-        **base,
-        "tensor_parallel_size": f.tp,
-        "pipeline_parallel_size": f.pp,
-        "virtual_pipeline_parallel_size": f.virtual_pp,
-        "kv_size_multiplier": f.kv_size_multiplier if f.qkv_linear else base.get("kv_size_multiplier"),
-        "fuse_qkv": f.fuse_qkv,
-        "use_xser": xser,
-    }
+    return files.trn_config(base, conv.flags, xser)
+
+
+def stage_parameters(conv: Conversion) -> dict[int, list[str]]:
+    """``{pp rank: [parameter names]}``: the model parameters each PP stage of the plan holds, in plan order."""
+    out: dict[int, list[str]] = {p: [] for p in range(conv.flags.pp if conv.flags else 1)}
+    for t in conv.tensors:
+        if t.desc.role != "parameter":
+            continue
+        for pp in sorted({rank[1] for part in t.parts for rank in part.ranks}):
+            out[pp].append(t.desc.name)
+    return out
 
 
 class OptimumNeuronExport(NxdExport):
@@ -365,6 +378,15 @@ class OptimumNeuronExport(NxdExport):
         storage.put_bytes(
             TRN_CONFIG, (json.dumps(trn_config(self.conv, self.xser), indent=4) + "\n").encode()
         )
+        if self.conv.config is not None and self.conv.flags is not None:
+            # what consolidation reads (checkpointing.py:138-142), as save_pretrained writes it (modeling_utils.py:1490-1497)
+            for pp, names in stage_parameters(self.conv).items():
+                meta = files.mp_metadata(names, self.conv.flags, self.conv.config)
+                storage.put_bytes(
+                    f"{SHARDS}/mp_metadata_pp_rank_{pp}.json", json.dumps(meta, indent=4).encode()
+                )
+        for name, path in files.side_files(getattr(self.conv.source, "path", None)).items():
+            storage.put_bytes(name, path.read_bytes())  # training_args.bin: bytes only, never unpickled
         if scheduler is not None:
             storage.put_bytes(SCHEDULER_NAME, _bytes_of(treecodec.decode(scheduler)))
         rng = dict(trees.rng)
@@ -402,6 +424,7 @@ __all__ = [
     "is_lora_checkpoint",
     "read_lora_checkpoint",
     "export",
+    "fit_flags",
     "open_source",
     "read_step",
 ]

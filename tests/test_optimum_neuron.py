@@ -18,6 +18,8 @@ import torch
 from cli_helpers import assert_one_error, ckpt_cli
 from safetensors.torch import load_file
 
+import ckpt
+
 ROOT = Path(__file__).resolve().parent.parent
 TRUTH = ROOT / "fixtures" / "nxd" / "llama_gqa_h64"
 sys.path.insert(0, str(ROOT / "fixtures" / "optimum_neuron"))
@@ -149,16 +151,14 @@ def test_round_trip_through_our_format_back_to_an_optimum_neuron_folder(
     assert trn["tensor_parallel_size"] == 2 and trn["use_xser"] is True
     assert any(p.name.endswith(".tensors") for p in (back / "shards" / "model").iterdir())
     assert sorted(p.name for p in back.glob("rng_state_*.pth")) == [f"rng_state_{r}.pth" for r in range(4)]
-    # the tag's rank files hold what NxD's save wrote, tensor for tensor
+    # the layout optimum-neuron's LlamaForCausalLM builds at TP 2 over 2 KV heads: separate q/k/v projections
+    # (the NxD run it came from used GQAQKVColumnParallelLinear), so the tags compare as checkpoints, optimizer too
     from ckpt.converters.nxd import read_tag
 
-    a, b = read_tag(src / "shards"), read_tag(back / "shards")
-    assert sorted(a.per_rank_model) == sorted(b.per_rank_model)
-    for rank, tensors in a.per_rank_model.items():
-        assert all(torch.equal(tensors[k], b.per_rank_model[rank][k]) for k in tensors), rank
-        sa, sb = a.per_rank_optimizer[rank]["state"], b.per_rank_optimizer[rank]["state"]
-        assert sorted(sa) == sorted(sb)
-        assert all(torch.equal(sa[n][k], sb[n][k]) for n in sa for k in sa[n]), rank
+    b = read_tag(back / "shards")
+    assert all("model.layers.0.self_attn.k_proj.weight" in t for t in b.per_rank_model.values())
+    res = ckpt.diff(str(src), str(back))
+    assert res.same and all(t.equal for t in res.tensors) and res.optimizer == "compared"
     ok(back, tmp_path / "hf", "--to", "cuda", "--format", "hf")
     assert_truth_weights(tmp_path / "hf")
     ok(back, tmp_path / "ck2", "--to", "cuda", "--format", "ckpt")
