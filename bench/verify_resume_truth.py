@@ -47,21 +47,36 @@ def run_grid(seeds: int, defects: tuple[str, ...]) -> list[dict]:
     return rows
 
 
-def run_trainer(seeds: int, minutes: float, out: Path) -> list[dict]:
+STEPPED = ("lr_halved", "scheduler_lost", "lr_off_by_one")
+"""Defects of a scheduler stepped per update (base LRs, ``last_epoch``): not planted in ``ReduceLROnPlateau``
+runs, whose scheduler has neither."""
+
+
+def run_trainer(seeds: int, minutes: float, out: Path, extra: int = 0, first: int = 0) -> list[dict]:
     """The Trainer grid: per seed one config (scheduler, accumulation, bf16, logging by seed), with and
-    without overlap; rows are written after every trunk so a stopped run keeps what it measured."""
-    from ckpt.resume.truth_trainer import TrainerTruthConfig
+    without overlap; then ``extra`` seeds of the two extra trunks (a torch ``StepLR`` whose first milestone is
+    N+1, a logged curriculum phase change at N+1) with their branches; rows are written after every trunk so a
+    stopped run keeps what it measured."""
+    from ckpt.resume.truth_trainer import DEFECTS as T_DEFECTS
+    from ckpt.resume.truth_trainer import EXTRA_DEFECTS, TrainerTruthConfig
     from ckpt.resume.truth_trainer import measure as measure_trainer
 
     rows: list[dict] = []
     t0 = time.time()
-    jobs = [(seed, ov) for seed in range(seeds) for ov in (True, False)]
-    for i, (seed, ov) in enumerate(jobs, 1):
+    jobs = [
+        (cfg, tuple(d for d in T_DEFECTS if not (cfg.scheduler == "reduce_lr_on_plateau" and d in STEPPED)))
+        for s in range(first, seeds)
+        for cfg in (TrainerTruthConfig.from_seed(s, overlap=ov) for ov in (True, False))
+    ]
+    for s in range(first if first < extra else extra, extra):
+        for kw in ({"scheduler": "step_lr"}, {"curriculum": True, "scheduler": "cosine"}):
+            jobs += [(TrainerTruthConfig.from_seed(s, overlap=ov, **kw), EXTRA_DEFECTS) for ov in (True, False)]
+    for i, (cfg, defects) in enumerate(jobs, 1):
         if time.time() - t0 > 60 * minutes:
             print(f"\nstopped after {i - 1} trunks ({minutes:g} min)", file=sys.stderr)
             break
         with tempfile.TemporaryDirectory() as tmp:
-            rows += measure_trainer(TrainerTruthConfig.from_seed(seed, overlap=ov), Path(tmp))
+            rows += measure_trainer(cfg, Path(tmp), defects)
         out.write_text(json.dumps(rows, indent=0))
         print(f"\r{i}/{len(jobs)} trunks, {time.time() - t0:.0f} s", end="", file=sys.stderr)
     print(file=sys.stderr)
@@ -207,6 +222,8 @@ def main() -> None:
     ap.add_argument(
         "--minutes", type=float, default=1e9, help="trainer source: stop starting trunks after this"
     )
+    ap.add_argument("--first-seed", type=int, default=0, help="trainer source: start the grid at this seed")
+    ap.add_argument("--extra-seeds", type=int, default=0, help="trainer source: StepLR and curriculum trunks")
     ap.add_argument(
         "--trainer-json", type=Path, help="Also print the Trainer source's tables from these rows."
     )
@@ -218,7 +235,7 @@ def main() -> None:
             else args.out
         )
         out.parent.mkdir(parents=True, exist_ok=True)
-        print(trainer_tables(run_trainer(args.seeds, args.minutes, out)))
+        print(trainer_tables(run_trainer(args.seeds, args.minutes, out, args.extra_seeds, args.first_seed)))
         return
     if args.from_json:
         rows = json.loads(args.from_json.read_text())

@@ -100,13 +100,15 @@ def check_optimizer(ctx: CheckContext) -> CheckResult:
         ).judged(Basis.CHECKPOINT, Confidence.EXACT)
     bitwise = ctx.deterministic and bool(b.overlap)
     if record is None and not bitwise:
+        # A warning without a cause: the row says what could not be decided, the run's causes stay the ones
+        # found (a cause here would stand on every logs-only verdict and name nothing that happened).
         return CheckResult(
             "optimizer",
             Status.WARN,
-            f"cannot tell from these logs {', '.join(UNDECIDED[:-1])} or {UNDECIDED[-1]}: small changes there move "
-            "the loss less than its noise (CkptCallback's restore record and the checkpoint decide the first two; "
-            "a bitwise overlap decides all)",
-            Cause.CANNOT_TELL,
+            f"cannot tell from these logs {', '.join(UNDECIDED[:-1])} or {UNDECIDED[-1]}: small changes there "
+            "move the loss less than its noise (CkptCallback's restore record and the checkpoint decide the "
+            "first two; a bitwise overlap decides all)",
+            None,
             nums,
         ).judged(Basis.TRAJECTORY, Confidence.LOW)
     return CheckResult("optimizer", Status.SKIP, "no optimizer facts logged with the restore", None, nums)
