@@ -65,6 +65,11 @@ EXTRA_DEFECTS = ("clean", "clean_nondeterministic", "weights_fresh", "scheduler_
 """The branches of the extra trunks (a torch ``StepLR`` whose first milestone is N+1, a curriculum whose phase
 changes at N+1): clean resumes there must pass, and the schedule defects must still be caught."""
 STALE_STEPS = 5
+EVENTS = {
+    "cosine_with_restarts": "warm restart",
+    "warmup_stable_decay": "decay start",
+    "step_lr": "StepLR milestone",
+}
 NONDETERMINISM = 1e-3
 """``clean_nondeterministic``: Gaussian gradient noise of this size relative to each gradient's mean magnitude,
 from a generator no checkpoint carries (atomics-based GPU kernels, exaggerated)."""
@@ -115,15 +120,9 @@ class TrainerTruthConfig:
         curriculum phase; None when nothing."""
         if self.curriculum:
             return "curriculum phase"
-        return {
-            "cosine_with_restarts": "warm restart",
-            "warmup_stable_decay": "decay start",
-            "step_lr": "StepLR milestone",
-        }.get(self.scheduler)
+        return EVENTS.get(self.scheduler)
 
-    @property
-    def event_at_boundary(self) -> bool:
-        return self.event is not None
+    event_at_boundary = property(lambda self: self.event is not None)
 
     def scheduler_kwargs(self) -> dict[str, Any]:
         n, w, t = self.restored, self.warmup, self.total
