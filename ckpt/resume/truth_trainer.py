@@ -442,12 +442,7 @@ def judge(out: Path, fmt: str, deterministic: bool | None) -> dict[str, Any]:
         run, facts = load_run(out / "ledger.jsonl", "jsonl"), TrainerCheckpointFacts(str(out))
     result = verify_run(run, options=VerifyOptions(deterministic=deterministic), facts=facts)
     causes = [c.value for c in result.causes]
-    undecided = any(
-        c.status.value == "warn" and (c.cause is None or c.cause.value == "cannot tell from the logs")
-        for v in result.verdicts
-        for c in v.checks
-    )
-    return {"exit": result.exit_code, "causes": causes, "cannot_tell": undecided}
+    return {"exit": result.exit_code, "causes": causes, "cannot_tell": bool(result.undecided)}
 
 
 def effect(clean: Path, broken: Path, restored: int) -> dict[str, float]:
