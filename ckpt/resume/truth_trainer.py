@@ -222,12 +222,13 @@ def _curriculum(cfg: TrainerTruthConfig) -> tuple[Any, Any]:
 
     data = Mix()
 
+    # accelerate's loader fetches one batch ahead: step N+1's batch is fetched after step N-1 ends
     class Phase(TrainerCallback):
         def on_train_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
-            data.phase = 2 if state.global_step >= cfg.restored else 1
+            data.phase = 2 if state.global_step >= cfg.restored - 1 else 1
 
         def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
-            data.phase = 2 if state.global_step >= cfg.restored else 1
+            data.phase = 2 if state.global_step >= cfg.restored - 1 else 1
 
         def on_log(self, args: Any, state: Any, control: Any, logs: Any = None, **kw: Any) -> None:
             if logs is not None and "loss" in logs:
