@@ -155,7 +155,10 @@ def test_scheduled_events_at_the_boundary_pass_without_overlap_and_replay_catche
         for fmt, det in (("tensorboard", False), ("tensorboard", True), ("ledger", None)):
             r = _pick(rows, "clean", fmt, det, seed=seed, overlap=False, **kw)
             assert r["exit"] == 0, (seed, kw, fmt, det, r["causes"])
-    # the ledger's replay of the checkpoint's scheduler expects the warm restart and the milestone exactly
-    for seed, kw in ((2, {}), (0, {"scheduler": "step_lr"})):
-        r = _pick(rows, "lr_off_by_one", "ledger", None, seed=seed, overlap=False, **kw)
-        assert r["exit"] == 1 and Cause.LR_OFF_BY_ONE.value in r["causes"], r["causes"]
+    # the ledger's replay of the checkpoint's scheduler expects the warm restart and the milestone exactly, so
+    # one extra scheduler step is caught there: off by one against the restart; against StepLR the extra step
+    # skips the milestone (a chainable StepLR halves only on it), which is a different schedule
+    restart = _pick(rows, "lr_off_by_one", "ledger", None, seed=2, overlap=False)
+    assert restart["exit"] == 1 and Cause.LR_OFF_BY_ONE.value in restart["causes"], restart["causes"]
+    step = _pick(rows, "lr_off_by_one", "ledger", None, seed=0, overlap=False, scheduler="step_lr")
+    assert step["exit"] == 1 and Cause.LR_DIFFERENT.value in step["causes"], step["causes"]
