@@ -131,6 +131,8 @@ def trainer_tables(rows: list[dict]) -> str:
                     cells.append("-")
                     continue
                 clean = sel[0]["defect"] in T_CLEAN
+                if not clean:
+                    sel = [r for r in sel if not _no_effect(r)] or sel
                 if sel[0]["defect"] == "clean_nondeterministic" and d is True:
                     cells.append(
                         f"fails {100 * sum(r['exit'] == 1 for r in sel) / len(sel):.0f}% (forced bitwise) ({len(sel)})"
@@ -147,6 +149,12 @@ def trainer_tables(rows: list[dict]) -> str:
     return "\n".join(out)
 
 
+def _no_effect(r: dict) -> bool:
+    """A planted defect that changed nothing the runs show (an extra scheduler step on a constant LR): the
+    resumed run equals the clean one in loss and LR, so no verifier could see it; left out of the rates."""
+    return r.get("loss_effect") == 0.0 and r.get("lr_effect") == 0.0
+
+
 def summary(source: str, rows: list[dict], clean: frozenset[str]) -> str:
     """False alarms over every clean verdict, and per (view, class) whether detection reaches 95%: the
     classes below it in a view are that view's undecidable ones, with the share that said "cannot tell"."""
@@ -160,15 +168,17 @@ def summary(source: str, rows: list[dict], clean: frozenset[str]) -> str:
             f"  FP: {r['defect']} seed {r['seed']} {r.get('scheduler', r.get('size'))} overlap={r['overlap']} "
             f"{r['format']} det={r['deterministic']} every={r['every']}: {r['causes']}"
         )
-    views = sorted({(r["format"], str(r["deterministic"]), r["overlap"]) for r in rows})
-    for f, d, ov in views:
+    views = sorted({(r["format"], str(r["deterministic"]), r["overlap"], r["every"]) for r in rows})
+    for f, d, ov, every in views:
         ok, low = [], []
         for cls in sorted({r["defect"] for r in rows} - clean):
             sel = [
                 r
                 for r in rows
-                if r["defect"] == cls and (r["format"], str(r["deterministic"]), r["overlap"]) == (f, d, ov)
+                if r["defect"] == cls
+                and (r["format"], str(r["deterministic"]), r["overlap"], r["every"]) == (f, d, ov, every)
             ]
+            sel = [r for r in sel if not _no_effect(r)]
             if not sel:
                 continue
             rate = sum(r["exit"] == 1 for r in sel) / len(sel)
@@ -178,7 +188,7 @@ def summary(source: str, rows: list[dict], clean: frozenset[str]) -> str:
             )
         mode = "overlap" if ov else "no overlap"
         out.append(
-            f"  {f} det={d} {mode}: detected >= 95%: {', '.join(ok) or '-'}; below (undecidable here): "
+            f"  {f} det={d} {mode} every {every}: detected >= 95%: {', '.join(ok) or '-'}; below (undecidable here): "
             f"{', '.join(low) or '-'}"
         )
     return "\n".join(out)
