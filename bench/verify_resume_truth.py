@@ -152,7 +152,8 @@ def trainer_tables(rows: list[dict]) -> str:
 def _no_effect(r: dict) -> bool:
     """A planted defect that changed nothing the runs show (an extra scheduler step on a constant LR): the
     resumed run equals the clean one in loss and LR, so no verifier could see it; left out of the rates."""
-    return r.get("loss_effect") == 0.0 and r.get("lr_effect") == 0.0
+    schedule = r["defect"] in ("lr_off_by_one", "lr_halved", "scheduler_lost")
+    return schedule and r.get("loss_effect") == 0.0 and r.get("lr_effect") == 0.0
 
 
 def summary(source: str, rows: list[dict], clean: frozenset[str]) -> str:
