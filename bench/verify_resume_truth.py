@@ -47,49 +47,70 @@ def run_grid(seeds: int, defects: tuple[str, ...]) -> list[dict]:
     return rows
 
 
-def run_trainer(seeds: int, minutes: float, out: Path) -> list[dict]:
+STEPPED = ("lr_halved", "scheduler_lost", "lr_off_by_one")
+"""Defects of a scheduler stepped per update (base LRs, ``last_epoch``): not planted in ``ReduceLROnPlateau``
+runs, whose scheduler has neither."""
+
+
+def run_trainer(seeds: int, minutes: float, out: Path, extra: int = 0, first: int = 0) -> list[dict]:
     """The Trainer grid: per seed one config (scheduler, accumulation, bf16, logging by seed), with and
-    without overlap; rows are written after every trunk so a stopped run keeps what it measured."""
-    from ckpt.resume.truth_trainer import TrainerTruthConfig
+    without overlap; then ``extra`` seeds of the two extra trunks (a torch ``StepLR`` whose first milestone is
+    N+1, a logged curriculum phase change at N+1) with their branches; rows are written after every trunk so a
+    stopped run keeps what it measured."""
+    from ckpt.resume.truth_trainer import DEFECTS as T_DEFECTS
+    from ckpt.resume.truth_trainer import EXTRA_DEFECTS, TrainerTruthConfig
     from ckpt.resume.truth_trainer import measure as measure_trainer
 
     rows: list[dict] = []
     t0 = time.time()
-    jobs = [(seed, ov) for seed in range(seeds) for ov in (True, False)]
-    for i, (seed, ov) in enumerate(jobs, 1):
+    jobs = [
+        (cfg, tuple(d for d in T_DEFECTS if not (cfg.scheduler == "reduce_lr_on_plateau" and d in STEPPED)))
+        for s in range(first, seeds)
+        for cfg in (TrainerTruthConfig.from_seed(s, overlap=ov) for ov in (True, False))
+    ]
+    for s in range(first if first < extra else extra, extra):
+        for kw in ({"scheduler": "step_lr"}, {"curriculum": True, "scheduler": "cosine"}):
+            jobs += [
+                (TrainerTruthConfig.from_seed(s, overlap=ov, **kw), EXTRA_DEFECTS) for ov in (True, False)
+            ]
+    for i, (cfg, defects) in enumerate(jobs, 1):
         if time.time() - t0 > 60 * minutes:
             print(f"\nstopped after {i - 1} trunks ({minutes:g} min)", file=sys.stderr)
             break
         with tempfile.TemporaryDirectory() as tmp:
-            rows += measure_trainer(TrainerTruthConfig.from_seed(seed, overlap=ov), Path(tmp))
+            rows += measure_trainer(cfg, Path(tmp), defects)
         out.write_text(json.dumps(rows, indent=0))
         print(f"\r{i}/{len(jobs)} trunks, {time.time() - t0:.0f} s", end="", file=sys.stderr)
     print(file=sys.stderr)
     return rows
 
 
+def _trainer_class(r: dict) -> str:
+    if r["defect"] == "clean" and r.get("event"):
+        return f"clean, {r['event']} at N+1"
+    return r["defect"]
+
+
 def trainer_tables(rows: list[dict]) -> str:
-    """Markdown for the Trainer source: rows = classes (clean split by a schedule event at N+1), columns =
-    views x logging interval; a cell is the share exiting 1 (defect) or 0 (clean) and the count."""
+    """Markdown for the Trainer source: rows = classes (clean split by the schedule event at N+1), columns =
+    views x logging interval; a cell is the share exiting 1 (defect) or 0 (clean), then the share that exited 0
+    saying "cannot tell" (a defect), and the count."""
     from ckpt.resume.truth_trainer import CLEAN as T_CLEAN
     from ckpt.resume.truth_trainer import DEFECTS as T_DEFECTS
     from ckpt.resume.truth_trainer import VIEWS as T_VIEWS
 
-    def cls(r: dict) -> str:
-        if r["defect"] == "clean" and r["event_at_boundary"]:
-            return "clean (warm restart / decay start at N+1)"
-        return r["defect"]
-
+    events = sorted({r["event"] for r in rows if r.get("event") and r["defect"] == "clean"})
     classes = [
-        c
-        for d in T_DEFECTS
-        for c in ((d, "clean (warm restart / decay start at N+1)") if d == "clean" else (d,))
+        c for d in T_DEFECTS for c in ((d, *(f"clean, {e} at N+1" for e in events)) if d == "clean" else (d,))
     ]
     cols = [(f, d, e) for f, d in T_VIEWS for e in (1, 10)]
     out = []
     for ov in (True, False):
         title = "7 overlapping steps" if ov else "no overlap"
-        out.append(f"\n**Trainer source, {title}** (share detected / clean-and-passed, runs in brackets)\n")
+        out.append(
+            f"\n**Trainer source, {title}** (share detected / clean-and-passed; `ct`: share of the misses that said "
+            '"cannot tell"; runs in brackets)\n'
+        )
         out.append(
             "| class | "
             + " | ".join(f"{_view_name(f, 1, d).rsplit(',', 1)[0]}, logging {e}" for f, d, e in cols)
@@ -102,7 +123,7 @@ def trainer_tables(rows: list[dict]) -> str:
                 sel = [
                     r
                     for r in rows
-                    if cls(r) == c
+                    if _trainer_class(r) == c
                     and r["overlap"] == ov
                     and (r["format"], r["deterministic"], r["every"]) == (f, d, e)
                 ]
@@ -110,20 +131,66 @@ def trainer_tables(rows: list[dict]) -> str:
                     cells.append("-")
                     continue
                 clean = sel[0]["defect"] in T_CLEAN
+                if not clean:
+                    sel = [r for r in sel if not _no_effect(r)] or sel
                 if sel[0]["defect"] == "clean_nondeterministic" and d is True:
                     cells.append(
                         f"fails {100 * sum(r['exit'] == 1 for r in sel) / len(sel):.0f}% (forced bitwise) ({len(sel)})"
                     )
                     continue
                 hit = sum(r["exit"] == (0 if clean else 1) for r in sel)
-                cells.append(f"{100 * hit / len(sel):.0f}% ({len(sel)})")
+                cell = f"{100 * hit / len(sel):.0f}%"
+                missed = [r for r in sel if r["exit"] == 0] if not clean else []
+                if missed:
+                    cell += f", ct {100 * sum(bool(r.get('cannot_tell')) for r in missed) / len(missed):.0f}%"
+                cells.append(f"{cell} ({len(sel)})")
             out.append(f"| {c} | " + " | ".join(cells) + " |")
-    fp = [r for r in rows if r["defect"] in T_CLEAN and not _forced(r)]
+    out.append("\n" + summary("trainer", rows, T_CLEAN))
+    return "\n".join(out)
+
+
+def _no_effect(r: dict) -> bool:
+    """A planted defect that changed nothing the runs show (an extra scheduler step on a constant LR): the
+    resumed run equals the clean one in loss and LR, so no verifier could see it; left out of the rates."""
+    schedule = r["defect"] in ("lr_off_by_one", "lr_halved", "scheduler_lost")
+    return schedule and r.get("loss_effect") == 0.0 and r.get("lr_effect") == 0.0
+
+
+def summary(source: str, rows: list[dict], clean: frozenset[str]) -> str:
+    """False alarms over every clean verdict, and per (view, class) whether detection reaches 95%: the
+    classes below it in a view are that view's undecidable ones, with the share that said "cannot tell"."""
+    fp = [r for r in rows if r["defect"] in clean and not _forced(r)]
     bad = [r for r in fp if r["exit"] != 0]
-    out.append(f"\nTrainer source: false positives {len(bad)} / {len(fp)} clean verdicts")
+    out = [
+        f"{source} source: false positives {len(bad)} / {len(fp)} clean verdicts ({100 * len(bad) / max(1, len(fp)):.1f}%)"
+    ]
     for r in bad[:10]:
         out.append(
-            f"  FP: {r['defect']} seed {r['seed']} {r['scheduler']} overlap={r['overlap']} {r['format']} det={r['deterministic']} every={r['every']}: {r['causes']}"
+            f"  FP: {r['defect']} seed {r['seed']} {r.get('scheduler', r.get('size'))} overlap={r['overlap']} "
+            f"{r['format']} det={r['deterministic']} every={r['every']}: {r['causes']}"
+        )
+    views = sorted({(r["format"], str(r["deterministic"]), r["overlap"], r["every"]) for r in rows})
+    for f, d, ov, every in views:
+        ok, low = [], []
+        for cls in sorted({r["defect"] for r in rows} - clean):
+            sel = [
+                r
+                for r in rows
+                if r["defect"] == cls
+                and (r["format"], str(r["deterministic"]), r["overlap"], r["every"]) == (f, d, ov, every)
+            ]
+            sel = [r for r in sel if not _no_effect(r)]
+            if not sel:
+                continue
+            rate = sum(r["exit"] == 1 for r in sel) / len(sel)
+            ct = sum(bool(r.get("cannot_tell")) for r in sel if r["exit"] == 0)
+            (ok if rate >= 0.95 else low).append(
+                f"{cls} {100 * rate:.0f}%" + (f" (cannot tell {ct}/{len(sel)})" if rate < 0.95 else "")
+            )
+        mode = "overlap" if ov else "no overlap"
+        out.append(
+            f"  {f} det={d} {mode} every {every}: detected >= 95%: {', '.join(ok) or '-'}; below (undecidable here): "
+            f"{', '.join(low) or '-'}"
         )
     return "\n".join(out)
 
@@ -207,6 +274,8 @@ def main() -> None:
     ap.add_argument(
         "--minutes", type=float, default=1e9, help="trainer source: stop starting trunks after this"
     )
+    ap.add_argument("--first-seed", type=int, default=0, help="trainer source: start the grid at this seed")
+    ap.add_argument("--extra-seeds", type=int, default=0, help="trainer source: StepLR and curriculum trunks")
     ap.add_argument(
         "--trainer-json", type=Path, help="Also print the Trainer source's tables from these rows."
     )
@@ -218,7 +287,7 @@ def main() -> None:
             else args.out
         )
         out.parent.mkdir(parents=True, exist_ok=True)
-        print(trainer_tables(run_trainer(args.seeds, args.minutes, out)))
+        print(trainer_tables(run_trainer(args.seeds, args.minutes, out, args.extra_seeds, args.first_seed)))
         return
     if args.from_json:
         rows = json.loads(args.from_json.read_text())
@@ -228,7 +297,10 @@ def main() -> None:
         args.out.write_text(json.dumps(rows, indent=0))
     if args.trainer_json:
         print(trainer_tables(json.loads(args.trainer_json.read_text())))
+    elif args.from_json is None:
+        print("(the Trainer source: --source trainer, or --trainer-json ROWS to print both)")
     print(tables(rows))
+    print(summary("generator", rows, CLEAN))
     fp = [r for r in rows if r["defect"] in CLEAN and not _forced(r) and r["exit"] != 0]
     missed = [r for r in rows if r["defect"] not in CLEAN and _big(r) and r["exit"] != 1]
     print(

@@ -85,6 +85,23 @@ def test_tensorboard_truncated_record_is_noted(tmp_path: Path) -> None:
     assert [r.step for r in run.sessions[0].steps] == [1, 2, 3, 4, 5]
 
 
+def test_tensorboard_of_a_trainer_with_evaluation_reads_the_training_loss(tmp_path: Path) -> None:
+    # the Trainer's TensorBoardCallback with eval_strategy: train/loss every step, eval/loss every 5th,
+    # train/train_loss once at the end (the run's mean)
+    from torch.utils.tensorboard import SummaryWriter
+
+    w = SummaryWriter(str(tmp_path))
+    for s in range(1, 11):
+        w.add_scalar("train/loss", 2.0 + s, s)
+        w.add_scalar("train/learning_rate", 0.1, s)
+        if s % 5 == 0:
+            w.add_scalar("eval/loss", 9.0, s)
+    w.add_scalar("train/train_loss", 5.5, 10)
+    w.close()
+    run = read_tensorboard(tmp_path)
+    assert [r.loss for r in run.sessions[0].steps] == [2.0 + s for s in range(1, 11)]
+
+
 def test_tensorboard_rejects_a_non_event_file(tmp_path: Path) -> None:
     (tmp_path / "events.out.tfevents.bogus").write_bytes(b"x" * 64)
     with pytest.raises(RunInputError, match="CRC"):

@@ -53,6 +53,9 @@ def test_clean_resumes_of_a_run_whose_loss_steps_down_at_each_epoch_pass(
 ) -> None:
     for result in (logs_only(runs[name]), with_facts(runs[name])):
         assert result.exit_code == 0 and result.causes == [], result.causes
+    # logs alone cannot decide the optimizer's moments and settings: said as "cannot tell", never a plain pass
+    opt = logs_only(runs[name]).verdicts[0].check("optimizer")
+    assert opt.status is Status.WARN and opt.summary.startswith("cannot tell") and "betas" in opt.summary
 
 
 def test_a_drop_at_an_epoch_start_fits_the_runs_pattern_when_the_epoch_is_logged(

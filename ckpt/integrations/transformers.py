@@ -52,6 +52,7 @@ except ImportError as exc:  # pragma: no cover - the integration needs transform
     raise ImportError("ckpt.integrations.transformers needs transformers: pip install transformers") from exc
 
 from ckpt.resume.ledger import LedgerWriter, digest_ids, digest_rng, optimizer_step
+from ckpt.resume.sources.base import is_phase_name
 
 __all__ = ["CkptCallback"]
 
@@ -78,7 +79,9 @@ def _resume_argument() -> str | None:
     frame = inspect.currentframe()
     try:
         while frame is not None:
-            if frame.f_code.co_name == "_inner_training_loop" and isinstance(frame.f_locals.get("self"), Trainer):
+            if frame.f_code.co_name == "_inner_training_loop" and isinstance(
+                frame.f_locals.get("self"), Trainer
+            ):
                 given = frame.f_locals.get("resume_from_checkpoint")
                 return os.fspath(given) if isinstance(given, (str, os.PathLike)) else None
             frame = frame.f_back
@@ -94,6 +97,36 @@ def _restored_from(args: Any, step: int) -> str:
         if isinstance(given, str) and os.path.isdir(given):
             return given
     return _checkpoint_dir(args.output_dir, step)
+
+
+def _restored_state(optimizer: Any, scheduler: Any, folder: str | None) -> dict[str, Any]:
+    """The restore record's ``optimizer`` (the live optimizer's settings and moments, as the resume will use
+    them) and ``scheduled_lr`` (the checkpoint's ``scheduler.pt`` replayed through the live scheduler's class:
+    the LRs of N+1, N+2, ...); each left out when it cannot be had."""
+    from ckpt.resume.restore_facts import optimizer_summary, replay_scheduler
+
+    out: dict[str, Any] = {}
+    inner = getattr(
+        optimizer, "optimizer", optimizer
+    )  # accelerate's AcceleratedOptimizer wraps the torch one
+    summary = optimizer_summary(inner) if inner is not None else None
+    if summary is not None:
+        out["optimizer"] = summary
+    path = os.path.join(folder, "scheduler.pt") if folder else None
+    if scheduler is not None and path and os.path.isfile(path):
+        from ckpt.errors import CkptError
+        from ckpt.safe_unpickle import load_torch_file
+
+        try:
+            state = load_torch_file(path)
+        except (CkptError, OSError, ValueError):
+            state = None
+        lrs = replay_scheduler(scheduler, state) if isinstance(state, Mapping) else None
+        if lrs is not None:
+            out["scheduled_lr"] = lrs
+    return out
+
+
 def _read_samples(folder: str) -> int | None:
     """The sample count stored beside a checkpoint by :meth:`CkptCallback.on_save` (None when absent: a
     checkpoint written without the callback, whose count is unknown)."""
@@ -134,6 +167,8 @@ class CkptCallback(TrainerCallback):
         self._rng: dict[int, str] = {}
         #: the restore not yet logged: (step, checkpoint folder), written with the model's digest
         self._restored: tuple[int, str, int | None] | None = None
+        #: the restore record's optimizer summary and replayed LRs (``ckpt.resume.restore_facts``)
+        self._restored_state: dict[str, Any] = {}
         self._hook: Any = None
         self._micro: list[str] = []
         self._samples: int | None = None
@@ -175,7 +210,11 @@ class CkptCallback(TrainerCallback):
             deterministic=bool(getattr(args, "full_determinism", False)),
             seed=getattr(args, "seed", None),
             tokenizer_id=self.tokenizer_id,
-            extra_env={"framework": "transformers.Trainer", **self.extra_env},
+            extra_env={
+                "framework": "transformers.Trainer",
+                "gradient_accumulation_steps": int(getattr(args, "gradient_accumulation_steps", 1) or 1),
+                **self.extra_env,
+            },
         )
         self._micro, self._data = [], {}
         self._samples = 0
@@ -183,6 +222,7 @@ class CkptCallback(TrainerCallback):
             folder = _restored_from(args, state.global_step)
             opt = kwargs.get("optimizer")
             self._restored = (state.global_step, folder, optimizer_step(opt) if opt is not None else None)
+            self._restored_state = _restored_state(opt, kwargs.get("lr_scheduler"), folder)
             self._samples = _read_samples(folder)
         self._attach(kwargs.get("model"))
 
@@ -203,7 +243,9 @@ class CkptCallback(TrainerCallback):
             model_digest=digest.tensors if digest is not None else None,
             model_views=digest.views if digest is not None else None,
             optimizer_step=opt_step,
+            **self._restored_state,
         )
+        self._restored_state = {}
 
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self.ledger is not None:
@@ -234,6 +276,9 @@ class CkptCallback(TrainerCallback):
             samples=samples,
             data_digest=digest,
             rng_digest=self._rng.pop(step, None),
+            epoch=logs.get("epoch") if isinstance(logs.get("epoch"), (int, float)) else None,
+            phase={k: v for k, v in logs.items() if is_phase_name(k) and isinstance(v, (int, float, str))}
+            or None,
         )
         self._rng = {s: d for s, d in self._rng.items() if s > step}
         self._data = {s: d for s, d in self._data.items() if s > step}

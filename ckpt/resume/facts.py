@@ -26,6 +26,8 @@ class CheckpointFacts:
     ``scheduler_last_lr`` is the scheduler's ``_last_lr[0]``: the LR the first update after the restore must
     use (it lets the LR be judged exactly when no step overlaps).  ``missing`` names state files a resume
     needs that the checkpoint lacks (``scheduler.pt`` of an HF Trainer checkpoint), with what that causes.
+    ``optimizer_hyper`` is the saved optimizer's settings per param group
+    (:func:`ckpt.resume.restore_facts.group_hyperparameters`), which the live optimizer must keep.
     """
 
     step: int
@@ -39,6 +41,7 @@ class CheckpointFacts:
     rng_streams: tuple[str, ...] | None = None
     scheduler_last_lr: float | None = None
     missing: tuple[str, ...] = ()
+    optimizer_hyper: tuple[Mapping[str, Any], ...] | None = None
 
 
 FactsProvider = Callable[[int, "str | None"], "CheckpointFacts | None"]

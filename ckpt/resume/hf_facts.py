@@ -5,7 +5,7 @@ What the verifier needs from a Trainer checkpoint, and where it lives:
 - the step: ``trainer_state.json`` ``global_step``;
 - the scheduler position: ``scheduler.pt`` (``last_epoch`` and ``_last_lr``, the LR of the next update);
 - the optimizer's per-parameter ``step`` counters: ``optimizer.pt`` (memory-mapped: only the scalars are
-  read, never the moments);
+  read, never the moments) and its settings per param group (betas, weight decay, ...);
 - which state files are missing.  ``Trainer._load_optimizer_and_scheduler`` loads *neither* optimizer nor
   scheduler when ``scheduler.pt`` is absent, so a checkpoint without it resumes with a fresh warmup and fresh
   Adam moments; the counters check names the file.
@@ -24,6 +24,7 @@ from typing import Any
 
 from ckpt.resume.facts import CachedFacts, CheckpointFacts, folder_digest
 from ckpt.resume.manifest_facts import _as_int, scheduler_position
+from ckpt.resume.restore_facts import group_hyperparameters
 
 MISSING_WHY = {
     "scheduler.pt": "without it Trainer restores neither the scheduler nor optimizer.pt: warmup and Adam "
@@ -57,8 +58,12 @@ def facts_from_trainer_checkpoint(folder: str | os.PathLike[str], step: int | No
     else:
         missing.append("scheduler.pt")
     opt_steps: dict[str, int] = {}
+    hyper = None
     if (d / "optimizer.pt").is_file():
         opt: Any = load_torch_file(d / "optimizer.pt", mmap=True)
+        groups = opt.get("param_groups") if isinstance(opt, dict) else None
+        if isinstance(groups, list) and all(isinstance(g, dict) for g in groups):
+            hyper = tuple(group_hyperparameters(groups))
         for key, st in (opt.get("state") or {}).items() if isinstance(opt, dict) else ():
             if isinstance(st, dict) and "step" in st:
                 value = _as_int(st["step"])
@@ -74,6 +79,7 @@ def facts_from_trainer_checkpoint(folder: str | os.PathLike[str], step: int | No
         scheduler_last_epoch=last_epoch,
         scheduler_last_lr=last_lr,
         missing=tuple(f"{name} ({MISSING_WHY[name]})" for name in missing),
+        optimizer_hyper=hyper,
     )
 
 

@@ -258,6 +258,8 @@ class LedgerWriter:
         unloaded: Iterable[str] = (),
         unfilled: Iterable[str] = (),
         tier: str | None = None,
+        optimizer: Mapping[str, object] | None = None,
+        scheduled_lr: Iterable[float] | None = None,
     ) -> None:
         """Record that state of step ``step`` was loaded from ``path`` in ``seconds``; log it before training.
 
@@ -270,6 +272,11 @@ class LedgerWriter:
         checkpoint's tensors the restore did not load and the model's it left as they were (``strict=False``).
         ``optimizer_step`` (optional, :func:`optimizer_step`) is the live optimizer's update counter after the
         load: the verifier then knows the optimizer state arrived and does not blame a loss jump on it.
+        ``optimizer`` (:func:`ckpt.resume.restore_facts.optimizer_summary`) is the live optimizer's hyperparameters per param group and
+        the norm of its first moments after the load, compared with the checkpoint's (betas or weight decay
+        changed, moments zeroed with the step kept).  ``scheduled_lr`` is the LRs of steps N+1, N+2, ... that
+        the checkpoint's scheduler state gives when replayed (:func:`ckpt.resume.restore_facts.replay_scheduler`),
+        so that a warm restart or a milestone at the boundary is expected, not a jump.
         """
         fields: dict[str, object] = {
             "step": int(step),
@@ -284,6 +291,10 @@ class LedgerWriter:
             fields["model_views"] = dict(model_views)
         if tier is not None:
             fields["tier"] = str(tier)
+        if optimizer is not None:
+            fields["optimizer"] = dict(optimizer)
+        if scheduled_lr is not None:
+            fields["scheduled_lr"] = [float(v) for v in scheduled_lr]
         for key, names in (("unloaded", list(unloaded)), ("unfilled", list(unfilled))):
             if names:
                 fields[key] = [str(n) for n in names]

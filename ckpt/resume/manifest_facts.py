@@ -56,6 +56,10 @@ def scheduler_position(sched: Any) -> tuple[int | None, float | None]:
     if not isinstance(sched, Mapping):
         return None, None
     last_epoch = _as_int(sched["last_epoch"]) if "last_epoch" in sched else None
+    if "patience" in sched and "num_bad_epochs" in sched:
+        # ReduceLROnPlateau: stepped once per evaluation with a metric, so last_epoch counts evaluations,
+        # not updates; it says nothing about the restored step
+        last_epoch = None
     last_lr = sched.get("_last_lr")
     if isinstance(last_lr, (list, tuple)) and last_lr:
         last_lr = last_lr[0]

@@ -70,6 +70,10 @@ class Restore:
     unloaded: tuple[str, ...] = ()
     unfilled: tuple[str, ...] = ()
     tier: str | None = None  # local / peer / persistent (ckpt.tiers); None: not logged
+    #: the live optimizer after the load (``hyper``: settings per param group; ``exp_avg_norm``), when logged
+    optimizer: dict[str, object] | None = None
+    #: LRs of steps N+1, N+2, ... replayed from the checkpoint's scheduler state, when logged
+    scheduled_lr: tuple[float, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

@@ -413,7 +413,8 @@ def judge(run_dir: Path, fmt: str, every: int, deterministic: bool | None) -> di
     else:
         run, facts = load_run(run_dir, "jsonl"), ManifestFacts(str(checkpoints_dir(run_dir)))
     result = verify_run(thin(run, every), options=VerifyOptions(deterministic=deterministic), facts=facts)
-    return {"exit": result.exit_code, "causes": [c.value for c in result.causes]}
+    causes = [c.value for c in result.causes]
+    return {"exit": result.exit_code, "causes": causes, "cannot_tell": bool(result.undecided)}
 
 
 def measure(cfg: TruthConfig, root: Path, defects: tuple[str, ...] = DEFECTS) -> list[dict[str, Any]]:

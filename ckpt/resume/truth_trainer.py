@@ -61,7 +61,15 @@ DEFECTS = (
 moments zeroed with the step kept, betas or weight decay changed, gradient accumulation changed, and the LR
 scaled inside the optimizer step while the scheduler's (logged) LR is not."""
 CLEAN = frozenset(d for d in DEFECTS if d.startswith("clean"))
+EXTRA_DEFECTS = ("clean", "clean_nondeterministic", "weights_fresh", "scheduler_lost", "lr_off_by_one")
+"""The branches of the extra trunks (a torch ``StepLR`` whose first milestone is N+1, a curriculum whose phase
+changes at N+1): clean resumes there must pass, and the schedule defects must still be caught."""
 STALE_STEPS = 5
+EVENTS = {
+    "cosine_with_restarts": "warm restart",
+    "warmup_stable_decay": "decay start",
+    "step_lr": "StepLR milestone",
+}
 NONDETERMINISM = 1e-3
 """``clean_nondeterministic``: Gaussian gradient noise of this size relative to each gradient's mean magnitude,
 from a generator no checkpoint carries (atomics-based GPU kernels, exaggerated)."""
@@ -84,6 +92,8 @@ class TrainerTruthConfig:
     batch: int = 8
     lr: float = 3e-3
     overlap_steps: int = 7
+    curriculum: bool = False
+    """The data switches from plain text to shuffled tokens at step N+1, logged as ``data/phase`` 1 -> 2."""
 
     @classmethod
     def from_seed(cls, seed: int, overlap: bool = True, **kw: Any) -> TrainerTruthConfig:
@@ -104,10 +114,15 @@ class TrainerTruthConfig:
         return self.restored + (self.overlap_steps if self.overlap else 0)
 
     @property
-    def event_at_boundary(self) -> bool:
-        """The schedule itself changes at N+1: a warm restart (``cosine_with_restarts``) or the start of the
-        decay (``warmup_stable_decay``); a clean resume there must still pass."""
-        return self.scheduler in ("cosine_with_restarts", "warmup_stable_decay")
+    def event(self) -> str | None:
+        """What the run itself changes at N+1, where a clean resume must still pass: a warm restart
+        (``cosine_with_restarts``), the start of the decay (``warmup_stable_decay``), a ``StepLR`` milestone, a
+        curriculum phase; None when nothing."""
+        if self.curriculum:
+            return "curriculum phase"
+        return EVENTS.get(self.scheduler)
+
+    event_at_boundary = property(lambda self: self.event is not None)
 
     def scheduler_kwargs(self) -> dict[str, Any]:
         n, w, t = self.restored, self.warmup, self.total
@@ -150,11 +165,12 @@ def _args(cfg: TrainerTruthConfig, out: Path, defect: str) -> Any:
     from transformers import TrainingArguments
 
     plateau = cfg.scheduler == "reduce_lr_on_plateau"
+    kind = "constant" if cfg.scheduler == "step_lr" else cfg.scheduler  # StepLR: built by _StepLRTrainer
     return TrainingArguments(
         output_dir=str(out), max_steps=cfg.total, save_steps=cfg.save_every, logging_steps=cfg.logging_steps,
         per_device_train_batch_size=cfg.batch,
         gradient_accumulation_steps=cfg.accumulation * (2 if defect == "accumulation_changed" else 1),
-        learning_rate=cfg.lr, warmup_steps=cfg.warmup, lr_scheduler_type=cfg.scheduler,
+        learning_rate=cfg.lr, warmup_steps=0 if kind == "constant" else cfg.warmup, lr_scheduler_type=kind,
         lr_scheduler_kwargs=cfg.scheduler_kwargs(), weight_decay=0.01, seed=cfg.seed, data_seed=cfg.seed,
         full_determinism=defect != "clean_nondeterministic", use_cpu=True, bf16=cfg.bf16, report_to=[],
         dataloader_num_workers=0, save_total_limit=None, disable_tqdm=True,
@@ -182,6 +198,60 @@ def _tensorboard(out: Path) -> Any:
     return TensorBoardCallback(SummaryWriter(str(out / "tb")))
 
 
+def _curriculum(cfg: TrainerTruthConfig) -> tuple[Any, Any]:
+    """(dataset, callback): text before step N+1, the same blocks with their tokens shuffled from N+1 on (a
+    harder mix); the callback switches the phase before the batches of step N+1 are fetched and logs it as
+    ``data/phase`` (a key both ``TensorBoardCallback`` and ``CkptCallback`` write)."""
+    from transformers import TrainerCallback
+
+    easy = corpus.examples(512, offset=cfg.seed * 997)
+    g = torch.Generator().manual_seed(cfg.seed)
+    hard = []
+    for ex in easy:
+        x = ex["input_ids"][torch.randperm(ex["input_ids"].numel(), generator=g)]
+        hard.append({"input_ids": x, "labels": x.clone()})
+
+    class Mix(torch.utils.data.Dataset):
+        phase = 1
+
+        def __len__(self) -> int:
+            return len(easy)
+
+        def __getitem__(self, i: int) -> Any:
+            return (hard if self.phase == 2 else easy)[i]
+
+    data = Mix()
+
+    # accelerate's loader fetches one batch ahead: step N+1's batch is fetched after step N-1 ends
+    class Phase(TrainerCallback):
+        def on_train_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+            data.phase = 2 if state.global_step >= cfg.restored - 1 else 1
+
+        def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+            data.phase = 2 if state.global_step >= cfg.restored - 1 else 1
+
+        def on_log(self, args: Any, state: Any, control: Any, logs: Any = None, **kw: Any) -> None:
+            if logs is not None and "loss" in logs:
+                logs["data/phase"] = 2 if state.global_step > cfg.restored else 1
+
+    return data, Phase()
+
+
+def _step_lr_trainer(cfg: TrainerTruthConfig) -> Any:
+    """A ``Trainer`` whose scheduler is a torch ``StepLR`` halving the LR every N steps (first milestone N+1)."""
+    from transformers import Trainer
+
+    class StepLRTrainer(Trainer):
+        def create_scheduler(self, num_training_steps: int, optimizer: Any = None) -> Any:
+            if self.lr_scheduler is None:
+                opt = optimizer if optimizer is not None else self.optimizer
+                self.lr_scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=cfg.restored, gamma=0.5)
+                self._created_lr_scheduler = True
+            return self.lr_scheduler
+
+    return StepLRTrainer
+
+
 def _trainer(
     cfg: TrainerTruthConfig,
     out: Path,
@@ -198,11 +268,16 @@ def _trainer(
     torch.set_num_threads(1)
     model = corpus.tiny_llama(init_seed)
     plateau = cfg.scheduler == "reduce_lr_on_plateau"
+    data: Any = corpus.examples(512, offset=cfg.seed * 997)
+    if cfg.curriculum:
+        data, phase = _curriculum(cfg)
+        first = [phase, *first]
+    cls = _step_lr_trainer(cfg) if cfg.scheduler == "step_lr" else Trainer
     # the defect's callbacks come first: a user's buggy callback runs before ckpt's sees the state
-    return Trainer(
+    return cls(
         model=model,
         args=_args(cfg, out, defect),
-        train_dataset=corpus.examples(512, offset=cfg.seed * 997),
+        train_dataset=data,
         eval_dataset=corpus.examples(16, offset=cfg.seed * 997 + 4000) if plateau else None,
         callbacks=[*first, _tensorboard(out), CkptCallback(), *last],
     )
@@ -367,7 +442,8 @@ def judge(out: Path, fmt: str, deterministic: bool | None) -> dict[str, Any]:
     else:
         run, facts = load_run(out / "ledger.jsonl", "jsonl"), TrainerCheckpointFacts(str(out))
     result = verify_run(run, options=VerifyOptions(deterministic=deterministic), facts=facts)
-    return {"exit": result.exit_code, "causes": [c.value for c in result.causes]}
+    causes = [c.value for c in result.causes]
+    return {"exit": result.exit_code, "causes": causes, "cannot_tell": bool(result.undecided)}
 
 
 def effect(clean: Path, broken: Path, restored: int) -> dict[str, float]:
@@ -406,6 +482,8 @@ def measure(cfg: TrainerTruthConfig, root: Path, defects: tuple[str, ...] = DEFE
                     "bf16": cfg.bf16,
                     "every": cfg.logging_steps,
                     "event_at_boundary": cfg.event_at_boundary,
+                    "event": cfg.event,
+                    "curriculum": cfg.curriculum,
                     "overlap": cfg.overlap,
                     "restored": cfg.restored,
                     "format": fmt,

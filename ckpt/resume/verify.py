@@ -83,6 +83,19 @@ class Verification:
     def exit_code(self) -> int:
         return 1 if self.status is Status.FAIL else 0
 
+    @property
+    def undecided(self) -> list[str]:
+        """The checks that said "cannot tell" at some boundary (a warning naming what the logs cannot
+        decide: :data:`Cause.CANNOT_TELL`, or the optimizer row on logs without its facts)."""
+        names = [
+            c.name
+            for v in self.verdicts
+            for c in v.checks
+            if c.status is Status.WARN
+            and (c.cause is Cause.CANNOT_TELL or (c.cause is None and c.name == "optimizer"))
+        ]
+        return list(dict.fromkeys(names))
+
 
 def _deterministic(boundary: Boundary, options: VerifyOptions) -> bool:
     if options.deterministic is not None:

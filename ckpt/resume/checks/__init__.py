@@ -8,6 +8,7 @@ from ckpt.resume.checks.digests import check_data, check_rng
 from ckpt.resume.checks.history import check_env, check_lost_work
 from ckpt.resume.checks.loss import check_loss
 from ckpt.resume.checks.lr import check_lr
+from ckpt.resume.checks.optimizer import check_optimizer
 from ckpt.resume.checks.position import check_position
 from ckpt.resume.checks.steps import check_counters, check_step
 from ckpt.resume.checks.weights import check_weights
@@ -22,6 +23,7 @@ ALL_CHECKS = (
     check_lost_work,
     check_env,
     check_weights,
+    check_optimizer,
     check_loss,
 )
 """In report order; the loss check runs last so it can defer to a root cause found by the exact checks."""
@@ -41,6 +43,7 @@ __all__ = [
     "check_loss",
     "check_lost_work",
     "check_lr",
+    "check_optimizer",
     "check_position",
     "check_rng",
     "check_step",

@@ -45,6 +45,8 @@ class Cause(str, Enum):
     WEIGHTS_NOT_RESTORED = "model weights not restored"
     STALE_CHECKPOINT = "checkpoint holds an earlier step's weights"
     NOT_REPRODUCIBLE = "run not reproducible even without a resume"
+    OPTIMIZER_SETTINGS = "optimizer settings changed at resume"
+    ACCUMULATION_CHANGED = "gradient accumulation changed at resume"
     CANNOT_TELL = "cannot tell from the logs"
     """A warning, never a failure: the loss or LR moved at the boundary where a scheduled change (a logged
     curriculum phase, an LR milestone, an epoch start) or a defect would both move it, and nothing logged

@@ -57,11 +57,52 @@ def _cast(ctx: CheckContext, value: float) -> float:
     return float(np.float32(value)) if ctx.run.precision == "float32" else value
 
 
+def _scheduled(
+    ctx: CheckContext, pre_pts: list[tuple[int, float]], post: list[tuple[int, float]]
+) -> CheckResult | None:
+    """Judge against the LRs the restore record replayed from the checkpoint's scheduler state (a warm
+    restart or a milestone at N+1 is then expected, exactly); None when the record has none."""
+    b = ctx.boundary
+    n = b.restored_step
+    r = b.restore
+    if r is None or r.inferred or r.step != n or not r.scheduled_lr:
+        return None
+    ref = {n + 1 + i: _cast(ctx, v) for i, v in enumerate(r.scheduled_lr)}
+    pairs = [(s, v) for s, v in post if s in ref]
+    if not pairs:
+        return None
+    mism = [(s, v) for s, v in pairs if ref[s] != v]
+    nums: dict[str, int | float | str | None] = {"compared": len(pairs), "mismatched": len(mism)}
+    if not mism:
+        nums.update(first_step=pairs[0][0], last_step=pairs[-1][0])
+        return CheckResult(
+            "lr",
+            Status.PASS,
+            f"{count(len(pairs), 'step')} equal to the checkpoint's scheduler state replayed, bit for bit",
+            None,
+            nums,
+        ).judged(Basis.REPLAY, Confidence.EXACT)
+    cause, text = classify(mism[: ctx.options.lr_pattern_steps], {**dict(pre_pts), **ref})
+    s, v = mism[0]
+    nums.update(first_mismatch=s, expected=ref[s], got=v)
+    return CheckResult(
+        "lr",
+        Status.FAIL,
+        f"step {s}: LR {v!r}, the checkpoint's scheduler state replayed gives {ref[s]!r} ({len(mism)}/"
+        f"{len(pairs)} steps differ); {text}",
+        cause,
+        nums,
+    ).judged(Basis.REPLAY, Confidence.EXACT)
+
+
 def _no_overlap(ctx: CheckContext, pre: dict[int, float], post: list[tuple[int, float]]) -> CheckResult:
     """Judge from the checkpoint's scheduler state when it has one, else from the trajectory alone."""
     b = ctx.boundary
     n = b.restored_step
     pre_pts = sorted((s, v) for s, v in pre.items() if s <= n)
+    replayed = _scheduled(ctx, pre_pts, post)
+    if replayed is not None:
+        return replayed
     found = scan(pre_pts, post, n, ctx.run.precision)
     f = ctx.facts
     nums: dict[str, int | float | str | None] = {"compared": 0}
@@ -76,7 +117,8 @@ def _no_overlap(ctx: CheckContext, pre: dict[int, float], post: list[tuple[int, 
             later = scan(pre_pts, post, n, ctx.run.precision, start=1)
             if later is not None and later.cause is not None:
                 nums.update({f"trajectory_{k}": v for k, v in later.numbers.items()})
-                return CheckResult("lr", Status.FAIL, later.text, later.cause, nums).judged(
+                status = Status.WARN if later.confidence is Confidence.LOW else Status.FAIL
+                return CheckResult("lr", status, later.text, later.cause, nums).judged(
                     Basis.TRAJECTORY, later.confidence
                 )
             if found is not None and found.cause is Cause.LR_FROZEN:

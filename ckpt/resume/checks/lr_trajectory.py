@@ -188,6 +188,19 @@ def judge(
                 Confidence.HIGH,
                 nums,
             )
+        peak = max(v for _, v in pre)
+        before_p = [v for s, v in pre if s < p]
+        if _same(b0, peak, precision) and before_p and before_p[-1] < peak:
+            # The stretch repeated starts where the LR first reached its peak: a warm restart (SGDR,
+            # cosine_with_restarts) does exactly this on purpose; only the scheduler's state can tell.
+            return Finding(
+                Cause.CANNOT_TELL,
+                f"LR after resume repeats the run's LR from its peak at step {p} on ({b0!r} at step {s1}): a "
+                "scheduled warm restart (cosine_with_restarts, SGDR) does this, and so does a scheduler restored "
+                "at the wrong step; the checkpoint's scheduler state (CkptCallback's replay) or an overlap decides",
+                Confidence.LOW,
+                nums,
+            )
         if k == 1:
             return Finding(
                 Cause.LR_OFF_BY_ONE,
@@ -216,7 +229,11 @@ def judge(
             k = round(steps) - span
             if k != 0:
                 nums.update(shift_steps=k, gap_in_steps=steps)
-                conf = Confidence.HIGH if abs(steps - round(steps)) < 0.2 else Confidence.LOW
+                # Across a logging interval the chord also carries the schedule's curvature (steepest at a
+                # cosine's middle, where both side slopes are flatter than the chord): a shift of less than half
+                # the interval cannot be told from it (a clean cosine logged every 10th step reads "2 ahead").
+                exact = abs(steps - round(steps)) < 0.2 and (span == 1 or 2 * abs(k) >= span)
+                conf = Confidence.HIGH if exact else Confidence.LOW
                 word = "ahead" if k > 0 else "behind"
                 cause = Cause.LR_OFF_BY_ONE if abs(k) == 1 else Cause.LR_SHIFTED
                 return Finding(

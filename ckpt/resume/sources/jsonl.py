@@ -23,6 +23,14 @@ def _opt_int(rec: dict, key: str) -> int | None:
     return None if v is None else int(v)
 
 
+def _floats(value: object) -> tuple[float, ...]:
+    if value is None:
+        return ()
+    if not (isinstance(value, list) and all(isinstance(v, (int, float)) for v in value)):
+        raise TypeError("scheduled_lr must be a list of numbers")
+    return tuple(float(v) for v in value)
+
+
 def read_jsonl(path: str | os.PathLike[str]) -> Run:
     """Parse a ledger; sessions are grouped by their ``session`` id in order of first appearance.
 
@@ -136,6 +144,8 @@ def _add(session: Session, kind: object, rec: dict) -> None:
                 unloaded=tuple(names["unloaded"]),
                 unfilled=tuple(names["unfilled"]),
                 tier=rec["tier"] if isinstance(rec.get("tier"), str) else None,
+                optimizer=rec["optimizer"] if isinstance(rec.get("optimizer"), dict) else None,
+                scheduled_lr=_floats(rec.get("scheduled_lr")),
             )
         )
     elif kind == "save":

@@ -86,8 +86,9 @@ def _field_for_tags(tags: set[str], override: Mapping[str, str] | None, path: Pa
             continue
         cands = sorted(t for t in tags if t.lower().rsplit("/", 1)[-1] in aliases)
         if len(cands) > 1:
+            # train tags win over eval ones (a Trainer with evaluation logs ``eval/loss`` too), then the rank
             trainish = [t for t in cands if "train" in t.lower()]
-            cands = trainish if len(trainish) == 1 else cands
+            cands = trainish or cands
         if len(cands) > 1:
             # The earlier alias is the per-step value: ``Trainer``'s TensorBoardCallback logs ``train/loss``
             # every logging step and ``train/train_loss`` (the run's mean) once at the end.
