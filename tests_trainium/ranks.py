@@ -1,7 +1,8 @@
 """``run_ranks``: a function in several fresh processes joined in one gloo group, its values (tensors, dicts, lists,
 strings) sent back as ``torch.save`` bytes (``tests/conftest.py`` has the
 main suite's; this environment's ``conftest`` module is ``tests_trainium/conftest.py``, so the spawned children
-import this module instead).  The children inherit ``PYTHONPATH`` (NxD's source, the shim) from ``conftest``."""
+import this module instead).  The children inherit ``PYTHONPATH`` (NxD's source, the shim) from ``conftest``, and
+this folder, so that they import the rank bodies' modules."""
 
 from __future__ import annotations
 
@@ -10,11 +11,15 @@ import multiprocessing as mp
 import os
 import queue
 import socket
+import sys
 import traceback
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
+
+HERE = str(Path(__file__).resolve().parent)
 
 
 def _free_port() -> int:
@@ -47,6 +52,11 @@ def _child(fn: Callable[..., Any], rank: int, world: int, port: int, args: tuple
 def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 300.0) -> list[Any]:
     """``fn(rank, world, *args)`` (a module-level function) in ``world`` processes; the values in rank order.
     A child's exception fails the test with its traceback; a hung child fails it after ``timeout`` seconds."""
+    path = os.environ.get("PYTHONPATH", "")
+    if HERE not in path.split(os.pathsep):
+        os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [HERE, path]))
+    if HERE not in sys.path:
+        sys.path.insert(0, HERE)
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = _free_port()

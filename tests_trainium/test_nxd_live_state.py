@@ -33,9 +33,9 @@ def same(a, b) -> bool:
 @pytest.fixture(scope="module")
 def ep_ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
     from _ep_zero1_ranks import run
-    from _spawn import spawn
+    from ranks import run_ranks
 
-    return spawn(run, 4, str(tmp_path_factory.mktemp("ep_zero1")))
+    return run_ranks(run, 4, str(tmp_path_factory.mktemp("ep_zero1")))
 
 
 def test_live_ep_zero1_rank_layout_is_the_one_ckpt_assumes(ep_ranks) -> None:

@@ -283,8 +283,8 @@ def test_neuron_peft_model_on_two_tp_ranks_holds_what_ckpt_wrote_for_each_rank(t
     q/k/v (2 KV heads); each rank then holds exactly the rank file ckpt wrote for it, except where its loading
     itself rounds (the mean of the three equal ``lora_A`` of a GQA ``qkv_proj``, found here)."""
     from _peft_load_ranks import run
-    from _spawn import spawn
     from optimum.neuron.models.training.checkpointing import xser_load_on_cpu
+    from ranks import run_ranks
 
     cases, tags = [], []
     for kv in (1, 2):
@@ -296,7 +296,7 @@ def test_neuron_peft_model_on_two_tp_ranks_holds_what_ckpt_wrote_for_each_rank(t
         shutil.copy(tag.parent / "adapter_config.json", d / "cons" / "adapter_config.json")
         cases.append((cfg, str(d / "cons")))
         tags.append(tag)
-    for r in spawn(run, 2, cases):
+    for r in run_ranks(run, 2, cases):
         for tag, state in zip(tags, r["states"], strict=True):
             written = xser_load_on_cpu(str(tag / "model" / f"dp_rank_00_tp_rank_{r['tp']:02d}_pp_rank_00.pt"))
             assert sorted(state) == sorted(written)
