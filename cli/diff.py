@@ -51,7 +51,8 @@ def diff(
     show_all: bool,
     as_json: bool,
 ) -> None:
-    """Compare checkpoints A and B tensor by tensor: values, names, shapes, dtypes, optimizer state, step."""
+    """Compare checkpoints A and B tensor by tensor: values, names, shapes, dtypes, optimizer state, step (and an
+    accelerate sampler's seed, epoch and generator)."""
     from ckpt.converters.diff import diff as run_diff
     from ckpt.converters.engine.allocator import pin_malloc
     from ckpt.converters.options import load_config
@@ -125,6 +126,8 @@ def _print(r: Any, show_all: bool) -> None:
     _listed("only in B", r.only_b)
     if r.steps_differ:
         out.print(f"step: {r.step_a} -> {r.step_b}", markup=False)
+    for line in r.state:
+        out.print(line, markup=False)
     out.print(f"optimizer state: {r.optimizer}", markup=False)
     for note in r.notes:
         out.print(f"note: {note}", markup=False)

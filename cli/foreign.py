@@ -39,9 +39,12 @@ def open_foreign(path: str) -> Any:
 
 
 def inspect_foreign(path: str, as_json: bool) -> None:
+    from ckpt.converters.accelerate_sampler import describe, facts, record_of
+
     source = open_foreign(path)
     try:
         tensors = source.tensors
+        sampler = record_of(getattr(getattr(source, "trees", None), "extra", None))
         total = sum(d.nbytes for d in tensors.values())
         if as_json:
             doc = {
@@ -54,6 +57,8 @@ def inspect_foreign(path: str, as_json: bool) -> None:
                     n: {"role": d.role, "shape": list(d.shape), "dtype": d.dtype} for n, d in tensors.items()
                 },
             }
+            if sampler is not None:  # an accelerate sampler.bin
+                doc["sampler"] = facts(sampler)
             click.echo(json.dumps(doc, indent=2))
             return
         step = f"  step {source.trees.step}" if getattr(source, "step_recorded", False) else ""
@@ -74,6 +79,8 @@ def inspect_foreign(path: str, as_json: bool) -> None:
             Col("size", "right"),
         ]
         print_table(out, cols, rows)
+        if sampler is not None:
+            out.print(f"sampler: {describe(sampler)}", markup=False)
     finally:
         source.close()
 

@@ -126,6 +126,11 @@ def _show(reader: CheckpointReader, checkpoint: str, as_json: bool, shards: bool
                 f"{label}: {', '.join(sorted(value)) if isinstance(value, dict) else value}", markup=False
             )
     out.print(f"progress: {m.progress}", markup=False)
+    acc = m.extra.get("accelerate") if isinstance(m.extra, dict) else None
+    if isinstance(acc, dict) and acc.get("sampler") is not None:  # an accelerate sampler.bin, converted
+        from ckpt.converters.accelerate_sampler import describe
+
+        out.print(f"sampler: {describe(acc['sampler'])}", markup=False)
     if m.rng:
         from ckpt.state.rng_rule import plan_across
 

@@ -5,13 +5,14 @@ What the files hold is in :mod:`.accelerate_files`.  Source (:class:`AccelerateS
 with ``param_groups`` and per-parameter scalars in the optimizer tree, the scheduler, the ``GradScaler``, the
 ``StatefulDataLoader`` state as rank 0's data-loader state (accelerate writes one ``dl_state_dict.bin`` for all
 processes), each process's RNG streams, and in ``extra.accelerate`` what has no place of its own: accelerate's
-``step`` counter per process and the ``custom_checkpoint_{i}.pkl`` state dicts.  A save_state folder records no
+``step`` counter per process, the ``custom_checkpoint_{i}.pkl`` state dicts and the ``sampler.bin`` sampler
+(:mod:`.accelerate_sampler`: seed, epoch, generator, data source; its epoch also as ``progress.epoch``).  A save_state folder records no
 training step (``checkpoint_{n}`` counts saves): the step is unknown.
 
 Target (:class:`AccelerateExport`): one unit per model file (``model.safetensors``, ``model_1.safetensors``: a
 safetensors header from the plan, then tensors streamed one at a time) and one for ``optimizer.bin`` (numbered in
 ``param_groups`` order, which is the order the source's numbers named them in); the other files at the commit,
-``random_states_*.pkl`` last.  ``Accelerator.load_state`` on the folder restores the model, optimizer, scheduler,
+``random_states_*.pkl`` last (``sampler.bin`` as accelerate pickles it, when the source had one).  ``Accelerator.load_state`` on the folder restores the model, optimizer, scheduler,
 scaler, data-loader and RNG state exactly.  Only one optimizer / scheduler / data loader is converted (their
 ``_1`` files cannot be paired with a model's parameters): a folder with more is refused, never half-read.
 """
@@ -36,6 +37,8 @@ from ckpt.layouts import Piece
 from ckpt.storage import open_storage
 
 from . import accelerate_files as af
+from .accelerate_sampler import encode as encode_sampler
+from .accelerate_sampler import read_sampler, sampler_bytes
 from .engine import (
     MODEL_ROLES,
     Conversion,
@@ -133,9 +136,10 @@ class AccelerateSource(Source):
         dl = _only_first(names, "dl_state_dict", "bin", root)
         if dl is not None:
             self.trees.data = {"0": treecodec.encode(af.load(root / dl), "data")}
-        if _only_first(names, "sampler", "bin", root) is not None:
-            # a pickled sampler object: refused by the allow-list, naming its class
-            af.load(root / af.SAMPLER)
+        sampler = None
+        if _only_first(names, "sampler", "bin", root) is not None:  # a pickled sampler, read as data
+            sampler = read_sampler(root / af.SAMPLER)
+            self.trees.progress["epoch"] = sampler["epoch"]
         if af.SCALER in names:
             self.trees.scaler = treecodec.encode(af.load(root / af.SCALER), "scaler")
         self.trees.rng, steps = af.read_rng(root, names)
@@ -144,6 +148,8 @@ class AccelerateSource(Source):
         custom = af.custom_states(root, names)
         if custom:
             record["custom"] = custom
+        if sampler is not None:
+            record["sampler"] = encode_sampler(sampler)
         self.trees.extra["accelerate"] = record
         if self.config:
             self.trees.extra["config"] = self.config
@@ -370,6 +376,8 @@ class AccelerateExport(FolderExport):
         if data:
             storage.put_bytes(af.DL_STATE, _bytes_of(treecodec.decode(next(iter(data.values())))))
         record = trees.extra.get("accelerate") or {}
+        if record.get("sampler") is not None:
+            storage.put_bytes(af.SAMPLER, sampler_bytes(record["sampler"]))
         for idx, tree in sorted((record.get("custom") or {}).items()):
             storage.put_bytes(f"custom_checkpoint_{idx}.pkl", _bytes_of(treecodec.decode(tree)))
         rng = af.rng_files(trees.rng or {}, record.get("step") or {}, trees.step)

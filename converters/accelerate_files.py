@@ -3,12 +3,13 @@
 ``save_accelerator_state`` writes, for ``i`` > 0 with an ``_i`` suffix: ``model.safetensors`` (or
 ``pytorch_model.bin`` with ``safe_serialization=False``) per prepared model, ``optimizer.bin`` (a torch optimizer
 ``state_dict``: parameters *numbered*), ``scheduler.bin``, ``sampler.bin`` (a pickled ``SeedableRandomSampler``,
-only for an ``IterableDatasetShard``), ``dl_state_dict.bin`` (a ``StatefulDataLoader``'s ``state_dict``, with
+only for an ``IterableDatasetShard`` loader; read and written by :mod:`.accelerate_sampler`), ``dl_state_dict.bin`` (a ``StatefulDataLoader``'s ``state_dict``, with
 ``use_stateful_dataloader=True``), ``scaler.pt`` (a ``GradScaler``'s), ``random_states_{process}.pkl`` (``step``,
 ``random_state``, ``numpy_random_seed``, ``torch_manual_seed``, ``torch_<device>_manual_seed``, ``xm_seed``) and
 ``custom_checkpoint_{i}.pkl`` (the ``state_dict`` of each ``register_for_checkpointing`` object).  All but the
 model are ``torch.save`` pickles, read here through :func:`ckpt.safe_unpickle.load_torch_file`: NumPy's RNG state is
-the only allow-listed addition (:data:`NUMPY_RNG`), anything else is refused naming its global.
+an allow-listed addition (:data:`NUMPY_RNG`), the sampler's three classes the other (inert stand-ins,
+:data:`.accelerate_sampler.ALLOWED`); anything else is refused naming its global.
 
 The optimizer's numbering is the one fact the files do not say (safetensors stores names sorted, not in
 ``named_parameters()`` order): :func:`name_optimizer_params` names each number from the model config (``--config``:
@@ -174,8 +175,15 @@ def model_order(config: Mapping[str, Any], where: str) -> list[str]:
     model_type = cfg.pop("model_type", None)
     if not model_type:
         raise LayoutError(f"{where}: the config has no model_type; cannot rebuild the parameter order")
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **cfg))
+    try:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **cfg))
+    except Exception as e:  # noqa: BLE001 - transformers' own refusal (unknown type, bad field), as one line
+        said = str(e).strip().splitlines()[0][:160] if str(e).strip() else type(e).__name__
+        raise LayoutError(
+            f"{where}: --config model_type {model_type!r}: transformers cannot build a causal LM from it ({said}); "
+            "cannot rebuild the parameter order"
+        ) from None
     return [n for n, p in model.named_parameters() if p.requires_grad]
 
 

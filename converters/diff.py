@@ -43,6 +43,8 @@ class View:
     descs: dict[str, TensorDesc]
     #: the training step the checkpoint records, None when its format records none (HF, DCP, PEFT folders)
     step: int | None
+    #: an accelerate ``sampler.bin`` record (encoded, ``extra.accelerate.sampler``), None when there is none
+    sampler: Any = None
 
     def tensor(self, name: str) -> torch.Tensor:
         raise NotImplementedError
@@ -72,6 +74,9 @@ class EngineView(View):
         self.descs = {n: t.desc for n, t in self.parts.items()}
         step = self.conv.trees.step
         self.step = int(step) if self.source.step_recorded and step is not None else None  # None: no file records one
+        from .accelerate_sampler import record_of
+
+        self.sampler = record_of(self.conv.trees.extra)
         self.verify = run.verify
 
     def tensor(self, name: str) -> torch.Tensor:
@@ -205,7 +210,8 @@ class TensorDiff:
 @dataclass
 class DiffResult:
     """What :func:`diff` found.  ``only_a`` / ``only_b``: names one side holds (optimizer states are not listed when
-    only one side holds an optimizer at all: ``optimizer`` says so); ``tensors``: every name both hold."""
+    only one side holds an optimizer at all: ``optimizer`` says so); ``tensors``: every name both hold; ``state``:
+    the training state besides tensors that differs (accelerate's sampler)."""
 
     a: str
     b: str
@@ -220,6 +226,8 @@ class DiffResult:
     step_b: int | None = None
     optimizer: str = "compared"
     notes: list[str] = field(default_factory=list)
+    #: training state that differs besides tensors and step (an accelerate sampler's seed, epoch, ...)
+    state: list[str] = field(default_factory=list)
 
     @property
     def changed(self) -> list[TensorDiff]:
@@ -233,7 +241,7 @@ class DiffResult:
     def same(self) -> bool:
         """Equal within tolerance: the same names, shapes, dtypes and values, and the same step where both
         record one."""
-        return not (self.changed or self.only_a or self.only_b or self.steps_differ)
+        return not (self.changed or self.only_a or self.only_b or self.steps_differ or self.state)
 
     @property
     def exit_code(self) -> int:
@@ -264,6 +272,7 @@ class DiffResult:
             "only_b": self.only_b,
             "optimizer": self.optimizer,
             "notes": self.notes,
+            "state": self.state,
             "tensors": rows,
         }
 
@@ -399,6 +408,9 @@ def _diff_views(
         del ta, tb
         if progress is not None:
             progress(vb.descs[n].nbytes)
+    from .accelerate_sampler import differences
+
+    out.state = differences(va.sampler, vb.sampler)
     if va.step is None or vb.step is None:
         which = [v.path for v in (va, vb) if v.step is None]
         out.notes.append(f"step not compared: {' and '.join(which)} record{'s' if len(which) == 1 else ''} none")

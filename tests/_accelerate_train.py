@@ -141,6 +141,59 @@ def plain(out: str, steps: int, save_at: int) -> None:
     mgr.close()
 
 
+def sampler_run(out: str, epochs: int, seed: int = 7, resume: str | None = None) -> None:
+    """A run whose order comes from accelerate's ``SeedableRandomSampler`` (``data_seed=seed``) over a
+    ``TensorDataset``: each epoch the model takes one AdamW step per batch of 4 of the sampler's indices.  The
+    sampler sits on a prepared loader of an ``IterableDatasetShard`` (``set_sampler``): the one case in which
+    accelerate 1.16's ``save_state`` writes ``sampler.bin``.  Without ``resume``: ``epochs`` epochs, then
+    ``save_state(OUT/state)``, then two more; with it: ``load_state(resume)`` (the sampler's classes allow-listed
+    first, which accelerate's weights_only load needs), then two epochs.  Writes ``OUT/orders.json``: ``{"epochs":
+    [[epoch, order, [loss.hex(), ...]], ...], "restored": [initial_seed, epoch] or None}``."""
+    from accelerate import Accelerator
+    from accelerate.data_loader import IterableDatasetShard, SeedableRandomSampler
+    from accelerate.utils import set_seed
+
+    class Stream(torch.utils.data.IterableDataset):
+        def __iter__(self):  # noqa: ANN204 - never iterated: only its loader's sampler is used
+            return iter(range(24))
+
+    os.makedirs(out, exist_ok=True)
+    set_seed(0)
+    acc = Accelerator()
+    g = torch.Generator().manual_seed(1)
+    ds = torch.utils.data.TensorDataset(torch.randn(24, 4, generator=g), torch.randn(24, 2, generator=g))
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    dl = torch.utils.data.DataLoader(IterableDatasetShard(Stream(), batch_size=4), batch_size=4)
+    model, opt, dl = acc.prepare(model, opt, dl)
+    dl.set_sampler(SeedableRandomSampler(ds, data_seed=seed if resume is None else 999))
+    restored = None
+    if resume:
+        torch.serialization.add_safe_globals([SeedableRandomSampler, torch.utils.data.TensorDataset, torch.Generator])
+        acc.load_state(resume)
+        restored = [dl.get_sampler().initial_seed, dl.get_sampler().epoch]
+
+    def epoch() -> list:
+        sampler = dl.get_sampler()
+        at, order, losses = sampler.epoch, list(sampler), []
+        for i in range(0, len(order), 4):
+            x, y = ds[order[i : i + 4]]
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            acc.backward(loss)
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item().hex())
+        return [at, order, losses]
+
+    done = []
+    if resume is None:
+        done = [epoch() for _ in range(epochs)]
+        acc.save_state(os.path.join(out, "state"))
+    done += [epoch() for _ in range(2)]
+    with open(os.path.join(out, "orders.json"), "w") as fh:
+        json.dump({"epochs": done, "restored": restored}, fh)
+
+
 def read_losses(out: str) -> dict[int, str]:
     """``{step: loss.hex()}`` of every run appended to ``OUT/losses.txt`` (a resumed run's lines replace)."""
     got: dict[int, str] = {}
@@ -153,4 +206,5 @@ def read_losses(out: str) -> dict[int, str]:
 
 if __name__ == "__main__":
     args = json.loads(sys.argv[1])
-    (plain if args.pop("plain", False) else train)(**args)
+    kind = args.pop("kind", "plain" if args.pop("plain", False) else "train")
+    {"plain": plain, "train": train, "sampler": sampler_run}[kind](**args)
