@@ -186,6 +186,12 @@ def sampler_bytes(encoded: Any, where: str = "extra.accelerate.sampler") -> byte
                   "initial_seed": int(rec["initial_seed"]), "epoch": int(rec["epoch"])}  # fmt: skip
     except (KeyError, TypeError, ValueError, RuntimeError) as e:
         raise CkptError(f"{where}: not a sampler record ({type(e).__name__}: {e})") from None
+    return dump_fields(values)
+
+
+def dump_fields(values: Mapping[str, Any]) -> bytes:
+    """``torch.save`` of a sampler whose ``__dict__`` is ``values`` (:data:`FIELDS`, in that order), pickled as
+    ``accelerate.data_loader.SeedableRandomSampler`` without importing accelerate."""
     obj = SamplerState.__new__(SamplerState)
     obj.__dict__.update({k: values[k] for k in FIELDS})
     buf = io.BytesIO()
@@ -251,4 +257,7 @@ def differences(a: Any, b: Any) -> list[str]:
     return [f"sampler {k}: {fa[k]} -> {fb[k]}" for k in fa if fa[k] != fb.get(k)]
 
 
-__all__ = ["ALLOWED", "FIELDS", "describe", "differences", "encode", "facts", "read_sampler", "record_of", "sampler_bytes"]
+__all__ = [
+    "ALLOWED", "FIELDS", "describe", "differences", "dump_fields", "encode", "facts", "read_sampler", "record_of",
+    "sampler_bytes",
+]  # fmt: skip

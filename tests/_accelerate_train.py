@@ -205,6 +205,7 @@ def read_losses(out: str) -> dict[int, str]:
 
 
 if __name__ == "__main__":
-    args = json.loads(sys.argv[1])
-    kind = args.pop("kind", "plain" if args.pop("plain", False) else "train")
-    {"plain": plain, "train": train, "sampler": sampler_run}[kind](**args)
+    doc = json.loads(sys.argv[1])
+    for args in doc if isinstance(doc, list) else [doc]:  # a list: several runs in this one process
+        kind = args.pop("kind", "plain" if args.pop("plain", False) else "train")
+        {"plain": plain, "train": train, "sampler": sampler_run}[kind](**args)

@@ -180,6 +180,30 @@ def test_optimizer_numbers_that_nothing_names_are_refused(tmp_path: Path) -> Non
     assert not (tmp_path / "out").exists()
 
 
+def test_a_config_whose_model_type_transformers_does_not_know_is_one_layout_error(tmp_path: Path) -> None:
+    """--config names the optimizer's numbers by rebuilding the model; a model_type transformers cannot build is
+    refused in one line naming it (exit 2), not a traceback, and nothing is written."""
+    from safetensors.torch import save_file
+
+    folder = tmp_path / "acc"
+    folder.mkdir()
+    m = torch.nn.Linear(3, 2)
+    opt = torch.optim.AdamW(m.parameters())
+    m(torch.ones(1, 3)).sum().backward()
+    opt.step()
+    save_file(m.state_dict(), folder / "model.safetensors")
+    torch.save(opt.state_dict(), folder / "optimizer.bin")
+    torch.save({"step": 0, "random_state": (3, tuple(range(625)), None)}, folder / "random_states_0.pkl")
+    for model_type in ("no-such-model", "vit"):  # unknown to transformers; known, but no causal LM
+        cfg = tmp_path / f"{model_type}.json"
+        cfg.write_text(json.dumps({"model_type": model_type}))
+        r = ckpt_cli("convert", folder, tmp_path / "out", "--to", "cuda", "--format", "ckpt", "--config", cfg)
+        assert_one_error(r, "optimizer.bin", f"model_type {model_type!r}", "cannot rebuild the parameter order",
+                         code=2)  # fmt: skip
+        assert r.exception is None or isinstance(r.exception, SystemExit)
+        assert not (tmp_path / "out").exists()
+
+
 class Evil:
     def __reduce__(self) -> tuple:
         return (os.system, ("true",))
