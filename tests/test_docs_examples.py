@@ -515,6 +515,10 @@ PY_NOT_RUN: dict[tuple[str, str], str] = {
         "replicas=1 needs two nodes (refused on one); tests/test_tiers_ranks.py makes the same calls on 4 gloo ranks "
         "as 2 nodes, and `train_step`/`total` stand for the user's loop"
     ),
+    ("docs/guide.md", "add_safe_globals([SeedableRandomSampler"): (
+        "`accelerator` is the user's prepared Accelerator with a SeedableRandomSampler loader; "
+        "tests/test_accelerate_sampler.py makes these calls on a converted folder in a fresh process"
+    ),
     ("docs/guide.md", 'accelerator.load_state("gpu/checkpoint_7")'): (
         "`accelerator` is the user's prepared Accelerator; tests/test_accelerate.py calls load_state on converted folders"
     ),
