@@ -59,7 +59,8 @@ NAME = "accelerate"
 _PREFIX = re.compile(r"model_(\d+)\.(.+)")
 #: the state a save_state folder holds besides tensors (phrases of :func:`.hf.not_written`)
 HOLDS = frozenset(
-    {"optimizer param groups", "scheduler state", "GradScaler state", "RNG state", "data-loader state"}
+    {"optimizer param groups", "scheduler state", "GradScaler state", "RNG state", "data-loader state",
+     "accelerate sampler"}
 )
 
 

@@ -160,6 +160,9 @@ def not_written(conv: Conversion, kept: Mapping[str, Any], holds: frozenset[str]
     ):
         if value and what not in holds:
             out.append(what)
+    acc = trees.extra.get("accelerate") if isinstance(trees.extra, Mapping) else None
+    if isinstance(acc, Mapping) and acc.get("sampler") is not None and "accelerate sampler" not in holds:
+        out.append("accelerate sampler")  # sampler.bin (extra.accelerate.sampler): only an accelerate folder has one
     return out
 
 

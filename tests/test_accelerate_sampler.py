@@ -16,11 +16,14 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import zipfile
 from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from tests.cli_helpers import tree
 from tests.test_accelerate import TRAIN, assert_one_error, ckpt_cli
@@ -84,7 +87,9 @@ def test_sampler_folder_through_every_command_and_back_resumes_the_same_order(
     shown = ckpt_cli("inspect", ours)
     assert shown.exit_code == 0 and "sampler: SeedableRandomSampler seed 7, epoch 2" in shown.stdout, shown.output
     r = ckpt_cli("convert", ours, back, "--to", "cuda", "--format", "accelerate")
-    assert r.exit_code == 0, r.output
+    assert r.exit_code == 0 and "not written" not in r.output, r.output
+    r = ckpt_cli("convert", ours, tmp_path / "l.ckpt", "--to", "cuda", "--format", "lightning")  # has no place
+    assert r.exit_code == 0 and "accelerate sampler" in r.stderr, r.output
     assert tree(src) == before  # the source is never touched
     # pickled exactly as accelerate pickled it: the same globals, fields, tensors and generator state
     assert _pickle_of(back / "sampler.bin") == _pickle_of(src / "sampler.bin")
@@ -158,3 +163,53 @@ def test_diff_shows_a_sampler_whose_seed_and_epoch_differ(runs: tuple[Path, Path
     d = ckpt_cli("diff", a, c, "--json")
     doc = json.loads(d.stdout)
     assert d.exit_code == 1 and doc["changed"] == [] and "sampler epoch: 2 -> 3" in doc["state"], d.stdout
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    seed=st.integers(0, 2**63 - 1),
+    epoch=st.integers(0, 10**6),
+    num_samples=st.none() | st.integers(1, 50),
+    replacement=st.booleans(),
+    generator=st.none() | st.integers(0, 2**32),
+    source=st.one_of(
+        st.tuples(st.integers(0, 6), st.integers(1, 3), st.sampled_from([torch.float32, torch.int64, torch.bfloat16])),
+        st.lists(st.integers(-5, 5) | st.text(max_size=3), max_size=6),
+    ),
+)
+def test_sampler_pickle_reads_and_writes_back_byte_for_byte(
+    seed: int, epoch: int, num_samples: int | None, replacement: bool, generator: int | None, source: object
+) -> None:
+    """Whatever fields a sampler holds: read as data, encoded as the manifest keeps it, and written back, the pickle
+    is the one accelerate's fields make (same globals, fields, tensors, generator state: byte for byte for a
+    TensorDataset), and the facts survive."""
+    from ckpt.converters.accelerate_sampler import dump_fields, encode, facts, read_sampler, sampler_bytes
+
+    if isinstance(source, tuple):
+        n, width, dtype = source
+        g = torch.Generator().manual_seed(n)
+        data: object = torch.utils.data.TensorDataset(
+            *(torch.randint(0, 9, (n, width), generator=g).to(dtype) for _ in range(2))
+        )
+    else:
+        data = source
+    gen = None if generator is None else torch.Generator().manual_seed(generator)
+    if gen is not None:
+        torch.randperm(5, generator=gen)  # a state past its seed
+    original = dump_fields({"data_source": data, "replacement": replacement, "_num_samples": num_samples,
+                            "generator": gen, "initial_seed": seed, "epoch": epoch})  # fmt: skip
+    with tempfile.TemporaryDirectory() as d:
+        path = Path(d) / "sampler.bin"
+        path.write_bytes(original)
+        record = read_sampler(path)
+        written = sampler_bytes(json.loads(json.dumps(encode(record))))
+        (Path(d) / "again.bin").write_bytes(written)
+        if isinstance(data, torch.utils.data.TensorDataset):  # (a list's equal strings may be memoized differently)
+            assert _pickle_of(Path(d) / "again.bin") == _pickle_of(path)
+        again = read_sampler(Path(d) / "again.bin")
+    if isinstance(data, list):
+        assert again["data_source"]["items"] == data
+    f = facts(encode(again))
+    assert (f["seed"], f["epoch"], f["num_samples"], f["replacement"]) == (seed, epoch, num_samples, replacement)
+    assert f == facts(encode(record))
+    assert f["data_source"].endswith(f" of {len(data)}")  # type: ignore[arg-type]
