@@ -6,15 +6,17 @@ with ``param_groups`` and per-parameter scalars in the optimizer tree, the sched
 ``StatefulDataLoader`` state as rank 0's data-loader state (accelerate writes one ``dl_state_dict.bin`` for all
 processes), each process's RNG streams, and in ``extra.accelerate`` what has no place of its own: accelerate's
 ``step`` counter per process, the ``custom_checkpoint_{i}.pkl`` state dicts and the ``sampler.bin`` sampler
-(:mod:`.accelerate_sampler`: seed, epoch, generator, data source; its epoch also as ``progress.epoch``).  A save_state folder records no
-training step (``checkpoint_{n}`` counts saves): the step is unknown.
+(:mod:`.accelerate_sampler`: seed, epoch, generator, data source; its epoch also as ``progress.epoch``).  A
+save_state folder records no training step (``checkpoint_{n}`` counts saves): the step is unknown.
 
 Target (:class:`AccelerateExport`): one unit per model file (``model.safetensors``, ``model_1.safetensors``: a
 safetensors header from the plan, then tensors streamed one at a time) and one for ``optimizer.bin`` (numbered in
 ``param_groups`` order, which is the order the source's numbers named them in); the other files at the commit,
-``random_states_*.pkl`` last (``sampler.bin`` as accelerate pickles it, when the source had one).  ``Accelerator.load_state`` on the folder restores the model, optimizer, scheduler,
-scaler, data-loader and RNG state exactly.  Only one optimizer / scheduler / data loader is converted (their
-``_1`` files cannot be paired with a model's parameters): a folder with more is refused, never half-read.
+``random_states_*.pkl`` last (``sampler.bin`` as accelerate pickles it, when the source had one).
+``Accelerator.load_state`` on the folder restores the model, optimizer, scheduler, scaler, data-loader and RNG state
+exactly (the sampler too, once its classes are allow-listed: see :mod:`.accelerate_sampler`).  Only one optimizer
+/ scheduler / data loader is converted (their ``_1`` files cannot be paired with a model's parameters): a folder
+with more is refused, never half-read.
 """
 
 from __future__ import annotations

@@ -3,9 +3,10 @@
 ``save_accelerator_state`` writes, for ``i`` > 0 with an ``_i`` suffix: ``model.safetensors`` (or
 ``pytorch_model.bin`` with ``safe_serialization=False``) per prepared model, ``optimizer.bin`` (a torch optimizer
 ``state_dict``: parameters *numbered*), ``scheduler.bin``, ``sampler.bin`` (a pickled ``SeedableRandomSampler``,
-only for an ``IterableDatasetShard`` loader; read and written by :mod:`.accelerate_sampler`), ``dl_state_dict.bin`` (a ``StatefulDataLoader``'s ``state_dict``, with
-``use_stateful_dataloader=True``), ``scaler.pt`` (a ``GradScaler``'s), ``random_states_{process}.pkl`` (``step``,
-``random_state``, ``numpy_random_seed``, ``torch_manual_seed``, ``torch_<device>_manual_seed``, ``xm_seed``) and
+only for an ``IterableDatasetShard`` loader; read and written by :mod:`.accelerate_sampler`),
+``dl_state_dict.bin`` (a ``StatefulDataLoader``'s ``state_dict``, with ``use_stateful_dataloader=True``),
+``scaler.pt`` (a ``GradScaler``'s), ``random_states_{process}.pkl`` (``step``, ``random_state``,
+``numpy_random_seed``, ``torch_manual_seed``, ``torch_<device>_manual_seed``, ``xm_seed``) and
 ``custom_checkpoint_{i}.pkl`` (the ``state_dict`` of each ``register_for_checkpointing`` object).  All but the
 model are ``torch.save`` pickles, read here through :func:`ckpt.safe_unpickle.load_torch_file`: NumPy's RNG state is
 an allow-listed addition (:data:`NUMPY_RNG`), the sampler's three classes the other (inert stand-ins,

@@ -162,19 +162,24 @@ def test_ls_inspect_verify_find_accelerate_beside_ours(run: Path, tmp_path: Path
     assert_one_error(r, "model.safetensors", "truncated", code=1)
 
 
-def test_optimizer_numbers_that_nothing_names_are_refused(tmp_path: Path) -> None:
-    """Two parameters with one shape: the moments' shapes cannot say which is which; the refusal names the fix."""
+def _stepped_folder(folder: Path, m: torch.nn.Module) -> Path:
+    """A save_state folder of ``m`` after one AdamW step, written as save_state writes it."""
     from safetensors.torch import save_file
 
-    folder = tmp_path / "acc"
     folder.mkdir()
-    m = torch.nn.Sequential(torch.nn.Linear(3, 3, bias=False), torch.nn.Linear(3, 3, bias=False))
     opt = torch.optim.AdamW(m.parameters())
     m(torch.ones(1, 3)).sum().backward()
     opt.step()
     save_file(m.state_dict(), folder / "model.safetensors")
     torch.save(opt.state_dict(), folder / "optimizer.bin")
     torch.save({"step": 0, "random_state": (3, tuple(range(625)), None)}, folder / "random_states_0.pkl")
+    return folder
+
+
+def test_optimizer_numbers_that_nothing_names_are_refused(tmp_path: Path) -> None:
+    """Two parameters with one shape: the moments' shapes cannot say which is which; the refusal names the fix."""
+    m = torch.nn.Sequential(torch.nn.Linear(3, 3, bias=False), torch.nn.Linear(3, 3, bias=False))
+    folder = _stepped_folder(tmp_path / "acc", m)
     r = ckpt_cli("convert", folder, tmp_path / "out", "--to", "cuda", "--format", "ckpt")
     assert_one_error(r, "optimizer.bin", "shape [3, 3]", "--config", code=2)
     assert not (tmp_path / "out").exists()
@@ -183,17 +188,7 @@ def test_optimizer_numbers_that_nothing_names_are_refused(tmp_path: Path) -> Non
 def test_a_config_whose_model_type_transformers_does_not_know_is_one_layout_error(tmp_path: Path) -> None:
     """--config names the optimizer's numbers by rebuilding the model; a model_type transformers cannot build is
     refused in one line naming it (exit 2), not a traceback, and nothing is written."""
-    from safetensors.torch import save_file
-
-    folder = tmp_path / "acc"
-    folder.mkdir()
-    m = torch.nn.Linear(3, 2)
-    opt = torch.optim.AdamW(m.parameters())
-    m(torch.ones(1, 3)).sum().backward()
-    opt.step()
-    save_file(m.state_dict(), folder / "model.safetensors")
-    torch.save(opt.state_dict(), folder / "optimizer.bin")
-    torch.save({"step": 0, "random_state": (3, tuple(range(625)), None)}, folder / "random_states_0.pkl")
+    folder = _stepped_folder(tmp_path / "acc", torch.nn.Linear(3, 2))
     for model_type in ("no-such-model", "vit"):  # unknown to transformers; known, but no causal LM
         cfg = tmp_path / f"{model_type}.json"
         cfg.write_text(json.dumps({"model_type": model_type}))
