@@ -71,8 +71,8 @@ def _optim_file(tag: Path, rank: int) -> Path:
 def _refuse_parallel(tag: Path, names: list[str]) -> None:
     """Model/pipeline parallel and BF16_Optimizer folders: one line naming the file that shows it."""
     for n in sorted(names):
-        m = _RANK_FILE.fullmatch(n) or re.fullmatch(r"mp_rank_(\d+)_model_states\.pt", n)
-        if m and int(m.group(m.lastindex if m.lastindex == 1 else 2)) != 0:
+        m = re.search(r"mp_rank_(\d+)_", n)
+        if m and int(m.group(1)) != 0:
             raise CkptError(f"{tag / n}: a model-parallel DeepSpeed checkpoint (mp rank above 0); ckpt reads "
                             "data-parallel ZeRO folders only")  # fmt: skip
         if n.startswith("layer_") and n.endswith("-model_states.pt"):
@@ -149,6 +149,11 @@ class DeepSpeedSource(Source):
                   for r, o in enumerate(osds)]  # fmt: skip
         moment_keys = [k for k, v in states[0][0].items() if isinstance(v, torch.Tensor) and v.dim() > 0] \
             if states[0] else []  # fmt: skip
+        for r, st in enumerate(states):
+            for g, s in enumerate(st):
+                if any(not isinstance(s.get(k), torch.Tensor) for k in moment_keys):
+                    raise LayoutError(f"{_optim_file(tag, r)}: flat group {g}'s optimizer state has "
+                                      f"{sorted(s)}; rank 0's first has {moment_keys}")  # fmt: skip
         self._moment = {k: [[s[k] for s in st] for st in states] for k in moment_keys}
         where = str(tag)
         shapes = head["param_shapes"]
