@@ -120,7 +120,7 @@ class DeepSpeedSource(Source):
         names = sorted(p.name for p in tag.iterdir())
         _refuse_parallel(tag, names)
         stage3 = "mp_rank_00_model_states.pt" not in names
-        head = load_deepspeed_file(_model_file(tag, 0, stage3))
+        head = load_deepspeed_file(self._need(_model_file(tag, 0, stage3)))
         if _dict(head, "param_shapes", _model_file(tag, 0, stage3)) is None:
             raise CkptError(f"{_model_file(tag, 0, stage3)}: saved without a ZeRO optimizer (no param_shapes); "
                             "ckpt reads ZeRO stage 1/2/3 folders")  # fmt: skip
