@@ -46,10 +46,11 @@ def _kind(storage: Any) -> str | None:
         return "checkpoint"
     if ".metadata" in names:
         return "dcp"  # Lightning's FSDP sharded folder too (its meta.pt read by converters.lightning_folders)
-    if "checkpoint" in names and "latest" in names and storage.local and os.path.isfile(
-        os.path.join(storage.local_path(), "checkpoint", "mp_rank_00_model_states.pt")
-    ):
-        return "lightning"  # a DeepSpeed folder: converters.lightning_folders refuses it, saying what to run
+    if "checkpoint" in names and storage.local:
+        from ckpt.restoring.other_tools import deepspeed_folder
+
+        if deepspeed_folder(storage.local_path()):
+            return "lightning"  # Lightning's DeepSpeed folder: read by converters/lightning_deepspeed.py
     if "adapter_config.json" in names and "adapter_model.safetensors" in names:
         return "adapter"  # a PEFT folder, or a Trainer's LoRA checkpoint-N
     from ckpt.restoring.other_tools import ACCELERATE, folder_tool

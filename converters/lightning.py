@@ -23,7 +23,6 @@ from typing import Any
 
 import torch
 
-from ckpt.errors import CkptError, LayoutError
 from ckpt.format.dtypes import dtype_name
 from ckpt.format.manifest import TensorDesc
 from ckpt.integrations.lightning_state import EXTRA_KEY, optimizer_tree, split
@@ -32,6 +31,7 @@ from ckpt.restoring.other_tools import LIGHTNING, file_tool
 
 from .engine import Source, Trees
 from .engine.source import slice_of
+from .hf_prefix import model_prefix
 from .lightning_pickle import load_ckpt_file
 
 NAME = "lightning"
@@ -41,45 +41,6 @@ def detect(path: str, storage_options: Mapping[str, Any] | None = None) -> bool:
     from .lightning_folders import is_deepspeed, is_fsdp_sharded
 
     return file_tool(path) == LIGHTNING or is_fsdp_sharded(Path(path)) or is_deepspeed(Path(path))
-
-
-def _config_names(config: Mapping[str, Any]) -> set[str] | None:
-    """The tensor names of the HF model ``config`` describes (built on the ``meta`` device: no memory), or None
-    when transformers cannot build it."""
-    try:
-        from transformers import AutoConfig, AutoModelForCausalLM
-    except ImportError:
-        return None
-    cfg = dict(config)
-    model_type = cfg.pop("model_type", None)
-    if not model_type:
-        return None
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **cfg))
-    return set(model.state_dict())
-
-
-def model_prefix(names: set[str], config: Mapping[str, Any], where: str) -> str:
-    """The attribute path under which the LightningModule holds the HF model ``config`` describes (``"model."`` for
-    ``self.model = AutoModelForCausalLM...``; ``""`` when the names are the model's own).  Checked against every
-    tensor the config's model has; a state_dict that holds it under no single prefix is refused, never guessed."""
-    expected = _config_names(config)
-    if expected is None or expected <= names:
-        return ""
-    probe = min(expected)
-    fits = sorted(
-        p
-        for p in {n[: len(n) - len(probe)] for n in names if n.endswith("." + probe)}
-        if all(p + e in names for e in expected)
-    )
-    if len(fits) != 1:
-        missing = sorted(expected - names)[:2]
-        raise LayoutError(
-            f"{where}: the state_dict holds the model config.json describes under "
-            + (f"{len(fits)} prefixes ({', '.join(fits)})" if fits else f"no prefix (no tensor ends with {missing})")
-            + "; cannot tell which tensors are the model"
-        )
-    return fits[0]
 
 
 class LightningSource(Source):
@@ -127,11 +88,13 @@ class LightningSource(Source):
 
 
 def open_source(path: str, *, config: Mapping[str, Any] | None = None, **_: Any) -> Source:
-    """The source of a ``.ckpt`` file, or of the folder Lightning's FSDP strategy writes (DeepSpeed's: refused)."""
-    from .lightning_folders import FsdpShardedSource, deepspeed_refusal, is_deepspeed, is_fsdp_sharded
+    """The source of a ``.ckpt`` file, or of the folder Lightning's FSDP or DeepSpeed strategy writes."""
+    from .lightning_folders import FsdpShardedSource, is_deepspeed, is_fsdp_sharded
 
     if is_deepspeed(Path(path)):
-        raise CkptError(deepspeed_refusal(Path(path)))
+        from .lightning_deepspeed import DeepSpeedSource
+
+        return DeepSpeedSource(path, config=config)
     if is_fsdp_sharded(Path(path)):
         return FsdpShardedSource(path, config=dict(config) if config is not None else None)
     return LightningSource(path, config=config)
@@ -140,4 +103,4 @@ def open_source(path: str, *, config: Mapping[str, Any] | None = None, **_: Any)
 # the writer side lives in its own module (it imports the engine's export machinery)
 from .lightning_export import NOT_WRITTEN_WHY, LightningExport, export  # noqa: E402
 
-__all__ = ["NOT_WRITTEN_WHY", "LightningExport", "LightningSource", "detect", "export", "load_ckpt_file", "open_source"]
+__all__ = ["NOT_WRITTEN_WHY", "LightningExport", "LightningSource", "detect", "export", "load_ckpt_file", "model_prefix", "open_source"]

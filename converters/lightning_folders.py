@@ -6,10 +6,8 @@ a ``.ckpt`` path.
   callbacks, ...).  Read as DCP (:class:`~converters.dcp_source.DCPSource`: model tensors, and the optimizer's
   moments, FQN-keyed as FSDP saves them, when there is one optimizer); ``meta.pt`` through the safe unpickler into
   ``extra.lightning_meta`` (JSON), its ``global_step`` the step.
-- DeepSpeed: ``checkpoint/mp_rank_00_model_states.pt`` and ZeRO ``*_optim_states.pt`` partitions, pickles of
-  DeepSpeed's own objects.  Refused with what to run instead: reading them needs DeepSpeed (not a dependency), and
-  its ``zero_to_fp32`` / Lightning's ``convert_zero_checkpoint_to_fp32_state_dict`` turn the folder into a ``.ckpt``
-  file, which every command reads.
+- DeepSpeed: ``checkpoint/*mp_rank_00_model_states.pt`` and ZeRO ``*_optim_states.pt`` partitions: read by
+  :mod:`converters.lightning_deepspeed` (without DeepSpeed).
 """
 
 from __future__ import annotations
@@ -26,25 +24,14 @@ from .lightning_pickle import allowed_globals
 
 #: the file Lightning's FSDP strategy writes beside the DCP shards
 META_NAME = "meta.pt"
-#: what marks a DeepSpeed checkpoint folder
-_DEEPSPEED = "mp_rank_00_model_states.pt"
-
-
 def is_fsdp_sharded(path: Path) -> bool:
     return path.is_dir() and (path / META_NAME).is_file() and (path / METADATA_NAME).is_file()
 
 
 def is_deepspeed(path: Path) -> bool:
-    return path.is_dir() and (path / "checkpoint" / _DEEPSPEED).is_file()
+    from ckpt.restoring.other_tools import deepspeed_folder
 
-
-def deepspeed_refusal(path: Path) -> str:
-    return (
-        f"{path} is a DeepSpeed checkpoint folder (Lightning's DeepSpeedStrategy); ckpt does not read DeepSpeed's "
-        "ZeRO partitions (pickles of DeepSpeed's own classes); make a .ckpt first: python -c \"from "
-        "lightning.pytorch.utilities.deepspeed import convert_zero_checkpoint_to_fp32_state_dict as c; "
-        f"c('{path}', 'model.ckpt')\""
-    )
+    return path.is_dir() and deepspeed_folder(str(path))
 
 
 class FsdpShardedSource(DCPSource):
@@ -64,4 +51,4 @@ class FsdpShardedSource(DCPSource):
         self.step_recorded = "global_step" in meta
 
 
-__all__ = ["FsdpShardedSource", "META_NAME", "deepspeed_refusal", "is_deepspeed", "is_fsdp_sharded"]
+__all__ = ["FsdpShardedSource", "META_NAME", "is_deepspeed", "is_fsdp_sharded"]

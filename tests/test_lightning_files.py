@@ -167,7 +167,7 @@ def test_hf_model_inside_a_lightning_module_converts_to_hf_with_config(tmp_path:
     assert code != 0 and "Lightning numbers the parameters" in out and not (tmp_path / "nxd").exists(), out
 
 
-def test_lightning_fsdp_sharded_folder_is_read_and_deepspeed_refused(lightning_ckpt: Path, tmp_path: Path) -> None:
+def test_lightning_fsdp_sharded_folder_is_read_and_a_deepspeed_folder_is_read_or_refused(lightning_ckpt: Path, tmp_path: Path) -> None:
     """The sharded folder as Lightning's FSDPStrategy lays it out, written by Lightning's own DCP save helper (its
     FSDPStrategy itself refuses accelerator="cpu"): {"model", "optimizer_0"} in DCP, the rest in meta.pt."""
     from lightning.fabric.strategies.fsdp import _distributed_checkpoint_save
@@ -191,12 +191,17 @@ def test_lightning_fsdp_sharded_folder_is_read_and_deepspeed_refused(lightning_c
     code, out = cli("diff", folder, tmp_path / "ours")
     assert code == 0 and "0 changed" in out, out
 
+    # DeepSpeed's folders are read (tests/test_lightning_deepspeed.py: every stage, against DeepSpeed's own reading);
+    # one that is not a ZeRO save is refused in one line, nothing written
+    real = next((Path(__file__).parents[1] / "fixtures" / "lightning_deepspeed" / "mlp_zero3").glob("*.ckpt"))
+    code, out = cli("inspect", real)
+    assert code == 0 and "Lightning DeepSpeed ZeRO-3 (1 rank) folder  step 3" in out, out
     ds = tmp_path / "ds.ckpt"
     (ds / "checkpoint").mkdir(parents=True)
     torch.save({"module": {}}, ds / "checkpoint" / "mp_rank_00_model_states.pt")
     (ds / "latest").write_text("checkpoint")
     for command in ("inspect", "verify"):
         code, out = cli(command, ds)
-        assert code != 0 and "DeepSpeed checkpoint folder" in out and "convert_zero_checkpoint" in out, out
+        assert code != 0 and "not a DeepSpeed ZeRO checkpoint file (no param_shapes)" in out, out
     code, out = cli("convert", ds, tmp_path / "x", "--to", "cuda")
     assert code != 0 and "DeepSpeed" in out and not (tmp_path / "x").exists(), out

@@ -16,7 +16,7 @@ from ..format.integrity import file_problems
 from ..format.manifest import MANIFEST_NAME, Manifest
 from ..format.reader import read_manifest
 from ..storage import Storage, open_storage
-from .other_tools import LIGHTNING, file_tool, folder_tool
+from .other_tools import LIGHTNING, deepspeed_folder, file_tool, folder_tool
 
 STEP_RE = re.compile(r"^step_(\d+)$")
 
@@ -160,6 +160,8 @@ def find_checkpoints(root: str | Storage, max_depth: int = FIND_DEPTH) -> list[F
         except OSError:
             return
         kind = folder_kind(names, lambda n: os.path.isdir(os.path.join(path, n)))
+        if kind is None and "checkpoint" in names and deepspeed_folder(path):
+            kind = LIGHTNING  # Lightning's DeepSpeedStrategy folder (converters/lightning_deepspeed.py)
         if kind is not None:
             found.append(Found(rel, kind))
             return

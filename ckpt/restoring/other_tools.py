@@ -61,6 +61,21 @@ def file_tool(path: str) -> str | None:
     return LIGHTNING if _LIGHTNING_KEY in head else None
 
 
+#: the tag Lightning's DeepSpeedStrategy saves under (``engine.save_checkpoint(path, tag="checkpoint")``)
+DEEPSPEED_TAG = "checkpoint"
+
+
+def deepspeed_folder(path: str) -> bool:
+    """Whether the local folder ``path`` is what Lightning's DeepSpeedStrategy writes for a ``.ckpt`` path: a
+    ``checkpoint/`` folder holding DeepSpeed's ``*mp_rank_<NN>_model_states.pt`` files (one listing, nothing read;
+    ``converters/lightning_deepspeed.py`` reads it)."""
+    tag = os.path.join(path, DEEPSPEED_TAG)
+    try:
+        return any(n.endswith("_model_states.pt") and "mp_rank_" in n for n in os.listdir(tag))
+    except OSError:
+        return False
+
+
 def tool_at(path: str) -> str | None:
     """Which unsupported tool wrote the local file or folder ``path`` (None: none this module knows)."""
     if os.path.isdir(path):
@@ -81,4 +96,4 @@ def not_supported(path: str, kind: str) -> str:
     )
 
 
-__all__ = ["ACCELERATE", "KINDS", "LIGHTNING", "SHORT", "WHAT", "file_tool", "folder_tool", "not_supported", "tool_at"]
+__all__ = ["ACCELERATE", "DEEPSPEED_TAG", "KINDS", "LIGHTNING", "SHORT", "WHAT", "deepspeed_folder", "file_tool", "folder_tool", "not_supported", "tool_at"]
