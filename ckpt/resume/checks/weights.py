@@ -13,6 +13,9 @@ Two defects no loss curve proves (a model back at an earlier state can train on 
 * a checkpoint holds the same weights as an earlier one although steps were trained in between (a save made while
   other weights were swapped in, a stale reference saved): the restored checkpoint's digest is compared with the
   run's earlier checkpoints' (unless every logged LR between them is 0, when identical weights are expected).
+* a checkpoint N holds the weights of another step than N (an async save that copied too early): the save event's
+  fingerprint of the live weights at step N against the same sample read from the checkpoint
+  (:func:`ckpt.resume.checks.saved.saved_weights`).
 
 Digests come from :mod:`ckpt.converters.digest` and are compared by :func:`ckpt.converters.digest.compare_digests`.
 """
@@ -26,6 +29,7 @@ from typing import Any
 
 from ckpt.resume.checks.base import Basis, Cause, CheckResult, Confidence, Status
 from ckpt.resume.checks.context import CheckContext
+from ckpt.resume.checks.saved import saved_weights
 
 NAME = "weights"
 #: tensor names quoted in a verdict
@@ -165,6 +169,13 @@ def check_weights(ctx: CheckContext) -> CheckResult:
             Cause.WEIGHTS_NOT_RESTORED,
             nums,
         ).judged(Basis.CHECKPOINT, Confidence.EXACT)
+    sampled = saved_weights(ctx)
+    if sampled is not None and sampled.status is Status.FAIL:
+        sampled.numbers.update(nums)
+        return sampled
+    if sampled is not None:
+        nums.update(sampled.numbers)
+        done.append(sampled.summary)
     if isinstance(got, _Restored):
         if got.compared:
             how = ", in its HF view" if got.hf_view else ""
