@@ -425,14 +425,17 @@ def judge(run_dir: Path, fmt: str, every: int, deterministic: bool | None) -> di
     return {"exit": result.exit_code, "causes": causes, "cannot_tell": bool(result.undecided)}
 
 
-def measure(cfg: TruthConfig, root: Path, defects: tuple[str, ...] = DEFECTS) -> list[dict[str, Any]]:
-    """One trunk, every branch, every view: one row per (defect, view) with the verdict and the effect."""
+def measure(
+    cfg: TruthConfig, root: Path, defects: tuple[str, ...] = DEFECTS, views: tuple[Any, ...] = VIEWS
+) -> list[dict[str, Any]]:
+    """One trunk, every branch, every view (of ``views``): one row per (defect, view) with the verdict and the
+    effect."""
     trunk(cfg, root)
     rows = []
     runs = {d: branch(cfg, root, d) for d in dict.fromkeys(("clean", *defects))}
     for d in defects:
         eff = effect(runs["clean"], runs[d], cfg.restored)
-        for fmt, every, det in VIEWS:
+        for fmt, every, det in views:
             rows.append(
                 {
                     "defect": d,

@@ -50,7 +50,9 @@ def rng_digests() -> dict[str, str]:
 
     out = {"python": h(repr(random.getstate()).encode())}
     name, keys, pos, has_gauss, cached = np.random.get_state()
-    out["numpy"] = h(np.asarray(keys).tobytes(), repr((name, int(pos), int(has_gauss), float(cached))).encode())
+    out["numpy"] = h(
+        np.asarray(keys).tobytes(), repr((name, int(pos), int(has_gauss), float(cached))).encode()
+    )
     torch = sys.modules.get("torch")
     if torch is not None:
         out["torch"] = h(torch.get_rng_state().numpy().tobytes())
@@ -93,12 +95,16 @@ def tensor_sample(name: str, t: Any) -> str | None:
     if isinstance(t, DTensor) or not isinstance(t, torch.Tensor):
         return None
     t = t.detach()
-    pos = positions(t.numel())
+    n = t.numel()
+    # positions() in int64 arithmetic: no Python list per tensor
+    k = torch.arange(min(n, SAMPLE), dtype=torch.long)
+    idx = (k if n <= SAMPLE else (2 * k + 1) * n // (2 * SAMPLE)).to(t.device)
     if t.dim() == 0:
         values = t.reshape(1)
+    elif t.is_contiguous():
+        values = t.view(-1)[idx]
     else:
-        idx = torch.unravel_index(torch.tensor(pos, dtype=torch.long, device=t.device), tuple(t.shape))
-        values = t[idx]
+        values = t[torch.unravel_index(idx, tuple(t.shape))]
     return _entry(name, dtype_name(t.dtype), t.shape, values.cpu())
 
 
@@ -113,7 +119,14 @@ def weights_sample(model: Any) -> Fingerprint | None:
         named = model_tensors(model)
     except StateMismatchError:
         return None
-    out = {nt.name: fp for nt in named if (fp := tensor_sample(nt.name, nt.tensor)) is not None}
+    out: Fingerprint = {}
+    for nt in named:
+        try:
+            fp = tensor_sample(nt.name, nt.tensor)
+        except (RuntimeError, ValueError, TypeError, NotImplementedError):
+            fp = None  # a tensor that cannot be read here (a meta or fake tensor): left out, never guessed
+        if fp is not None:
+            out[nt.name] = fp
     return out or None
 
 
@@ -173,7 +186,9 @@ def safetensors_sample(folder: str | os.PathLike[str]) -> Fingerprint | None:
                 sl = fh.get_slice(name)
                 shape = tuple(int(d) for d in sl.get_shape())
                 if not shape:
-                    out[name] = _stored(name, sl.get_dtype(), shape, lambda lo, hi, n=name, h=fh: h.get_tensor(n))
+                    out[name] = _stored(
+                        name, sl.get_dtype(), shape, lambda lo, hi, n=name, h=fh: h.get_tensor(n)
+                    )
                     continue
                 out[name] = _stored(name, sl.get_dtype(), shape, lambda lo, hi, s=sl: s[lo:hi])
     return out

@@ -46,8 +46,9 @@ def saved_rng(ctx: CheckContext) -> CheckResult | None:
         return CheckResult(
             "rng",
             Status.FAIL,
-            f"RNG state not restored: after the restore {', '.join(differ)} "
-            f"({len(differ)}/{len(common)} streams) differ from the state saved with checkpoint {n}",
+            f"RNG state not restored: after the restore {count(len(differ), 'stream')} of {len(common)} "
+            f"({', '.join(differ)}) {'differs' if len(differ) == 1 else 'differ'} from the state saved with "
+            f"checkpoint {n}",
             Cause.RNG_NOT_RESTORED,
             nums,
         ).judged(Basis.CHECKPOINT, Confidence.EXACT)
@@ -99,3 +100,22 @@ def saved_weights(ctx: CheckContext) -> CheckResult | None:
         None,
         nums,
     ).judged(Basis.CHECKPOINT, Confidence.EXACT)
+
+
+def unchecked_without_overlap(checks: list[CheckResult], step: int) -> list[str]:
+    """What a boundary with no overlapping step cannot check, from its check results: an LR scaled inside the
+    optimizer step while the logged LR is not (only the losses of steps logged twice show it) always; whether the
+    RNG was restored and whether checkpoint ``step`` holds step ``step``'s weights where no save-time fact
+    decided it (a ledger without them, an unreadable checkpoint)."""
+    by = {c.name: c for c in checks}
+    out = ["an LR changed inside optimizer.step while the logged LR is not (lr_scaled_silently)"]
+    rng = by.get("rng")
+    if rng is not None and rng.status is not Status.FAIL and "streams" not in rng.numbers:
+        out.append("whether the RNG state was restored (no RNG digests in the save and restore events)")
+    w = by.get("weights")
+    if w is not None and w.status is not Status.FAIL and "sampled_tensors" not in w.numbers:
+        out.append(
+            f"whether checkpoint {step} holds step {step}'s weights rather than an early copy "
+            "(no weight fingerprint in its save event, or the checkpoint unreadable)"
+        )
+    return out
