@@ -177,7 +177,8 @@ def test_clean_generator_resumes_match_the_save_facts(generator: dict) -> None:
         v = generator[d]
         assert v.exit_code == 0, render_text(v)
         for b in v.verdicts:
-            assert b.check("rng").numbers.get("streams") == 3
+            # python, numpy, torch (and xla where another test imported torch_xla)
+            assert b.check("rng").numbers.get("streams", 0) >= 3
             assert b.check("weights").numbers.get("sample_differs") == 0
     # a resume from a non-newest checkpoint: its own save event's facts match
     older = generator["older_checkpoint"]

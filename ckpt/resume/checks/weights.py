@@ -175,7 +175,6 @@ def check_weights(ctx: CheckContext) -> CheckResult:
         return sampled
     if sampled is not None:
         nums.update(sampled.numbers)
-        done.append(sampled.summary)
     if isinstance(got, _Restored):
         if got.compared:
             how = ", in its HF view" if got.hf_view else ""
@@ -201,6 +200,8 @@ def check_weights(ctx: CheckContext) -> CheckResult:
                 nums,
             ).judged(Basis.CHECKPOINT, Confidence.EXACT)
     nums["earlier_compared"] = compared
+    if sampled is not None:
+        done.append(sampled.summary)
     if compared:
         done.append(f"{label} differs from the {compared} earlier checkpoint{'s' if compared != 1 else ''}")
     if skipped is not None or not done:
