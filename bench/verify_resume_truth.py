@@ -30,13 +30,19 @@ LOSS_THRESHOLD = 0.05
 LR_THRESHOLD = 0.01
 
 
-def run_grid(seeds: int, defects: tuple[str, ...]) -> list[dict]:
+def run_grid(
+    seeds: int,
+    defects: tuple[str, ...],
+    formats: tuple[str, ...] = ("tensorboard", "ledger"),
+    overlaps: tuple[bool, ...] = (True, False),
+) -> list[dict]:
     rows: list[dict] = []
     t0 = time.time()
-    jobs = [(size, seed, ov) for size in SIZES for ov in (True, False) for seed in range(seeds)]
+    views = tuple(v for v in VIEWS if v[0] in formats)
+    jobs = [(size, seed, ov) for size in SIZES for ov in overlaps for seed in range(seeds)]
     for i, (size, seed, ov) in enumerate(jobs, 1):
         with tempfile.TemporaryDirectory() as tmp:
-            rows += measure(TruthConfig(size=size, seed=seed, overlap=ov), Path(tmp), defects)
+            rows += measure(TruthConfig(size=size, seed=seed, overlap=ov), Path(tmp), defects, views)
         done = time.time() - t0
         print(
             f"\r{i}/{len(jobs)} trunks, {done:.0f} s, ~{done / i * (len(jobs) - i):.0f} s left",
@@ -52,33 +58,47 @@ STEPPED = ("lr_halved", "scheduler_lost", "lr_off_by_one")
 runs, whose scheduler has neither."""
 
 
-def run_trainer(seeds: int, minutes: float, out: Path, extra: int = 0, first: int = 0) -> list[dict]:
+def run_trainer(
+    seeds: int,
+    minutes: float,
+    out: Path,
+    extra: int = 0,
+    first: int = 0,
+    only: tuple[str, ...] | None = None,
+    formats: tuple[str, ...] = ("tensorboard", "ledger"),
+    overlaps: tuple[bool, ...] = (True, False),
+) -> list[dict]:
     """The Trainer grid: per seed one config (scheduler, accumulation, bf16, logging by seed), with and
     without overlap; then ``extra`` seeds of the two extra trunks (a torch ``StepLR`` whose first milestone is
     N+1, a logged curriculum phase change at N+1) with their branches; rows are written after every trunk so a
-    stopped run keeps what it measured."""
+    stopped run keeps what it measured.  ``only``, ``formats`` and ``overlaps`` restrict the classes, views and
+    crash modes (a partial rerun)."""
     from ckpt.resume.truth_trainer import DEFECTS as T_DEFECTS
     from ckpt.resume.truth_trainer import EXTRA_DEFECTS, TrainerTruthConfig
+    from ckpt.resume.truth_trainer import VIEWS as T_VIEWS
     from ckpt.resume.truth_trainer import measure as measure_trainer
+
+    def keep(defects: tuple[str, ...]) -> tuple[str, ...]:
+        return tuple(d for d in defects if only is None or d in only)
 
     rows: list[dict] = []
     t0 = time.time()
+    views = tuple(v for v in T_VIEWS if v[0] in formats)
     jobs = [
-        (cfg, tuple(d for d in T_DEFECTS if not (cfg.scheduler == "reduce_lr_on_plateau" and d in STEPPED)))
+        (cfg, keep(tuple(d for d in T_DEFECTS if not (cfg.scheduler == "reduce_lr_on_plateau" and d in STEPPED))))
         for s in range(first, seeds)
-        for cfg in (TrainerTruthConfig.from_seed(s, overlap=ov) for ov in (True, False))
+        for cfg in (TrainerTruthConfig.from_seed(s, overlap=ov) for ov in overlaps)
     ]
     for s in range(first if first < extra else extra, extra):
         for kw in ({"scheduler": "step_lr"}, {"curriculum": True, "scheduler": "cosine"}):
-            jobs += [
-                (TrainerTruthConfig.from_seed(s, overlap=ov, **kw), EXTRA_DEFECTS) for ov in (True, False)
-            ]
+            jobs += [(TrainerTruthConfig.from_seed(s, overlap=ov, **kw), keep(EXTRA_DEFECTS)) for ov in overlaps]
+    jobs = [(cfg, defects) for cfg, defects in jobs if defects]
     for i, (cfg, defects) in enumerate(jobs, 1):
         if time.time() - t0 > 60 * minutes:
             print(f"\nstopped after {i - 1} trunks ({minutes:g} min)", file=sys.stderr)
             break
         with tempfile.TemporaryDirectory() as tmp:
-            rows += measure_trainer(cfg, Path(tmp), defects)
+            rows += measure_trainer(cfg, Path(tmp), defects, views)
         out.write_text(json.dumps(rows, indent=0))
         print(f"\r{i}/{len(jobs)} trunks, {time.time() - t0:.0f} s", end="", file=sys.stderr)
     print(file=sys.stderr)
@@ -265,7 +285,7 @@ def tables(rows: list[dict]) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seeds", type=int, default=20)
-    ap.add_argument("--defects", default=",".join(DEFECTS))
+    ap.add_argument("--defects", default=",".join(DEFECTS), help="classes to run (both sources)")
     ap.add_argument(
         "--out", type=Path, default=Path(__file__).parent / "results" / "verify_resume_truth.json"
     )
@@ -279,7 +299,11 @@ def main() -> None:
     ap.add_argument(
         "--trainer-json", type=Path, help="Also print the Trainer source's tables from these rows."
     )
+    ap.add_argument("--views", default="tensorboard,ledger", help="formats judged: tensorboard, ledger or both")
+    ap.add_argument("--overlap", choices=("both", "yes", "no"), default="both", help="crash modes run")
     args = ap.parse_args()
+    formats = tuple(args.views.split(","))
+    overlaps = {"both": (True, False), "yes": (True,), "no": (False,)}[args.overlap]
     if args.source == "trainer":
         out = (
             args.out.with_name("verify_resume_truth_trainer.json")
@@ -287,12 +311,19 @@ def main() -> None:
             else args.out
         )
         out.parent.mkdir(parents=True, exist_ok=True)
-        print(trainer_tables(run_trainer(args.seeds, args.minutes, out, args.extra_seeds, args.first_seed)))
+        only = tuple(args.defects.split(",")) if args.defects != ",".join(DEFECTS) else None
+        print(
+            trainer_tables(
+                run_trainer(
+                    args.seeds, args.minutes, out, args.extra_seeds, args.first_seed, only, formats, overlaps
+                )
+            )
+        )
         return
     if args.from_json:
         rows = json.loads(args.from_json.read_text())
     else:
-        rows = run_grid(args.seeds, tuple(args.defects.split(",")))
+        rows = run_grid(args.seeds, tuple(args.defects.split(",")), formats, overlaps)
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(rows, indent=0))
     if args.trainer_json:

@@ -96,6 +96,8 @@ class CheckpointManager:
         )
         self.coll: Collective = self.checkpointer.coll
         self.last_result: SaveResult | None = None
+        #: save-time facts by step (``ckpt.state.save_facts``), taken when a save is requested, emitted at commit
+        self._save_facts: dict[int, dict[str, Any]] = {}
         #: the RestoreResult of the last restore / restore_latest on this rank (data position, RNG streams, ...)
         self.last_restore: RestoreResult | None = None
         self.policy = TierPolicy(local_dir is not None, local_every, persist_every)
@@ -125,13 +127,35 @@ class CheckpointManager:
         if options.on_commit is not None:
             raise TypeError("CheckpointManager.save() got on_commit=: the manager commits with its own (retention); "
                             "use CheckpointManager(on_event=...) to hear of saves")  # fmt: skip
-        if self.tiers is not None:
-            return self.tiers.save(step, objects, options)
-        if not self.policy.tiers(step):
+        if self.tiers is None and not self.policy.tiers(step):
             fut: Future = Future()
             fut.set_result(None)
             return fut
+        self._take_save_facts(step, objects, options)
+        if self.tiers is not None:
+            return self.tiers.save(step, objects, options)
         return self.save_persistent(step, objects, options)
+
+    def _take_save_facts(self, step: int, objects: dict[str, Any], options: SaveOptions) -> None:
+        """The save event's facts, taken now on the training thread, before any staging: the RNG state the
+        checkpoint captures and a fingerprint of the live weights (:mod:`ckpt.state.save_facts`), so that
+        verify-resume can tell a restore that skipped the RNG, or a checkpoint written from other weights than
+        these, without overlapping steps.  Only for a listener, on rank 0."""
+        if self.on_event is None or self.coll.rank != 0:
+            return
+        from .state.save_facts import rng_digests, weights_sample
+
+        t0 = time.perf_counter()
+        facts: dict[str, Any] = {}
+        if options.rng:
+            facts["rng_digests"] = rng_digests()
+        model = objects.get("model")
+        if model is not None and not options.adapter_only:
+            sample = weights_sample(model)
+            if sample is not None:
+                facts["weights_sample"] = sample
+        facts["facts_s"] = time.perf_counter() - t0
+        self._save_facts[int(step)] = facts
 
     def save_persistent(self, step: int, objects: dict[str, Any], options: SaveOptions) -> Future:
         """Save step ``step`` to ``root`` only."""
@@ -154,6 +178,9 @@ class CheckpointManager:
 
     def _emit_save(self, result: SaveResult) -> None:
         if self.on_event is not None and self.coll.rank == 0:
+            facts = self._save_facts.pop(result.step, {})
+            # a save that never committed leaves its facts behind: drop those of older steps
+            self._save_facts = {s: f for s, f in self._save_facts.items() if s > result.step}
             self.on_event(
                 "save",
                 {
@@ -162,6 +189,7 @@ class CheckpointManager:
                     "blocking_s": result.blocking_s,
                     "total_s": result.total_s,
                     "bytes": result.bytes_written,
+                    **facts,
                 },
             )
 
@@ -223,6 +251,11 @@ class CheckpointManager:
                 info.update(model_digest=digest.tensors, model_views=digest.views)
             if result.unexpected and result.missing:  # strict=False: names that did not match were not loaded
                 info.update(unloaded=list(result.unexpected), unfilled=list(result.missing))
+            if not result.rng_derived:  # after a change of DP size streams are re-derived by design
+                from .state.save_facts import rng_digests
+
+                # the live RNG as the restore left it: equal to the save event's where the streams were carried
+                info["rng_digests"] = rng_digests()
             self.on_event("restore", info)
 
     def _restored_digest(self, result: RestoreResult, model: Any) -> Any:

@@ -30,7 +30,7 @@ CASES = [
     (1, True, {}, ("clean", "clean_nondeterministic", "weights_stale_saved", "scheduler_lost", "optimizer_reset",
                    "moments_zeroed", "data_restarted", "accumulation_changed")),
     (1, False, {}, ("clean", "moments_zeroed", "betas_changed", "weight_decay_changed", "accumulation_changed",
-                    "lr_scaled_silently", "data_restarted")),
+                    "lr_scaled_silently", "data_restarted", "weights_stale", "rng_lost")),
     (2, True, {}, ("clean",)),
     (2, False, {}, ("clean", "lr_off_by_one")),
     (14, True, {}, ("clean",)),
@@ -162,3 +162,18 @@ def test_scheduled_events_at_the_boundary_pass_without_overlap_and_replay_catche
     assert restart["exit"] == 1 and Cause.LR_OFF_BY_ONE.value in restart["causes"], restart["causes"]
     step = _pick(rows, "lr_off_by_one", "ledger", None, seed=0, overlap=False, scheduler="step_lr")
     assert step["exit"] == 1 and Cause.LR_DIFFERENT.value in step["causes"], step["causes"]
+
+
+def test_save_time_facts_decide_stale_weights_and_a_lost_rng_without_overlap(rows: list[dict]) -> None:
+    # checkpoint-N/model.safetensors replaced by step N-5's weights after the Trainer wrote it: CkptCallback's
+    # fingerprint of the live weights at on_save says the file is not step N's
+    stale = _pick(rows, "weights_stale", "ledger", None, overlap=False)
+    assert stale["exit"] == 1 and Cause.STALE_CHECKPOINT.value in stale["causes"], stale["causes"]
+    # the tiny Llama draws nothing from the RNG (no dropout): with rng_state.pth deleted its state after the restore
+    # still equals the saved one, so only the missing file names it; with ignore_data_skip the Trainer never loads
+    # rng_state.pth, and its torch stream at the first step differs from the saved one, which the RNG digests show
+    rng = _pick(rows, "rng_lost", "ledger", None, overlap=False)
+    assert rng["exit"] == 1 and Cause.STATE_MISSING.value in rng["causes"], rng["causes"]
+    data = _pick(rows, "data_restarted", "ledger", None, overlap=False)
+    assert Cause.RNG_NOT_RESTORED.value in data["causes"], data["causes"]
+    assert _pick(rows, "clean", "ledger", None, overlap=False)["exit"] == 0

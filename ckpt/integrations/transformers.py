@@ -32,7 +32,12 @@ What is logged, and from which hook:
   seen, per logged step.  Set ``logging_steps=1`` for a step-by-step ledger; the Trainer averages the loss
   over ``logging_steps``.
 - ``on_save``: the ``checkpoint-N`` the Trainer has just written (it writes synchronously, so the event is
-  logged once the files are there), and the sample count beside it.
+  logged once the files are there), and the sample count beside it; with the save-time facts
+  (:mod:`ckpt.state.save_facts`): the digests of the RNG streams, which are what ``rng_state*.pth`` has just
+  captured (nothing draws between the Trainer's save and this hook), and a fingerprint of the live weights.
+  The restore event carries the RNG digests of the first step's ``on_step_begin``, which the Trainer reaches right
+  after loading ``rng_state*.pth`` (except at an epoch start, where the new epoch's sampler may draw first: left
+  out there).
 - ``on_train_end``: a clean exit.
 
 Only the world process zero writes (``state.is_world_process_zero``); the other ranks' callbacks do nothing.
@@ -138,6 +143,24 @@ def _read_samples(folder: str) -> int | None:
     return int(value) if isinstance(value, int) else None
 
 
+def _save_facts(folder: str, model: Any) -> dict[str, Any]:
+    """The save event's facts (:mod:`ckpt.state.save_facts`): the RNG digests when the checkpoint holds an
+    ``rng_state*.pth`` (not with ``save_only_model``), the fingerprint of the live weights, and their cost."""
+    import glob
+    import time
+
+    from ckpt.state.save_facts import rng_digests, weights_sample
+
+    t0 = time.perf_counter()
+    out: dict[str, Any] = {}
+    if glob.glob(os.path.join(glob.escape(folder), "rng_state*.pth")):
+        out["rng_digests"] = rng_digests()
+    if model is not None:
+        out["weights_sample"] = weights_sample(model)
+    out["facts_seconds"] = time.perf_counter() - t0
+    return out
+
+
 class CkptCallback(TrainerCallback):
     """Write the run ledger from ``Trainer``'s hooks (see the module docstring for what and when).
 
@@ -169,6 +192,8 @@ class CkptCallback(TrainerCallback):
         self._restored: tuple[int, str, int | None] | None = None
         #: the restore record's optimizer summary and replayed LRs (``ckpt.resume.restore_facts``)
         self._restored_state: dict[str, Any] = {}
+        #: whether the first step begins right after the Trainer loaded the RNG state (not at an epoch start)
+        self._rng_at_first_step = False
         self._hook: Any = None
         self._micro: list[str] = []
         self._samples: int | None = None
@@ -224,12 +249,18 @@ class CkptCallback(TrainerCallback):
             self._restored = (state.global_step, folder, optimizer_step(opt) if opt is not None else None)
             self._restored_state = _restored_state(opt, kwargs.get("lr_scheduler"), folder)
             self._samples = _read_samples(folder)
+            epoch = getattr(state, "epoch", None)
+            self._rng_at_first_step = isinstance(epoch, (int, float)) and not float(epoch).is_integer()
         self._attach(kwargs.get("model"))
 
-    def _log_restore(self, model: Any) -> None:
-        """Write the pending restore event, with the digest of ``model`` as training finds it."""
+    def _log_restore(self, model: Any, first_step: bool = False) -> None:
+        """Write the pending restore event, with the digest of ``model`` as training finds it (and, at the first
+        step, the RNG digests as the Trainer's restore left them)."""
         if self.ledger is None or self._restored is None:
             return
+        from ckpt.state.save_facts import rng_digests
+
+        rng = rng_digests() if first_step and self._rng_at_first_step else None
         step, path, opt_step = self._restored
         self._restored = None
         digest = None
@@ -243,13 +274,14 @@ class CkptCallback(TrainerCallback):
             model_digest=digest.tensors if digest is not None else None,
             model_views=digest.views if digest is not None else None,
             optimizer_step=opt_step,
+            rng_digests=rng,
             **self._restored_state,
         )
         self._restored_state = {}
 
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self.ledger is not None:
-            self._log_restore(kwargs.get("model"))
+            self._log_restore(kwargs.get("model"), first_step=True)
             self._rng[state.global_step + 1] = digest_rng()
             self._micro = []
 
@@ -291,7 +323,7 @@ class CkptCallback(TrainerCallback):
                 with open(tmp, "w") as fh:
                     json.dump({"step": int(state.global_step), "samples": self._samples}, fh)
                 os.replace(tmp, os.path.join(folder, PROGRESS_FILE))
-            self.ledger.save(state.global_step, folder)
+            self.ledger.save(state.global_step, folder, **_save_facts(folder, kwargs.get("model")))
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self._detach()

@@ -54,6 +54,12 @@ class Boundary:
     reason: str
     newest_save: Save | None
     saved_steps: frozenset[int]
+    #: every save event logged before ``post``, in log order (the save-time facts of the restored step's)
+    saves: tuple[Save, ...] = ()
+
+    def save_of(self, step: int) -> Save | None:
+        """The last save of ``step`` logged before ``post``: the checkpoint a restore of ``step`` read."""
+        return next((s for s in reversed(self.saves) if s.step == step), None)
 
     @property
     def inferred(self) -> bool:
@@ -130,6 +136,7 @@ def find_boundaries(run: Run) -> list[Boundary]:
                     reason=reason,
                     newest_save=newest,
                     saved_steps=frozenset(s.step for s in saves),
+                    saves=tuple(saves),
                 )
             )
         for r in seg.steps:
@@ -175,6 +182,7 @@ def suspected_boundaries(run: Run, known: list[Boundary]) -> list[Boundary]:
                     reason=f"suspected: checkpoint {n} (the log marks no process starts)",
                     newest_save=max(earlier, key=lambda e: e.step),
                     saved_steps=frozenset(e.step for e in earlier),
+                    saves=tuple(earlier),
                 )
             )
         for r in seg.steps:

@@ -102,6 +102,7 @@ class TrainerCheckpointFacts(CachedFacts):
         self.notes: list[str] = []
         super().__init__()
         self._digests: dict[Path, Any] = {}
+        self._samples: dict[Path, Any] = {}
 
     def checkpoints(self) -> list[tuple[int, str]]:
         """(step, folder) of every ``checkpoint-N`` under the output dir, oldest first."""
@@ -118,6 +119,29 @@ class TrainerCheckpointFacts(CachedFacts):
         cands = [Path(path), self.root / Path(path).name] if path else []
         cands.append(self.root / f"checkpoint-{step}")
         return folder_digest(cands, self._digests, self.notes, read=trainer_digest)
+
+    def sample(self, step: int, path: str | None) -> dict[str, str] | None:
+        """The weight sample of ``checkpoint-N``'s ``*.safetensors`` (:func:`ckpt.state.save_facts.safetensors_sample`,
+        only the rows holding sampled elements are read), compared with the save event's fingerprint; None (and a
+        note) when it cannot be read."""
+        from ckpt.state.save_facts import safetensors_sample
+
+        cands = [Path(path), self.root / Path(path).name] if path else []
+        cands.append(self.root / f"checkpoint-{step}")
+        for d in dict.fromkeys(cands):
+            if d in self._samples:
+                return self._samples[d]
+            if not d.is_dir():
+                continue
+            from safetensors import SafetensorError
+
+            try:
+                found = self._samples[d] = safetensors_sample(d)
+            except (OSError, ValueError, RuntimeError, SafetensorError) as exc:
+                self.notes.append(f"{d}: weights not readable for the save-time sample ({exc})")
+                found = self._samples[d] = None
+            return found
+        return None
 
     def view_digest(self, step: int, path: str | None) -> Any:
         """The same digest: a Trainer checkpoint is hashed in the conversion engine's full HF-named view already (a

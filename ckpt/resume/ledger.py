@@ -260,6 +260,7 @@ class LedgerWriter:
         tier: str | None = None,
         optimizer: Mapping[str, object] | None = None,
         scheduled_lr: Iterable[float] | None = None,
+        rng_digests: Mapping[str, str] | None = None,
     ) -> None:
         """Record that state of step ``step`` was loaded from ``path`` in ``seconds``; log it before training.
 
@@ -276,7 +277,8 @@ class LedgerWriter:
         the norm of its first moments after the load, compared with the checkpoint's (betas or weight decay
         changed, moments zeroed with the step kept).  ``scheduled_lr`` is the LRs of steps N+1, N+2, ... that
         the checkpoint's scheduler state gives when replayed (:func:`ckpt.resume.restore_facts.replay_scheduler`),
-        so that a warm restart or a milestone at the boundary is expected, not a jump.
+        so that a warm restart or a milestone at the boundary is expected, not a jump.  ``rng_digests``
+        (:func:`ckpt.state.save_facts.rng_digests` right after the restore) is compared with the save event's.
         """
         fields: dict[str, object] = {
             "step": int(step),
@@ -295,6 +297,8 @@ class LedgerWriter:
             fields["optimizer"] = dict(optimizer)
         if scheduled_lr is not None:
             fields["scheduled_lr"] = [float(v) for v in scheduled_lr]
+        if rng_digests is not None:
+            fields["rng_digests"] = dict(rng_digests)
         for key, names in (("unloaded", list(unloaded)), ("unfilled", list(unfilled))):
             if names:
                 fields[key] = [str(n) for n in names]
@@ -307,8 +311,16 @@ class LedgerWriter:
         blocking_seconds: float | None = None,
         total_seconds: float | None = None,
         bytes: int | None = None,  # noqa: A002 - the ledger field's name
+        *,
+        rng_digests: Mapping[str, str] | None = None,
+        weights_sample: Mapping[str, str] | None = None,
+        facts_seconds: float | None = None,
     ) -> None:
-        """Record a *committed* checkpoint of ``step``; log it when the commit is durable, not when it starts."""
+        """Record a *committed* checkpoint of ``step``; log it when the commit is durable, not when it starts.
+
+        The save-time facts (:mod:`ckpt.state.save_facts`, taken when the save was requested, ``facts_seconds``
+        their cost): ``rng_digests``, the RNG state the checkpoint captured, and ``weights_sample``, the fingerprint
+        of the live weights; a resume is then judged on them where no step overlaps."""
         fields: dict[str, object] = {
             "step": int(step),
             "path": None if path is None else str(path),
@@ -317,14 +329,19 @@ class LedgerWriter:
         }
         if bytes is not None:
             fields["bytes"] = int(bytes)
+        for key, value in (("rng_digests", rng_digests), ("weights_sample", weights_sample)):
+            if value is not None:
+                fields[key] = dict(value)
+        if facts_seconds is not None:
+            fields["facts_seconds"] = float(facts_seconds)
         self._event("save", **fields)
 
     def on_event(self, kind: str, info: Mapping[str, Any]) -> None:
         """Adapter for ``CheckpointManager(on_event=ledger.on_event)``: the manager's own save/restore events.
 
         Why here and not in the manager: the manager stays free of ledger code and emits plain dicts
-        (``save``: step, path, blocking_s, total_s, bytes; ``restore``: step, path, seconds, model_digest, model_views,
-        unloaded, unfilled, tier); this maps them
+        (``save``: step, path, blocking_s, total_s, bytes, rng_digests, weights_sample, facts_s; ``restore``: step,
+        path, seconds, model_digest, model_views, unloaded, unfilled, tier, rng_digests); this maps them
         to ledger events.  Saves arrive on the async writer thread once committed, which is exactly when the
         ledger wants them.  Unknown kinds are ignored so a newer manager cannot break an older ledger.
         """
@@ -335,6 +352,9 @@ class LedgerWriter:
                 blocking_seconds=info.get("blocking_s"),
                 total_seconds=info.get("total_s"),
                 bytes=info.get("bytes"),
+                rng_digests=info.get("rng_digests"),
+                weights_sample=info.get("weights_sample"),
+                facts_seconds=info.get("facts_s"),
             )
         elif kind == "restore":
             self.restore(
@@ -346,6 +366,7 @@ class LedgerWriter:
                 unloaded=info.get("unloaded") or (),
                 unfilled=info.get("unfilled") or (),
                 tier=info.get("tier"),
+                rng_digests=info.get("rng_digests"),
             )
 
     def compile(self, seconds: float, what: str | None = None) -> None:

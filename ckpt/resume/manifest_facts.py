@@ -120,6 +120,7 @@ class ManifestFacts(CachedFacts):
         super().__init__()
         self._digests: dict[str, Any] = {}
         self._views: dict[str, Any] = {}
+        self._samples: dict[str, Any] = {}
 
     def checkpoints(self) -> list[tuple[int, str]]:
         """(step, path) of every committed checkpoint under the root, oldest first (for the weights check)."""
@@ -151,6 +152,23 @@ class ManifestFacts(CachedFacts):
             found = self._digests[cand] = manifest_digest(reader)
             return found
         return None
+
+    def sample(self, step: int, path: str | None) -> dict[str, str] | None:
+        """The weight sample (:func:`ckpt.state.save_facts.manifest_sample`) of the checkpoint of ``step``, compared
+        with the save event's fingerprint; None (and a note) when it cannot be read or is in another layout."""
+        from ckpt.errors import CkptError
+        from ckpt.state.save_facts import manifest_sample
+
+        if self.digest(step, path) is None:
+            return None
+        cand = next(c for c in self._candidates(step, path) if self._digests.get(c) is not None)
+        if cand not in self._samples:
+            try:
+                self._samples[cand] = manifest_sample(cand, self.storage_options)
+            except (CkptError, OSError, ValueError) as exc:
+                self.notes.append(f"{cand}: weights not readable for the save-time sample ({exc})")
+                self._samples[cand] = None
+        return self._samples[cand]
 
     def view_digest(self, step: int, path: str | None) -> Any:
         """The checkpoint's model digest through the conversion engine's full HF-named view (one read of the model,

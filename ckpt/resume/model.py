@@ -74,6 +74,8 @@ class Restore:
     optimizer: dict[str, object] | None = None
     #: LRs of steps N+1, N+2, ... replayed from the checkpoint's scheduler state, when logged
     scheduled_lr: tuple[float, ...] = ()
+    #: the live RNG right after the restore, per stream (:func:`ckpt.state.save_facts.rng_digests`), when logged
+    rng_digests: dict[str, str] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,6 +88,10 @@ class Save:
     blocking_seconds: float | None = None
     total_seconds: float | None = None
     bytes: int | None = None
+    #: save-time facts (:mod:`ckpt.state.save_facts`): the RNG state the checkpoint captured, per stream, and the
+    #: fingerprint of the live weights when the save was requested; None when not logged (older ledgers)
+    rng_digests: dict[str, str] | None = None
+    weights_sample: dict[str, str] | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -36,6 +36,7 @@ from ckpt.resume.manifest_facts import ManifestFacts
 from ckpt.resume.model import Run, Session
 from ckpt.resume.sources import load_run
 from ckpt.resume.verify import verify_run
+from ckpt.state.save_facts import rng_digests
 
 DEFECTS = (
     "clean",
@@ -334,6 +335,7 @@ def _resume(cfg: TruthConfig, run: Path, defect: str, n: int, last: int, *, cras
     # Made before the restore (it draws from the RNG): the init a strict=False load that matched no key keeps.
     fresh = _model(cfg, init_seed=cfg.seed + 31_337).state_dict() if defect == "weights_fresh" else None
     mgr.restore(restore_step, rng=defect != "rng_lost", **state)
+    rng_after = rng_digests()  # the live RNG as the restore left it (what the manager's restore event logs)
     if defect == "weights_fresh":  # load_state_dict(strict=False) that matched no key
         st.model.load_state_dict(fresh)
     elif defect == "lr_halved":  # a new config overwrote base_lrs after the restore
@@ -343,7 +345,13 @@ def _resume(cfg: TruthConfig, run: Path, defect: str, n: int, last: int, *, cras
     elif defect == "optimizer_reset":  # a fresh optimizer at the scheduler's LR
         for g in st.opt.param_groups:
             g["lr"] = st.sched.get_last_lr()[0]
-    logs.ledger.restore(restore_step, mgr.path_for(restore_step), 0.0, optimizer_step=optimizer_step(st.opt))
+    logs.ledger.restore(
+        restore_step,
+        mgr.path_for(restore_step),
+        0.0,
+        optimizer_step=optimizer_step(st.opt),
+        rng_digests=rng_after,
+    )
     noise = (
         torch.Generator().manual_seed(hash(run.name) % 2**31 + n)
         if defect == "clean_nondeterministic"
@@ -417,14 +425,17 @@ def judge(run_dir: Path, fmt: str, every: int, deterministic: bool | None) -> di
     return {"exit": result.exit_code, "causes": causes, "cannot_tell": bool(result.undecided)}
 
 
-def measure(cfg: TruthConfig, root: Path, defects: tuple[str, ...] = DEFECTS) -> list[dict[str, Any]]:
-    """One trunk, every branch, every view: one row per (defect, view) with the verdict and the effect."""
+def measure(
+    cfg: TruthConfig, root: Path, defects: tuple[str, ...] = DEFECTS, views: tuple[Any, ...] = VIEWS
+) -> list[dict[str, Any]]:
+    """One trunk, every branch, every view (of ``views``): one row per (defect, view) with the verdict and the
+    effect."""
     trunk(cfg, root)
     rows = []
     runs = {d: branch(cfg, root, d) for d in dict.fromkeys(("clean", *defects))}
     for d in defects:
         eff = effect(runs["clean"], runs[d], cfg.restored)
-        for fmt, every, det in VIEWS:
+        for fmt, every, det in views:
             rows.append(
                 {
                     "defect": d,

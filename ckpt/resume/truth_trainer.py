@@ -464,14 +464,14 @@ def effect(clean: Path, broken: Path, restored: int) -> dict[str, float]:
     return {"loss": loss, "lr": lr}
 
 
-def measure(cfg: TrainerTruthConfig, root: Path, defects: tuple[str, ...] = DEFECTS) -> list[dict[str, Any]]:
-    """One trunk, every branch, every view: one row per (defect, view) with the verdict and the effect."""
+def measure(cfg: TrainerTruthConfig, root: Path, defects: tuple[str, ...] = DEFECTS, views: Any = VIEWS) -> Any:
+    """One trunk, every branch, every view (of ``views``): one row per (defect, view), verdict and effect."""
     trunk(cfg, root)
     runs = {d: branch(cfg, root, d) for d in dict.fromkeys(("clean", *defects))}
     rows = []
     for d in defects:
         eff = effect(runs["clean"], runs[d], cfg.restored)
-        for fmt, det in VIEWS:
+        for fmt, det in views:
             rows.append(
                 {
                     "source": "trainer",

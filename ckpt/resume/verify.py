@@ -16,6 +16,7 @@ from ckpt.resume.checks import (
     VerifyOptions,
     worst,
 )
+from ckpt.resume.checks.saved import unchecked_without_overlap
 from ckpt.resume.checks.scheduled import soften
 from ckpt.resume.checks.weights import digests_of
 from ckpt.resume.facts import FactsProvider
@@ -180,4 +181,14 @@ def verify_run(
                 b.index = len(verdicts) + 1
                 verdicts.append(v)
                 failed.append(b.restored_step)
-    return Verification(run=run, verdicts=verdicts, notes=list(run.notes))
+    notes = list(run.notes)
+    for v in verdicts:
+        b = v.boundary
+        if b.post.steps and not b.overlap:
+            # a note, not a verdict: the exit code stays what the checks decided
+            what = unchecked_without_overlap(v.checks, b.restored_step)
+            notes.append(
+                f"boundary {b.index} (restored step {b.restored_step}): no step was logged both before the crash and "
+                f"after the resume, so it cannot check {'; '.join(what)}"
+            )
+    return Verification(run=run, verdicts=verdicts, notes=notes)

@@ -20,6 +20,7 @@ from typing import Any
 from ckpt.data.digest import combine_digests, is_global
 from ckpt.resume.checks.base import Basis, Cause, CheckResult, Confidence, Status
 from ckpt.resume.checks.context import CheckContext
+from ckpt.resume.checks.saved import saved_rng
 from ckpt.resume.model import StepRecord
 from ckpt.words import count
 
@@ -275,6 +276,21 @@ def _rng_across(ctx: CheckContext, change: tuple[int, int]) -> CheckResult:
 
 @_unless_dp_changed(_rng_across)
 def check_rng(ctx: CheckContext) -> CheckResult:
+    """The per-step RNG digests on the overlap (or a repeat of an earlier state without one), and the RNG after
+    the restore against the state saved with the checkpoint (:func:`ckpt.resume.checks.saved.saved_rng`): a
+    failure of either fails; the saved state decides where the steps alone cannot (no overlap)."""
+    fact = saved_rng(ctx)
+    steps = _rng_from_steps(ctx)
+    if fact is None or steps.status is Status.FAIL:
+        return steps
+    if fact.status is Status.FAIL or steps.status is Status.SKIP or steps.confidence is Confidence.LOW:
+        return fact
+    steps.summary += f"; {fact.summary}"
+    steps.numbers.update(fact.numbers)
+    return steps
+
+
+def _rng_from_steps(ctx: CheckContext) -> CheckResult:
     b = ctx.boundary
     pre = b.pre
     pairs = [(r.step, pre[r.step].rng_digest, r.rng_digest) for r in b.post.steps if r.step in pre]

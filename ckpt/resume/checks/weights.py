@@ -13,6 +13,9 @@ Two defects no loss curve proves (a model back at an earlier state can train on 
 * a checkpoint holds the same weights as an earlier one although steps were trained in between (a save made while
   other weights were swapped in, a stale reference saved): the restored checkpoint's digest is compared with the
   run's earlier checkpoints' (unless every logged LR between them is 0, when identical weights are expected).
+* a checkpoint N holds the weights of another step than N (an async save that copied too early): the save event's
+  fingerprint of the live weights at step N against the same sample read from the checkpoint
+  (:func:`ckpt.resume.checks.saved.saved_weights`).
 
 Digests come from :mod:`ckpt.converters.digest` and are compared by :func:`ckpt.converters.digest.compare_digests`.
 """
@@ -26,6 +29,7 @@ from typing import Any
 
 from ckpt.resume.checks.base import Basis, Cause, CheckResult, Confidence, Status
 from ckpt.resume.checks.context import CheckContext
+from ckpt.resume.checks.saved import saved_weights
 
 NAME = "weights"
 #: tensor names quoted in a verdict
@@ -165,6 +169,12 @@ def check_weights(ctx: CheckContext) -> CheckResult:
             Cause.WEIGHTS_NOT_RESTORED,
             nums,
         ).judged(Basis.CHECKPOINT, Confidence.EXACT)
+    sampled = saved_weights(ctx)
+    if sampled is not None and sampled.status is Status.FAIL:
+        sampled.numbers.update(nums)
+        return sampled
+    if sampled is not None:
+        nums.update(sampled.numbers)
     if isinstance(got, _Restored):
         if got.compared:
             how = ", in its HF view" if got.hf_view else ""
@@ -190,6 +200,8 @@ def check_weights(ctx: CheckContext) -> CheckResult:
                 nums,
             ).judged(Basis.CHECKPOINT, Confidence.EXACT)
     nums["earlier_compared"] = compared
+    if sampled is not None:
+        done.append(sampled.summary)
     if compared:
         done.append(f"{label} differs from the {compared} earlier checkpoint{'s' if compared != 1 else ''}")
     if skipped is not None or not done:

@@ -31,6 +31,15 @@ def _floats(value: object) -> tuple[float, ...]:
     return tuple(float(v) for v in value)
 
 
+def _strings(value: object) -> dict[str, str] | None:
+    """A save-time fact (``rng_digests``, ``weights_sample``): an object of strings, or None when not logged."""
+    if value is None:
+        return None
+    if not (isinstance(value, dict) and all(isinstance(v, str) for v in value.values())):
+        raise TypeError("rng_digests and weights_sample must be objects of strings")
+    return {str(k): v for k, v in value.items()}
+
+
 def read_jsonl(path: str | os.PathLike[str]) -> Run:
     """Parse a ledger; sessions are grouped by their ``session`` id in order of first appearance.
 
@@ -146,6 +155,7 @@ def _add(session: Session, kind: object, rec: dict) -> None:
                 tier=rec["tier"] if isinstance(rec.get("tier"), str) else None,
                 optimizer=rec["optimizer"] if isinstance(rec.get("optimizer"), dict) else None,
                 scheduled_lr=_floats(rec.get("scheduled_lr")),
+                rng_digests=_strings(rec.get("rng_digests")),
             )
         )
     elif kind == "save":
@@ -157,6 +167,8 @@ def _add(session: Session, kind: object, rec: dict) -> None:
                 blocking_seconds=_opt_float(rec, "blocking_seconds"),
                 total_seconds=_opt_float(rec, "total_seconds"),
                 bytes=_opt_int(rec, "bytes"),
+                rng_digests=_strings(rec.get("rng_digests")),
+                weights_sample=_strings(rec.get("weights_sample")),
             )
         )
     elif kind == "compile":
