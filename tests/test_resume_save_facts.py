@@ -31,6 +31,7 @@ from ckpt.state.save_facts import (
     positions,
     rng_digests,
     safetensors_sample,
+    tensor_sample,
     weights_sample,
 )
 
@@ -217,3 +218,12 @@ def test_a_checkpoint_without_the_fingerprint_is_judged_as_before(generator: dic
     w = v.verdicts[0].check("weights")
     assert w.status is not Status.FAIL and "sampled_tensors" not in w.numbers
     assert any("early copy" in n for n in v.notes)
+
+
+def test_xla_tensors_are_left_out_of_the_fingerprint() -> None:
+    """An XLA tensor's sample would be a graph to compile and run per tensor at every save: left out, the CPU
+    tensors beside it still fingerprinted."""
+    torch_xla = pytest.importorskip("torch_xla")
+    model = {"cpu.weight": torch.arange(100.0), "xla.weight": torch.arange(100.0).to(torch_xla.device())}
+    assert tensor_sample("xla.weight", model["xla.weight"]) is None
+    assert set(weights_sample(model) or {}) == {"cpu.weight"}

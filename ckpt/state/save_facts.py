@@ -86,13 +86,15 @@ def _entry(name: str, dtype: str, shape: Iterable[int], values: Any) -> str:
 
 
 def tensor_sample(name: str, t: Any) -> str | None:
-    """The fingerprint of one live tensor, or None for one this process does not hold whole (a DTensor shard)."""
+    """The fingerprint of one live tensor, or None for one this process does not hold whole (a DTensor shard) or
+    that lives on an XLA device: there each tensor's gather would be a graph of its own to compile and run at every
+    save, and verify-resume does not compare Neuron layouts' samples anyway."""
     import torch
     from torch.distributed.tensor import DTensor
 
     from ckpt.format.dtypes import dtype_name
 
-    if isinstance(t, DTensor) or not isinstance(t, torch.Tensor):
+    if isinstance(t, DTensor) or not isinstance(t, torch.Tensor) or t.device.type == "xla":
         return None
     t = t.detach()
     n = t.numel()
