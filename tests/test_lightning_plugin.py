@@ -126,7 +126,8 @@ def _ranks_fit(rank: int, world: int, root: str, strategy: str) -> dict[str, Any
 
 
 def test_ddp_on_gloo_ranks_saves_once_from_rank_zero_and_resumes(tmp_path: Path) -> None:
-    # (Lightning's FSDPStrategy refuses accelerator="cpu": FSDP is covered where a GPU is lent)
+    # FSDP is not run here: Lightning's FSDPStrategy refuses accelerator="cpu", and bypassing that, torch 2.9's
+    # FSDP1 full-state-dict hook segfaults on CPU ranks at the first save (Lightning's own CheckpointIO too)
     first, second = run_ranks(_ranks_fit, 2, str(tmp_path), "ddp", timeout=240)
     assert first["saved"] and second["saved"] == []  # Lightning hands the plugin the dict on rank 0 only
     assert (tmp_path / "ckpts" / "last.ckpt" / "manifest.json").is_file()

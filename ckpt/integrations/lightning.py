@@ -20,9 +20,10 @@ tensors, everything else (loops, callbacks, lr_schedulers, hyper_parameters, ...
 ``load_checkpoint`` rebuilds Lightning's dict exactly and unpickles nothing.  A Lightning ``.ckpt`` *file* (a run
 saved before the plugin) is still loaded, through :mod:`ckpt.safe_unpickle`'s allow-list.
 
-FSDP: saves work with ``state_dict_type="full"`` (the default); Lightning's ``FSDPStrategy.load_checkpoint`` reads
-a full checkpoint with ``torch.load`` itself, bypassing any ``CheckpointIO``, so an FSDP run resumes from ours after
-``ckpt convert SRC DST.ckpt --format lightning``.
+FSDP (not tested: it needs a GPU; docs/guide.md says why): with ``state_dict_type="full"`` (the default) Lightning
+hands this plugin the dict gathered on rank zero; its ``FSDPStrategy.load_checkpoint`` reads a full checkpoint with
+``torch.load`` itself, bypassing any ``CheckpointIO``, so an FSDP run would resume from ours after ``ckpt convert
+SRC DST.ckpt --format lightning``.
 """
 
 from __future__ import annotations
