@@ -227,3 +227,16 @@ def test_xla_tensors_are_left_out_of_the_fingerprint() -> None:
     model = {"cpu.weight": torch.arange(100.0), "xla.weight": torch.arange(100.0).to(torch_xla.device())}
     assert tensor_sample("xla.weight", model["xla.weight"]) is None
     assert set(weights_sample(model) or {}) == {"cpu.weight"}
+
+
+def test_the_fingerprint_never_calls_state_dict() -> None:
+    """It runs on rank 0 alone, and a wrapper's state_dict can be a collective (FSDP1's full state dict gathers over
+    every rank): a module whose state_dict cannot be called is still fingerprinted, from its own tensors."""
+
+    class Collective(torch.nn.Linear):
+        def state_dict(self, *args: object, **kwargs: object) -> dict:  # type: ignore[override]
+            raise AssertionError("state_dict is a collective here")
+
+    model = Collective(4, 3)
+    model.register_buffer("seen", torch.zeros(()))
+    assert set(weights_sample(model) or {}) == {"weight", "bias", "seen"}

@@ -114,21 +114,29 @@ def weights_sample(model: Any) -> Fingerprint | None:
     """The fingerprint of a live model's parameters and buffers (``nn.Module`` or flat state dict, the names a save
     stores them under), None when there is nothing to fingerprint.  Take it on the training thread when the save is
     requested."""
+    import torch
+
     from ckpt.errors import StateMismatchError
     from ckpt.state.training import model_tensors
 
-    try:
-        named = model_tensors(model)
-    except StateMismatchError:
-        return None
-    out: Fingerprint = {}
-    for nt in named:
+    if isinstance(model, torch.nn.Module):
+        # named_parameters/named_buffers, not state_dict(): this runs on rank 0 only, and a module's state_dict
+        # can be a collective (FSDP1's full state dict gathers over every rank: rank 0 alone would wait forever).
+        # Names a wrapper stores differently (FSDP1's flat parameters) then match nothing and are not compared.
+        named = [*model.named_parameters(), *model.named_buffers()]
+    else:
         try:
-            fp = tensor_sample(nt.name, nt.tensor)
+            named = [(nt.name, nt.tensor) for nt in model_tensors(model)]
+        except StateMismatchError:
+            return None
+    out: Fingerprint = {}
+    for name, tensor in named:
+        try:
+            fp = tensor_sample(name, tensor)
         except (RuntimeError, ValueError, TypeError, NotImplementedError):
             fp = None  # a tensor that cannot be read here (a meta or fake tensor): left out, never guessed
         if fp is not None:
-            out[nt.name] = fp
+            out[name] = fp
     return out or None
 
 
