@@ -143,19 +143,10 @@ class CheckpointManager:
         these, without overlapping steps.  Only for a listener, on rank 0."""
         if self.on_event is None or self.coll.rank != 0:
             return
-        from .state.save_facts import rng_digests, weights_sample
+        from .state.save_facts import take
 
-        t0 = time.perf_counter()
-        facts: dict[str, Any] = {}
-        if options.rng:
-            facts["rng_digests"] = rng_digests()
-        model = objects.get("model")
-        if model is not None and not options.adapter_only:
-            sample = weights_sample(model)
-            if sample is not None:
-                facts["weights_sample"] = sample
-        facts["facts_s"] = time.perf_counter() - t0
-        self._save_facts[int(step)] = facts
+        facts, seconds = take(None if options.adapter_only else objects.get("model"), rng=options.rng)
+        self._save_facts[int(step)] = {**facts, "facts_s": seconds}
 
     def save_persistent(self, step: int, objects: dict[str, Any], options: SaveOptions) -> Future:
         """Save step ``step`` to ``root`` only."""

@@ -147,18 +147,11 @@ def _save_facts(folder: str, model: Any) -> dict[str, Any]:
     """The save event's facts (:mod:`ckpt.state.save_facts`): the RNG digests when the checkpoint holds an
     ``rng_state*.pth`` (not with ``save_only_model``), the fingerprint of the live weights, and their cost."""
     import glob
-    import time
 
-    from ckpt.state.save_facts import rng_digests, weights_sample
+    from ckpt.state.save_facts import take
 
-    t0 = time.perf_counter()
-    out: dict[str, Any] = {}
-    if glob.glob(os.path.join(glob.escape(folder), "rng_state*.pth")):
-        out["rng_digests"] = rng_digests()
-    if model is not None:
-        out["weights_sample"] = weights_sample(model)
-    out["facts_seconds"] = time.perf_counter() - t0
-    return out
+    facts, seconds = take(model, rng=bool(glob.glob(os.path.join(glob.escape(folder), "rng_state*.pth"))))
+    return {**facts, "facts_seconds": seconds}
 
 
 class CkptCallback(TrainerCallback):

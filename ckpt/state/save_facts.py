@@ -140,6 +140,23 @@ def weights_sample(model: Any) -> Fingerprint | None:
     return out or None
 
 
+def take(model: Any, *, rng: bool) -> tuple[dict[str, Any], float]:
+    """A save event's facts, taken on the training thread when the save is requested: ``rng_digests`` (when the
+    checkpoint captures the RNG) and ``weights_sample`` (of ``model``, when there is one to fingerprint), with the
+    seconds they cost.  One place for :class:`ckpt.CheckpointManager` and the Trainer callback."""
+    import time
+
+    t0 = time.perf_counter()
+    facts: dict[str, Any] = {}
+    if rng:
+        facts["rng_digests"] = rng_digests()
+    if model is not None:
+        sample = weights_sample(model)
+        if sample is not None:
+            facts["weights_sample"] = sample
+    return facts, time.perf_counter() - t0
+
+
 def _stored(name: str, dtype: str, shape: tuple[int, ...], rows: Any) -> str:
     """The fingerprint of a stored tensor whose rows ``rows(lo, hi)`` (a tensor of rows lo..hi-1) can be read."""
     import torch
