@@ -100,7 +100,7 @@ def killed_job(rank: int, world: int, tmp: str) -> None:
     import ckpt.tiers.replicate as rep
 
     torch.set_num_threads(1)
-    real = rep.exchange
+    real = rep.transfer
 
     def exchange_then_die(*a: Any, **k: Any) -> Any:
         out = real(*a, **k)
@@ -110,7 +110,7 @@ def killed_job(rank: int, world: int, tmp: str) -> None:
         return out
 
     exchange_then_die.calls = 0  # type: ignore[attr-defined]
-    rep.exchange = exchange_then_die
+    rep.transfer = exchange_then_die
     model, opt = fresh(world, seed=0)
     mgr = manager(Path(tmp), "killed", rank // 2, node_rank=rank // 2, async_save=True)
     for step in (1, 2, 3, 4):
@@ -147,30 +147,27 @@ def restore_job(rank: int, world: int, tmp: str, cases: list[str]) -> dict[str, 
 def corrupt_in_transit(rank: int, world: int, tmp: Path) -> dict[str, Any]:
     """A replica damaged on the wire (one byte of what rank 2 receives flipped): the local save is refused on
     every rank, nothing of it looks committed, and the previous step stays the newest."""
-    import ckpt.tiers.replicate as rep
+    from ckpt.tiers.landing import Landing
 
-    real = rep.exchange
+    real = Landing.publish
 
-    def flip(*a: Any, **k: Any) -> Any:
-        got = real(*a, **k)
-        if rank == 2 and got:
-            b = bytearray(got[-1])
-            b[len(b) // 2] ^= 1
-            got[-1] = bytes(b)
-        return got
+    def flip(self: Landing, sent: str | None) -> str | None:
+        if rank == 2 and self.size:  # one bit of what arrived, after the receive, before the check
+            self.tensor[self.size // 2] ^= 1
+        return real(self, sent)
 
     model, opt = fresh(world, seed=5)
     mgr = manager(tmp, "in-transit", rank // 2, node_rank=rank // 2, async_save=False)
     assert mgr.restore_latest(model=model, optimizer=opt) == SAVED
     train_step(model, opt, rank, SAVED + 1)
-    rep.exchange = flip
+    Landing.publish = flip  # type: ignore[method-assign]
     try:
         mgr.save(SAVED + 2, model=model, optimizer=opt)
         error = None
     except ckpt.CkptError as e:
         error = str(e)
     finally:
-        rep.exchange = real
+        Landing.publish = real  # type: ignore[method-assign]
     mgr.close()
     folder = run_dir(tmp / "in-transit" / f"node{rank // 2}")
     return {"error": error, "steps": sorted(n for n in os.listdir(folder) if n.startswith("step_"))}

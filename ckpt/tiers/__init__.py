@@ -7,7 +7,9 @@ persistent root (an object store or a shared filesystem).
 * :mod:`.policy`: which tiers a step goes to;
 * :mod:`.node`: which node each rank is on, and which ranks hold its replicas;
 * :mod:`.files`: a local step's files and their verification against its manifest;
-* :mod:`.transfer`: moving files between ranks over the tier's gloo group;
+* :mod:`.transfer`: moving files between ranks over the tier's gloo group, copying none of them on the host;
+* :mod:`.outgoing`: one file to send, mapped (gloo reads it where it lies);
+* :mod:`.landing`: one received file, written by gloo into a temp file beside its name, renamed once confirmed;
 * :mod:`.replicate`: the background half of a local save (replicas, commit, persistent copy);
 * :mod:`.agree`: which step every rank restores, and from where;
 * :mod:`.retention`: what the local tier keeps;

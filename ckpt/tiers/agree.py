@@ -6,7 +6,8 @@
    the files it lacks (or holds damaged), fetched from a node holding them; a rank's tier is ``local`` when its
    node held its own files, ``peer`` when they come from a replica.  Persistent steps (rank 0 lists the root) follow
    at equal steps, and every older candidate follows in turn, so a failure falls back together.
-3. Fetch (every rank, per candidate): the transfers of the plan over the tier group, each file checked on receipt;
+3. Fetch (every rank, per candidate): the transfers of the plan over the tier group (:func:`.transfer.transfer`:
+   no copy of a file on either side), each file checked on receipt;
    a node without the step assembles it in a hidden folder and renames it into place once everything arrived.
 """
 
@@ -22,12 +23,12 @@ from ..errors import CkptError
 from ..format.manifest import MANIFEST_NAME, SEAL_RE, Box, Manifest
 from ..restoring.discovery import step_dir
 from ..storage import open_storage
-from .files import FileChecker, all_files, file_size, rank_files
+from .files import FileChecker, all_files, check_files, file_size, rank_files
 from .node import NodeMap
 from .policy import LOCAL, PEER, PERSISTENT
 from .retention import FETCH, drop, local_steps
 from .runid import step_run_id
-from .transfer import exchange, read_or_zeros, sent_digests, store_received
+from .transfer import Receive, Send, transfer
 
 
 @dataclass
@@ -231,14 +232,13 @@ def fetch(
             storage.put_bytes(MANIFEST_NAME, cand.raw, exclusive=False)
     except Exception as e:  # noqa: BLE001 - the receivers refuse what they cannot check; told to every rank
         problems.append(f"rank {nodes.rank}: {type(e).__name__}: {e}")
-    outgoing = [(dst, name) for src, dst, name in cand.transfers if src == nodes.rank]
-    data = {name: read_or_zeros(final / name, file_size(m, name), problems) for _, name in outgoing}
-    sends = [(dst, data[name]) for dst, name in outgoing]
-    digests = sent_digests(coll, data)
-    mine = [(src, name) for src, dst, name in cand.transfers if dst == nodes.rank]
+    sends = [Send(n, final / n, file_size(m, n), dst) for src, dst, n in cand.transfers if src == nodes.rank]
+    recvs = [
+        Receive(n, target / n, file_size(m, n), src) for src, dst, n in cand.transfers if dst == nodes.rank
+    ]
     try:
-        got = exchange(coll.group, sends, [(src, file_size(m, name)) for src, name in mine])
-        problems += store_received(storage, target, m, [name for _, name in mine], got, digests)
+        got = transfer(coll, sends, recvs)
+        problems += got.problems + check_files(storage, m, got.kept)
     except Exception as e:  # noqa: BLE001 - told to every rank below
         problems.append(f"rank {nodes.rank}: {type(e).__name__}: {e}")
     problems = [p for ps in coll.all_gather(problems) for p in ps]

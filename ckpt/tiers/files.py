@@ -114,3 +114,9 @@ class FileChecker:
             doc = load_index(self.storage, e, MANIFEST_NAME)
             self._chunks[rank] = index_shards(doc, self.m.tensors, self.m.files, self.storage.display(e.path))
         return [(t, s) for t, shards in self._chunks[rank].items() for s in shards if s.file == name]
+
+
+def check_files(storage: Storage, m: Manifest, names: list[str]) -> list[str]:
+    """The problems of ``names`` in ``storage`` against ``m`` (:class:`FileChecker`; indexes read once)."""
+    checker = FileChecker(storage, m)
+    return [e for e in map(checker.check, names) if e is not None]

@@ -3,7 +3,8 @@ pending folder of each node (``<local_dir>/.pending/step_<N>-<id>``; the manifes
 
 1. rank 0's manifest goes to every node's leader, who puts it in its node's pending folder;
 2. every rank sends the files it wrote to the same local rank on the next ``replicas`` nodes and receives those of
-   the previous ones (:mod:`.transfer`); each received file is checked against the manifest before it counts;
+   the previous ones (:mod:`.transfer`: no copy of a file on either side); a received file gets its name only
+   once it hashes to what its sender hashed, and is then checked against the manifest before it counts;
 3. only when every rank's data and replicas are sealed does each node's leader rename the pending folder to
    ``step_<N>``: the local commit.  A crash before that leaves nothing that looks committed;
 4. a step that also goes to the persistent tier is copied there from the local folders, each rank its own files,
@@ -20,10 +21,10 @@ from ..errors import CheckpointExistsError, CkptError
 from ..format.manifest import MANIFEST_NAME, Manifest
 from ..restoring.discovery import step_dir
 from ..storage import Storage, open_storage, refusal
-from .files import file_size, rank_files
+from .files import check_files, file_size, rank_files
 from .node import NodeMap
 from .retention import drop
-from .transfer import exchange, read_or_zeros, sent_digests, store_received
+from .transfer import Receive, Send, transfer
 
 
 def share_manifest(coll: Any, nodes: NodeMap, folder: Path) -> tuple[bytes, Manifest]:
@@ -37,23 +38,19 @@ def share_manifest(coll: Any, nodes: NodeMap, folder: Path) -> tuple[bytes, Mani
 
 def send_replicas(coll: Any, nodes: NodeMap, replicas: int, folder: Path, m: Manifest) -> list[str]:
     """Step 2 of the module docstring; returns this rank's problems (empty: its replicas are sealed)."""
-    storage = open_storage(str(folder))
-    problems: list[str] = []
-    if not replicas:  # nothing to send: never read the files back
-        return problems
-    own = rank_files(m, nodes.rank)
-    mine = [read_or_zeros(folder / n, file_size(m, n), problems) for n in own]
-    digests = sent_digests(coll, dict(zip(own, mine, strict=True)) if replicas else {})
-    sends = [(nodes.peer(nodes.rank, k), data) for k in range(1, replicas + 1) for data in mine]
-    names = []
+    if not replicas:  # nothing to send: never map the files
+        return []
+    sends = [
+        Send(n, folder / n, file_size(m, n), nodes.peer(nodes.rank, k))
+        for k in range(1, replicas + 1)
+        for n in rank_files(m, nodes.rank)
+    ]
     recvs = []
     for k in range(1, replicas + 1):
         src = nodes.source_of(nodes.rank, k)
-        for n in rank_files(m, src):
-            names.append(n)
-            recvs.append((src, file_size(m, n)))
-    received = exchange(coll.group, sends, recvs)
-    return problems + store_received(storage, folder, m, names, received, digests)
+        recvs += [Receive(n, folder / n, file_size(m, n), src) for n in rank_files(m, src)]
+    got = transfer(coll, sends, recvs)
+    return got.problems + check_files(open_storage(str(folder)), m, got.kept)
 
 
 def commit(nodes: NodeMap, pending: Path, final: Path) -> None:
