@@ -8,6 +8,8 @@ when gloo touches a page tmpfs cannot back.  After the receive the bytes are has
 is the one the sender hashed is the file flushed, fsynced and renamed to its name (``os.replace``, then the folder
 fsynced: :meth:`ckpt.storage.local.LocalStorage.create`'s ``exclusive=False`` guarantees, which the put it
 replaces had).  Anything else removes the temp file: no half-received or refused file ever carries the final name.
+The temp file is named as ``LocalStorage.create`` names its own (``.<name>.tmp-<id>``): a crash mid-receive leaves
+the same kind of hidden leftover as an interrupted put.
 """
 
 from __future__ import annotations
