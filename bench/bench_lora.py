@@ -32,7 +32,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
 
-def build(hidden: int, layers: int, rank: int):  # noqa: ANN201
+def build(hidden: int, layers: int, rank: int, base_dtype: torch.dtype = torch.bfloat16):  # noqa: ANN201
     from peft import LoraConfig, get_peft_model
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -41,7 +41,7 @@ def build(hidden: int, layers: int, rank: int):  # noqa: ANN201
         hidden_size=hidden, intermediate_size=int(hidden * 2.75) // 64 * 64, num_attention_heads=hidden // 64,
         num_key_value_heads=max(1, hidden // 256), num_hidden_layers=layers, vocab_size=32000,
     )  # fmt: skip
-    base = LlamaForCausalLM(cfg).to(torch.bfloat16)
+    base = LlamaForCausalLM(cfg).to(base_dtype)
     targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
     model = get_peft_model(base, LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=targets))
     for n, p in model.named_parameters():

@@ -18,7 +18,7 @@ from ..format.manifest import Layout
 from ..state import adapters
 from ..state import rng as rng_mod
 from ..state import tokenizer as tokenizer_mod
-from ..state.training import NamedTensor, model_tensors, state_dict_of
+from ..state.training import NamedTensor, model_tensors, one_walk, state_dict_of
 from .options import SaveOptions
 
 #: ``capture_optimizer(optimizer, model)``: the optimizer's named tensors and JSON tree (an extension point of the
@@ -58,7 +58,21 @@ def capture(
     base: adapters.BaseTracker,
     capture_rng: Callable[[], dict[str, Any]] = rng_mod.capture,
 ) -> Captured:
-    """Flatten ``state`` (the training objects by keyword: ``model``, ``optimizer``, ...) as ``options`` say."""
+    """Flatten ``state`` (the training objects by keyword: ``model``, ``optimizer``, ...) as ``options`` say.
+
+    The model's parameters are walked once for the whole capture (:func:`~ckpt.state.training.one_walk`)."""
+    with one_walk(state.get("model")):
+        return _capture(step, state, options, capture_optimizer, base, capture_rng)
+
+
+def _capture(
+    step: int,
+    state: dict[str, Any],
+    options: SaveOptions,
+    capture_optimizer: CaptureOptimizer,
+    base: adapters.BaseTracker,
+    capture_rng: Callable[[], dict[str, Any]],
+) -> Captured:
     model, optimizer = state.get("model"), state.get("optimizer")
     named: list[NamedTensor] = []
     trees: dict[str, Any] = {"progress": {"step": step, **(options.progress or {})}}

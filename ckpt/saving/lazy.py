@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from ..state.training import is_dtensor
 from ..words import count
 
 
@@ -94,17 +95,15 @@ class Guards:
         self._hooked_strong.clear()
 
 
-def _storage_key(t: torch.Tensor) -> tuple[str, int]:
-    from torch.distributed.tensor import DTensor
-
-    if isinstance(t, DTensor):
-        t = t._local_tensor
-    return (str(t.device), t.untyped_storage().data_ptr())
+def _storage_key(t: torch.Tensor) -> tuple[torch.device, int]:
+    if is_dtensor(t):
+        t = t._local_tensor  # type: ignore[attr-defined]
+    return (t.device, t.untyped_storage().data_ptr())
 
 
-def _owned_storages(optimizer: Any) -> set[tuple[str, int]]:
+def _owned_storages(optimizer: Any) -> set[tuple[torch.device, int]]:
     """Storages that only ``optimizer.step()`` mutates in a training loop: its parameters and its state tensors."""
-    owned: set[tuple[str, int]] = set()
+    owned: set[tuple[torch.device, int]] = set()
     # ZeRO-1 wrappers keep the sharded master weights and moments in their base optimizer, which their own step()
     # (the hooked call) steps
     for opt in (optimizer, getattr(optimizer, "base_optimizer", None)):

@@ -26,6 +26,7 @@ import xxhash
 
 from ..errors import BaseMismatchError, StateMismatchError
 from ..words import count
+from .training import named_parameters
 
 DIGEST_ALGO = "xxh3_128"
 
@@ -55,7 +56,7 @@ def trainable(model: Any) -> dict[str, torch.Tensor]:
     ``named_parameters``, not ``state_dict``: NxD's ``LoraModel`` overrides ``state_dict`` (it returns the adapter
     only, gathered over TP by default, with its config inside) but not ``named_parameters``, whose names are the
     wrapped model's; for PEFT and plain modules both give the same names."""
-    out = {n: p for n, p in _module(model).named_parameters() if p.requires_grad}
+    out = {n: p for n, p in named_parameters(_module(model)) if p.requires_grad}
     if not out:
         raise StateMismatchError(
             "adapter_only=True but the model has no trainable parameter (requires_grad=True)"
@@ -66,7 +67,7 @@ def trainable(model: Any) -> dict[str, torch.Tensor]:
 def frozen(model: Any) -> dict[str, torch.Tensor]:
     """The frozen parameters (``requires_grad=False``): the base.  Buffers (rotary tables, ...) are derived from the
     config, which the identity records separately."""
-    return {n: p for n, p in _module(model).named_parameters() if not p.requires_grad}
+    return {n: p for n, p in named_parameters(_module(model)) if not p.requires_grad}
 
 
 def _config_of(model: torch.nn.Module) -> dict[str, Any] | None:
