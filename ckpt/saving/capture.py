@@ -18,7 +18,7 @@ from ..format.manifest import Layout
 from ..state import adapters
 from ..state import rng as rng_mod
 from ..state import tokenizer as tokenizer_mod
-from ..state.training import NamedTensor, model_tensors, one_walk, state_dict_of
+from ..state.training import NamedTensor, is_dtensor, model_tensors, one_walk, state_dict_of
 from .options import SaveOptions
 
 #: ``capture_optimizer(optimizer, model)``: the optimizer's named tensors and JSON tree (an extension point of the
@@ -117,10 +117,8 @@ def detect_backend(tensors: list[torch.Tensor]) -> str:
 
 def default_layout(named: list[NamedTensor], world: int) -> Layout:
     """Data-parallel over all ranks; for DTensor state, the device mesh it is sharded over."""
-    from torch.distributed.tensor import DTensor
-
     for n in named:
-        if isinstance(n.tensor, DTensor):
+        if is_dtensor(n.tensor):
             mesh = n.tensor.device_mesh
             return Layout(
                 world_size=world,

@@ -16,7 +16,7 @@ from ..distributed import Collective
 from ..errors import CkptError
 from ..format.dtypes import dtype_name
 from ..format.manifest import Box, TensorDesc
-from ..state.training import NamedTensor, local_box
+from ..state.training import NamedTensor, is_dtensor, local_box
 from .planning import (
     Group,
     HeldBox,
@@ -54,8 +54,6 @@ class WriterPlanner:
         self, named: list[NamedTensor], layout_hook: LayoutHook | None
     ) -> tuple[list[HeldBox], Local, list[Group | None]]:
         """This rank's pieces, their local tensors, and the replica group of each where it can be derived."""
-        from torch.distributed.tensor import DTensor
-
         pieces: list[HeldBox] = []
         local: Local = {}
         groups: list[Group | None] = []
@@ -74,7 +72,7 @@ class WriterPlanner:
             group: Group | None
             if group_of is not None:  # the layout hook knows the parallel state
                 group = group_of(nt, partition)
-            elif isinstance(nt.tensor, DTensor):
+            elif is_dtensor(nt.tensor):
                 group = dtensor_group(nt.tensor)
             elif hooked is None:
                 group = world_group(self.coll.rank, self.coll.world_size)

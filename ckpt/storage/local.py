@@ -34,6 +34,13 @@ def fsync_dir(directory: str) -> None:
         os.close(fd)
 
 
+def temp_path(final: str) -> str:
+    """The hidden temp file a write of ``final`` goes to before its rename: ``.<name>.tmp-<id>`` beside it, so an
+    interrupted write leaves a dot-file no listing of checkpoints mistakes for data."""
+    directory, name = os.path.split(final)
+    return os.path.join(directory, f".{name}.tmp-{uuid.uuid4().hex[:12]}")
+
+
 class LocalStorage(Storage):
     """Files under a local folder (which need not exist yet: :meth:`create` makes it)."""
 
@@ -62,7 +69,7 @@ class LocalStorage(Storage):
         with naming(final):  # a full disk, a read-only folder: an OSError naming this file, torch's included
             directory = os.path.dirname(final)
             os.makedirs(directory, exist_ok=True)
-            tmp = os.path.join(directory, f".{os.path.basename(final)}.tmp-{uuid.uuid4().hex[:12]}")
+            tmp = temp_path(final)
             f = open(tmp, "xb", buffering=0)  # noqa: SIM115 - closed below on every path
         try:
             with naming(final):

@@ -8,8 +8,8 @@ when gloo touches a page tmpfs cannot back.  After the receive the bytes are has
 is the one the sender hashed is the file flushed, fsynced and renamed to its name (``os.replace``, then the folder
 fsynced: :meth:`ckpt.storage.local.LocalStorage.create`'s ``exclusive=False`` guarantees, which the put it
 replaces had).  Anything else removes the temp file: no half-received or refused file ever carries the final name.
-The temp file is named as ``LocalStorage.create`` names its own (``.<name>.tmp-<id>``): a crash mid-receive leaves
-the same kind of hidden leftover as an interrupted put.
+The temp file is named as ``LocalStorage.create`` names its own (:func:`~ckpt.storage.local.temp_path`): a crash
+mid-receive leaves the same kind of hidden leftover as an interrupted put.
 """
 
 from __future__ import annotations
@@ -17,13 +17,12 @@ from __future__ import annotations
 import contextlib
 import mmap
 import os
-import uuid
 from pathlib import Path
 
 import torch
 
 from ..format.codecs import checksum
-from ..storage.local import fsync_dir
+from ..storage.local import fsync_dir, temp_path
 
 
 class Landing:
@@ -37,7 +36,7 @@ class Landing:
         self.path = path
         self.size = size
         self.problem: str | None = None
-        self.tmp = path.parent / f".{path.name}.tmp-{uuid.uuid4().hex[:12]}"
+        self.tmp = Path(temp_path(str(path)))
         self._fd: int | None = None
         self._created = False  # the temp file exists (and is this landing's to remove)
         self._map: mmap.mmap | None = None
